@@ -1,0 +1,24 @@
+"""The ``gpu-arbiter`` command: arguments -> library or client -> rendering. No decisions here."""
+
+from __future__ import annotations
+
+import typer
+
+from .demo import demo
+
+app = typer.Typer(
+    name="gpu-arbiter",
+    help="The single authority for GPU memory: leases of VRAM, granted safely.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.command()(demo)
+
+
+@app.callback()
+def _root() -> None:
+    """The single authority for GPU memory: leases of VRAM, granted safely."""
+
+
+def main() -> None:
+    app()

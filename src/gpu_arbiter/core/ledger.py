@@ -1,0 +1,189 @@
+"""Memory accounting per GPU: what is committed, what the probe saw, the load gate.
+
+Availability (I2)::
+
+    free = capacity - occupied
+    occupied = committed                                 no probe (GPUs declared by hand)
+             = max(committed, observed_used)             probe with a GPU total only
+             = sum_i max(reserved_i, used_i) + external  probe with per-lease usage
+
+``committed`` counts leases in ``loading``, ``active`` and ``revoking`` (I1, I4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .model import Gpu, GpuId, GpuProbe, Lease
+
+__all__ = ["GpuFigures", "Ledger"]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFigures:
+    """A frozen snapshot of one GPU's accounting."""
+
+    gpu: Gpu
+    committed_mb: int
+    used_mb: int | None
+    free_mb: int
+    loading: int
+    stale: bool
+    lease_ids: tuple[str, ...]
+
+
+class _Slot:
+    __slots__ = (
+        "committed_mb",
+        "gpu",
+        "loading",
+        "occupied_mb",
+        "probe",
+        "probe_seq",
+        "reserved",
+        "stale",
+    )
+
+    def __init__(self, gpu: Gpu) -> None:
+        self.gpu = gpu
+        self.committed_mb = 0
+        self.loading = 0
+        self.reserved: dict[str, int] = {}
+        self.probe: GpuProbe | None = None
+        self.probe_seq = 0
+        self.stale = False
+        self.occupied_mb = 0
+
+    def refresh(self) -> None:
+        probe = self.probe
+        if probe is None:
+            self.occupied_mb = self.committed_mb
+        elif probe.lease_used_mb is None:
+            self.occupied_mb = max(self.committed_mb, probe.used_mb)
+        else:
+            per_lease = probe.lease_used_mb
+            attributed = total = 0
+            for lease_id, reserved in self.reserved.items():
+                used = per_lease.get(lease_id, 0)
+                attributed += used
+                total += max(reserved, used)
+            self.occupied_mb = total + max(0, probe.used_mb - attributed)
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._slots: dict[GpuId, _Slot] = {}
+
+    def __contains__(self, gpu_id: object) -> bool:
+        return gpu_id in self._slots
+
+    def __iter__(self) -> Iterator[GpuId]:
+        return iter(self._slots)
+
+    def ids(self) -> list[GpuId]:
+        return list(self._slots)
+
+    def gpu(self, gpu_id: GpuId) -> Gpu:
+        return self._slots[gpu_id].gpu
+
+    def put_gpu(self, gpu: Gpu) -> None:
+        slot = self._slots.get(gpu.id)
+        if slot is None:
+            self._slots[gpu.id] = _Slot(gpu)
+        else:
+            slot.gpu = gpu
+            slot.refresh()
+
+    def drop_gpu(self, gpu_id: GpuId) -> None:
+        slot = self._slots[gpu_id]
+        if slot.reserved:
+            raise ValueError(f"GPU {gpu_id} still has leases")
+        del self._slots[gpu_id]
+
+    def commit(self, lease: Lease) -> None:
+        for gpu_id in lease.gpus:
+            slot = self._slots[gpu_id]
+            slot.reserved[lease.id] = lease.vram_mb
+            slot.committed_mb += lease.vram_mb
+            slot.loading += lease.loading
+            slot.refresh()
+
+    def uncommit(self, lease: Lease) -> None:
+        """Releases a lease's memory; a second call for the same lease does nothing."""
+        for gpu_id in lease.gpus:
+            slot = self._slots.get(gpu_id)
+            if slot is None or slot.reserved.pop(lease.id, None) is None:
+                continue
+            slot.committed_mb -= lease.vram_mb
+            slot.loading -= lease.loading
+            slot.refresh()
+
+    def finish_loading(self, lease: Lease) -> None:
+        for gpu_id in lease.gpus:
+            self._slots[gpu_id].loading -= 1
+
+    def set_probe(self, gpu_id: GpuId, probe: GpuProbe | None) -> None:
+        """A reading, or None when the probe failed: the GPU is stale until the next one."""
+        slot = self._slots[gpu_id]
+        slot.stale = probe is None
+        if probe is not None:
+            slot.probe = probe
+            slot.probe_seq += 1
+            slot.refresh()
+
+    def probe_seq(self, gpu_id: GpuId) -> int:
+        return self._slots[gpu_id].probe_seq
+
+    def has_probe(self, gpu_id: GpuId) -> bool:
+        return self._slots[gpu_id].probe is not None
+
+    def stale(self, gpu_id: GpuId) -> bool:
+        return self._slots[gpu_id].stale
+
+    def free_mb(self, gpu_id: GpuId) -> int:
+        slot = self._slots[gpu_id]
+        return slot.gpu.capacity_mb - slot.occupied_mb
+
+    def committed_mb(self, gpu_id: GpuId) -> int:
+        return self._slots[gpu_id].committed_mb
+
+    def loading(self, gpu_id: GpuId) -> int:
+        return self._slots[gpu_id].loading
+
+    def lease_ids(self, gpu_id: GpuId) -> tuple[str, ...]:
+        return tuple(self._slots[gpu_id].reserved)
+
+    def observed_mb(self, gpu_id: GpuId) -> int:
+        probe = self._slots[gpu_id].probe
+        return 0 if probe is None else probe.used_mb
+
+    def free_after(self, gpu_id: GpuId, without: set[str]) -> int:
+        """Free memory once the leases ``without`` are gone and the probe shows it."""
+        slot = self._slots[gpu_id]
+        probe = slot.probe
+        gone = [lid for lid in slot.reserved if lid in without]
+        gone_mb = sum(slot.reserved[lid] for lid in gone)
+        committed = slot.committed_mb - gone_mb
+        if probe is None:
+            occupied = committed
+        elif probe.lease_used_mb is None:
+            occupied = max(committed, probe.used_mb - gone_mb)
+        else:
+            per_lease = probe.lease_used_mb
+            occupied = slot.occupied_mb - sum(
+                max(slot.reserved[lid], per_lease.get(lid, 0)) for lid in gone
+            )
+        return slot.gpu.capacity_mb - occupied
+
+    def figures(self, gpu_id: GpuId) -> GpuFigures:
+        slot = self._slots[gpu_id]
+        return GpuFigures(
+            gpu=slot.gpu,
+            committed_mb=slot.committed_mb,
+            used_mb=None if slot.probe is None else slot.probe.used_mb,
+            free_mb=slot.gpu.capacity_mb - slot.occupied_mb,
+            loading=slot.loading,
+            stale=slot.stale,
+            lease_ids=tuple(slot.reserved),
+        )

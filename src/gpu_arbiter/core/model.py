@@ -1,0 +1,437 @@
+"""The values of the decision core: GPUs, workers, requests, leases, policy.
+
+All are frozen dataclasses; the scheduler replaces them, it never mutates them.
+A lease's life::
+
+    pending --grant--> loading --ready--> active --release--> released
+       |                  |  load_timeout -> active            |
+       |                  +--------- revoke -------------------+--> revoking --stopped--> released
+       +--> timed_out | cancelled | rejected         TTL lapsed (any held state) --> expired
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from .errors import InvalidInput
+from .units import PRIORITY_NAMES, parse_mb, parse_priority
+
+__all__ = [
+    "Constraints",
+    "Gpu",
+    "GpuId",
+    "GpuProbe",
+    "Lease",
+    "LeaseState",
+    "Policy",
+    "Request",
+    "Worker",
+    "WorkerStatus",
+    "compute_capability",
+    "validate_worker_name",
+]
+
+_WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_ARCH = re.compile(r"^(sm_\d{2,3}|gfx[0-9a-f]{3,4}|[a-z][a-z0-9_]{0,31})$")
+MAX_TEXT = 256
+MAX_METADATA_KEYS = 32
+MAX_GPUS_PER_REQUEST = 64
+
+
+def validate_worker_name(name: str, field_name: str = "worker") -> str:
+    """Case-folds and checks ``[a-z0-9][a-z0-9._-]{0,62}``."""
+    if not isinstance(name, str):
+        raise InvalidInput(field_name, "must be a string")
+    folded = name.strip().lower()
+    if not _WORKER_NAME.match(folded):
+        raise InvalidInput(
+            field_name,
+            f"{name!r} is not a worker name: 1-63 of a-z 0-9 . _ - starting with a letter or digit",
+        )
+    return folded
+
+
+def compute_capability(arch: str) -> tuple[int, int] | None:
+    """'sm_86' -> (8, 6); 'sm_100' -> (10, 0); anything else (AMD 'gfx1100') -> None."""
+    if not arch.startswith("sm_") or not arch[3:].isdigit() or len(arch) < 5:
+        return None
+    digits = arch[3:]
+    return int(digits[:-1]), int(digits[-1])
+
+
+def _parse_capability(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d{1,2})\.(\d)\s*", text)
+    if match is None:
+        raise InvalidInput(
+            "constraints.min_compute_capability", f"{text!r} is not MAJOR.MINOR such as 8.0"
+        )
+    return int(match.group(1)), int(match.group(2))
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GpuId:
+    """``worker:index``, parsed exactly on the single ``:`` (never by prefix)."""
+
+    worker: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.worker}:{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> GpuId:
+        parts = text.split(":") if isinstance(text, str) else []
+        if len(parts) != 2 or not parts[1].isdigit():
+            raise InvalidInput("gpu", f"{text!r} is not WORKER:INDEX such as box-1:0")
+        return cls(validate_worker_name(parts[0]), int(parts[1]))
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One device of a worker. ``capacity_mb = total_mb - headroom_mb`` is what leases may use."""
+
+    index: int
+    total_mb: int
+    arch: str = ""
+    worker: str = "local"
+    vendor: str = "nvidia"
+    model: str = ""
+    uuid: str = ""
+    headroom_mb: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise InvalidInput("gpu.index", "must be an integer >= 0")
+        if isinstance(self.total_mb, bool) or not isinstance(self.total_mb, int):
+            raise InvalidInput("gpu.total_mb", "must be an integer number of MiB")
+        if self.total_mb <= 0:
+            raise InvalidInput("gpu.total_mb", "must be > 0")
+        if not isinstance(self.headroom_mb, int) or not 0 <= self.headroom_mb < self.total_mb:
+            raise InvalidInput("gpu.headroom_mb", "must be >= 0 and below total_mb")
+        if self.arch and not _ARCH.match(self.arch):
+            raise InvalidInput("gpu.arch", f"{self.arch!r} is not an architecture like sm_86")
+        object.__setattr__(self, "worker", validate_worker_name(self.worker, "gpu.worker"))
+        object.__setattr__(self, "vendor", self.vendor.strip().lower())
+
+    @property
+    def id(self) -> GpuId:
+        return GpuId(self.worker, self.index)
+
+    @property
+    def capacity_mb(self) -> int:
+        return self.total_mb - self.headroom_mb
+
+
+class WorkerStatus(StrEnum):
+    ONLINE = "online"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    OFFLINE = "offline"
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    name: str
+    status: WorkerStatus = WorkerStatus.ONLINE
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", validate_worker_name(self.name, "name"))
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProbe:
+    """One probe reading of a GPU: used MiB, and per lease where the agent knows it."""
+
+    used_mb: int
+    lease_used_mb: Mapping[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Constraints:
+    """Where a request may run. Hashable: requests of one shape share work."""
+
+    vendor: str | None = None
+    min_compute_capability: tuple[int, int] | None = None
+    gpu_arch: tuple[str, ...] = ()
+    gpu_model: str | None = None
+    worker: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        vendor: str | None = None,
+        min_compute_capability: str | float | None = None,
+        gpu_arch: list[str] | tuple[str, ...] | str | None = None,
+        gpu_model: str | None = None,
+        worker: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> Constraints:
+        """Validates human input; every error names its field."""
+        cc = None
+        if min_compute_capability is not None:
+            if isinstance(min_compute_capability, bool):
+                raise InvalidInput("constraints.min_compute_capability", "must be like 8.0")
+            cc = _parse_capability(str(min_compute_capability))
+        archs: tuple[str, ...] = ()
+        if gpu_arch is not None:
+            raw = [gpu_arch] if isinstance(gpu_arch, str) else list(gpu_arch)
+            for arch in raw:
+                if not isinstance(arch, str) or not _ARCH.match(arch):
+                    raise InvalidInput("constraints.gpu_arch", f"{arch!r} is not like sm_86")
+            archs = tuple(sorted(set(raw)))
+        for name, text in (("vendor", vendor), ("gpu_model", gpu_model)):
+            if text is not None and (not isinstance(text, str) or not 0 < len(text) <= MAX_TEXT):
+                raise InvalidInput(f"constraints.{name}", f"must be text of 1..{MAX_TEXT} chars")
+        pairs: tuple[tuple[str, str], ...] = ()
+        if labels:
+            if not isinstance(labels, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+            ):
+                raise InvalidInput("constraints.labels", "must map text to text")
+            pairs = tuple(sorted(labels.items()))
+        return cls(
+            vendor=vendor.lower() if vendor else None,
+            min_compute_capability=cc,
+            gpu_arch=archs,
+            gpu_model=gpu_model,
+            worker=validate_worker_name(worker, "constraints.worker") if worker else None,
+            labels=pairs,
+        )
+
+    def describe(self) -> str:
+        parts = []
+        if self.vendor:
+            parts.append(f"vendor={self.vendor}")
+        if self.min_compute_capability:
+            parts.append("min_cc={}.{}".format(*self.min_compute_capability))
+        if self.gpu_arch:
+            parts.append("arch=" + "|".join(self.gpu_arch))
+        if self.gpu_model:
+            parts.append(f"model={self.gpu_model}")
+        if self.worker:
+            parts.append(f"worker={self.worker}")
+        parts.extend(f"{k}={v}" for k, v in self.labels)
+        return ",".join(parts) or "any GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a client asks for. Build with :meth:`build` to validate human input."""
+
+    id: str
+    vram_mb: int
+    gpus: int = 1
+    priority: int = PRIORITY_NAMES["normal"]
+    preemptible: bool = True
+    constraints: Constraints = Constraints()
+    holder: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    ttl_s: float | None = 30.0
+    max_wait_s: float | None = None
+    load_timeout_s: float = 300.0
+    idempotency_key: str | None = None
+    seq: int = 0
+    submitted_at: float = 0.0
+
+    @property
+    def base_priority(self) -> int:
+        return self.priority
+
+    @property
+    def shape(self) -> tuple[int, int, Constraints]:
+        return (self.vram_mb, self.gpus, self.constraints)
+
+    @classmethod
+    def build(
+        cls,
+        id: str,
+        *,
+        vram_mb: int | str,
+        gpus: int = 1,
+        priority: int | str = "normal",
+        preemptible: bool | None = None,
+        constraints: Constraints | None = None,
+        holder: str = "",
+        metadata: Mapping[str, Any] | None = None,
+        ttl_s: float | None = 30.0,
+        max_wait_s: float | None = None,
+        load_timeout_s: float = 300.0,
+        idempotency_key: str | None = None,
+    ) -> Request:
+        """Validates every field (errors name it). ``ttl_s=None``: no TTL, for a holder in
+        this very process whose lease ends with its block."""
+        mb = parse_mb(vram_mb, "vram_mb")
+        if mb <= 0:
+            raise InvalidInput("vram_mb", "must be > 0")
+        if (
+            isinstance(gpus, bool)
+            or not isinstance(gpus, int)
+            or not 1 <= gpus <= MAX_GPUS_PER_REQUEST
+        ):
+            raise InvalidInput("gpus", f"must be an integer 1..{MAX_GPUS_PER_REQUEST}")
+        prio = parse_priority(priority)
+        if preemptible is None:
+            preemptible = prio < PRIORITY_NAMES["interactive"]
+        elif not isinstance(preemptible, bool):
+            raise InvalidInput("preemptible", "must be true or false")
+        if not isinstance(holder, str) or len(holder) > MAX_TEXT:
+            raise InvalidInput("holder", f"must be text of at most {MAX_TEXT} chars")
+        meta = dict(metadata or {})
+        if len(meta) > MAX_METADATA_KEYS or len(repr(meta)) > 4096:
+            raise InvalidInput("metadata", "must be a small object (at most 32 keys, 4 KiB)")
+        _check_seconds("ttl_s", ttl_s, allow_none=True)
+        _check_seconds("max_wait_s", max_wait_s, allow_none=True, allow_zero=True)
+        _check_seconds("load_timeout_s", load_timeout_s, allow_none=False)
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= MAX_TEXT
+        ):
+            raise InvalidInput("idempotency_key", f"must be text of 1..{MAX_TEXT} chars")
+        return cls(
+            id=id,
+            vram_mb=mb,
+            gpus=gpus,
+            priority=prio,
+            preemptible=preemptible,
+            constraints=constraints or Constraints(),
+            holder=holder,
+            metadata=meta,
+            ttl_s=None if ttl_s is None else float(ttl_s),
+            max_wait_s=None if max_wait_s is None else float(max_wait_s),
+            load_timeout_s=float(load_timeout_s),
+            idempotency_key=idempotency_key,
+        )
+
+
+def _check_seconds(name: str, value: Any, *, allow_none: bool, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(name, "must be a number of seconds")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise InvalidInput(name, "must be a finite number of seconds > 0")
+    if value > 366 * 86400:
+        raise InvalidInput(name, "must be at most a year")
+
+
+class LeaseState(StrEnum):
+    PENDING = "pending"
+    LOADING = "loading"
+    ACTIVE = "active"
+    REVOKING = "revoking"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+    @property
+    def holds_memory(self) -> bool:
+        return self in _HELD
+
+    @property
+    def is_final(self) -> bool:
+        return self in _FINAL
+
+
+_HELD = frozenset({LeaseState.LOADING, LeaseState.ACTIVE, LeaseState.REVOKING})
+_FINAL = frozenset(
+    {
+        LeaseState.RELEASED,
+        LeaseState.EXPIRED,
+        LeaseState.TIMED_OUT,
+        LeaseState.CANCELLED,
+        LeaseState.REJECTED,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A grant of ``vram_mb`` on each of ``gpus``, fenced by a strictly increasing ``token``."""
+
+    request: Request
+    gpus: tuple[GpuId, ...]
+    token: int
+    state: LeaseState
+    granted_at: float
+    expires_at: float
+    load_deadline: float
+    idle: bool = False
+    last_used_at: float = 0.0
+    loading: bool = True
+    revoke_reason: str | None = None
+    preempted_for: str | None = None
+    ended_at: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def vram_mb(self) -> int:
+        return self.request.vram_mb
+
+    @property
+    def base_priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def worker(self) -> str:
+        return self.gpus[0].worker
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Every setting of the scheduling policy, with its default.
+
+    max_concurrent_loads  leases per GPU in state ``loading`` at once (I3); 1 avoids
+                          the concurrent-load driver crash.
+    placement             ``binpack`` (least memory left after placing: keeps large
+                          holes for large requests) or ``spread`` (most left).
+    aging_interval_s      a pending request's effective priority rises by
+    aging_step            ``aging_step`` per ``aging_interval_s`` waited ...
+    aging_cap             ... but never above ``aging_cap`` (below ``interactive``).
+                          Aging orders the queue; it never gives preemption rights.
+    preempt_exempt_s      a lease younger than this is not preempted unless idle.
+    grace_s               how long a revoked holder has to stop before it is killed.
+    """
+
+    max_concurrent_loads: int = 1
+    placement: Literal["binpack", "spread"] = "binpack"
+    aging_interval_s: float = 60.0
+    aging_step: int = 10
+    aging_cap: int = 799
+    preempt_exempt_s: float = 0.0
+    grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_concurrent_loads, int) or self.max_concurrent_loads < 1:
+            raise InvalidInput("max_concurrent_loads", "must be an integer >= 1")
+        if self.placement not in ("binpack", "spread"):
+            raise InvalidInput("placement", "must be 'binpack' or 'spread'")
+        if not self.aging_interval_s > 0:
+            raise InvalidInput("aging_interval_s", "must be > 0")
+        if not isinstance(self.aging_step, int) or self.aging_step < 0:
+            raise InvalidInput("aging_step", "must be an integer >= 0")
+        if not 0 <= self.aging_cap < PRIORITY_NAMES["interactive"]:
+            raise InvalidInput("aging_cap", "must be in 0..799 (below interactive)")
+        if self.preempt_exempt_s < 0:
+            raise InvalidInput("preempt_exempt_s", "must be >= 0")
+        if self.grace_s < 0:
+            raise InvalidInput("grace_s", "must be >= 0")
+
+    def effective_priority(self, request: Request, now: float) -> int:
+        """Base priority plus aging, capped at ``aging_cap`` (never lowered by the cap)."""
+        base = request.priority
+        if base >= self.aging_cap or self.aging_step == 0:
+            return base
+        steps = int(max(0.0, now - request.submitted_at) // self.aging_interval_s)
+        return min(self.aging_cap, base + steps * self.aging_step)

@@ -1,0 +1,97 @@
+"""Victim selection (I5): which leases to revoke so that a request fits.
+
+Eligible victims of a request with base priority ``p``:
+  - idle leases (keep-warm) that are preemptible with base priority <= p;
+  - busy leases that are preemptible with base priority < p and older than
+    ``preempt_exempt_s``.
+Aging never enters here: only base priorities count.
+
+On one GPU, idle leases are tried alone first (least recently used first): a
+warm cache is reclaimed before any busy work is interrupted. Otherwise the
+fewest victims are chosen, and among sets of that size the cheapest in
+``cost`` order (idle LRU, then lowest priority, then youngest). Every plan is
+checked against the ledger (``fits``): no revocation starts that cannot free
+enough memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .model import Lease, Policy
+
+__all__ = ["Plan", "eligible", "plan_for_gpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    victims: tuple[Lease, ...]
+
+    @property
+    def cost(self) -> tuple[int, int, tuple[int, ...], float]:
+        """Lower is cheaper: busy victims, victims, their priorities, -their total age."""
+        busy = sum(1 for v in self.victims if not v.idle)
+        priorities = tuple(sorted((v.base_priority for v in self.victims), reverse=True))
+        return (busy, len(self.victims), priorities, -sum(v.granted_at for v in self.victims))
+
+
+def eligible(lease: Lease, priority: int, policy: Policy, now: float) -> bool:
+    if not lease.request.preemptible or lease.revoke_reason is not None:
+        return False
+    if lease.idle:
+        return lease.base_priority <= priority
+    return lease.base_priority < priority and now - lease.granted_at >= policy.preempt_exempt_s
+
+
+def _cost_key(lease: Lease) -> tuple[int, float, int, float, int]:
+    if lease.idle:
+        return (0, lease.last_used_at, 0, 0.0, lease.request.seq)
+    return (1, 0.0, lease.base_priority, -lease.granted_at, lease.request.seq)
+
+
+def _choose(
+    candidates: Sequence[Lease], deficit_mb: int, fits: Callable[[set[str]], bool]
+) -> tuple[Lease, ...] | None:
+    """The fewest victims, cheapest first, that make ``fits`` true; None if none do."""
+    if deficit_mb <= 0 and fits(set()):
+        return ()
+    ordered = sorted(candidates, key=_cost_key)
+    by_size = sorted((lease.vram_mb for lease in ordered), reverse=True)
+    need = 1
+    while need <= len(by_size) and sum(by_size[:need]) < deficit_mb:
+        need += 1
+    if need > len(by_size):
+        return None
+    chosen: list[Lease] = []
+    remaining = list(ordered)
+    freed = 0
+    while len(chosen) < need:
+        slots_left = need - len(chosen) - 1
+        for lease in remaining:  # the cheapest that still lets the rest reach the deficit
+            others = sorted((x.vram_mb for x in remaining if x is not lease), reverse=True)
+            if freed + lease.vram_mb + sum(others[:slots_left]) >= deficit_mb:
+                chosen.append(lease)
+                remaining.remove(lease)
+                freed += lease.vram_mb
+                break
+    for lease in remaining:  # the ledger's exact rule may need more than the sizes say
+        if fits({v.id for v in chosen}):
+            break
+        chosen.append(lease)
+    if not fits({v.id for v in chosen}):
+        return None
+    return tuple(chosen)
+
+
+def plan_for_gpu(
+    candidates: Sequence[Lease], deficit_mb: int, fits: Callable[[set[str]], bool]
+) -> Plan | None:
+    """The cheapest victim set on one GPU; idle leases alone first."""
+    idle = [lease for lease in candidates if lease.idle]
+    if idle and len(idle) < len(candidates):
+        victims = _choose(idle, deficit_mb, fits)
+        if victims is not None:
+            return Plan(victims)
+    victims = _choose(candidates, deficit_mb, fits)
+    return None if victims is None else Plan(victims)

@@ -1,0 +1,796 @@
+"""The decision core: state in, decisions out. Pure: no asyncio, no I/O, no clock.
+
+Callers (the asyncio engine, the controller, the simulator) report events —
+``submit``, ``release``, ``ready``, ``set_probe``, ``drain`` ... — each with the
+time as an argument, then call :meth:`Scheduler.decide` with the time. It
+returns :class:`Decisions` (grants, revocations, expiries, time-outs, worker
+transitions) and has already applied them to its own state; the caller carries
+them out (wakes waiters, cancels holders, persists). :meth:`next_deadline`
+says when ``decide`` must run again if nothing else happens: no polling.
+
+One cycle of ``decide(now)``:
+  1. timers: leases whose TTL lapsed expire; loads past ``load_timeout_s`` count
+     as done; drain deadlines revoke what is left.
+  2. placement, unless paused: walk the queue in order (effective priority
+     desc, seq asc). Each request is placed on GPUs where it fits (I1, I2, I3)
+     beyond the holds of nominations ahead of it (I6); else it plans
+     preemption (I5) and holds a nomination there; else it nominates its best
+     GPU. The walk stops once no GPU has room for the smallest pending request
+     and no pending request could preempt anything.
+  3. pending requests past ``max_wait_s`` time out; empty draining workers
+     become drained.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from .errors import Conflict, InvalidInput, NotFound, Unschedulable
+from .filters import mismatch
+from .ledger import GpuFigures, Ledger
+from .model import (
+    Constraints,
+    Gpu,
+    GpuId,
+    GpuProbe,
+    Lease,
+    LeaseState,
+    Policy,
+    Request,
+    Worker,
+    WorkerStatus,
+)
+from .preemption import Plan, eligible, plan_for_gpu
+from .queue import PendingQueue
+from .reasons import GpuVerdict, PendingReason, summarize
+from .units import format_mb
+
+__all__ = ["Decisions", "Scheduler"]
+
+_HELD = (LeaseState.LOADING, LeaseState.ACTIVE, LeaseState.REVOKING)
+
+
+@dataclass(frozen=True, slots=True)
+class Decisions:
+    grants: tuple[Lease, ...] = ()
+    revocations: tuple[Lease, ...] = ()
+    expired: tuple[Lease, ...] = ()
+    timed_out: tuple[Request, ...] = ()
+    loaded: tuple[Lease, ...] = ()
+    workers: tuple[tuple[str, WorkerStatus, WorkerStatus], ...] = ()
+
+    def __bool__(self) -> bool:
+        return any(
+            (self.grants, self.revocations, self.expired, self.timed_out, self.loaded, self.workers)
+        )
+
+
+@dataclass(slots=True)
+class _Nomination:
+    """Memory being freed by preemption, held for its preemptor."""
+
+    gpus: tuple[GpuId, ...]
+    victims: set[str]
+    probe_seqs: dict[GpuId, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Cycle:
+    """Scratch state of one placement walk."""
+
+    now: float
+    holds: dict[GpuId, int] = field(default_factory=dict)
+    journal: list[tuple[str, tuple[GpuId, ...], int]] = field(default_factory=list)
+    failed_shapes: dict[tuple[int, int, Constraints], int] = field(default_factory=dict)
+    grants: list[Lease] = field(default_factory=list)
+    revocations: list[Lease] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, policy: Policy | None = None, *, next_token: int = 1, next_seq: int = 1):
+        self.policy = policy or Policy()
+        self.paused = False
+        self.next_token = next_token
+        self.next_seq = next_seq
+        self.workers: dict[str, Worker] = {}
+        self.leases: dict[str, Lease] = {}
+        self.queue = PendingQueue()
+        self._ledger = Ledger()
+        self._worker_gpus: dict[str, list[GpuId]] = {}
+        self._worker_leases: dict[str, set[str]] = {}
+        self._drain_deadlines: dict[str, float] = {}
+        self._nominations: dict[str, _Nomination] = {}
+        self._victims: Counter[int] = Counter()  # base priority -> busy preemptible leases
+        self._idle: Counter[int] = Counter()  # base priority -> idle preemptible leases
+        self._timers: list[tuple[float, int, str, str]] = []
+        self._timer_seq = 0
+        self._match_cache: dict[tuple[Constraints, int], tuple[GpuId, ...]] = {}
+        self._journal: list[tuple[str, tuple[GpuId, ...], int]] = []
+        self._journal_at: dict[str, int] = {}
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ workers and GPUs
+
+    def put_worker(self, worker: Worker, gpus: Sequence[Gpu]) -> None:
+        """Registers a worker or replaces its GPUs.
+
+        A GPU that vanished but still holds leases stays, stale, until they end."""
+        for gpu in gpus:
+            if gpu.worker != worker.name:
+                raise InvalidInput("gpus", f"GPU {gpu.id} does not belong to worker {worker.name}")
+        if len({gpu.index for gpu in gpus}) != len(gpus):
+            raise InvalidInput("gpus", "GPU indexes must be unique")
+        self.workers[worker.name] = worker
+        new_ids = [gpu.id for gpu in gpus]
+        for old in self._worker_gpus.get(worker.name, []):
+            if old not in new_ids:
+                if self._ledger.lease_ids(old):
+                    self._ledger.set_probe(old, None)
+                    new_ids.append(old)
+                else:
+                    self._ledger.drop_gpu(old)
+        for gpu in gpus:
+            self._ledger.put_gpu(gpu)
+        self._worker_gpus[worker.name] = sorted(new_ids)
+        self._worker_leases.setdefault(worker.name, set())
+        self._match_cache.clear()
+
+    def remove_worker(self, name: str) -> None:
+        """Forgets a worker and its GPUs. Its leases must have ended first."""
+        self._worker(name)
+        if self._worker_leases.get(name):
+            raise Conflict(f"worker {name} still holds {len(self._worker_leases[name])} lease(s)")
+        for gpu_id in self._worker_gpus.pop(name, []):
+            self._ledger.drop_gpu(gpu_id)
+        del self.workers[name]
+        self._worker_leases.pop(name, None)
+        self._drain_deadlines.pop(name, None)
+        self._match_cache.clear()
+
+    def set_worker_status(self, name: str, status: WorkerStatus) -> WorkerStatus:
+        """Sets a status as is (restoring state); returns the previous one."""
+        worker = self._worker(name)
+        self.workers[name] = replace(worker, status=status)
+        return worker.status
+
+    def drain(
+        self, name: str, now: float, *, force: bool = False, deadline_s: float | None = None
+    ) -> list[Lease]:
+        """No new work on ``name``; ``force`` revokes its leases now, ``deadline_s`` later."""
+        worker = self._worker(name)
+        if worker.status is WorkerStatus.OFFLINE:
+            raise Conflict(f"worker {name} is offline")
+        if worker.status is WorkerStatus.ONLINE:
+            self.workers[name] = replace(worker, status=WorkerStatus.DRAINING)
+        if force:
+            return [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
+        if deadline_s is not None:
+            self._drain_deadlines[name] = now + deadline_s
+            self._push_timer(now + deadline_s, "drain", name)
+        return []
+
+    def cancel_drain(self, name: str) -> WorkerStatus:
+        worker = self._worker(name)
+        if worker.status not in (WorkerStatus.DRAINING, WorkerStatus.DRAINED):
+            raise Conflict(f"worker {name} is {worker.status}, not draining")
+        self.workers[name] = replace(worker, status=WorkerStatus.ONLINE)
+        self._drain_deadlines.pop(name, None)
+        return worker.status
+
+    def set_offline(self, name: str, now: float) -> list[Lease]:
+        """Heartbeat lost. A draining worker has its drain finished: its leases are revoked."""
+        worker = self._worker(name)
+        revoked: list[Lease] = []
+        if worker.status is WorkerStatus.DRAINING:
+            revoked = [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
+        self.workers[name] = replace(worker, status=WorkerStatus.OFFLINE)
+        self._drain_deadlines.pop(name, None)
+        return revoked
+
+    def set_probe(self, gpu_id: GpuId, probe: GpuProbe | None) -> None:
+        if gpu_id not in self._ledger:
+            raise NotFound(f"no GPU {gpu_id}")
+        self._ledger.set_probe(gpu_id, probe)
+
+    def gpu_ids(self, worker: str | None = None) -> list[GpuId]:
+        if worker is not None:
+            return list(self._worker_gpus.get(worker, []))
+        return sorted(self._ledger.ids())
+
+    def figures(self, gpu_id: GpuId) -> GpuFigures:
+        return self._ledger.figures(gpu_id)
+
+    def worker_lease_ids(self, name: str) -> set[str]:
+        return set(self._worker_leases.get(name, ()))
+
+    # ------------------------------------------------------------------ requests and leases
+
+    def rejection_for(self, request: Request) -> PendingReason | None:
+        """Why no registered GPU could ever satisfy ``request``; None if one could (or no
+        worker is registered yet, in which case the request waits for one)."""
+        if not self.workers:
+            return None
+        per_worker: Counter[str] = Counter()
+        codes: Counter[str] = Counter()
+        for name, ids in self._worker_gpus.items():
+            labels = self.workers[name].labels
+            for gpu_id in ids:
+                code = mismatch(
+                    self._ledger.gpu(gpu_id), labels, request.constraints, request.vram_mb
+                )
+                codes[code or "fits"] += 1
+                per_worker[name] += code is None
+        if any(count >= request.gpus for count in per_worker.values()):
+            return None
+        if codes["fits"]:
+            code, message = "too_few_gpus", f"no worker has {request.gpus} matching GPUs"
+        elif codes["too_small"]:
+            largest = max(self._ledger.gpu(g).capacity_mb for g in self._ledger.ids())
+            code = "too_large"
+            message = (
+                f"{format_mb(request.vram_mb)} per GPU is more than any matching GPU "
+                f"holds (largest capacity {format_mb(largest)})"
+            )
+        else:
+            code = "no_matching_gpu"
+            message = f"no GPU matches {request.constraints.describe()}"
+        detail = ", ".join(f"{n} {c}" for c, n in sorted(codes.items()) if c != "fits")
+        return PendingReason(code, f"{message} ({detail})" if detail else message)
+
+    def submit(self, request: Request, now: float) -> Request:
+        """Queues ``request`` (its ``seq`` and ``submitted_at`` are set here, unless restored).
+
+        Raises :class:`Unschedulable` when no registered GPU could ever satisfy it."""
+        if request.id in self.queue or request.id in self.leases:
+            raise Conflict(f"request {request.id!r} already exists")
+        rejection = self.rejection_for(request)
+        if rejection is not None:
+            self.counters["rejected"] += 1
+            raise Unschedulable(rejection)
+        if request.seq == 0:
+            request = replace(request, seq=self.next_seq, submitted_at=now)
+        self.next_seq = max(self.next_seq, request.seq + 1)
+        self.queue.add(request)
+        if request.max_wait_s is not None:
+            self._push_timer(request.submitted_at + request.max_wait_s, "wait", request.id)
+        self.counters["submitted"] += 1
+        return request
+
+    def cancel(self, request_id: str) -> Request:
+        request = self.queue.remove(request_id)
+        self._nominations.pop(request_id, None)
+        self.counters["cancelled"] += 1
+        return request
+
+    def lease(self, lease_id: str) -> Lease:
+        try:
+            return self.leases[lease_id]
+        except KeyError:
+            raise NotFound(f"no held lease {lease_id!r}") from None
+
+    def release(self, lease_id: str, now: float, state: LeaseState = LeaseState.RELEASED) -> Lease:
+        """The holder released or stopped (or, with ``state=EXPIRED``, its TTL lapsed):
+        the memory is freed, exactly once."""
+        lease = self.lease(lease_id)
+        self._forget_lease(lease)
+        self._ledger.uncommit(lease)
+        del self.leases[lease_id]
+        self._worker_leases[lease.worker].discard(lease_id)
+        for nomination in self._nominations.values():
+            if lease_id in nomination.victims:
+                nomination.victims.discard(lease_id)
+                for gpu_id in nomination.gpus:
+                    if gpu_id in self._ledger and self._ledger.has_probe(gpu_id):
+                        nomination.probe_seqs[gpu_id] = self._ledger.probe_seq(gpu_id)
+        self.counters[str(state)] += 1
+        return replace(lease, state=state, ended_at=now, loading=False)
+
+    def ready(self, lease_id: str, now: float) -> Lease:
+        """The load finished: the GPU's load gate opens."""
+        lease = self.lease(lease_id)
+        if not lease.loading:
+            return lease
+        self._ledger.finish_loading(lease)
+        state = LeaseState.ACTIVE if lease.state is LeaseState.LOADING else lease.state
+        return self._put(lease, replace(lease, loading=False, state=state, last_used_at=now))
+
+    def renew(self, lease_id: str, now: float, ttl_s: float | None = None) -> Lease:
+        lease = self.lease(lease_id)
+        ttl = lease.request.ttl_s if ttl_s is None else ttl_s
+        if ttl is None:
+            return lease
+        renewed = self._put(lease, replace(lease, expires_at=now + ttl))
+        self._push_timer(renewed.expires_at, "ttl", lease_id)
+        return renewed
+
+    def set_idle(self, lease_id: str, idle: bool, now: float) -> Lease:
+        lease = self.lease(lease_id)
+        if lease.idle == idle:
+            return lease
+        return self._put(lease, replace(lease, idle=idle, last_used_at=now))
+
+    def revoke(
+        self, lease_id: str, reason: str, now: float, *, for_request: str | None = None
+    ) -> Lease:
+        """Starts taking a lease back. Its memory stays committed until it ends (I4)."""
+        lease = self.lease(lease_id)
+        if lease.state is LeaseState.REVOKING:
+            return lease
+        self.counters[f"revoked:{reason}"] += 1
+        return self._put(
+            lease,
+            replace(
+                lease, state=LeaseState.REVOKING, revoke_reason=reason, preempted_for=for_request
+            ),
+        )
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def restore_lease(self, lease: Lease) -> None:
+        """Puts back a lease loaded from storage (the controller's restart)."""
+        if lease.id in self.leases or not lease.state.holds_memory:
+            raise Conflict(f"cannot restore lease {lease.id!r} in state {lease.state}")
+        self._add_lease(lease)
+        self.next_token = max(self.next_token, lease.token + 1)
+        self.next_seq = max(self.next_seq, lease.request.seq + 1)
+
+    # ------------------------------------------------------------------ the cycle
+
+    def decide(self, now: float) -> Decisions:
+        expired, loaded, revocations, waits = self._run_timers(now)
+        cycle = _Cycle(now)
+        if not self.paused:
+            self._place(cycle)
+        self._journal = cycle.journal
+        self._journal_at = {rid: i for i, (rid, _, _) in enumerate(cycle.journal)}
+        timed_out = [self._end_wait(rid) for rid in waits if rid in self.queue]
+        workers = self._finish_drains()
+        return Decisions(
+            grants=tuple(cycle.grants),
+            revocations=tuple(revocations + cycle.revocations),
+            expired=tuple(expired),
+            timed_out=tuple(timed_out),
+            loaded=tuple(loaded),
+            workers=tuple(workers),
+        )
+
+    def next_deadline(self) -> float | None:
+        """When ``decide`` must run next if no event comes first (None: never)."""
+        while self._timers and not self._timer_live(self._timers[0]):
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    def _run_timers(self, now: float) -> tuple[list[Lease], list[Lease], list[Lease], list[str]]:
+        """Fires due timers; pending requests past their wait are returned, to be timed out
+        after placement (a request granted in the very cycle its wait ends is granted)."""
+        expired: list[Lease] = []
+        loaded: list[Lease] = []
+        revoked: list[Lease] = []
+        waits: list[str] = []
+        while self._timers and self._timers[0][0] <= now:
+            entry = heapq.heappop(self._timers)
+            if not self._timer_live(entry):
+                continue
+            _, _, kind, key = entry
+            if kind == "ttl":
+                expired.append(self.release(key, now, LeaseState.EXPIRED))
+            elif kind == "load":
+                loaded.append(self.ready(key, now))
+            elif kind == "drain":
+                del self._drain_deadlines[key]
+                revoked += [
+                    self.revoke(lid, "drain_deadline", now)
+                    for lid in sorted(self._worker_leases.get(key, ()))
+                ]
+            elif kind == "wait":
+                waits.append(key)
+        return expired, loaded, revoked, waits
+
+    def _timer_live(self, entry: tuple[float, int, str, str]) -> bool:
+        at, _, kind, key = entry
+        if kind == "ttl":
+            lease = self.leases.get(key)
+            return lease is not None and lease.expires_at == at
+        if kind == "load":
+            lease = self.leases.get(key)
+            return lease is not None and lease.loading and lease.load_deadline == at
+        if kind == "wait":
+            return key in self.queue
+        if kind == "drain":
+            return self._drain_deadlines.get(key) == at
+        return True  # "retry": re-run the cycle once
+
+    def _push_timer(self, at: float, kind: str, key: str) -> None:
+        if not math.isfinite(at):
+            return
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (at, self._timer_seq, kind, key))
+
+    def _end_wait(self, request_id: str) -> Request:
+        self._nominations.pop(request_id, None)
+        self.counters["timed_out"] += 1
+        return self.queue.remove(request_id)
+
+    def _finish_drains(self) -> list[tuple[str, WorkerStatus, WorkerStatus]]:
+        changes = []
+        for name, worker in self.workers.items():
+            if worker.status is WorkerStatus.DRAINING and not self._worker_leases.get(name):
+                self.workers[name] = replace(worker, status=WorkerStatus.DRAINED)
+                self._drain_deadlines.pop(name, None)
+                changes.append((name, WorkerStatus.DRAINING, WorkerStatus.DRAINED))
+        return changes
+
+    # ------------------------------------------------------------------ placement
+
+    def _place(self, cycle: _Cycle) -> None:
+        smallest = self.queue.smallest_vram_mb()
+        if smallest is None:
+            return
+        rooms = self._room_heap(cycle)
+        highest = max(self.queue.priorities())
+        granted: list[str] = []
+        for request in self.queue.ordered(self.policy, cycle.now):
+            room_left = self._max_room(rooms, cycle) >= smallest
+            if not room_left and not self._could_preempt(highest):
+                break
+            shape = request.shape
+            if cycle.failed_shapes.get(shape, -1) >= request.priority:
+                if room_left:  # it cannot fit either, but it still holds its best GPU (I6)
+                    self._push_rooms(
+                        rooms, cycle, self._hold(cycle, request, self._nominate(request, cycle))
+                    )
+                continue
+            if not room_left and not self._could_preempt(request.priority):
+                continue  # can neither fit nor preempt, and nobody behind can fit: no hold needed
+            gpus = self._fit(request, cycle)
+            if gpus is not None:
+                cycle.grants.append(self._grant(request, gpus, cycle.now))
+                granted.append(request.id)
+                self._push_rooms(rooms, cycle, gpus)
+                continue
+            held, preempting = self._preempt_or_nominate(request, cycle)
+            if not preempting:
+                cycle.failed_shapes[shape] = max(
+                    cycle.failed_shapes.get(shape, -1), request.priority
+                )
+            self._push_rooms(rooms, cycle, held)
+        for request_id in granted:
+            self.queue.remove(request_id)
+            self._nominations.pop(request_id, None)
+
+    def _push_rooms(
+        self, heap: list[tuple[int, GpuId]], cycle: _Cycle, gpus: Iterable[GpuId]
+    ) -> None:
+        for gpu_id in gpus:
+            heapq.heappush(heap, (-self._room(gpu_id, cycle), gpu_id))
+
+    def _room_heap(self, cycle: _Cycle) -> list[tuple[int, GpuId]]:
+        heap = [(-self._room(g, cycle), g) for g in self._ledger.ids() if self._usable(g)]
+        heapq.heapify(heap)
+        return heap
+
+    def _max_room(self, heap: list[tuple[int, GpuId]], cycle: _Cycle) -> int:
+        while heap:
+            room, gpu_id = heap[0]
+            if (
+                gpu_id in self._ledger
+                and self._usable(gpu_id)
+                and -room == self._room(gpu_id, cycle)
+            ):
+                return -room
+            heapq.heappop(heap)
+        return -(1 << 62)
+
+    def _could_preempt(self, highest_pending: int) -> bool:
+        if self._victims and min(self._victims) < highest_pending:
+            return True
+        return bool(self._idle) and min(self._idle) <= highest_pending
+
+    def _usable(self, gpu_id: GpuId) -> bool:
+        """A GPU that may take new grants: worker online (I7), probe fresh (I2)."""
+        return self.workers[gpu_id.worker].status is WorkerStatus.ONLINE and not self._ledger.stale(
+            gpu_id
+        )
+
+    def _room(self, gpu_id: GpuId, cycle: _Cycle) -> int:
+        return self._ledger.free_mb(gpu_id) - cycle.holds.get(gpu_id, 0)
+
+    def _matching(self, request: Request) -> tuple[GpuId, ...]:
+        """GPUs that match the constraints and are big enough, on workers that could hold all
+        ``gpus`` of the request (cached until workers change)."""
+        key = (request.constraints, request.vram_mb)
+        cached = self._match_cache.get(key)
+        if cached is None:
+            cached = tuple(
+                gpu_id
+                for name, ids in self._worker_gpus.items()
+                for gpu_id in ids
+                if mismatch(
+                    self._ledger.gpu(gpu_id),
+                    self.workers[name].labels,
+                    request.constraints,
+                    request.vram_mb,
+                )
+                is None
+            )
+            self._match_cache[key] = cached
+        return cached
+
+    def _by_worker(self, gpu_ids: Iterable[GpuId]) -> dict[str, list[GpuId]]:
+        grouped: dict[str, list[GpuId]] = {}
+        for gpu_id in gpu_ids:
+            grouped.setdefault(gpu_id.worker, []).append(gpu_id)
+        return grouped
+
+    def _fit(self, request: Request, cycle: _Cycle) -> tuple[GpuId, ...] | None:
+        """The best GPUs where the request fits now, or None."""
+        limit = self.policy.max_concurrent_loads
+        fitting = [
+            g
+            for g in self._matching(request)
+            if self._usable(g)
+            and self._room(g, cycle) >= request.vram_mb
+            and self._ledger.loading(g) < limit
+        ]
+        nomination = self._nominations.get(request.id)
+        if nomination is not None and all(g in fitting for g in nomination.gpus):
+            return nomination.gpus
+        return self._best(request, fitting, cycle, spread=self.policy.placement == "spread")
+
+    def _best(
+        self, request: Request, gpu_ids: Iterable[GpuId], cycle: _Cycle, *, spread: bool
+    ) -> tuple[GpuId, ...] | None:
+        """Ranks workers' best ``gpus`` GPUs: binpack (least room left) or spread (most)."""
+        best: tuple[tuple[int, str], tuple[GpuId, ...]] | None = None
+        sign = -1 if spread else 1
+        for worker, ids in self._by_worker(gpu_ids).items():
+            if len(ids) < request.gpus:
+                continue
+            ranked = sorted(ids, key=lambda g: (sign * self._room(g, cycle), g))[: request.gpus]
+            score = (sign * sum(self._room(g, cycle) for g in ranked), worker)
+            if best is None or score < best[0]:
+                best = (score, tuple(sorted(ranked)))
+        return None if best is None else best[1]
+
+    def _grant(self, request: Request, gpus: tuple[GpuId, ...], now: float) -> Lease:
+        lease = Lease(
+            request=request,
+            gpus=gpus,
+            token=self.next_token,
+            state=LeaseState.LOADING,
+            granted_at=now,
+            expires_at=math.inf if request.ttl_s is None else now + request.ttl_s,
+            load_deadline=now + request.load_timeout_s,
+            last_used_at=now,
+        )
+        self.next_token += 1
+        self._add_lease(lease)
+        self.counters["granted"] += 1
+        return lease
+
+    def _add_lease(self, lease: Lease) -> None:
+        self.leases[lease.id] = lease
+        self._ledger.commit(lease)
+        self._worker_leases.setdefault(lease.worker, set()).add(lease.id)
+        self._count_victim(lease, 1)
+        self._push_timer(lease.expires_at, "ttl", lease.id)
+        if lease.loading:
+            self._push_timer(lease.load_deadline, "load", lease.id)
+
+    # ------------------------------------------------------------------ preemption and nomination
+
+    def _preempt_or_nominate(
+        self, request: Request, cycle: _Cycle
+    ) -> tuple[tuple[GpuId, ...], bool]:
+        """Holds memory for a request that does not fit: the GPUs held (maybe none), and
+        whether preemption is under way for it."""
+        nomination = self._nominations.get(request.id)
+        if nomination is not None and self._still_preempting(nomination):
+            return self._hold(cycle, request, nomination.gpus), True
+        self._nominations.pop(request.id, None)
+        plan = self._plan(request, cycle) if self._could_preempt(request.priority) else None
+        if plan is not None and not plan[1]:  # memory already on its way back: wait for it
+            return self._hold(cycle, request, plan[0]), True
+        if plan is not None:
+            gpus, victims = plan
+            for victim in victims:
+                cycle.revocations.append(
+                    self.revoke(victim.id, "preempted", cycle.now, for_request=request.id)
+                )
+            self.counters["preemptions"] += 1
+            self._nominations[request.id] = _Nomination(gpus, {v.id for v in victims})
+            return self._hold(cycle, request, gpus), True
+        return self._hold(cycle, request, self._nominate(request, cycle)), False
+
+    def _still_preempting(self, nomination: _Nomination) -> bool:
+        if nomination.victims:
+            return True
+        return any(  # victims gone, but the probe has not shown it yet
+            g in self._ledger and self._ledger.probe_seq(g) == seq
+            for g, seq in nomination.probe_seqs.items()
+        )
+
+    def _nominate(self, request: Request, cycle: _Cycle) -> tuple[GpuId, ...]:
+        """The GPUs where the request is closest to fitting (most room); () if none usable."""
+        usable = [g for g in self._matching(request) if self._usable(g)]
+        return self._best(request, usable, cycle, spread=True) or ()
+
+    def _hold(self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...]) -> tuple[GpuId, ...]:
+        for gpu_id in gpus:
+            cycle.holds[gpu_id] = cycle.holds.get(gpu_id, 0) + request.vram_mb
+        cycle.journal.append((request.id, gpus, request.vram_mb))
+        return gpus
+
+    def _plan(
+        self, request: Request, cycle: _Cycle
+    ) -> tuple[tuple[GpuId, ...], tuple[Lease, ...]] | None:
+        """The cheapest victims on one worker that make room for the request (I5); no victims
+        when memory already being revoked will make room."""
+        best: tuple[tuple[object, ...], tuple[GpuId, ...], tuple[Lease, ...]] | None = None
+        usable = [g for g in self._matching(request) if self._usable(g)]
+        for worker, ids in self._by_worker(usable).items():
+            if len(ids) < request.gpus:
+                continue
+            plans: list[tuple[tuple[object, ...], GpuId, Plan]] = []
+            for gpu_id in ids:
+                plan = self._plan_gpu(request, gpu_id, cycle)
+                if plan is not None:
+                    plans.append((plan.cost, gpu_id, plan))
+            if len(plans) < request.gpus:
+                continue
+            plans.sort(key=lambda item: (item[0], item[1]))
+            chosen = plans[: request.gpus]
+            victims = {v.id: v for _, _, plan in chosen for v in plan.victims}
+            combined = Plan(tuple(sorted(victims.values(), key=lambda v: v.id)))
+            key = (combined.cost, worker)
+            if best is None or key < best[0]:
+                best = (key, tuple(sorted(g for _, g, _ in chosen)), combined.victims)
+        return None if best is None else (best[1], best[2])
+
+    def _plan_gpu(self, request: Request, gpu_id: GpuId, cycle: _Cycle) -> Plan | None:
+        held = cycle.holds.get(gpu_id, 0)
+        revoking = {
+            lid
+            for lid in self._ledger.lease_ids(gpu_id)
+            if self.leases[lid].state is LeaseState.REVOKING
+        }
+        candidates = []
+        for lid in self._ledger.lease_ids(gpu_id):
+            lease = self.leases[lid]
+            if eligible(lease, request.priority, self.policy, cycle.now):
+                candidates.append(lease)
+            elif eligible(
+                lease, request.priority, self.policy, cycle.now + self.policy.preempt_exempt_s
+            ):
+                self._push_timer(lease.granted_at + self.policy.preempt_exempt_s, "retry", lid)
+
+        def fits(victims: set[str]) -> bool:
+            return self._ledger.free_after(gpu_id, victims | revoking) - held >= request.vram_mb
+
+        if fits(set()):  # memory already on its way back: wait for it, revoke nothing
+            return Plan(())
+        if not candidates:
+            return None
+        deficit = request.vram_mb - (self._ledger.free_after(gpu_id, revoking) - held)
+        return plan_for_gpu(candidates, deficit, fits)
+
+    # ------------------------------------------------------------------ introspection
+
+    def explain(self, request_id: str, now: float) -> PendingReason:
+        """Why a pending request is still pending, against the last cycle's nominations."""
+        request = self.queue.get(request_id)
+        if self.paused:
+            return PendingReason("paused", "the arbiter is paused; nothing is granted until resume")
+        if not self.workers:
+            return PendingReason("no_workers", "no worker is registered yet; waiting for one")
+        nomination = self._nominations.get(request_id)
+        if nomination is not None and self._still_preempting(nomination):
+            where = ", ".join(map(str, nomination.gpus))
+            return PendingReason(
+                "preempting",
+                f"waiting for {len(nomination.victims)} preempted lease(s) on {where} to stop "
+                "and the memory to show free",
+                nominated=nomination.gpus,
+            )
+        index = self._journal_at.get(request_id, len(self._journal))
+        holds: dict[GpuId, int] = {}
+        holders: dict[GpuId, str] = {}
+        for rid, gpus, mb in self._journal[:index]:
+            for gpu_id in gpus:
+                holds[gpu_id] = holds.get(gpu_id, 0) + mb
+                holders.setdefault(gpu_id, rid)
+        own = self._journal[index][1] if index < len(self._journal) else ()
+        verdicts = tuple(self._verdict(request, g, holds) for g in sorted(self._ledger.ids()))
+        return self._reason(request, verdicts, holders, own)
+
+    def _verdict(self, request: Request, gpu_id: GpuId, holds: dict[GpuId, int]) -> GpuVerdict:
+        gpu = self._ledger.gpu(gpu_id)
+        worker = self.workers[gpu_id.worker]
+        free = self._ledger.free_mb(gpu_id)
+        common = {
+            "need_mb": request.vram_mb,
+            "free_mb": free,
+            "committed_mb": self._ledger.committed_mb(gpu_id),
+            "observed_mb": self._ledger.observed_mb(gpu_id),
+            "held_mb": holds.get(gpu_id, 0),
+        }
+        code = mismatch(gpu, worker.labels, request.constraints, request.vram_mb)
+        if code is None and gpu_id not in self._matching(request):
+            code = "too_few_gpus_on_worker"
+        if code is None and worker.status is not WorkerStatus.ONLINE:
+            code = f"worker_{worker.status}"
+        if code is None and self._ledger.stale(gpu_id):
+            code = "probe_stale"
+        if code is None:
+            if free < request.vram_mb:
+                code = "insufficient_vram"
+            elif free - holds.get(gpu_id, 0) < request.vram_mb:
+                code = "nominated_for"
+            elif self._ledger.loading(gpu_id) >= self.policy.max_concurrent_loads:
+                code = "load_in_progress"
+            else:
+                code = "fits"
+        return GpuVerdict(gpu_id, code, **common)
+
+    def _reason(
+        self,
+        request: Request,
+        verdicts: tuple[GpuVerdict, ...],
+        holders: dict[GpuId, str],
+        own: tuple[GpuId, ...],
+    ) -> PendingReason:
+        codes = {v.code for v in verdicts}
+        summary = summarize(verdicts, request.vram_mb)
+        if "fits" in codes:
+            return PendingReason(
+                "queued", "a GPU fits; waiting for the next scheduling cycle", verdicts, own
+            )
+        for code in ("nominated_for", "load_in_progress", "insufficient_vram"):
+            if code in codes:
+                blocked = next((holders.get(v.gpu) for v in verdicts if v.code == code), None)
+                if code == "nominated_for" and blocked:
+                    summary += f"; held for request {blocked}"
+                return PendingReason(
+                    code, summary, verdicts, own, blocked if code == "nominated_for" else None
+                )
+        if codes & {"worker_draining", "worker_drained", "worker_offline", "probe_stale"}:
+            return PendingReason("workers_draining", summary, verdicts, own)
+        return PendingReason("no_matching_gpu", summary, verdicts, own)
+
+    def pending(self, now: float) -> Iterator[tuple[int, Request, int]]:
+        """(position from 1, request, effective priority) in queue order; changes nothing."""
+        for position, request in enumerate(self.queue.ordered(self.policy, now), start=1):
+            yield position, request, self.policy.effective_priority(request, now)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _put(self, old: Lease, new: Lease) -> Lease:
+        self._count_victim(old, -1)
+        self.leases[new.id] = new
+        self._count_victim(new, 1)
+        return new
+
+    def _forget_lease(self, lease: Lease) -> None:
+        self._count_victim(lease, -1)
+
+    def _count_victim(self, lease: Lease, delta: int) -> None:
+        if not lease.request.preemptible or lease.state is LeaseState.REVOKING:
+            return
+        counter = self._idle if lease.idle else self._victims
+        counter[lease.base_priority] += delta
+        if counter[lease.base_priority] <= 0:
+            del counter[lease.base_priority]
+
+    def _worker(self, name: str) -> Worker:
+        try:
+            return self.workers[name]
+        except KeyError:
+            raise NotFound(f"no worker {name!r}") from None

@@ -1,0 +1,102 @@
+"""Memory sizes and priorities as people write them, parsed in one place.
+
+All memory inside gpu-arbiter is an integer number of MiB.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import InvalidInput
+
+__all__ = ["PRIORITY_NAMES", "format_mb", "parse_mb", "parse_priority", "priority_name"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_FACTOR_MB = {
+    "": 1,
+    "m": 1,
+    "mb": 1,
+    "mib": 1,
+    "g": 1024,
+    "gb": 1024,
+    "gib": 1024,
+    "t": 1024 * 1024,
+    "tb": 1024 * 1024,
+    "tib": 1024 * 1024,
+}
+MAX_MB = 1 << 40
+
+PRIORITY_NAMES: dict[str, int] = {
+    "batch": 100,
+    "background": 300,
+    "normal": 500,
+    "interactive": 800,
+    "critical": 1000,
+}
+
+
+def parse_mb(value: str | int, field: str = "vram_mb") -> int:
+    """``8G``, ``8GiB``, ``512M``, ``512MiB``, ``24000`` (MiB) -> MiB.
+
+    Units are binary (a GPU's ``8G`` is 8 GiB, as nvidia-smi counts). A fraction
+    is allowed when it lands on a whole MiB (``1.5G``). Anything else raises
+    :class:`InvalidInput` naming ``field``.
+    """
+    if isinstance(value, bool):
+        raise InvalidInput(field, "must be a size such as 8G, 512M or 24000 (MiB), not a boolean")
+    if isinstance(value, int):
+        mb = value
+    else:
+        if not isinstance(value, str):
+            raise InvalidInput(field, f"must be a size such as 8G, not {type(value).__name__}")
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _FACTOR_MB:
+            raise InvalidInput(
+                field, f"{value!r} is not a size; write 8G, 8GiB, 512M, 512MiB or 24000 (MiB)"
+            )
+        exact = float(match.group(1)) * _FACTOR_MB[unit]
+        if exact != int(exact):
+            raise InvalidInput(field, f"{value!r} is not a whole number of MiB")
+        mb = int(exact)
+    if mb < 0:
+        raise InvalidInput(field, "must not be negative")
+    if mb > MAX_MB:
+        raise InvalidInput(field, f"{mb} MiB is larger than any GPU")
+    return mb
+
+
+def format_mb(mb: int) -> str:
+    """24576 -> '24.0 GiB'; 512 -> '512 MiB'."""
+    if abs(mb) >= 1024:
+        return f"{mb / 1024:.1f} GiB"
+    return f"{mb} MiB"
+
+
+def parse_priority(value: str | int, field: str = "priority") -> int:
+    """An integer 0..1000 (higher is more important) or one of the names."""
+    if isinstance(value, bool):
+        raise InvalidInput(field, "must be an integer 0..1000 or a name, not a boolean")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in PRIORITY_NAMES:
+            return PRIORITY_NAMES[text]
+        if not text.lstrip("-").isdigit():
+            names = ", ".join(PRIORITY_NAMES)
+            raise InvalidInput(field, f"{value!r} is not an integer 0..1000 nor one of {names}")
+        value = int(text)
+    if not isinstance(value, int):
+        raise InvalidInput(
+            field, f"must be an integer 0..1000 or a name, not {type(value).__name__}"
+        )
+    if not 0 <= value <= 1000:
+        raise InvalidInput(field, f"{value} is outside 0..1000")
+    return value
+
+
+def priority_name(priority: int) -> str:
+    """The name of a named priority, else the number: 800 -> 'interactive', 650 -> '650'."""
+    for name, number in PRIORITY_NAMES.items():
+        if number == priority:
+            return name
+    return str(priority)

@@ -1,0 +1,534 @@
+"""``Arbiter``: the decision core driven by asyncio, for leases inside one process.
+
+Every event (a request, a release, ``ready()``, a probe reading) runs one
+scheduling cycle at once, in the caller's turn of the event loop: a release
+grants the next waiter before it returns. The only timer is one ``call_at``
+for the core's next deadline (a TTL, a ``max_wait_s``); with nothing due,
+nothing runs.
+
+A lease held in ``async with arbiter.lease(...)`` belongs to the task that
+entered the block. Revoking it cancels that task; the memory is released when
+the block has been left, i.e. after the task's own cleanup ran (I4). The
+block then raises :class:`LeasePreempted` (a cancellation from elsewhere still
+propagates as a cancellation), the way ``asyncio.timeout()`` turns its own
+cancellation into ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Any
+
+from .core import (
+    ArbiterStopped,
+    Constraints,
+    Decisions,
+    Gpu,
+    GpuFigures,
+    GpuId,
+    GpuProbe,
+    Lease,
+    LeasePreempted,
+    LeaseRevoked,
+    LeaseState,
+    NotFound,
+    PendingReason,
+    Policy,
+    Request,
+    Scheduler,
+    WaitTimeout,
+    Worker,
+)
+
+__all__ = ["Arbiter", "ArbiterEvent", "ArbiterStats", "LeaseHandle", "PendingInfo"]
+
+log = logging.getLogger("gpu_arbiter.engine")
+
+Probe = Callable[[], Awaitable[Mapping[GpuId, GpuProbe | None]]]
+Hook = Callable[["ArbiterEvent"], object]
+
+
+@dataclass(frozen=True, slots=True)
+class ArbiterEvent:
+    """What happened: ``granted``, ``revoked``, ``released``, ``expired``, ``timed_out``,
+    ``cancelled``, ``loaded`` (load timed out and counts as done), ``paused``, ``resumed``."""
+
+    kind: str
+    at: float
+    lease_id: str | None = None
+    detail: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PendingInfo:
+    position: int
+    request: Request
+    effective_priority: int
+    waited_s: float
+    reason: PendingReason
+
+
+@dataclass(frozen=True, slots=True)
+class ArbiterStats:
+    """A frozen snapshot; taking it changes nothing."""
+
+    paused: bool
+    pending: int
+    pending_by_priority: Mapping[int, int]
+    leases_by_state: Mapping[str, int]
+    gpus: tuple[GpuFigures, ...]
+    counters: Mapping[str, int]
+
+
+class LeaseHandle:
+    """A granted lease, as its holder sees it."""
+
+    def __init__(self, arbiter: Arbiter, lease: Lease, task: asyncio.Task[Any] | None) -> None:
+        self._arbiter = arbiter
+        self._lease = lease
+        self._task = task
+        self._revoked = asyncio.Event()
+        self._cancelled_by_arbiter = False
+        self.revoke_reason: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self._lease.id
+
+    @property
+    def gpus(self) -> tuple[GpuId, ...]:
+        return self._lease.gpus
+
+    @property
+    def gpu_indexes(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self._lease.gpus)
+
+    @property
+    def token(self) -> int:
+        return self._lease.token
+
+    @property
+    def vram_mb(self) -> int:
+        return self._lease.vram_mb
+
+    @property
+    def state(self) -> LeaseState:
+        return self._arbiter._current(self._lease).state
+
+    @property
+    def revoked(self) -> bool:
+        return self._revoked.is_set()
+
+    async def wait_revoked(self) -> str:
+        """Returns the reason once the arbiter revokes this lease."""
+        await self._revoked.wait()
+        return self.revoke_reason or "revoked"
+
+    async def ready(self) -> None:
+        """The load finished: the GPU's load gate opens for the next load."""
+        self._arbiter._call(self.id, "ready")
+
+    async def idle(self) -> None:
+        """Keep-warm: the memory stays, but equal or higher priority may reclaim it."""
+        self._arbiter._call(self.id, "idle")
+
+    async def busy(self) -> None:
+        self._arbiter._call(self.id, "busy")
+
+    async def renew(self, ttl_s: float | None = None) -> None:
+        self._arbiter._call(self.id, "renew", ttl_s)
+
+    async def release(self) -> None:
+        await self._arbiter.release(self.id)
+
+    def _notify_revoked(self, reason: str) -> None:
+        self.revoke_reason = reason
+        self._revoked.set()
+        if self._task is not None and not self._task.done() and not self._cancelled_by_arbiter:
+            self._cancelled_by_arbiter = True
+            self._task.cancel(f"gpu-arbiter revoked lease {self.id}: {reason}")
+
+    def __repr__(self) -> str:
+        gpus = ",".join(map(str, self.gpus))
+        return f"<LeaseHandle {self.id} {self.vram_mb} MiB on {gpus} token={self.token}>"
+
+
+class Arbiter:
+    """An in-process arbiter over ``gpus``: ``async with Arbiter(gpus=[...]) as arbiter``."""
+
+    def __init__(
+        self,
+        gpus: Sequence[Gpu] = (),
+        *,
+        policy: Policy | None = None,
+        probe: Probe | None = None,
+        probe_interval_s: float = 2.0,
+        hooks: Sequence[Hook] = (),
+    ) -> None:
+        self.policy = policy or Policy()
+        self._scheduler = Scheduler(self.policy)
+        by_worker: dict[str, list[Gpu]] = {}
+        for gpu in gpus:
+            by_worker.setdefault(gpu.worker, []).append(gpu)
+        for name, worker_gpus in by_worker.items():
+            self._scheduler.put_worker(Worker(name), worker_gpus)
+        self._probe = probe
+        self._probe_interval_s = probe_interval_s
+        self._hooks = list(hooks)
+        self._waiters: dict[str, asyncio.Future[Lease]] = {}
+        self._handles: dict[str, LeaseHandle] = {}
+        self._ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self._running = False
+        self._stopped = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def __aenter__(self) -> Arbiter:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self._running or self._stopped:
+            raise RuntimeError("an Arbiter starts once")
+        self._running = True
+        if self._probe is not None:
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        self._cycle()
+
+    async def stop(self) -> None:
+        """Ends every waiting caller with ``ArbiterStopped`` (I8). Held leases stay with their
+        holders, who may still release them."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._running = False
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+        waiters, self._waiters = self._waiters, {}
+        for request_id, future in waiters.items():
+            if request_id in self._scheduler.queue:
+                self._scheduler.cancel(request_id)
+            if not future.done():
+                future.set_exception(ArbiterStopped("the arbiter stopped"))
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(
+        self,
+        vram_mb: int | str,
+        *,
+        gpus: int = 1,
+        priority: int | str = "normal",
+        preemptible: bool | None = None,
+        holder: str = "",
+        metadata: Mapping[str, Any] | None = None,
+        max_wait_s: float | None = None,
+        load_timeout_s: float = 300.0,
+        **constraints: Any,
+    ) -> _LeaseBlock:
+        """``async with arbiter.lease(6000, priority="interactive") as lease:`` — waits for a
+        grant, holds it for the block, releases it on the way out. Constraints as keywords:
+        ``vendor``, ``min_compute_capability``, ``gpu_arch``, ``gpu_model``, ``worker``,
+        ``labels``. The lease has no TTL: it lives exactly as long as the block."""
+        request = self._request(
+            vram_mb,
+            gpus=gpus,
+            priority=priority,
+            preemptible=preemptible,
+            holder=holder,
+            metadata=metadata,
+            max_wait_s=max_wait_s,
+            load_timeout_s=load_timeout_s,
+            ttl_s=None,
+            constraints=constraints,
+        )
+        return _LeaseBlock(self, request)
+
+    async def acquire(
+        self,
+        vram_mb: int | str,
+        *,
+        gpus: int = 1,
+        priority: int | str = "normal",
+        preemptible: bool | None = None,
+        holder: str = "",
+        metadata: Mapping[str, Any] | None = None,
+        ttl_s: float = 30.0,
+        max_wait_s: float | None = None,
+        load_timeout_s: float = 300.0,
+        **constraints: Any,
+    ) -> LeaseHandle:
+        """A lease that outlives one block: renew it within ``ttl_s`` or it lapses; end it
+        with :meth:`release`. Revocation is signalled on the handle, not by cancellation."""
+        request = self._request(
+            vram_mb,
+            gpus=gpus,
+            priority=priority,
+            preemptible=preemptible,
+            holder=holder,
+            metadata=metadata,
+            max_wait_s=max_wait_s,
+            load_timeout_s=load_timeout_s,
+            ttl_s=ttl_s,
+            constraints=constraints,
+        )
+        return await self._wait_for_grant(request, task=None)
+
+    async def release(self, lease_id: str) -> None:
+        """Releases a held lease; releasing one that already ended does nothing (idempotent)."""
+        self._handles.pop(lease_id, None)
+        if lease_id not in self._scheduler.leases:
+            return
+        lease = self._scheduler.release(lease_id, self._now())
+        self._emit("released", lease.id, {"state": "released"})
+        if self._running:
+            self._cycle()
+
+    def revoke(self, lease_id: str, reason: str = "revoked") -> None:
+        """Takes a lease back: its holder is told (its block cancelled); the memory stays
+        committed until the holder has stopped."""
+        lease = self._scheduler.revoke(lease_id, reason, self._now())
+        self._revoked([lease])
+        self._cycle()
+
+    def pause(self) -> None:
+        self._scheduler.pause()
+        self._emit("paused", None)
+
+    def resume(self) -> None:
+        self._scheduler.resume()
+        self._emit("resumed", None)
+        self._cycle()
+
+    def set_probe(self, gpu_id: GpuId, probe: GpuProbe | None) -> None:
+        """A probe reading for one GPU (None: the probe failed; the GPU is stale)."""
+        self._scheduler.set_probe(gpu_id, probe)
+        self._cycle()
+
+    # ------------------------------------------------------------------ introspection
+
+    def pending(self) -> list[PendingInfo]:
+        now = self._now()
+        return [
+            PendingInfo(
+                position,
+                request,
+                effective,
+                now - request.submitted_at,
+                self._scheduler.explain(request.id, now),
+            )
+            for position, request, effective in self._scheduler.pending(now)
+        ]
+
+    def leases(self) -> list[Lease]:
+        return sorted(self._scheduler.leases.values(), key=lambda lease: lease.token)
+
+    def stats(self) -> ArbiterStats:
+        states: dict[str, int] = {}
+        for lease in self._scheduler.leases.values():
+            states[str(lease.state)] = states.get(str(lease.state), 0) + 1
+        return ArbiterStats(
+            paused=self._scheduler.paused,
+            pending=len(self._scheduler.queue),
+            pending_by_priority=self._scheduler.queue.count_by_priority(),
+            leases_by_state=states,
+            gpus=tuple(self._scheduler.figures(g) for g in self._scheduler.gpu_ids()),
+            counters=dict(self._scheduler.counters),
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _request(
+        self, vram_mb: int | str, *, constraints: Mapping[str, Any], **fields: Any
+    ) -> Request:
+        return Request.build(
+            f"lease-{next(self._ids)}",
+            vram_mb=vram_mb,
+            constraints=Constraints.build(**constraints),
+            **fields,
+        )
+
+    def _current(self, lease: Lease) -> Lease:
+        return self._scheduler.leases.get(lease.id) or replace(lease, state=LeaseState.RELEASED)
+
+    def _call(self, lease_id: str, verb: str, arg: float | None = None) -> None:
+        now = self._now()
+        if verb == "ready":
+            self._scheduler.ready(lease_id, now)
+        elif verb == "renew":
+            self._scheduler.renew(lease_id, now, arg)
+        else:
+            self._scheduler.set_idle(lease_id, verb == "idle", now)
+        self._cycle()
+
+    async def _wait_for_grant(
+        self, request: Request, task: asyncio.Task[Any] | None
+    ) -> LeaseHandle:
+        if not self._running:
+            raise ArbiterStopped("the arbiter is not running")
+        request = self._scheduler.submit(request, self._now())
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        self._waiters[request.id] = future
+        self._cycle()
+        try:
+            lease = await future
+        except BaseException:
+            self._give_up(request.id, future)
+            raise
+        handle = LeaseHandle(self, lease, task)
+        self._handles[lease.id] = handle
+        if lease.state is LeaseState.REVOKING:  # revoked between grant and wake-up
+            handle._notify_revoked(lease.revoke_reason or "revoked")
+        return handle
+
+    def _give_up(self, request_id: str, future: asyncio.Future[Lease]) -> None:
+        """A waiter left (cancelled, timed out): nothing of its request may remain."""
+        self._waiters.pop(request_id, None)
+        if request_id in self._scheduler.queue:
+            self._scheduler.cancel(request_id)
+            self._emit("cancelled", request_id)
+        elif request_id in self._scheduler.leases:  # granted, but the waiter never woke for it
+            self._scheduler.release(request_id, self._now())
+            self._emit("released", request_id, {"state": "released"})
+            self._cycle()
+
+    def _cycle(self) -> None:
+        """Runs the core until it has nothing more to decide now, and carries it out."""
+        if not self._running:
+            return
+        now = self._now()
+        try:
+            decisions = self._scheduler.decide(now)
+        except Exception:  # a bug in the core must not wedge every waiter
+            log.exception("scheduling cycle failed")
+            decisions = Decisions()
+        self._apply(decisions)
+        self._arm_timer()
+
+    def _apply(self, decisions: Decisions) -> None:
+        for lease in decisions.grants:
+            future = self._waiters.pop(lease.id, None)
+            self._emit(
+                "granted", lease.id, {"gpus": [str(g) for g in lease.gpus], "token": lease.token}
+            )
+            if future is not None and not future.done():
+                future.set_result(lease)
+        self._revoked(decisions.revocations)
+        for lease in decisions.expired:
+            self._emit("expired", lease.id)
+            handle = self._handles.pop(lease.id, None)
+            if handle is not None:
+                handle._notify_revoked("expired")
+        for lease in decisions.loaded:
+            self._emit("loaded", lease.id, {"reason": "load_timeout"})
+        for request in decisions.timed_out:
+            self._emit("timed_out", request.id)
+            future = self._waiters.pop(request.id, None)
+            if future is not None and not future.done():
+                future.set_exception(
+                    WaitTimeout(
+                        f"no grant within max_wait_s={request.max_wait_s}", request_id=request.id
+                    )
+                )
+
+    def _revoked(self, leases: Sequence[Lease]) -> None:
+        for lease in leases:
+            self._emit(
+                "revoked",
+                lease.id,
+                {"reason": lease.revoke_reason, "for_request": lease.preempted_for},
+            )
+            handle = self._handles.get(lease.id)
+            if handle is not None:
+                handle._notify_revoked(lease.revoke_reason or "revoked")
+
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self._scheduler.next_deadline()
+        if deadline is not None and math.isfinite(deadline):
+            self._timer = asyncio.get_running_loop().call_at(deadline, self._cycle)
+
+    def _emit(
+        self, kind: str, lease_id: str | None, detail: Mapping[str, Any] | None = None
+    ) -> None:
+        if not self._hooks:
+            return
+        event = ArbiterEvent(kind, self._now(), lease_id, detail)
+        for hook in self._hooks:
+            try:
+                hook(event)
+            except Exception:
+                log.exception("hook %r failed on %s", hook, kind)
+
+    async def _probe_loop(self) -> None:
+        assert self._probe is not None
+        while True:
+            try:
+                readings = await self._probe()
+            except Exception:
+                log.exception("GPU probe failed; marking every GPU stale")
+                readings = {gpu_id: None for gpu_id in self._scheduler.gpu_ids()}
+            for gpu_id, reading in readings.items():
+                try:
+                    self._scheduler.set_probe(gpu_id, reading)
+                except NotFound:
+                    log.warning("probe reported unknown GPU %s", gpu_id)
+            self._cycle()
+            await asyncio.sleep(self._probe_interval_s)
+
+
+class _LeaseBlock:
+    """``async with arbiter.lease(...)``: see :meth:`Arbiter.lease`."""
+
+    def __init__(self, arbiter: Arbiter, request: Request) -> None:
+        self._arbiter = arbiter
+        self._request = request
+        self._handle: LeaseHandle | None = None
+
+    async def __aenter__(self) -> LeaseHandle:
+        if self._handle is not None:
+            raise RuntimeError("a lease block is entered once")
+        task = asyncio.current_task()
+        self._handle = await self._arbiter._wait_for_grant(self._request, task)
+        return self._handle
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        handle = self._handle
+        assert handle is not None
+        try:
+            if handle._cancelled_by_arbiter and exc_type is asyncio.CancelledError:
+                task = handle._task
+                if task is not None and task.uncancel() == 0:
+                    error = LeasePreempted if handle.revoke_reason == "preempted" else LeaseRevoked
+                    raise error(handle.id, handle.revoke_reason or "revoked") from exc
+        finally:
+            await self._arbiter.release(handle.id)
