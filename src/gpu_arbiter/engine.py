@@ -465,10 +465,12 @@ class Arbiter:
                 handle._notify_revoked(lease.revoke_reason or "revoked")
 
     def _arm_timer(self) -> None:
+        deadline = self._scheduler.next_deadline()
         if self._timer is not None:
+            if self._timer.when() == deadline:
+                return
             self._timer.cancel()
             self._timer = None
-        deadline = self._scheduler.next_deadline()
         if deadline is not None and math.isfinite(deadline):
             self._timer = asyncio.get_running_loop().call_at(deadline, self._cycle)
 

@@ -8,10 +8,14 @@ Availability (I2)::
              = sum_i max(reserved_i, used_i) + external  probe with per-lease usage
 
 ``committed`` counts leases in ``loading``, ``active`` and ``revoking`` (I1, I4).
+
+The ledger keeps every GPU in a list sorted by free memory, so placement finds
+the best fit by bisection instead of scanning every GPU.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +41,7 @@ class _Slot:
     __slots__ = (
         "committed_mb",
         "gpu",
+        "indexed",
         "loading",
         "occupied_mb",
         "probe",
@@ -54,6 +59,7 @@ class _Slot:
         self.probe_seq = 0
         self.stale = False
         self.occupied_mb = 0
+        self.indexed: tuple[int, GpuId] | None = None
 
     def refresh(self) -> None:
         probe = self.probe
@@ -74,6 +80,17 @@ class _Slot:
 class Ledger:
     def __init__(self) -> None:
         self._slots: dict[GpuId, _Slot] = {}
+        self.by_free: list[tuple[int, GpuId]] = []  # (free_mb, GPU), ascending; read-only
+
+    def _refresh(self, slot: _Slot) -> None:
+        slot.refresh()
+        entry = (slot.gpu.capacity_mb - slot.occupied_mb, slot.gpu.id)
+        if entry == slot.indexed:
+            return
+        if slot.indexed is not None:
+            del self.by_free[bisect.bisect_left(self.by_free, slot.indexed)]
+        bisect.insort(self.by_free, entry)
+        slot.indexed = entry
 
     def __contains__(self, gpu_id: object) -> bool:
         return gpu_id in self._slots
@@ -90,15 +107,16 @@ class Ledger:
     def put_gpu(self, gpu: Gpu) -> None:
         slot = self._slots.get(gpu.id)
         if slot is None:
-            self._slots[gpu.id] = _Slot(gpu)
-        else:
-            slot.gpu = gpu
-            slot.refresh()
+            slot = self._slots[gpu.id] = _Slot(gpu)
+        slot.gpu = gpu
+        self._refresh(slot)
 
     def drop_gpu(self, gpu_id: GpuId) -> None:
         slot = self._slots[gpu_id]
         if slot.reserved:
             raise ValueError(f"GPU {gpu_id} still has leases")
+        if slot.indexed is not None:
+            del self.by_free[bisect.bisect_left(self.by_free, slot.indexed)]
         del self._slots[gpu_id]
 
     def commit(self, lease: Lease) -> None:
@@ -107,7 +125,7 @@ class Ledger:
             slot.reserved[lease.id] = lease.vram_mb
             slot.committed_mb += lease.vram_mb
             slot.loading += lease.loading
-            slot.refresh()
+            self._refresh(slot)
 
     def uncommit(self, lease: Lease) -> None:
         """Releases a lease's memory; a second call for the same lease does nothing."""
@@ -117,7 +135,7 @@ class Ledger:
                 continue
             slot.committed_mb -= lease.vram_mb
             slot.loading -= lease.loading
-            slot.refresh()
+            self._refresh(slot)
 
     def finish_loading(self, lease: Lease) -> None:
         for gpu_id in lease.gpus:
@@ -130,7 +148,7 @@ class Ledger:
         if probe is not None:
             slot.probe = probe
             slot.probe_seq += 1
-            slot.refresh()
+            self._refresh(slot)
 
     def probe_seq(self, gpu_id: GpuId) -> int:
         return self._slots[gpu_id].probe_seq

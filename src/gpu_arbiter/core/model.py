@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .errors import InvalidInput
 from .units import PRIORITY_NAMES, parse_mb, parse_priority
@@ -33,14 +33,29 @@ __all__ = [
     "Worker",
     "WorkerStatus",
     "compute_capability",
+    "evolve",
     "validate_worker_name",
 ]
 
+_T = TypeVar("_T")
 _WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _ARCH = re.compile(r"^(sm_\d{2,3}|gfx[0-9a-f]{3,4}|[a-z][a-z0-9_]{0,31})$")
 MAX_TEXT = 256
 MAX_METADATA_KEYS = 32
 MAX_GPUS_PER_REQUEST = 64
+
+
+def evolve(value: _T, **changes: Any) -> _T:
+    """A copy of a frozen, slotted dataclass with ``changes``: ``dataclasses.replace`` without
+    re-running validation, for the core's own state changes on its hot path."""
+    new = object.__new__(type(value))
+    for name in type(value).__slots__:  # type: ignore[attr-defined]
+        object.__setattr__(
+            new, name, changes.pop(name) if name in changes else getattr(value, name)
+        )
+    if changes:
+        raise TypeError(f"{type(value).__name__} has no field(s) {', '.join(changes)}")
+    return new
 
 
 def validate_worker_name(name: str, field_name: str = "worker") -> str:

@@ -23,11 +23,12 @@ One cycle of ``decide(now)``:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .errors import Conflict, InvalidInput, NotFound, Unschedulable
 from .filters import mismatch
@@ -43,6 +44,7 @@ from .model import (
     Request,
     Worker,
     WorkerStatus,
+    evolve,
 )
 from .preemption import Plan, eligible, plan_for_gpu
 from .queue import PendingQueue
@@ -67,6 +69,9 @@ class Decisions:
         return any(
             (self.grants, self.revocations, self.expired, self.timed_out, self.loaded, self.workers)
         )
+
+
+_NOTHING = Decisions()
 
 
 @dataclass(slots=True)
@@ -108,7 +113,8 @@ class Scheduler:
         self._idle: Counter[int] = Counter()  # base priority -> idle preemptible leases
         self._timers: list[tuple[float, int, str, str]] = []
         self._timer_seq = 0
-        self._match_cache: dict[tuple[Constraints, int], tuple[GpuId, ...]] = {}
+        self._match_cache: dict[tuple[Constraints, int, int], frozenset[GpuId]] = {}
+        self._drain_check: set[str] = set()  # draining workers that may have become empty
         self._journal: list[tuple[str, tuple[GpuId, ...], int]] = []
         self._journal_at: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
@@ -154,7 +160,8 @@ class Scheduler:
     def set_worker_status(self, name: str, status: WorkerStatus) -> WorkerStatus:
         """Sets a status as is (restoring state); returns the previous one."""
         worker = self._worker(name)
-        self.workers[name] = replace(worker, status=status)
+        self.workers[name] = evolve(worker, status=status)
+        self._drain_check.add(name)
         return worker.status
 
     def drain(
@@ -165,7 +172,8 @@ class Scheduler:
         if worker.status is WorkerStatus.OFFLINE:
             raise Conflict(f"worker {name} is offline")
         if worker.status is WorkerStatus.ONLINE:
-            self.workers[name] = replace(worker, status=WorkerStatus.DRAINING)
+            self.workers[name] = evolve(worker, status=WorkerStatus.DRAINING)
+        self._drain_check.add(name)
         if force:
             return [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
         if deadline_s is not None:
@@ -177,7 +185,7 @@ class Scheduler:
         worker = self._worker(name)
         if worker.status not in (WorkerStatus.DRAINING, WorkerStatus.DRAINED):
             raise Conflict(f"worker {name} is {worker.status}, not draining")
-        self.workers[name] = replace(worker, status=WorkerStatus.ONLINE)
+        self.workers[name] = evolve(worker, status=WorkerStatus.ONLINE)
         self._drain_deadlines.pop(name, None)
         return worker.status
 
@@ -187,7 +195,7 @@ class Scheduler:
         revoked: list[Lease] = []
         if worker.status is WorkerStatus.DRAINING:
             revoked = [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
-        self.workers[name] = replace(worker, status=WorkerStatus.OFFLINE)
+        self.workers[name] = evolve(worker, status=WorkerStatus.OFFLINE)
         self._drain_deadlines.pop(name, None)
         return revoked
 
@@ -212,7 +220,7 @@ class Scheduler:
     def rejection_for(self, request: Request) -> PendingReason | None:
         """Why no registered GPU could ever satisfy ``request``; None if one could (or no
         worker is registered yet, in which case the request waits for one)."""
-        if not self.workers:
+        if not self.workers or self._matching(request):
             return None
         per_worker: Counter[str] = Counter()
         codes: Counter[str] = Counter()
@@ -252,7 +260,7 @@ class Scheduler:
             self.counters["rejected"] += 1
             raise Unschedulable(rejection)
         if request.seq == 0:
-            request = replace(request, seq=self.next_seq, submitted_at=now)
+            request = evolve(request, seq=self.next_seq, submitted_at=now)
         self.next_seq = max(self.next_seq, request.seq + 1)
         self.queue.add(request)
         if request.max_wait_s is not None:
@@ -280,6 +288,8 @@ class Scheduler:
         self._ledger.uncommit(lease)
         del self.leases[lease_id]
         self._worker_leases[lease.worker].discard(lease_id)
+        if self.workers[lease.worker].status is WorkerStatus.DRAINING:
+            self._drain_check.add(lease.worker)
         for nomination in self._nominations.values():
             if lease_id in nomination.victims:
                 nomination.victims.discard(lease_id)
@@ -287,7 +297,7 @@ class Scheduler:
                     if gpu_id in self._ledger and self._ledger.has_probe(gpu_id):
                         nomination.probe_seqs[gpu_id] = self._ledger.probe_seq(gpu_id)
         self.counters[str(state)] += 1
-        return replace(lease, state=state, ended_at=now, loading=False)
+        return evolve(lease, state=state, ended_at=now, loading=False)
 
     def ready(self, lease_id: str, now: float) -> Lease:
         """The load finished: the GPU's load gate opens."""
@@ -296,14 +306,14 @@ class Scheduler:
             return lease
         self._ledger.finish_loading(lease)
         state = LeaseState.ACTIVE if lease.state is LeaseState.LOADING else lease.state
-        return self._put(lease, replace(lease, loading=False, state=state, last_used_at=now))
+        return self._put(lease, evolve(lease, loading=False, state=state, last_used_at=now))
 
     def renew(self, lease_id: str, now: float, ttl_s: float | None = None) -> Lease:
         lease = self.lease(lease_id)
         ttl = lease.request.ttl_s if ttl_s is None else ttl_s
         if ttl is None:
             return lease
-        renewed = self._put(lease, replace(lease, expires_at=now + ttl))
+        renewed = self._put(lease, evolve(lease, expires_at=now + ttl))
         self._push_timer(renewed.expires_at, "ttl", lease_id)
         return renewed
 
@@ -311,7 +321,7 @@ class Scheduler:
         lease = self.lease(lease_id)
         if lease.idle == idle:
             return lease
-        return self._put(lease, replace(lease, idle=idle, last_used_at=now))
+        return self._put(lease, evolve(lease, idle=idle, last_used_at=now))
 
     def revoke(
         self, lease_id: str, reason: str, now: float, *, for_request: str | None = None
@@ -323,7 +333,7 @@ class Scheduler:
         self.counters[f"revoked:{reason}"] += 1
         return self._put(
             lease,
-            replace(
+            evolve(
                 lease, state=LeaseState.REVOKING, revoke_reason=reason, preempted_for=for_request
             ),
         )
@@ -345,6 +355,8 @@ class Scheduler:
     # ------------------------------------------------------------------ the cycle
 
     def decide(self, now: float) -> Decisions:
+        if not self.queue and not self._drain_check and not self._due(now):
+            return _NOTHING
         expired, loaded, revocations, waits = self._run_timers(now)
         cycle = _Cycle(now)
         if not self.paused:
@@ -361,6 +373,10 @@ class Scheduler:
             loaded=tuple(loaded),
             workers=tuple(workers),
         )
+
+    def _due(self, now: float) -> bool:
+        deadline = self.next_deadline()
+        return deadline is not None and deadline <= now
 
     def next_deadline(self) -> float | None:
         """When ``decide`` must run next if no event comes first (None: never)."""
@@ -421,9 +437,13 @@ class Scheduler:
 
     def _finish_drains(self) -> list[tuple[str, WorkerStatus, WorkerStatus]]:
         changes = []
-        for name, worker in self.workers.items():
+        names, self._drain_check = self._drain_check, set()
+        for name in sorted(names):
+            worker = self.workers.get(name)
+            if worker is None:
+                continue
             if worker.status is WorkerStatus.DRAINING and not self._worker_leases.get(name):
-                self.workers[name] = replace(worker, status=WorkerStatus.DRAINED)
+                self.workers[name] = evolve(worker, status=WorkerStatus.DRAINED)
                 self._drain_deadlines.pop(name, None)
                 changes.append((name, WorkerStatus.DRAINING, WorkerStatus.DRAINED))
         return changes
@@ -434,19 +454,16 @@ class Scheduler:
         smallest = self.queue.smallest_vram_mb()
         if smallest is None:
             return
-        rooms = self._room_heap(cycle)
         highest = max(self.queue.priorities())
         granted: list[str] = []
         for request in self.queue.ordered(self.policy, cycle.now):
-            room_left = self._max_room(rooms, cycle) >= smallest
+            room_left = self._max_room(cycle) >= smallest
             if not room_left and not self._could_preempt(highest):
                 break
             shape = request.shape
             if cycle.failed_shapes.get(shape, -1) >= request.priority:
                 if room_left:  # it cannot fit either, but it still holds its best GPU (I6)
-                    self._push_rooms(
-                        rooms, cycle, self._hold(cycle, request, self._nominate(request, cycle))
-                    )
+                    self._hold(cycle, request, self._nominate(request, cycle))
                 continue
             if not room_left and not self._could_preempt(request.priority):
                 continue  # can neither fit nor preempt, and nobody behind can fit: no hold needed
@@ -454,40 +471,28 @@ class Scheduler:
             if gpus is not None:
                 cycle.grants.append(self._grant(request, gpus, cycle.now))
                 granted.append(request.id)
-                self._push_rooms(rooms, cycle, gpus)
                 continue
-            held, preempting = self._preempt_or_nominate(request, cycle)
-            if not preempting:
-                cycle.failed_shapes[shape] = max(
-                    cycle.failed_shapes.get(shape, -1), request.priority
-                )
-            self._push_rooms(rooms, cycle, held)
+            if not self._preempt_or_nominate(request, cycle):
+                failed = cycle.failed_shapes.get(shape, -1)
+                cycle.failed_shapes[shape] = max(failed, request.priority)
         for request_id in granted:
             self.queue.remove(request_id)
             self._nominations.pop(request_id, None)
 
-    def _push_rooms(
-        self, heap: list[tuple[int, GpuId]], cycle: _Cycle, gpus: Iterable[GpuId]
-    ) -> None:
-        for gpu_id in gpus:
-            heapq.heappush(heap, (-self._room(gpu_id, cycle), gpu_id))
-
-    def _room_heap(self, cycle: _Cycle) -> list[tuple[int, GpuId]]:
-        heap = [(-self._room(g, cycle), g) for g in self._ledger.ids() if self._usable(g)]
-        heapq.heapify(heap)
-        return heap
-
-    def _max_room(self, heap: list[tuple[int, GpuId]], cycle: _Cycle) -> int:
-        while heap:
-            room, gpu_id = heap[0]
-            if (
-                gpu_id in self._ledger
-                and self._usable(gpu_id)
-                and -room == self._room(gpu_id, cycle)
-            ):
-                return -room
-            heapq.heappop(heap)
-        return -(1 << 62)
+    def _max_room(self, cycle: _Cycle) -> int:
+        """The most memory any usable GPU has beyond the holds of this cycle."""
+        best = -(1 << 62)
+        for gpu_id, hold in cycle.holds.items():
+            if self._usable(gpu_id):
+                best = max(best, self._ledger.free_mb(gpu_id) - hold)
+        index = self._ledger.by_free
+        for i in range(len(index) - 1, -1, -1):
+            free, gpu_id = index[i]
+            if free <= best:
+                break
+            if gpu_id not in cycle.holds and self._usable(gpu_id):
+                return free
+        return best
 
     def _could_preempt(self, highest_pending: int) -> bool:
         if self._victims and min(self._victims) < highest_pending:
@@ -496,32 +501,32 @@ class Scheduler:
 
     def _usable(self, gpu_id: GpuId) -> bool:
         """A GPU that may take new grants: worker online (I7), probe fresh (I2)."""
-        return self.workers[gpu_id.worker].status is WorkerStatus.ONLINE and not self._ledger.stale(
-            gpu_id
-        )
+        online = self.workers[gpu_id.worker].status is WorkerStatus.ONLINE
+        return online and not self._ledger.stale(gpu_id)
 
     def _room(self, gpu_id: GpuId, cycle: _Cycle) -> int:
         return self._ledger.free_mb(gpu_id) - cycle.holds.get(gpu_id, 0)
 
-    def _matching(self, request: Request) -> tuple[GpuId, ...]:
-        """GPUs that match the constraints and are big enough, on workers that could hold all
-        ``gpus`` of the request (cached until workers change)."""
-        key = (request.constraints, request.vram_mb)
+    def _matching(self, request: Request) -> frozenset[GpuId]:
+        """GPUs that match the constraints, are big enough, and sit on a worker with at least
+        ``gpus`` such GPUs (cached until workers change)."""
+        key = (request.constraints, request.vram_mb, request.gpus)
         cached = self._match_cache.get(key)
         if cached is None:
-            cached = tuple(
-                gpu_id
-                for name, ids in self._worker_gpus.items()
-                for gpu_id in ids
-                if mismatch(
-                    self._ledger.gpu(gpu_id),
-                    self.workers[name].labels,
-                    request.constraints,
-                    request.vram_mb,
-                )
-                is None
-            )
-            self._match_cache[key] = cached
+            found: list[GpuId] = []
+            for name, ids in self._worker_gpus.items():
+                labels = self.workers[name].labels
+                on_worker = [
+                    gpu_id
+                    for gpu_id in ids
+                    if mismatch(
+                        self._ledger.gpu(gpu_id), labels, request.constraints, request.vram_mb
+                    )
+                    is None
+                ]
+                if len(on_worker) >= request.gpus:
+                    found += on_worker
+            cached = self._match_cache[key] = frozenset(found)
         return cached
 
     def _by_worker(self, gpu_ids: Iterable[GpuId]) -> dict[str, list[GpuId]]:
@@ -531,19 +536,64 @@ class Scheduler:
         return grouped
 
     def _fit(self, request: Request, cycle: _Cycle) -> tuple[GpuId, ...] | None:
-        """The best GPUs where the request fits now, or None."""
-        limit = self.policy.max_concurrent_loads
-        fitting = [
-            g
-            for g in self._matching(request)
-            if self._usable(g)
-            and self._room(g, cycle) >= request.vram_mb
-            and self._ledger.loading(g) < limit
-        ]
+        """The best GPUs where the request fits now (I1, I2, I3, after holds: I6), or None."""
+        spread = self.policy.placement == "spread"
         nomination = self._nominations.get(request.id)
-        if nomination is not None and all(g in fitting for g in nomination.gpus):
+        if nomination is not None and all(
+            self._fits_on(request, g, cycle) for g in nomination.gpus
+        ):
             return nomination.gpus
-        return self._best(request, fitting, cycle, spread=self.policy.placement == "spread")
+        if request.gpus == 1:
+            one = self._pick_one(request, cycle, need=request.vram_mb, spread=spread, gate=True)
+            return None if one is None else (one,)
+        fitting = [g for g in self._matching(request) if self._fits_on(request, g, cycle)]
+        return self._best(request, fitting, cycle, spread=spread)
+
+    def _fits_on(self, request: Request, gpu_id: GpuId, cycle: _Cycle) -> bool:
+        return (
+            gpu_id in self._ledger
+            and self._usable(gpu_id)
+            and self._room(gpu_id, cycle) >= request.vram_mb
+            and self._ledger.loading(gpu_id) < self.policy.max_concurrent_loads
+        )
+
+    def _pick_one(
+        self, request: Request, cycle: _Cycle, *, need: int | None, spread: bool, gate: bool
+    ) -> GpuId | None:
+        """The best single GPU by bisection of the ledger's free-memory index.
+
+        Candidates: matching, usable GPUs with room >= ``need`` (any room if None) and, with
+        ``gate``, a free load slot. Best: least room (binpack) or most (spread), then GPU id.
+        GPUs holding nominations this cycle are checked one by one (they are few)."""
+        matching = self._matching(request)
+        limit = self.policy.max_concurrent_loads
+        floor = -(1 << 62) if need is None else need
+        sign = -1 if spread else 1
+        best: tuple[int, GpuId] | None = None
+
+        def consider(room: int, gpu_id: GpuId) -> None:
+            nonlocal best
+            if room < floor or gpu_id not in matching or not self._usable(gpu_id):
+                return
+            if gate and self._ledger.loading(gpu_id) >= limit:
+                return
+            if best is None or (sign * room, gpu_id) < (sign * best[0], best[1]):
+                best = (room, gpu_id)
+
+        for gpu_id, hold in cycle.holds.items():
+            consider(self._ledger.free_mb(gpu_id) - hold, gpu_id)
+        index = self._ledger.by_free
+        if spread:
+            positions: Iterable[int] = range(len(index) - 1, -1, -1)
+        else:
+            positions = range(bisect.bisect_left(index, floor, key=lambda e: e[0]), len(index))
+        for i in positions:
+            free, gpu_id = index[i]
+            if free < floor or (best is not None and sign * free > sign * best[0]):
+                break
+            if gpu_id not in cycle.holds:
+                consider(free, gpu_id)
+        return None if best is None else best[1]
 
     def _best(
         self, request: Request, gpu_ids: Iterable[GpuId], cycle: _Cycle, *, spread: bool
@@ -587,18 +637,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ preemption and nomination
 
-    def _preempt_or_nominate(
-        self, request: Request, cycle: _Cycle
-    ) -> tuple[tuple[GpuId, ...], bool]:
-        """Holds memory for a request that does not fit: the GPUs held (maybe none), and
-        whether preemption is under way for it."""
+    def _preempt_or_nominate(self, request: Request, cycle: _Cycle) -> bool:
+        """Holds memory for a request that does not fit (a nomination, I6). True when memory is
+        on its way back for it (its victims, or leases already being revoked)."""
         nomination = self._nominations.get(request.id)
         if nomination is not None and self._still_preempting(nomination):
-            return self._hold(cycle, request, nomination.gpus), True
+            self._hold(cycle, request, nomination.gpus)
+            return True
         self._nominations.pop(request.id, None)
         plan = self._plan(request, cycle) if self._could_preempt(request.priority) else None
         if plan is not None and not plan[1]:  # memory already on its way back: wait for it
-            return self._hold(cycle, request, plan[0]), True
+            self._hold(cycle, request, plan[0])
+            return True
         if plan is not None:
             gpus, victims = plan
             for victim in victims:
@@ -607,8 +657,10 @@ class Scheduler:
                 )
             self.counters["preemptions"] += 1
             self._nominations[request.id] = _Nomination(gpus, {v.id for v in victims})
-            return self._hold(cycle, request, gpus), True
-        return self._hold(cycle, request, self._nominate(request, cycle)), False
+            self._hold(cycle, request, gpus)
+            return True
+        self._hold(cycle, request, self._nominate(request, cycle))
+        return False
 
     def _still_preempting(self, nomination: _Nomination) -> bool:
         if nomination.victims:
@@ -620,14 +672,16 @@ class Scheduler:
 
     def _nominate(self, request: Request, cycle: _Cycle) -> tuple[GpuId, ...]:
         """The GPUs where the request is closest to fitting (most room); () if none usable."""
+        if request.gpus == 1:
+            one = self._pick_one(request, cycle, need=None, spread=True, gate=False)
+            return () if one is None else (one,)
         usable = [g for g in self._matching(request) if self._usable(g)]
         return self._best(request, usable, cycle, spread=True) or ()
 
-    def _hold(self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...]) -> tuple[GpuId, ...]:
+    def _hold(self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...]) -> None:
         for gpu_id in gpus:
             cycle.holds[gpu_id] = cycle.holds.get(gpu_id, 0) + request.vram_mb
         cycle.journal.append((request.id, gpus, request.vram_mb))
-        return gpus
 
     def _plan(
         self, request: Request, cycle: _Cycle
