@@ -78,20 +78,23 @@ def _arch(text: str) -> str:
     return f"sm_{match.group(1)}{match.group(2)}" if match else ""
 
 
-def _gpu_line(index: int, parts: Sequence[str]) -> GpuReading:
-    uuid, name = parts[1], ",".join(parts[2:-4]).strip()
-    total, used, capability, driver = parts[-4:]
-    for field, text in (("uuid", uuid), ("name", name), ("compute_cap", capability)):
-        _value(field, text)  # an error in any field fails the GPU
+def _gpu_line(index: int, line: str) -> GpuReading:
+    """One GPU line; fields are checked in column order, the first error fails the GPU."""
+    raw = line.split(",")
+    parts = [part.strip() for part in raw]
+    uuid = _value("uuid", parts[1]) or ""
+    name = _value("name", ",".join(raw[2:-4]).strip()) or ""
+    total, used = _mb("memory.total", parts[-4]), _mb("memory.used", parts[-3])
+    capability = _value("compute_cap", parts[-2]) or ""
     return GpuReading(
         index=index,
-        total_mb=_mb("memory.total", total),
-        used_mb=_mb("memory.used", used),
-        uuid=_value("uuid", uuid) or "",
-        model=_value("name", name) or "",
+        total_mb=total,
+        used_mb=used,
+        uuid=uuid,
+        model=name,
         vendor="nvidia",
-        arch=_arch(_value("compute_cap", capability) or ""),
-        driver_version=_value("driver_version", driver) or "",
+        arch=_arch(capability),
+        driver_version=_value("driver_version", parts[-1]) or "",
     )
 
 
@@ -110,7 +113,7 @@ def parse_query_gpu(text: str) -> ParsedGpus:
             continue
         index = int(parts[0])
         try:
-            readings.append(_gpu_line(index, parts))
+            readings.append(_gpu_line(index, line))
         except _FieldError as err:
             uuid = parts[1] if parts[1].startswith("GPU-") else ""
             failures.append(GpuFailure(index, f"nvidia-smi: {err}", uuid))
