@@ -317,8 +317,9 @@ def test_a_probe_needs_a_gpu() -> None:
 
 
 async def test_snapshot_does_not_block_the_event_loop() -> None:
-    """Reading process state waits for another coroutine: done on the loop's thread,
-    the read would stall that coroutine and time out."""
+    """Reading process state waits for another coroutine, which attaches a process
+    meanwhile: done on the loop's thread (or holding the state lock while it checks), the
+    read would stall that coroutine and time out."""
     other_ran = threading.Event()
 
     def alive_once_other_ran(pid: int) -> bool:
@@ -331,6 +332,7 @@ async def test_snapshot_does_not_block_the_event_loop() -> None:
     events: list[str] = []
 
     async def other() -> None:
+        probe.attach(os.getpid(), 0, 5)
         events.append("other coroutine ran")
         other_ran.set()
 

@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from gpu_arbiter.agent.probes import KnownGpus, ProbeUnavailable, RocmSmiProbe, parse_rocm_smi
-from gpu_arbiter.agent.probes._rocm_smi import ROCM_SMI_ARGS
+from gpu_arbiter.agent.probes import (
+    ROCM_SMI_ARGS,
+    KnownGpus,
+    ProbeUnavailable,
+    RocmSmiProbe,
+    parse_rocm_smi,
+)
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 

@@ -27,6 +27,8 @@ from ._fake import (
     report_usage,
 )
 from ._nvidia_smi import (
+    APPS_FIELDS,
+    GPU_FIELDS,
     NvidiaSmiProbe,
     ParsedGpus,
     nvidia_smi_snapshot,
@@ -34,7 +36,7 @@ from ._nvidia_smi import (
     parse_query_gpu,
 )
 from ._nvml import NvmlProbe, load_nvml
-from ._rocm_smi import RocmSmiProbe, parse_rocm_smi
+from ._rocm_smi import ROCM_SMI_ARGS, RocmSmiProbe, parse_rocm_smi
 from ._snapshot import (
     DEFAULT_HEADROOM_MB,
     GpuFailure,
@@ -48,9 +50,12 @@ from ._snapshot import (
 )
 
 __all__ = [
+    "APPS_FIELDS",
     "DEFAULT_HEADROOM_MB",
     "FAKE_USAGE_DIR_ENV",
+    "GPU_FIELDS",
     "PROBE_NAMES",
+    "ROCM_SMI_ARGS",
     "FakeGpu",
     "FakeProbe",
     "GpuFailure",

@@ -232,6 +232,7 @@ class FakeProbe:
         self._attached: dict[int, dict[int, int]] = {}
         self._failed: dict[int, str] = {}
         self._state = threading.Lock()
+        self._lock = asyncio.Lock()
         self._known = KnownGpus()
 
     @classmethod
@@ -291,38 +292,46 @@ class FakeProbe:
             self._failed.pop(gpu_index, None)
 
     async def snapshot(self) -> ProbeSnapshot:
-        return await asyncio.to_thread(self._read)
+        async with self._lock:
+            return await asyncio.to_thread(self._read)
 
     async def aclose(self) -> None:
         return None
 
     def _read(self) -> ProbeSnapshot:
+        """Runs in a worker thread. Liveness is checked outside the state lock, so a slow
+        check never holds up :meth:`attach` on the event loop's thread."""
         reported, errors = self._read_usage_dir()
         with self._state:
-            for pid in [pid for pid in self._attached if not self._pid_alive(pid)]:
-                del self._attached[pid]
-            per_gpu: dict[int, dict[int, int]] = {index: {} for index in self._gpus}
-            for usage in (self._attached, reported):
-                for pid, by_gpu in usage.items():
-                    for index, mb in by_gpu.items():
-                        if index in per_gpu:
-                            per_gpu[index][pid] = per_gpu[index].get(pid, 0) + mb
-            readings = [
-                self._reading(gpu, per_gpu[gpu.index])
-                for gpu in self._gpus.values()
-                if gpu.index not in self._failed
-            ]
-            failures = [
-                GpuFailure(index, f"fake: {error}", self._gpus[index].uuid)
-                for index, error in self._failed.items()
-            ]
-            return self._known.complete(self.name, readings, failures, errors)
+            attached = {pid: dict(by_gpu) for pid, by_gpu in self._attached.items()}
+        dead = [pid for pid in attached if not self._pid_alive(pid)]
+        with self._state:
+            for pid in dead:
+                self._attached.pop(pid, None)
+                del attached[pid]
+            external, failed = dict(self._external), dict(self._failed)
+        per_gpu: dict[int, dict[int, int]] = {index: {} for index in self._gpus}
+        for usage in (attached, reported):
+            for pid, by_gpu in usage.items():
+                for index, mb in by_gpu.items():
+                    if index in per_gpu:
+                        per_gpu[index][pid] = per_gpu[index].get(pid, 0) + mb
+        readings = [
+            self._reading(gpu, external[gpu.index], per_gpu[gpu.index])
+            for gpu in self._gpus.values()
+            if gpu.index not in failed
+        ]
+        failures = [
+            GpuFailure(index, f"fake: {error}", self._gpus[index].uuid)
+            for index, error in failed.items()
+        ]
+        return self._known.complete(self.name, readings, failures, errors)
 
-    def _reading(self, gpu: FakeGpu, processes: dict[int, int]) -> GpuReading:
+    def _reading(self, gpu: FakeGpu, external_mb: int, processes: dict[int, int]) -> GpuReading:
         return GpuReading(
             index=gpu.index,
             total_mb=gpu.total_mb,
-            used_mb=self._external[gpu.index] + sum(processes.values()),
+            used_mb=external_mb + sum(processes.values()),
             uuid=gpu.uuid,
             model=gpu.model,
             vendor=gpu.vendor,
