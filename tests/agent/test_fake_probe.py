@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpu_arbiter.agent.probes import (
+    FAKE_USAGE_DIR_ENV,
     FakeGpu,
     FakeProbe,
     load_fake_file,
@@ -238,21 +239,21 @@ async def test_a_child_reports_memory_while_it_loads_and_it_vanishes_on_exit(
     tmp_path: Path,
 ) -> None:
     """The child writes its own usage to the usage dir: 1 GiB, then 3 GiB, then exits."""
-    child = f"""
+    child = """
 import sys
 from gpu_arbiter.agent.probes import report_usage
 for mb in (1024, 3072):
-    report_usage({str(tmp_path)!r}, {{0: mb}})
+    report_usage({0: mb})
     print("reported", mb, flush=True)
     sys.stdin.readline()
 """
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    probe = FakeProbe.from_spec("1x24G", usage_dir=tmp_path)
+    env = {**os.environ, **probe.child_env(), "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
         [sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     )
     assert proc.stdin is not None
     assert proc.stdout is not None
-    probe = FakeProbe.from_spec("1x24G", usage_dir=tmp_path)
     used = []
     try:
         for _ in range(2):
@@ -274,11 +275,11 @@ for mb in (1024, 3072):
 
 async def test_usage_reports_add_up_with_attached_memory(tmp_path: Path) -> None:
     probe = FakeProbe.from_spec("2x24G", usage_dir=tmp_path)
-    report_usage(tmp_path, {0: 100, 1: 200})
+    report_usage({0: 100, 1: 200}, usage_dir=tmp_path)
     probe.attach(os.getpid(), 0, 50)
 
     snap = await probe.snapshot()
-    report_usage(tmp_path, {})
+    report_usage({}, usage_dir=tmp_path)
     withdrawn = await probe.snapshot()
 
     assert [(g.used_mb, dict(g.processes or {})) for g in snap.gpus] == [
@@ -343,3 +344,10 @@ async def test_snapshot_does_not_block_the_event_loop() -> None:
     await asyncio.gather(read(), other())
 
     assert events == ["other coroutine ran", "snapshot used 1"]
+
+
+def test_report_usage_needs_a_usage_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FAKE_USAGE_DIR_ENV, raising=False)
+    with pytest.raises(InvalidInput, match=f"{FAKE_USAGE_DIR_ENV}: is not set"):
+        report_usage({0: 1})
+    assert FakeProbe.from_spec("1x1G").child_env() == {}

@@ -6,7 +6,10 @@ Its used memory is the sum of
 - processes attached through :meth:`FakeProbe.attach` (by the agent that started them),
 - processes reporting their own usage in a *usage directory*: a child process writes
   ``<pid>.json`` holding ``{"<gpu index>": MiB}`` (:func:`report_usage` does it
-  atomically), so memory appears while it "loads" and grows as it writes again.
+  atomically, finding the directory in the environment that
+  :meth:`FakeProbe.child_env` gives), so memory appears while it "loads" and grows
+  as it reports again. GPU indices are the probe's own (not renumbered by
+  ``CUDA_VISIBLE_DEVICES``).
 
 Memory of a process vanishes by itself once the process has exited (a zombie counts
 as exited, as the driver frees GPU memory before the parent reaps the child).
@@ -195,11 +198,16 @@ def _signal_alive(pid: int) -> bool:
     return True
 
 
-def report_usage(usage_dir: str | Path, used_mb: Mapping[int, int], pid: int | None = None) -> None:
-    """Declares, from a process, its MiB per GPU index to a fake probe's usage dir;
-    replaces its previous report atomically. An empty mapping withdraws the report."""
-    pid = os.getpid() if pid is None else pid
-    target = Path(usage_dir) / f"{pid}.json"
+def report_usage(
+    used_mb: Mapping[int, int], *, usage_dir: str | Path | None = None, pid: int | None = None
+) -> None:
+    """Declares, from a process, its MiB per GPU index to a fake probe's usage dir
+    (default: ``$GPU_ARBITER_FAKE_USAGE_DIR``, see :meth:`FakeProbe.child_env`). Each
+    call replaces the previous report atomically; an empty mapping withdraws it."""
+    directory = usage_dir if usage_dir is not None else os.environ.get(FAKE_USAGE_DIR_ENV)
+    if not directory:
+        raise InvalidInput(FAKE_USAGE_DIR_ENV, "is not set: there is no fake probe to report to")
+    target = Path(directory) / f"{os.getpid() if pid is None else pid}.json"
     if not used_mb:
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
@@ -255,6 +263,10 @@ class FakeProbe:
     @property
     def usage_dir(self) -> Path | None:
         return self._usage_dir
+
+    def child_env(self) -> dict[str, str]:
+        """Environment for a child process so that :func:`report_usage` reaches this probe."""
+        return {} if self._usage_dir is None else {FAKE_USAGE_DIR_ENV: str(self._usage_dir)}
 
     def _check_gpu(self, gpu_index: int) -> None:
         if gpu_index not in self._gpus:
