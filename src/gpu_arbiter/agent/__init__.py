@@ -1,0 +1,1 @@
+"""The worker agent: GPU probes, heartbeat, process supervision."""
