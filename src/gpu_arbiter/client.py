@@ -1,0 +1,284 @@
+"""A typed HTTP client for the controller's ``/v1`` API (httpx, asyncio).
+
+The CLI, the ``run`` wrapper and the agent talk to the controller only through
+this module. It accepts several controller URLs (``http://a:7070,http://b:7070``)
+and moves on to the next one when a controller cannot be reached or answers
+that it is not the leader (HTTP 503), so a standby taking over is transparent.
+
+Errors::
+
+    ArbiterError
+     ├── ApiError               the controller answered with an error body
+     └── ControllerUnreachable  no controller URL answered
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .core import ArbiterError
+
+__all__ = ["ApiError", "ArbiterClient", "ControllerUnreachable", "SseEvent", "parse_urls"]
+
+DEFAULT_URL = "http://127.0.0.1:7070"
+Json = dict[str, Any]
+
+
+class ApiError(ArbiterError):
+    """The controller refused: ``status`` (HTTP), ``code``, ``message``, ``details``."""
+
+    def __init__(self, status: int, code: str, message: str, details: Mapping[str, Any]) -> None:
+        super().__init__(message, **dict(details))
+        self.status = status
+        self.code = code
+
+
+class ControllerUnreachable(ArbiterError):
+    code = "controller_unreachable"
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    id: str | None
+    type: str
+    data: Any
+
+
+def parse_urls(value: str | Sequence[str] | None) -> list[str]:
+    """``"http://a:7070,http://b:7070"`` (or a list) -> clean base URLs; the default if empty."""
+    if value is None:
+        value = os.environ.get("GPU_ARBITER_URL", "")
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    urls = [p.strip().rstrip("/") for p in parts if p.strip()]
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ArbiterError(f"controller URL {url!r} must start with http:// or https://")
+    return urls or [DEFAULT_URL]
+
+
+class ArbiterClient:
+    """``async with ArbiterClient("http://127.0.0.1:7070", token=...) as client: ...``"""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str] | None = None,
+        *,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.urls = parse_urls(urls)
+        self._current = 0
+        token = token if token is not None else os.environ.get("GPU_ARBITER_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(timeout_s), transport=transport
+        )
+
+    async def __aenter__(self) -> ArbiterClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @property
+    def url(self) -> str:
+        """The controller URL in use now."""
+        return self.urls[self._current]
+
+    # ------------------------------------------------------------------ transport
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """One call, failing over across the controller URLs; the decoded JSON body."""
+        clean = {k: v for k, v in (params or {}).items() if v is not None}
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
+        errors = []
+        for attempt in range(len(self.urls)):
+            url = self.urls[(self._current + attempt) % len(self.urls)]
+            try:
+                response = await self._http.request(
+                    method, url + path, json=json_body, params=clean, timeout=timeout
+                )
+            except httpx.TransportError as exc:
+                errors.append(f"{url}: {exc.__class__.__name__} {exc}".strip())
+                continue
+            if response.status_code == 503 and len(self.urls) > 1:
+                errors.append(f"{url}: 503 not ready or not the leader")
+                continue
+            self._current = (self._current + attempt) % len(self.urls)
+            return _decode(response)
+        raise ControllerUnreachable(
+            "no controller answered (" + "; ".join(errors) + "). Start one with "
+            "`gpu-arbiter serve --local`, or point GPU_ARBITER_URL / --controller at it."
+        )
+
+    # ------------------------------------------------------------------ leases
+
+    async def create_lease(self, **request: Any) -> Json:
+        """POST /v1/leases: 201 granted at once, 202 pending (with position and reason)."""
+        body = {k: v for k, v in request.items() if v is not None}
+        result: Json = await self.request("POST", "/v1/leases", json_body=body)
+        return result
+
+    async def lease(self, lease_id: str, *, wait_s: float | None = None) -> Json:
+        """GET /v1/leases/{id}; with ``wait_s``, answers as soon as the state changes."""
+        timeout = None if wait_s is None else wait_s + 10.0
+        result: Json = await self.request(
+            "GET", f"/v1/leases/{lease_id}", params={"wait": wait_s}, timeout_s=timeout
+        )
+        return result
+
+    async def leases(
+        self, *, state: str | None = None, worker: str | None = None, holder: str | None = None
+    ) -> list[Json]:
+        params = {"state": state, "worker": worker, "holder": holder}
+        result: list[Json] = await self.request("GET", "/v1/leases", params=params)
+        return result
+
+    async def renew(self, lease_id: str, ttl_s: float | None = None) -> Json:
+        body = {} if ttl_s is None else {"ttl_s": ttl_s}
+        return await self._post(f"/v1/leases/{lease_id}/renew", body)
+
+    async def ready(self, lease_id: str) -> Json:
+        return await self._post(f"/v1/leases/{lease_id}/ready")
+
+    async def idle(self, lease_id: str) -> Json:
+        return await self._post(f"/v1/leases/{lease_id}/idle")
+
+    async def busy(self, lease_id: str) -> Json:
+        return await self._post(f"/v1/leases/{lease_id}/busy")
+
+    async def release(self, lease_id: str) -> Json:
+        """DELETE /v1/leases/{id}: releases a held lease, cancels a pending one; idempotent."""
+        result: Json = await self.request("DELETE", f"/v1/leases/{lease_id}")
+        return result
+
+    async def revoke(self, lease_id: str) -> Json:
+        return await self._post(f"/v1/leases/{lease_id}/revoke")
+
+    # ------------------------------------------------------------------ workers
+
+    async def register(self, worker: Json) -> Json:
+        return await self._post("/v1/workers", worker)
+
+    async def heartbeat(self, name: str, body: Json) -> Json:
+        return await self._post(f"/v1/workers/{name}/heartbeat", body)
+
+    async def workers(self) -> list[Json]:
+        result: list[Json] = await self.request("GET", "/v1/workers")
+        return result
+
+    async def worker(self, name: str) -> Json:
+        result: Json = await self.request("GET", f"/v1/workers/{name}")
+        return result
+
+    async def drain(
+        self, name: str, *, force: bool = False, deadline_s: float | None = None
+    ) -> Json:
+        body: Json = {"mode": "force" if force else "graceful"}
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
+        return await self._post(f"/v1/workers/{name}/drain", body)
+
+    async def cancel_drain(self, name: str) -> Json:
+        return await self._post(f"/v1/workers/{name}/cancel-drain")
+
+    async def remove_worker(self, name: str, *, force: bool = False) -> Json:
+        result: Json = await self.request(
+            "DELETE", f"/v1/workers/{name}", params={"force": "true" if force else None}
+        )
+        return result
+
+    async def update(self, name: str) -> Json:
+        return await self._post(f"/v1/workers/{name}/update")
+
+    async def operation(self, operation_id: str) -> Json:
+        result: Json = await self.request("GET", f"/v1/operations/{operation_id}")
+        return result
+
+    # ------------------------------------------------------------------ arbiter
+
+    async def pause(self) -> Json:
+        return await self._post("/v1/pause")
+
+    async def resume(self) -> Json:
+        return await self._post("/v1/resume")
+
+    async def status(self) -> Json:
+        result: Json = await self.request("GET", "/v1/status")
+        return result
+
+    async def queue(self) -> list[Json]:
+        result: list[Json] = await self.request("GET", "/v1/queue")
+        return result
+
+    async def events(
+        self,
+        *,
+        last_event_id: str | None = None,
+        lease: str | None = None,
+        worker: str | None = None,
+    ) -> AsyncIterator[SseEvent]:
+        """Follows ``/v1/events`` (Server-Sent Events) from ``last_event_id``."""
+        headers = {"Accept": "text/event-stream"}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
+        params = {k: v for k, v in {"lease": lease, "worker": worker}.items() if v}
+        timeout = httpx.Timeout(10.0, read=None)
+        async with self._http.stream(
+            "GET", self.url + "/v1/events", headers=headers, params=params, timeout=timeout
+        ) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _decode(response)
+            fields: dict[str, str] = {}
+            async for line in response.aiter_lines():
+                if line:
+                    key, _, value = line.partition(":")
+                    if key in ("id", "event", "data"):
+                        fields[key] = fields.get(key, "") + value.lstrip()
+                    continue
+                if "data" in fields:
+                    yield SseEvent(
+                        fields.get("id"), fields.get("event", "message"), json.loads(fields["data"])
+                    )
+                fields = {}
+
+    async def _post(self, path: str, body: Json | None = None) -> Json:
+        result: Json = await self.request("POST", path, json_body=body)
+        return result
+
+
+def _decode(response: httpx.Response) -> Any:
+    try:
+        body = response.json() if response.content else None
+    except ValueError:
+        body = None
+    if response.status_code >= 400:
+        error = body.get("error") if isinstance(body, dict) else None
+        if not isinstance(error, dict):
+            error = {"code": "http_error", "message": response.text[:200] or response.reason_phrase}
+        raise ApiError(
+            response.status_code,
+            str(error.get("code", "error")),
+            str(error.get("message", "")),
+            error.get("details") or {},
+        )
+    return body
