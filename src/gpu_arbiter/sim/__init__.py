@@ -33,6 +33,7 @@ __all__ = [
     "Step",
     "TraceError",
     "TraceRequest",
+    "compare",
     "dump_trace",
     "generate",
     "load_trace",
@@ -40,7 +41,6 @@ __all__ = [
     "parse_policies",
     "parse_trace",
     "priority_class",
-    "simulate",
     "summarize",
 ]
 
@@ -60,7 +60,7 @@ def parse_policies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def simulate(
+def compare(
     trace: Sequence[TraceRequest],
     cluster: Cluster,
     policies: Sequence[str] = tuple(POLICIES),

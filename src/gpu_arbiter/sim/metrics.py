@@ -7,9 +7,11 @@ wait            seconds from a request's (re)submission until its run starts:
                 a warm model is reused. Per priority class: median, p95, p99 and
                 the longest (starvation). A preempted request is re-queued as a
                 new attempt whose wait counts from its re-submission.
+                ``queue_p99_s``: p99 of the wait until the grant alone (no load).
 mem_util        time-weighted memory held by holders' processes (loading,
-                running, idle-warm, stopping) over the cluster's capacity, from
-                0 to the last completion.
+                running, idle-warm, stopping) over the cluster's capacity, while
+                the trace arrives (0 to the last arrival: the same window for
+                every policy).
 busy_mem_util   the same for memory of processes loading or running only.
 work_per_hour   GPU-hours of completed runs per hour (run_s x gpus over the span).
 preemptions     runs and loads interrupted; ``wasted_run_s`` the GPU-seconds of
@@ -18,6 +20,8 @@ overcommits     grants that pushed a GPU's held memory above its capacity.
 concurrent_loads  loads that started on a GPU while another load ran there;
                 ``max_loads`` the most at once on one GPU.
 violations      invariant violations found in the policy's own books (ours).
+unfinished      requests not done when the run ended (a policy that livelocks
+                runs until the horizon).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ CLASSES = ("interactive", "normal", "background", "batch")
 class WaitSample:
     priority: int
     wait_s: float
+    queue_s: float
     warm: bool
     attempt_id: str
 
@@ -62,6 +67,7 @@ class Recording:
     rejected: list[str] = field(default_factory=list)
     unfinished: int = 0
     steps: int = 0
+    window_s: float = 0.0
     held_mb: int = 0
     busy_mb: int = 0
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
@@ -99,8 +105,8 @@ def _integral(timeline: Sequence[tuple[float, int, int]], end: float) -> tuple[f
 def summarize(rec: Recording) -> dict[str, Any]:
     """The figures of one run, as plain JSON-ready values."""
     end = rec.last_completion
-    held, busy = _integral(rec.timeline, end)
-    denominator = rec.capacity_mb * end if end > 0 else 1.0
+    held, busy = _integral(rec.timeline, rec.window_s)
+    denominator = rec.capacity_mb * rec.window_s if rec.window_s > 0 else 1.0
     classes: dict[str, dict[str, float | int]] = {}
     for name in CLASSES:
         samples = [w for w in rec.waits if priority_class(w.priority) == name]
@@ -114,6 +120,7 @@ def summarize(rec: Recording) -> dict[str, Any]:
             "p95_s": round(percentile(waits, 95), 3),
             "p99_s": round(percentile(waits, 99), 3),
             "max_s": round(max(waits), 3),
+            "queue_p99_s": round(percentile([w.queue_s for w in samples], 99), 3),
         }
     return {
         "policy": rec.policy,
@@ -122,6 +129,7 @@ def summarize(rec: Recording) -> dict[str, Any]:
         "busy_mem_util": round(busy / denominator, 4),
         "work_per_hour": round(rec.work_gpu_s / end, 4) if end > 0 else 0.0,
         "span_s": round(end, 3),
+        "window_s": round(rec.window_s, 3),
         "completed": rec.completed,
         "preemptions": rec.preemptions,
         "wasted_run_s": round(rec.wasted_run_s, 3),

@@ -12,8 +12,11 @@ imagegen  image-generation bursts (``normal``): now and then a burst of 5-20
 batch     fine-tunes and re-indexes (``batch``): rare, large, long (tens of
           minutes to hours), fine-tunes on 2 GPUs where workers have them.
 
-Rates scale with the cluster's memory (per 24 GiB of capacity) and model sizes
-with its largest GPU, so every cluster is busy but not hopelessly overloaded.
+Model sizes follow the cluster's largest GPU (24 GiB-class or 80 GiB-class
+catalogs), and arrival rates are set so that, on average, each kind asks for a
+fixed share of the cluster's memory-time (chat 20 %, agents 3 % (at most 400
+requests an hour), image bursts 5 %, fine-tunes 30 %, re-indexes 8 %): every
+cluster is busy, none hopelessly overloaded.
 The same (kind, seed, cluster, hours) always gives the same trace.
 """
 
@@ -127,23 +130,38 @@ def _request(
     )
 
 
-def _chat(rng: random.Random, c: _Catalog, scale: float, hours: float) -> list[TraceRequest]:
+def _rate(share: float, capacity_gib: float, models: list[_Model], busy_s: float) -> float:
+    """Arrivals per hour that keep ``share`` of the capacity busy with these models, each
+    holding its memory for its load plus ``busy_s`` on average."""
+    total = sum(m.weight for m in models)
+    gib_s = sum(m.weight * m.vram_mb / _G * m.gpus * (m.load_s + busy_s) for m in models)
+    return share * capacity_gib * 3600 / (gib_s / total)
+
+
+def _chat(rng: random.Random, c: _Catalog, capacity_gib: float, hours: float) -> list[TraceRequest]:
+    rate = _rate(0.2, capacity_gib, c["chat"], 60)
     return [
         _request(_pick(rng, c["chat"]), t, rng.expovariate(1 / 60), "interactive", "chat")
-        for t in _poisson(rng, 24 * scale, hours)
+        for t in _poisson(rng, rate, hours)
     ]
 
 
-def _agents(rng: random.Random, c: _Catalog, scale: float, hours: float) -> list[TraceRequest]:
+def _agents(
+    rng: random.Random, c: _Catalog, capacity_gib: float, hours: float
+) -> list[TraceRequest]:
+    rate = min(400.0, _rate(0.03, capacity_gib, c["agents"], 17.5))
     return [
         _request(_pick(rng, c["agents"]), t, rng.uniform(5, 30), "normal", "agents")
-        for t in _poisson(rng, 60 * scale, hours)
+        for t in _poisson(rng, rate, hours)
     ]
 
 
-def _imagegen(rng: random.Random, c: _Catalog, scale: float, hours: float) -> list[TraceRequest]:
+def _imagegen(
+    rng: random.Random, c: _Catalog, capacity_gib: float, hours: float
+) -> list[TraceRequest]:
     out = []
-    for start in _poisson(rng, 1.0 * scale, hours):
+    rate = _rate(0.05, capacity_gib, c["imagegen"], 12.5 * 16.5)  # a burst: ~12 images
+    for start in _poisson(rng, rate, hours):
         model, t = _pick(rng, c["imagegen"]), start
         for _ in range(rng.randint(5, 20)):
             out.append(_request(model, t, rng.uniform(8, 25), "normal", "imagegen"))
@@ -151,10 +169,12 @@ def _imagegen(rng: random.Random, c: _Catalog, scale: float, hours: float) -> li
     return out
 
 
-def _batch(rng: random.Random, c: _Catalog, scale: float, hours: float) -> list[TraceRequest]:
+def _batch(
+    rng: random.Random, c: _Catalog, capacity_gib: float, hours: float
+) -> list[TraceRequest]:
     needs_ampere = Constraints.build(min_compute_capability="8.0")
     out = []
-    for t in _poisson(rng, 0.5 * scale, hours):
+    for t in _poisson(rng, _rate(0.3, capacity_gib, c["finetune"], 40 * 60), hours):
         out.append(
             _request(
                 _pick(rng, c["finetune"]),
@@ -166,7 +186,7 @@ def _batch(rng: random.Random, c: _Catalog, scale: float, hours: float) -> list[
                 raw={"min_compute_capability": "8.0"},
             )
         )
-    for t in _poisson(rng, 0.5 * scale, hours):
+    for t in _poisson(rng, _rate(0.08, capacity_gib, c["reindex"], 20 * 60), hours):
         out.append(_request(c["reindex"][0], t, rng.uniform(10, 30) * 60, "batch", "reindex"))
     return out
 
@@ -190,10 +210,10 @@ def generate(kind: str, seed: int, cluster: Cluster, hours: float = 4.0) -> list
             raise InvalidInput("generate", f"{part!r} is not one of {', '.join(KINDS)}")
     if not 0 < hours <= 24 * 30:
         raise InvalidInput("hours", "must be > 0 and at most 720")
-    scale = cluster.total_mb / (24 * _G)
+    capacity_gib = cluster.total_mb / _G
     catalog = _catalog(cluster)
     trace: list[TraceRequest] = []
     for part in sorted(set(parts), key=parts.index):
         rng = random.Random(f"{seed}:{part}")
-        trace.extend(_PARTS[part](rng, catalog, scale, hours))
+        trace.extend(_PARTS[part](rng, catalog, capacity_gib, hours))
     return sorted(trace, key=lambda r: (r.arrival_s, r.model))

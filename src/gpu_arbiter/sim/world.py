@@ -46,6 +46,7 @@ class _Process:
     since: float
     version: int = 0
     requeue: bool = False
+    granted_at: float = 0.0
 
     @property
     def vram_mb(self) -> int:
@@ -81,14 +82,16 @@ class Simulation:
         self.keep_alive_s = keep_alive_s
         self.check = check
         last = max((r.arrival_s for r in self.trace), default=0.0)
-        self.horizon_s = horizon_s if horizon_s is not None else last + 30 * 86400.0
+        self.horizon_s = horizon_s if horizon_s is not None else last + 86400.0
         self.capacity = cluster.capacity_mb()
         self.events: EventHeap[_Event] = EventHeap()
         self.pending: dict[str, Attempt] = {}
         self.procs: dict[str, _Process] = {}
         self.mem = dict.fromkeys(self.capacity, 0)
         self.loads = dict.fromkeys(self.capacity, 0)
-        self.rec = Recording(policy=allocator.name, capacity_mb=sum(self.capacity.values()))
+        self.rec = Recording(
+            policy=allocator.name, capacity_mb=sum(self.capacity.values()), window_s=last
+        )
         self._tries: dict[int, int] = {}
         self._seq = 0
         self._wakes: set[float] = set()
@@ -96,6 +99,8 @@ class Simulation:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> Recording:
+        """Runs until nothing is left to happen, or ``horizon_s`` (default: a day after the
+        last arrival) has passed; what has not finished by then counts as ``unfinished``."""
         for index, item in enumerate(self.trace):
             self.events.schedule(item.arrival_s, ("arrive", str(index), 0))
         while (now := self.events.next_time()) is not None and now <= self.horizon_s:
@@ -111,6 +116,11 @@ class Simulation:
             if deadline is not None and deadline > now and deadline not in self._wakes:
                 self._wakes.add(deadline)
                 self.events.schedule(deadline, ("wake", "", 0))
+        end = max(self.events.next_time() or 0.0, self.rec.last_completion)
+        for attempt in self.pending.values():  # never started: counted as waiting until the end
+            waited = max(0.0, end - attempt.submitted_at)
+            item = attempt.item
+            self.rec.waits.append(WaitSample(item.priority, waited, waited, False, attempt.id))
         self.rec.unfinished = len(self.pending) + sum(
             p.phase in ("loading", "running") or p.requeue for p in self.procs.values()
         )
@@ -174,7 +184,7 @@ class Simulation:
 
     def _grant(self, lease_id: str, gpus: tuple[GpuId, ...], now: float) -> None:
         attempt = self.pending.pop(lease_id)
-        proc = _Process(lease_id, attempt, gpus, "loading", now)
+        proc = _Process(lease_id, attempt, gpus, "loading", now, granted_at=now)
         self.procs[lease_id] = proc
         for gpu_id in gpus:
             if self.loads[gpu_id]:
@@ -197,13 +207,21 @@ class Simulation:
     def _run(self, proc: _Process, attempt: Attempt, now: float, *, warm_start: bool) -> None:
         if proc.phase == "idle":
             self.rec.change(now, held=0, busy=proc.vram_mb * len(proc.gpus))
+        if warm_start:
+            proc.granted_at = now
         proc.attempt = attempt
         proc.phase = "running"
         proc.since = now
         proc.version += 1
         item = attempt.item
         self.rec.waits.append(
-            WaitSample(item.priority, now - attempt.submitted_at, warm_start, attempt.id)
+            WaitSample(
+                item.priority,
+                now - attempt.submitted_at,
+                proc.granted_at - attempt.submitted_at,
+                warm_start,
+                attempt.id,
+            )
         )
         self.rec.warm_starts += warm_start
         self.events.schedule(now + item.run_s, ("done", proc.lease_id, proc.version))
