@@ -53,13 +53,13 @@ class _Process:
         return self.attempt.item.vram_mb
 
     def same_model(self, attempt: Attempt) -> bool:
-        a, b = self.attempt.item, attempt.item
-        return (a.model, a.vram_mb, a.gpus, a.constraints) == (
-            b.model,
-            b.vram_mb,
-            b.gpus,
-            b.constraints,
-        )
+        """Whether ``attempt`` may run on this process's warm model: the same model, size,
+        GPUs, constraints, priority and preemptibility (the lease is reused as it is)."""
+        return _model_key(self.attempt.item) == _model_key(attempt.item)
+
+
+def _model_key(item: TraceRequest) -> tuple[object, ...]:
+    return (item.model, item.vram_mb, item.gpus, item.constraints, item.priority, item.preemptible)
 
 
 class Simulation:
