@@ -1,7 +1,7 @@
 """PNG plots of a comparison (matplotlib, Agg backend: no display needed).
 
 ``wait_cdf.png``            the wait-time CDF per priority class, one line per policy.
-``memory_utilization.png``  memory held (solid) and busy (dotted) over time, per policy.
+``memory_utilization.png``  memory held and busy over time, one row per policy.
 """
 
 from __future__ import annotations
@@ -51,17 +51,19 @@ def write_plots(recordings: Sequence[Recording], directory: Path, title: str = "
     fig.savefig(cdf, dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for rec in recordings:
+    fig, rows = plt.subplots(
+        len(recordings), 1, figsize=(10, 1.8 * len(recordings) + 0.8), sharex=True, squeeze=False
+    )
+    for (ax,), rec in zip(rows, recordings, strict=True):
         hours, held, busy = utilization_series(rec)
-        (line,) = ax.plot(hours, held, label=f"{rec.policy} held")
-        ax.plot(hours, busy, linestyle=":", color=line.get_color(), label=f"{rec.policy} busy")
-    ax.set_xlabel("hours")
-    ax.set_ylabel("memory / capacity")
-    ax.set_ylim(0, 1.05)
-    ax.set_title(f"memory utilization over time {title}".strip())
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+        ax.fill_between(hours, held, step="post", alpha=0.35, label="held (incl. idle-warm)")
+        ax.step(hours, busy, where="post", linewidth=1, label="busy (loading or running)")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel(rec.policy)
+        ax.grid(True, alpha=0.3)
+    rows[0][0].legend(fontsize=7, loc="lower right")
+    rows[-1][0].set_xlabel("hours")
+    fig.suptitle(f"memory utilization (memory / capacity) {title}".strip())
     fig.tight_layout()
     util = directory / "memory_utilization.png"
     fig.savefig(util, dpi=100)

@@ -10,7 +10,9 @@ agents    agents' embeddings and rerankers (``normal``): small models, frequent,
 imagegen  image-generation bursts (``normal``): now and then a burst of 5-20
           requests for one model a few seconds apart.
 batch     fine-tunes and re-indexes (``batch``): rare, large, long (tens of
-          minutes to hours), fine-tunes on 2 GPUs where workers have them.
+          minutes to hours), fine-tunes on 2 GPUs where workers have them. Each
+          job has its own model name (``finetune-8b-3``): a job is not a model
+          server, nothing reuses its memory warm.
 
 Model sizes follow the cluster's largest GPU (24 GiB-class or 80 GiB-class
 catalogs), and arrival rates are set so that, on average, each kind asks for a
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core import Constraints, InvalidInput
 from .cluster import Cluster
@@ -169,15 +171,20 @@ def _imagegen(
     return out
 
 
+def _job(model: _Model, number: int) -> _Model:
+    """A batch job's own weights: no other request ever reuses them warm."""
+    return replace(model, name=f"{model.name}-{number}")
+
+
 def _batch(
     rng: random.Random, c: _Catalog, capacity_gib: float, hours: float
 ) -> list[TraceRequest]:
     needs_ampere = Constraints.build(min_compute_capability="8.0")
-    out = []
+    out: list[TraceRequest] = []
     for t in _poisson(rng, _rate(0.3, capacity_gib, c["finetune"], 40 * 60), hours):
         out.append(
             _request(
-                _pick(rng, c["finetune"]),
+                _job(_pick(rng, c["finetune"]), len(out)),
                 t,
                 rng.uniform(20, 60) * 60,
                 "batch",
@@ -187,7 +194,8 @@ def _batch(
             )
         )
     for t in _poisson(rng, _rate(0.08, capacity_gib, c["reindex"], 20 * 60), hours):
-        out.append(_request(c["reindex"][0], t, rng.uniform(10, 30) * 60, "batch", "reindex"))
+        job = _job(c["reindex"][0], len(out))
+        out.append(_request(job, t, rng.uniform(10, 30) * 60, "batch", "reindex"))
     return out
 
 
