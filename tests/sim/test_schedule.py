@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_arbiter.sim import POLICIES, Simulation, parse_cluster, parse_trace
+from gpu_arbiter.sim import POLICIES, Simulation, parse_cluster, parse_trace, summarize
 from gpu_arbiter.sim.metrics import Recording
 
 TRACE = [
@@ -57,6 +57,7 @@ def test_hand_made_trace_gives_the_known_schedule(policy: str) -> None:
     assert _schedule(rec) == schedule
     assert rec.preemptions == preemptions
     assert rec.concurrent_loads == concurrent
+    assert summarize(rec)["concurrent_loads_by_gpu"] == ({"w1:0": 1} if concurrent else {})
     assert rec.completed == 3
     assert rec.unfinished == 0
     assert rec.overcommits == 0

@@ -18,7 +18,8 @@ preemptions     runs and loads interrupted; ``wasted_run_s`` the GPU-seconds of
                 run they had done (lost). ``evictions``: idle models reclaimed.
 overcommits     grants that pushed a GPU's held memory above its capacity.
 concurrent_loads  loads that started on a GPU while another load ran there;
-                ``max_loads`` the most at once on one GPU.
+                ``max_loads`` the most at once on one GPU. Both also per GPU
+                (``*_by_gpu``, GPUs with none left out).
 violations      invariant violations found in the policy's own books (ours).
 unfinished      requests not done when the run ended (a policy that livelocks
                 runs until the horizon).
@@ -27,6 +28,7 @@ unfinished      requests not done when the run ended (a policy that livelocks
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +64,7 @@ class Recording:
     warm_starts: int = 0
     overcommits: int = 0
     concurrent_loads: int = 0
+    by_gpu: dict[str, Counter[str]] = field(default_factory=dict)
     max_loads: int = 0
     violations: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
@@ -71,6 +74,14 @@ class Recording:
     held_mb: int = 0
     busy_mb: int = 0
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def count(self, what: str, gpu: str) -> None:
+        """One over-commit or concurrent load (``what``) on ``gpu``."""
+        self.by_gpu.setdefault(what, Counter())[gpu] += 1
+        if what == "overcommits":
+            self.overcommits += 1
+        else:
+            self.concurrent_loads += 1
 
     def change(self, now: float, *, held: int, busy: int) -> None:
         """Memory held (and busy) changed at ``now`` by these deltas."""
@@ -138,6 +149,8 @@ def summarize(rec: Recording) -> dict[str, Any]:
         "warm_starts": rec.warm_starts,
         "overcommits": rec.overcommits,
         "concurrent_loads": rec.concurrent_loads,
+        "overcommits_by_gpu": dict(sorted(rec.by_gpu.get("overcommits", {}).items())),
+        "concurrent_loads_by_gpu": dict(sorted(rec.by_gpu.get("concurrent_loads", {}).items())),
         "max_loads_per_gpu": rec.max_loads,
         "violations": len(rec.violations),
         "rejected": len(rec.rejected),

@@ -188,12 +188,12 @@ class Simulation:
         self.procs[lease_id] = proc
         for gpu_id in gpus:
             if self.loads[gpu_id]:
-                self.rec.concurrent_loads += 1
+                self.rec.count("concurrent_loads", str(gpu_id))
             self.loads[gpu_id] += 1
             self.rec.max_loads = max(self.rec.max_loads, self.loads[gpu_id])
             self.mem[gpu_id] += proc.vram_mb
             if self.mem[gpu_id] > self.capacity[gpu_id]:
-                self.rec.overcommits += 1
+                self.rec.count("overcommits", str(gpu_id))
         self.rec.change(now, held=proc.vram_mb * len(gpus), busy=proc.vram_mb * len(gpus))
         self.rec.loads_started += 1
         self.events.schedule(now + attempt.item.load_s, ("loaded", lease_id, proc.version))
