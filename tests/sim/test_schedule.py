@@ -95,3 +95,27 @@ def test_warm_model_is_reused_without_a_load() -> None:
     rec = Simulation(parse_trace(lines), cluster, POLICIES["fifo"](cluster)).run()
     assert rec.warm_starts == 0
     assert rec.loads_started == 3
+
+
+def test_strict_priority_without_nominations_can_livelock_where_ours_does_not() -> None:
+    """On 20 GiB, r1 (20 GiB, interactive) preempts r0 (10 GiB); without a nomination r2
+    takes the other 10 GiB at once; when r0 has stopped, r1 still does not fit, preempts
+    r2, and the re-queued r0 takes the freed memory; and so on, until the horizon."""
+    lines = [
+        '{"arrival_s": 0, "model": "a", "vram_mb": "10G", "load_s": 1, "run_s": 100}',
+        '{"arrival_s": 5, "model": "c", "vram_mb": "20G", "priority": "interactive",'
+        ' "load_s": 1, "run_s": 10}',
+        '{"arrival_s": 5.5, "model": "d", "vram_mb": "10G", "load_s": 1, "run_s": 100}',
+    ]
+    cluster = parse_cluster("1x20G")
+    stuck = Simulation(
+        parse_trace(lines), cluster, POLICIES["priority"](cluster), stop_s=2, horizon_s=600
+    ).run()
+    assert stuck.unfinished == 3
+    assert stuck.preemptions > 250
+    assert max(w.wait_s for w in stuck.waits if w.priority == 800) > 590  # still waiting
+    ours = Simulation(parse_trace(lines), cluster, POLICIES["ours"](cluster), stop_s=2).run()
+    assert ours.unfinished == 0
+    assert ours.completed == 3
+    assert ours.preemptions == 1
+    assert _schedule(ours)["r1"] == (2, 3)  # granted when r0 has stopped, then loads 1 s
