@@ -109,6 +109,7 @@ class _Baseline:
             workers={worker.name: [g.id for g in gpus] for worker, gpus in cluster.workers},
         )
         self.pending: dict[str, Attempt] = {}
+        self._match_cache: dict[tuple[object, ...], dict[str, list[GpuId]]] = {}
 
     # verbs
     def submit(self, attempt: Attempt, now: float) -> str | None:
@@ -148,7 +149,12 @@ class _Baseline:
 
     def _matching(self, attempt: Attempt) -> dict[str, list[GpuId]]:
         item = attempt.item
+        key = (item.constraints, item.vram_mb, item.gpus)
+        cached = self._match_cache.get(key)
+        if cached is not None:
+            return cached
         out: dict[str, list[GpuId]] = {}
+        self._match_cache[key] = out
         for worker, ids in self.books.workers.items():
             fitting = [
                 g

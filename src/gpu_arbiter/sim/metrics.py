@@ -11,7 +11,7 @@ wait            seconds from a request's (re)submission until its run starts:
 mem_util        time-weighted memory held by holders' processes (loading,
                 running, idle-warm, stopping) over the cluster's capacity, while
                 the trace arrives (0 to the last arrival: the same window for
-                every policy).
+                every policy; the span when everything arrives at once).
 busy_mem_util   the same for memory of processes loading or running only.
 work_per_hour   GPU-hours of completed runs per hour (run_s x gpus over the span).
 preemptions     runs and loads interrupted; ``wasted_run_s`` the GPU-seconds of
@@ -116,8 +116,9 @@ def _integral(timeline: Sequence[tuple[float, int, int]], end: float) -> tuple[f
 def summarize(rec: Recording) -> dict[str, Any]:
     """The figures of one run, as plain JSON-ready values."""
     end = rec.last_completion
-    held, busy = _integral(rec.timeline, rec.window_s)
-    denominator = rec.capacity_mb * rec.window_s if rec.window_s > 0 else 1.0
+    window = rec.window_s if rec.window_s > 0 else end  # all arrived at once: the span
+    held, busy = _integral(rec.timeline, window)
+    denominator = rec.capacity_mb * window if window > 0 else 1.0
     classes: dict[str, dict[str, float | int]] = {}
     for name in CLASSES:
         samples = [w for w in rec.waits if priority_class(w.priority) == name]
