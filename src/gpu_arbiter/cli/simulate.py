@@ -29,7 +29,8 @@ from ..sim.report import targets
 
 GENERATE_HELP = f"Generate a seeded trace of this kind ({', '.join(KINDS)}; join with +)."
 CLUSTER_HELP = (
-    f"[Ww:]NxSIZE[@ARCH] groups joined by +, e.g. 4w:2x24G, or a preset ({', '.join(PRESETS)})."
+    "Groups of W workers with N GPUs of SIZE (1x24G, 4w:2x24G, 2w:8x80G@sm_90) joined "
+    f"by +, or a preset ({', '.join(PRESETS)})."
 )
 POLICY_HELP = f"'all' or names joined by ',' ({', '.join(POLICIES)})."
 
