@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .demo import demo
+from .simulate import simulate
 
 app = typer.Typer(
     name="gpu-arbiter",
@@ -13,6 +14,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command()(demo)
+app.command()(simulate)
 
 
 @app.callback()

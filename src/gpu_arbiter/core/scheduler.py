@@ -803,10 +803,12 @@ class Scheduler:
     ) -> PendingReason:
         codes = {v.code for v in verdicts}
         summary = summarize(verdicts, request.vram_mb)
-        if "fits" in codes:
+        fitting = Counter(v.gpu.worker for v in verdicts if v.code == "fits")
+        if any(count >= request.gpus for count in fitting.values()):
             return PendingReason(
                 "queued", "a GPU fits; waiting for the next scheduling cycle", verdicts, own
             )
+        codes.discard("fits")  # some GPUs have room, but no worker has `gpus` of them
         for code in ("nominated_for", "load_in_progress", "insufficient_vram"):
             if code in codes:
                 blocked = next((holders.get(v.gpu) for v in verdicts if v.code == code), None)

@@ -1,0 +1,355 @@
+"""Baseline policies: the ways GPUs are commonly shared today, simulated fairly.
+
+Each is a small, working allocator with its own books (it does not use the
+core). All share what is not the point of the comparison: the same placement
+rule as ours (``binpack``: the GPUs left with the least room), the same
+constraint matching (:func:`gpu_arbiter.core.filters.mismatch`), and a lease's
+memory is freed only once its holder has stopped (a preempted holder takes
+the world's ``stop_s`` to do so).
+
+``fifo``
+    First in, first out, without preemption: the oldest pending request is
+    placed when it fits; while it does not, nothing behind it is (no
+    overtaking, hence no starvation, but head-of-line blocking). Loads are not
+    serialized. A finished run releases its lease.
+``priority``
+    Strict priority (as priority classes in Kubernetes): the queue is walked by
+    (base priority desc, arrival asc) and every request that fits is placed
+    (small requests overtake a large one: no nominations, no aging). A request
+    that fits nowhere preempts the cheapest set of preemptible leases of
+    strictly lower priority on one worker (fewest, lowest priority, youngest),
+    unless memory already being revoked will make room. Loads are not
+    serialized. A finished run releases its lease.
+``slots``
+    Fixed, equal-size slots per GPU, counted as a generic resource (the way
+    count-based schedulers and device plugins share a GPU): each GPU has
+    ``slots_per_gpu`` slots of ``capacity / slots_per_gpu``; a request takes
+    ``ceil(vram / slot)`` whole slots on each of its GPUs. Scheduled as
+    ``priority`` (same order, same preemption) over slots.
+``lru``
+    Keep-loaded with LRU eviction (the way single-host model servers work): a
+    finished model stays loaded (idle) and serves the next request for it
+    without a load; requests are served first come, first served; when the
+    oldest does not fit, idle models are evicted least recently used first
+    (never a busy one; no priorities). One load at a time per worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ..core import GpuId
+from ..core.filters import mismatch
+from .base import Attempt, Step
+from .cluster import Cluster
+
+__all__ = ["BASELINES", "Fifo", "KeepLoadedLru", "Slots", "StrictPriority"]
+
+
+@dataclass(slots=True)
+class _Lease:
+    attempt: Attempt
+    gpus: tuple[GpuId, ...]
+    reserved_mb: int
+    granted_at: float
+    loading: bool = True
+    idle: bool = False
+    revoking: bool = False
+    last_used_at: float = 0.0
+
+    @property
+    def priority(self) -> int:
+        return self.attempt.item.priority
+
+
+@dataclass(slots=True)
+class _Books:
+    """Memory per GPU: what each lease reserved, and loads in progress per worker."""
+
+    capacity: dict[GpuId, int]
+    workers: dict[str, list[GpuId]]
+    reserved: dict[GpuId, dict[str, int]] = field(default_factory=dict)
+    leases: dict[str, _Lease] = field(default_factory=dict)
+
+    def free(self, gpu_id: GpuId) -> int:
+        return self.capacity[gpu_id] - sum(self.reserved.get(gpu_id, {}).values())
+
+    def add(self, lease: _Lease) -> None:
+        self.leases[lease.attempt.id] = lease
+        for gpu_id in lease.gpus:
+            self.reserved.setdefault(gpu_id, {})[lease.attempt.id] = lease.reserved_mb
+
+    def remove(self, lease_id: str) -> _Lease:
+        lease = self.leases.pop(lease_id)
+        for gpu_id in lease.gpus:
+            del self.reserved[gpu_id][lease_id]
+        return lease
+
+    def on(self, gpu_id: GpuId) -> list[_Lease]:
+        return [self.leases[lid] for lid in self.reserved.get(gpu_id, {})]
+
+    def loading_on(self, worker: str) -> bool:
+        return any(lease.loading for g in self.workers[worker] for lease in self.on(g))
+
+
+class _Baseline:
+    """Shared books and verbs; subclasses decide."""
+
+    name: ClassVar[str] = ""
+    keeps_warm: ClassVar[bool] = False
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._labels = {worker.name: worker.labels for worker, _ in cluster.workers}
+        self._gpus = {gpu.id: gpu for gpu in cluster.gpus}
+        self.books = _Books(
+            capacity=cluster.capacity_mb(),
+            workers={worker.name: [g.id for g in gpus] for worker, gpus in cluster.workers},
+        )
+        self.pending: dict[str, Attempt] = {}
+        self._match_cache: dict[tuple[object, ...], dict[str, list[GpuId]]] = {}
+
+    # verbs
+    def submit(self, attempt: Attempt, now: float) -> str | None:
+        if not self._placeable(attempt):
+            return "no worker has enough matching GPUs large enough"
+        self.pending[attempt.id] = attempt
+        return None
+
+    def cancel(self, attempt_id: str) -> None:
+        del self.pending[attempt_id]
+
+    def ready(self, lease_id: str, now: float) -> None:
+        lease = self.books.leases[lease_id]
+        lease.loading = False
+        lease.last_used_at = now
+
+    def set_idle(self, lease_id: str, idle: bool, now: float) -> None:
+        lease = self.books.leases[lease_id]
+        lease.idle = idle
+        lease.last_used_at = now
+
+    def release(self, lease_id: str, now: float) -> None:
+        self.books.remove(lease_id)
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def check(self, now: float, step: Step, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
+        return []  # the world counts over-commit and concurrent loads for every policy
+
+    def decide(self, now: float) -> Step:
+        raise NotImplementedError
+
+    # placement
+    def _reserve_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
+        return attempt.item.vram_mb
+
+    def _matching(self, attempt: Attempt) -> dict[str, list[GpuId]]:
+        item = attempt.item
+        key = (item.constraints, item.vram_mb, item.gpus)
+        cached = self._match_cache.get(key)
+        if cached is not None:
+            return cached
+        out: dict[str, list[GpuId]] = {}
+        self._match_cache[key] = out
+        for worker, ids in self.books.workers.items():
+            fitting = [
+                g
+                for g in ids
+                if mismatch(self._gpus[g], self._labels[worker], item.constraints, item.vram_mb)
+                is None
+            ]
+            if len(fitting) >= item.gpus:
+                out[worker] = fitting
+        return out
+
+    def _placeable(self, attempt: Attempt) -> bool:
+        return bool(self._matching(attempt))
+
+    def _fit(
+        self, attempt: Attempt, room: Mapping[GpuId, int], skip_loading_workers: bool = False
+    ) -> tuple[GpuId, ...] | None:
+        """Binpack: on the worker whose best GPUs are left with the least room."""
+        best: tuple[tuple[int, str], tuple[GpuId, ...]] | None = None
+        for worker, ids in self._matching(attempt).items():
+            if skip_loading_workers and self.books.loading_on(worker):
+                continue
+            fits = [g for g in ids if room[g] >= self._reserve_mb(attempt, g)]
+            if len(fits) < attempt.item.gpus:
+                continue
+            ranked = sorted(fits, key=lambda g: (room[g], g))[: attempt.item.gpus]
+            score = (sum(room[g] for g in ranked), worker)
+            if best is None or score < best[0]:
+                best = (score, tuple(sorted(ranked)))
+        return None if best is None else best[1]
+
+    def _grant(self, attempt: Attempt, gpus: tuple[GpuId, ...], now: float) -> None:
+        del self.pending[attempt.id]
+        reserved = max(self._reserve_mb(attempt, g) for g in gpus)
+        self.books.add(_Lease(attempt, gpus, reserved, now, last_used_at=now))
+
+    def _room(self) -> dict[GpuId, int]:
+        return {g: self.books.free(g) for g in self.books.capacity}
+
+
+class Fifo(_Baseline):
+    name: ClassVar[str] = "fifo"
+
+    def decide(self, now: float) -> Step:
+        room = self._room()
+        grants = []
+        for attempt in sorted(self.pending.values(), key=lambda a: a.seq):
+            gpus = self._fit(attempt, room)
+            if gpus is None:
+                break  # head-of-line: nothing overtakes the oldest request
+            self._grant(attempt, gpus, now)
+            grants.append((attempt.id, gpus))
+            for g in gpus:
+                room[g] -= self._reserve_mb(attempt, g)
+        return Step(grants=tuple(grants))
+
+
+class StrictPriority(_Baseline):
+    name: ClassVar[str] = "priority"
+
+    def decide(self, now: float) -> Step:
+        room = self._room()
+        grants: list[tuple[str, tuple[GpuId, ...]]] = []
+        revocations: list[tuple[str, str]] = []
+        order = sorted(self.pending.values(), key=lambda a: (-a.item.priority, a.seq))
+        for attempt in order:
+            gpus = self._fit(attempt, room)
+            if gpus is not None:
+                self._grant(attempt, gpus, now)
+                grants.append((attempt.id, gpus))
+                for g in gpus:
+                    room[g] -= self._reserve_mb(attempt, g)
+                continue
+            for victim in self._victims(attempt, room):
+                victim.revoking = True
+                revocations.append((victim.attempt.id, "preempted"))
+        return Step(grants=tuple(grants), revocations=tuple(revocations))
+
+    def _victims(self, attempt: Attempt, room: Mapping[GpuId, int]) -> list[_Lease]:
+        """The cheapest victims on one worker (none while revoked memory will do)."""
+        best: tuple[tuple[int, int, str], list[_Lease]] | None = None
+        for worker, ids in self._matching(attempt).items():
+            plans = []
+            for gpu_id in ids:
+                plan = self._victims_on(attempt, gpu_id, room[gpu_id])
+                if plan is not None:
+                    plans.append((len(plan), sum(v.priority for v in plan), gpu_id, plan))
+            if len(plans) < attempt.item.gpus:
+                continue
+            plans.sort(key=lambda p: (p[0], p[1], p[2]))
+            chosen = plans[: attempt.item.gpus]
+            victims = {v.attempt.id: v for *_, plan in chosen for v in plan}
+            key = (len(victims), sum(v.priority for v in victims.values()), worker)
+            if best is None or key < best[0]:
+                best = (key, sorted(victims.values(), key=lambda v: v.attempt.id))
+        return [] if best is None else best[1]
+
+    def _victims_on(self, attempt: Attempt, gpu_id: GpuId, room: int) -> list[_Lease] | None:
+        need = self._reserve_mb(attempt, gpu_id)
+        leases = self.books.on(gpu_id)
+        room += sum(lease.reserved_mb for lease in leases if lease.revoking)
+        if room >= need:
+            return []
+        candidates = sorted(
+            (
+                lease
+                for lease in leases
+                if not lease.revoking
+                and lease.attempt.item.preemptible
+                and lease.priority < attempt.item.priority
+            ),
+            key=lambda lease: (lease.priority, -lease.granted_at, lease.attempt.seq),
+        )
+        chosen = []
+        for lease in candidates:
+            if room >= need:
+                break
+            chosen.append(lease)
+            room += lease.reserved_mb
+        return chosen if room >= need else None
+
+
+class Slots(StrictPriority):
+    name: ClassVar[str] = "slots"
+    slots_per_gpu: ClassVar[int] = 4
+
+    def _reserve_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
+        slot_mb = self.books.capacity[gpu_id] // self.slots_per_gpu
+        slots = -(-attempt.item.vram_mb // slot_mb)
+        return min(slots * slot_mb, self.books.capacity[gpu_id])
+
+
+class KeepLoadedLru(_Baseline):
+    name: ClassVar[str] = "lru"
+    keeps_warm: ClassVar[bool] = True
+
+    def decide(self, now: float) -> Step:
+        room = self._room()
+        grants: list[tuple[str, tuple[GpuId, ...]]] = []
+        for attempt in sorted(self.pending.values(), key=lambda a: a.seq):
+            gpus = self._fit(attempt, room, skip_loading_workers=True)
+            if gpus is not None:
+                self._grant(attempt, gpus, now)
+                grants.append((attempt.id, gpus))
+                for g in gpus:
+                    room[g] -= attempt.item.vram_mb
+                continue
+            if self._fit(attempt, room) is not None:
+                break  # it fits, once the load under way on that worker is done
+            victims = self._evict(attempt, room)
+            return Step(
+                grants=tuple(grants),
+                revocations=tuple((v.attempt.id, "preempted") for v in victims),
+            )  # first come, first served: the oldest waits for its memory
+        return Step(grants=tuple(grants))
+
+    def _evict(self, attempt: Attempt, room: Mapping[GpuId, int]) -> list[_Lease]:
+        """Idle models, least recently used first, until the request fits on one worker;
+        none while evictions under way will do."""
+        best: tuple[tuple[int, float, str], list[_Lease]] | None = None
+        need = attempt.item.vram_mb
+        for worker, ids in self._matching(attempt).items():
+            plans = []
+            for gpu_id in ids:
+                plan = self._lru_on(gpu_id, room[gpu_id], need)
+                if plan is not None:
+                    plans.append((len(plan), gpu_id, plan))
+            if len(plans) < attempt.item.gpus:
+                continue
+            plans.sort(key=lambda p: (p[0], p[1]))
+            victims = {v.attempt.id: v for *_, plan in plans[: attempt.item.gpus] for v in plan}
+            key = (len(victims), max((v.last_used_at for v in victims.values()), default=0), worker)
+            if best is None or key < best[0]:
+                best = (key, sorted(victims.values(), key=lambda v: v.attempt.id))
+        chosen = [] if best is None else best[1]
+        for victim in chosen:
+            victim.revoking = True
+        return chosen
+
+    def _lru_on(self, gpu_id: GpuId, room: int, need: int) -> list[_Lease] | None:
+        leases = self.books.on(gpu_id)
+        room += sum(lease.reserved_mb for lease in leases if lease.revoking)
+        chosen: list[_Lease] = []
+        idle = sorted(
+            (lease for lease in leases if lease.idle and not lease.revoking),
+            key=lambda lease: (lease.last_used_at, lease.attempt.seq),
+        )
+        for lease in idle:
+            if room >= need:
+                break
+            chosen.append(lease)
+            room += lease.reserved_mb
+        return chosen if room >= need else None
+
+
+BASELINES: dict[str, type[_Baseline]] = {
+    cls.name: cls for cls in (Fifo, StrictPriority, Slots, KeepLoadedLru)
+}

@@ -1,0 +1,176 @@
+"""``ours``: the decision core itself (:class:`gpu_arbiter.core.Scheduler`) under simulation.
+
+Nothing of the core's logic is copied here: this adapter submits requests,
+reports ``ready``/``set_idle``/``release`` and runs ``decide`` exactly as the
+asyncio engine does, then checks the invariants I1, I3, I4, I5 and I6 on the
+core's own books after every step (I2 reduces to I1: the simulated GPUs are
+declared by hand, without a probe).
+
+Keep-warm: when a run finishes, the holder marks its lease idle instead of
+releasing it; a later request for the same model takes the idle lease back
+(``set_idle(False)``) without a load. Idle leases are reclaimed by the core's
+own preemption (reason ``preempted``) when memory is needed, least recently
+used first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+from ..core import GpuId, LeaseState, Policy, Request, Scheduler, Unschedulable
+from .base import Attempt, Step
+from .cluster import Cluster
+
+__all__ = ["Ours"]
+
+
+class Ours:
+    name: ClassVar[str] = "ours"
+    keeps_warm: ClassVar[bool] = True
+
+    def __init__(self, cluster: Cluster, policy: Policy | None = None) -> None:
+        self.scheduler = Scheduler(policy)
+        for worker, gpus in cluster.workers:
+            self.scheduler.put_worker(worker, gpus)
+        self._capacity = cluster.capacity_mb()
+        self._priority: dict[str, int] = {}
+
+    def submit(self, attempt: Attempt, now: float) -> str | None:
+        item = attempt.item
+        request = Request.build(
+            attempt.id,
+            vram_mb=item.vram_mb,
+            gpus=item.gpus,
+            priority=item.priority,
+            preemptible=item.preemptible,
+            constraints=item.constraints,
+            holder=item.holder,
+            metadata={"model": item.model},
+            ttl_s=None,  # simulated holders never crash: their leases end by release
+            load_timeout_s=max(300.0, 2 * item.load_s + 1),
+        )
+        try:
+            self.scheduler.submit(request, now)
+        except Unschedulable as exc:
+            return str(exc.reason.message)
+        self._priority[attempt.id] = item.priority
+        return None
+
+    def cancel(self, attempt_id: str) -> None:
+        self.scheduler.cancel(attempt_id)
+
+    def ready(self, lease_id: str, now: float) -> None:
+        self.scheduler.ready(lease_id, now)
+
+    def set_idle(self, lease_id: str, idle: bool, now: float) -> None:
+        self.scheduler.set_idle(lease_id, idle, now)
+
+    def release(self, lease_id: str, now: float) -> None:
+        self.scheduler.release(lease_id, now)
+        self._priority.pop(lease_id, None)
+
+    def decide(self, now: float) -> Step:
+        decisions = self.scheduler.decide(now)
+        return Step(
+            grants=tuple((lease.id, lease.gpus) for lease in decisions.grants),
+            revocations=tuple(
+                (lease.id, lease.revoke_reason or "revoked") for lease in decisions.revocations
+            ),
+        )
+
+    def next_deadline(self) -> float | None:
+        return self.scheduler.next_deadline()
+
+    # ------------------------------------------------------------------ invariants
+
+    def check(self, now: float, step: Step, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
+        return (
+            self._check_memory(present)
+            + self._check_preemptions(step)
+            + self._check_order(now, step)
+        )
+
+    def _check_memory(self, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
+        """I1 (committed <= capacity), I3 (load gate), I4 (memory of every process still
+        running is committed; released exactly once: committed equals what is present)."""
+        problems = []
+        limit = self.scheduler.policy.max_concurrent_loads
+        held: dict[GpuId, int] = {}
+        for lease_id, gpus in present.items():
+            lease = self.scheduler.leases.get(lease_id)
+            if lease is None or not lease.state.holds_memory:
+                problems.append(f"I4: lease {lease_id} still runs but its memory was freed")
+                continue
+            for gpu_id in gpus:
+                held[gpu_id] = held.get(gpu_id, 0) + lease.vram_mb
+        for gpu_id, capacity in self._capacity.items():
+            figures = self.scheduler.figures(gpu_id)
+            if figures.committed_mb > capacity:
+                problems.append(f"I1: {gpu_id} committed {figures.committed_mb} > {capacity}")
+            if figures.loading > limit:
+                problems.append(f"I3: {gpu_id} has {figures.loading} loads at once")
+            if figures.committed_mb != held.get(gpu_id, 0):
+                problems.append(
+                    f"I4: {gpu_id} committed {figures.committed_mb} MiB but processes hold "
+                    f"{held.get(gpu_id, 0)} MiB"
+                )
+        return problems
+
+    def _check_preemptions(self, step: Step) -> list[str]:
+        """I5: only preemptible victims of strictly lower base priority (idle: equal too)."""
+        problems = []
+        for lease_id, reason in step.revocations:
+            if reason != "preempted":
+                continue
+            victim = self.scheduler.leases[lease_id]
+            preemptor = self._priority.get(victim.preempted_for or "")
+            if preemptor is None:
+                problems.append(f"I5: {lease_id} preempted for an unknown request")
+                continue
+            allowed = (
+                victim.base_priority <= preemptor
+                if victim.idle
+                else (victim.base_priority < preemptor)
+            )
+            if not victim.request.preemptible or not allowed:
+                problems.append(
+                    f"I5: {lease_id} (priority {victim.base_priority}, idle={victim.idle}, "
+                    f"preemptible={victim.request.preemptible}) preempted for priority {preemptor}"
+                )
+        return problems
+
+    def _check_order(self, now: float, step: Step) -> list[str]:
+        """I6: a request granted in this step from behind a pending one used only memory
+        beyond what the pending one needs on the GPUs nominated for it."""
+        if not step.grants:
+            return []
+        policy = self.scheduler.policy
+        problems = []
+        granted: list[tuple[tuple[int, int], frozenset[GpuId]]] = []
+        for lease_id, gpus in step.grants:
+            lease = self.scheduler.leases.get(lease_id)
+            if lease is None or lease.state not in (LeaseState.LOADING, LeaseState.REVOKING):
+                problems.append(f"grant {lease_id} is not a held lease")
+                continue
+            key = (-policy.effective_priority(lease.request, now), lease.request.seq)
+            granted.append((key, frozenset(gpus)))
+        if not granted:
+            return problems
+        last = max(key for key, _ in granted)
+        for _, request, effective in self.scheduler.pending(now):
+            key = (-effective, request.seq)
+            if key >= last:
+                break
+            nominated = set(self.scheduler.explain(request.id, now).nominated)
+            for grant_key, grant_gpus in granted:
+                if grant_key <= key:
+                    continue
+                for gpu_id in nominated & grant_gpus:
+                    free = self.scheduler.figures(gpu_id).free_mb
+                    if free < request.vram_mb:
+                        problems.append(
+                            f"I6: a request behind {request.id} took {gpu_id} nominated for it "
+                            f"(free {free} < {request.vram_mb})"
+                        )
+        return problems
