@@ -1,9 +1,13 @@
 """Victim selection (I5): which leases to revoke so that a request fits.
 
 Eligible victims of a request with base priority ``p``:
-  - idle leases (keep-warm) that are preemptible with base priority <= p;
+  - idle leases (keep-warm) with base priority <= p. Marking a lease idle is its
+    holder's consent to have the memory reclaimed: there is no work to interrupt,
+    so ``preemptible`` (which protects work in progress) does not apply. This is
+    what lets a non-preemptible interactive model server keep its model warm
+    between requests without pinning the GPU against its peers;
   - busy leases that are preemptible with base priority < p and older than
-    ``preempt_exempt_s``.
+    ``preempt_exempt_s``, and not granted in the same scheduling cycle.
 Aging never enters here: only base priorities count.
 
 On one GPU, idle leases are tried alone first (least recently used first): a
@@ -37,11 +41,15 @@ class Plan:
 
 
 def eligible(lease: Lease, priority: int, policy: Policy, now: float) -> bool:
-    if not lease.request.preemptible or lease.revoke_reason is not None:
+    if lease.revoke_reason is not None:
         return False
     if lease.idle:
         return lease.base_priority <= priority
-    return lease.base_priority < priority and now - lease.granted_at >= policy.preempt_exempt_s
+    return (
+        lease.request.preemptible
+        and lease.base_priority < priority
+        and now - lease.granted_at >= policy.preempt_exempt_s
+    )
 
 
 def _cost_key(lease: Lease) -> tuple[int, float, int, float, int]:

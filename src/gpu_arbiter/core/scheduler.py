@@ -93,6 +93,8 @@ class _Cycle:
     failed_shapes: dict[tuple[int, int, Constraints], int] = field(default_factory=dict)
     grants: list[Lease] = field(default_factory=list)
     revocations: list[Lease] = field(default_factory=list)
+    preheld: dict[str, tuple[GpuId, ...]] = field(default_factory=dict)
+    granted: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -456,7 +458,12 @@ class Scheduler:
             return
         highest = max(self.queue.priorities())
         granted: list[str] = []
+        self._prehold(cycle)
         for request in self.queue.ordered(self.policy, cycle.now):
+            preheld = cycle.preheld.pop(request.id, None)
+            if preheld is not None:  # its own hold must not stand in its way
+                for gpu_id in preheld:
+                    cycle.holds[gpu_id] -= request.vram_mb
             room_left = self._max_room(cycle) >= smallest
             if not room_left and not self._could_preempt(highest):
                 break
@@ -470,6 +477,7 @@ class Scheduler:
             gpus = self._fit(request, cycle)
             if gpus is not None:
                 cycle.grants.append(self._grant(request, gpus, cycle.now))
+                cycle.granted.add(request.id)
                 granted.append(request.id)
                 continue
             if not self._preempt_or_nominate(request, cycle):
@@ -478,6 +486,15 @@ class Scheduler:
         for request_id in granted:
             self.queue.remove(request_id)
             self._nominations.pop(request_id, None)
+
+    def _prehold(self, cycle: _Cycle) -> None:
+        """Memory being freed by preemption is held for its preemptor against every request,
+        even one that aging has moved ahead of it: else a stream of aged lower-priority
+        requests could take it, and the preemption would repeat."""
+        for request_id, nomination in self._nominations.items():
+            if request_id in self.queue and self._still_preempting(nomination):
+                cycle.preheld[request_id] = nomination.gpus
+                self._hold(cycle, self.queue.get(request_id), nomination.gpus)
 
     def _max_room(self, cycle: _Cycle) -> int:
         """The most memory any usable GPU has beyond the holds of this cycle."""
@@ -719,6 +736,8 @@ class Scheduler:
         candidates = []
         for lid in self._ledger.lease_ids(gpu_id):
             lease = self.leases[lid]
+            if lid in cycle.granted:
+                continue  # never take back in the cycle that granted it
             if eligible(lease, request.priority, self.policy, cycle.now):
                 candidates.append(lease)
             elif eligible(
@@ -838,7 +857,7 @@ class Scheduler:
         self._count_victim(lease, -1)
 
     def _count_victim(self, lease: Lease, delta: int) -> None:
-        if not lease.request.preemptible or lease.state is LeaseState.REVOKING:
+        if lease.state is LeaseState.REVOKING or not (lease.idle or lease.request.preemptible):
             return
         counter = self._idle if lease.idle else self._victims
         counter[lease.base_priority] += delta

@@ -118,7 +118,8 @@ class Ours:
         return problems
 
     def _check_preemptions(self, step: Step) -> list[str]:
-        """I5: only preemptible victims of strictly lower base priority (idle: equal too)."""
+        """I5: busy victims are preemptible and of strictly lower base priority; idle victims
+        (their holder consented to reclaim) of lower or equal base priority."""
         problems = []
         for lease_id, reason in step.revocations:
             if reason != "preempted":
@@ -131,9 +132,9 @@ class Ours:
             allowed = (
                 victim.base_priority <= preemptor
                 if victim.idle
-                else (victim.base_priority < preemptor)
+                else victim.request.preemptible and victim.base_priority < preemptor
             )
-            if not victim.request.preemptible or not allowed:
+            if not allowed:
                 problems.append(
                     f"I5: {lease_id} (priority {victim.base_priority}, idle={victim.idle}, "
                     f"preemptible={victim.request.preemptible}) preempted for priority {preemptor}"
