@@ -39,6 +39,7 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.log = state_dir / "server.log"
+        self._log_from = 0
 
     def start(self, timeout_s: float = 30.0) -> Server:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -46,6 +47,7 @@ class Server:
         env.pop("GPU_ARBITER_CONFIG", None)
         command = [sys.executable, "-m", "gpu_arbiter", "serve", "--port", "0"]
         command += ["--state-dir", str(self.state_dir), *self.args]
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
         port = wait_for(self._port, timeout_s, "the server to listen")
@@ -57,7 +59,7 @@ class Server:
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise AssertionError(f"server exited: {self.log.read_text()}")
-        found = _LISTENING.findall(self.log.read_text())
+        found = _LISTENING.findall(self.log.read_bytes()[self._log_from :].decode())
         return found[-1] if found else None
 
     def _ready(self) -> bool:
@@ -80,7 +82,8 @@ class Server:
 
     def async_client(self, token: str | None = "admin", **kwargs: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.admin_token if token == 'admin' else token}"}
-        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=60, **kwargs)
+        kwargs.setdefault("timeout", 60)
+        return httpx.AsyncClient(base_url=self.url, headers=headers, **kwargs)
 
     def token(self, role: str, worker: str | None = None) -> str:
         command = [sys.executable, "-m", "gpu_arbiter", "token", "create", "--role", role]
