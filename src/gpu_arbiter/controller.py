@@ -454,6 +454,13 @@ class Controller:
             raise NotFound(f"no worker {name!r}", worker=name)
         return self._worker_now(name)
 
+    def worker_leases(self, name: str) -> list[Lease]:
+        """The held leases on a worker, by fencing token."""
+        leases = self.scheduler.leases
+        return sorted(
+            (leases[i] for i in self.scheduler.worker_lease_ids(name)), key=lambda x: x.token
+        )
+
     def gpu_figures(self, name: str) -> list[GpuFigures]:
         return [self.scheduler.figures(g) for g in self.scheduler.gpu_ids(name)]
 
@@ -521,9 +528,9 @@ class Controller:
         ending = [
             lid for lid in dict.fromkeys(stopped) if lid in self.scheduler.worker_lease_ids(name)
         ]
-        changed = self._apply_probes(name, probes)
+        changed = self._apply_probes(name, probes) and len(self.scheduler.queue) > 0
         offline = self.scheduler.workers[name].status is WorkerStatus.OFFLINE
-        if not (changed or ending or offline):
+        if not (changed or ending or offline):  # a new reading only matters to pending work
             self._seen[name] = self._clock()  # nothing to decide, nothing to persist
             self._push_offline_deadline(name, self._seen[name])
             return record

@@ -52,6 +52,9 @@ def serve(
         float | None,
         _opt("HEARTBEAT_TIMEOUT_S", "A worker silent this long goes offline (default 15)."),
     ] = None,
+    log_level: Annotated[
+        str | None, _opt("LOG_LEVEL", "debug, info, warning or error (default info).")
+    ] = None,
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
     ] = None,
@@ -66,6 +69,7 @@ def serve(
         "store": store,
         "sync": sync,
         "heartbeat_timeout_s": heartbeat_timeout_s,
+        "log_level": log_level,
     }
     try:
         settings = ServeConfig.resolve(given, config)

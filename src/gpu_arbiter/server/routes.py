@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..controller import Controller, GpuProbeReport
@@ -33,18 +33,12 @@ MAX_WAIT_S = 60.0
 router = APIRouter(prefix="/v1", responses=_ERRORS)
 
 
-async def _controller(request: Request) -> Controller:
+def _context(request: Request) -> tuple[Controller, Principal]:
+    """The controller, and who is calling (401 without a valid token). A plain call, not a
+    dependency: it runs on every request, and dependencies cost more."""
     controller: Controller = request.app.state.controller
-    return controller
-
-
-async def _principal(request: Request) -> Principal:
     principal: Principal = request.app.state.auth.authenticate(request.headers.get("authorization"))
-    return principal
-
-
-Ctl = Annotated[Controller, Depends(_controller)]
-Who = Annotated[Principal, Depends(_principal)]
+    return controller, principal
 
 
 def _admin(who: Principal) -> None:
@@ -83,7 +77,8 @@ def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
     status_code=201,
     summary="Ask for a lease: 201 granted, 202 pending, 200 an idempotent replay",
 )
-async def create_lease(body: s.LeaseCreate, ctl: Ctl, who: Who) -> JSONResponse:
+async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     if who.role not in ("admin", "client"):
         raise Forbidden(f"a {who.role} token may not ask for leases")
     fields = body.model_dump(exclude={"constraints"})
@@ -95,12 +90,12 @@ async def create_lease(body: s.LeaseCreate, ctl: Ctl, who: Who) -> JSONResponse:
 
 @router.get("/leases", response_model=list[s.LeaseOut], summary="Live and recently ended leases")
 async def list_leases(
-    ctl: Ctl,
-    who: Who,
+    request: Request,
     state: LeaseState | None = None,
     worker: Annotated[str | None, Query(max_length=64)] = None,
     holder: Annotated[str | None, Query(max_length=256)] = None,
 ) -> JSONResponse:
+    ctl, _who = _context(request)
     records = ctl.leases(state=state, worker=worker, holder=holder)
     return JSONResponse([s.lease_out(r, ctl.pending_view(r.id)) for r in records])
 
@@ -108,12 +103,12 @@ async def list_leases(
 @router.get("/leases/{lease_id}", response_model=s.LeaseOut, summary="A lease; long-poll")
 async def get_lease(
     lease_id: LeaseId,
-    ctl: Ctl,
-    who: Who,
+    request: Request,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
 ) -> JSONResponse:
     """With ``wait=SECONDS``, answers as soon as the lease's state changes, or when the wait
     ends (at most 60 s)."""
+    ctl, _who = _context(request)
     record = ctl.lease(lease_id)
     if wait > 0:
         record = await ctl.wait_lease(lease_id, record.state, wait)
@@ -122,27 +117,31 @@ async def get_lease(
 
 @router.post("/leases/{lease_id}/renew", response_model=s.LeaseOut, summary="Extend the TTL")
 async def renew_lease(
-    lease_id: LeaseId, ctl: Ctl, who: Who, body: s.RenewIn | None = None
+    lease_id: LeaseId, request: Request, body: s.RenewIn | None = None
 ) -> JSONResponse:
+    ctl, who = _context(request)
     _lease_access(who, ctl.lease(lease_id))
     ttl = None if body is None or body.ttl_s is None else float(body.ttl_s)
     return _lease_json(ctl, ctl.renew(lease_id, ttl))
 
 
 @router.post("/leases/{lease_id}/ready", response_model=s.LeaseOut, summary="The load finished")
-async def ready_lease(lease_id: LeaseId, ctl: Ctl, who: Who) -> JSONResponse:
+async def ready_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _lease_access(who, ctl.lease(lease_id))
     return _lease_json(ctl, ctl.ready(lease_id))
 
 
 @router.post("/leases/{lease_id}/idle", response_model=s.LeaseOut, summary="Keep warm")
-async def idle_lease(lease_id: LeaseId, ctl: Ctl, who: Who) -> JSONResponse:
+async def idle_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _lease_access(who, ctl.lease(lease_id))
     return _lease_json(ctl, ctl.set_idle(lease_id, True))
 
 
 @router.post("/leases/{lease_id}/busy", response_model=s.LeaseOut, summary="Busy again")
-async def busy_lease(lease_id: LeaseId, ctl: Ctl, who: Who) -> JSONResponse:
+async def busy_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _lease_access(who, ctl.lease(lease_id))
     return _lease_json(ctl, ctl.set_idle(lease_id, False))
 
@@ -150,13 +149,15 @@ async def busy_lease(lease_id: LeaseId, ctl: Ctl, who: Who) -> JSONResponse:
 @router.delete(
     "/leases/{lease_id}", response_model=s.LeaseOut, summary="Release or cancel; idempotent"
 )
-async def release_lease(lease_id: LeaseId, ctl: Ctl, who: Who) -> JSONResponse:
+async def release_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _lease_access(who, ctl.lease(lease_id))
     return _lease_json(ctl, ctl.release(lease_id))
 
 
 @router.post("/leases/{lease_id}/revoke", response_model=s.LeaseOut, summary="Take a lease back")
-async def revoke_lease(lease_id: LeaseId, ctl: Ctl, who: Who) -> JSONResponse:
+async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _admin(who)
     return _lease_json(ctl, ctl.revoke(lease_id))
 
@@ -165,7 +166,8 @@ async def revoke_lease(lease_id: LeaseId, ctl: Ctl, who: Who) -> JSONResponse:
 
 
 @router.post("/workers", response_model=s.WorkerOut, summary="Register a worker (or update it)")
-async def register_worker(body: s.WorkerRegister, ctl: Ctl, who: Who) -> JSONResponse:
+async def register_worker(body: s.WorkerRegister, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     name = validate_worker_name(body.name, "name")
     _as_worker(who, name)
     gpus = [Gpu(worker=name, **g.model_dump()) for g in body.gpus]
@@ -175,31 +177,39 @@ async def register_worker(body: s.WorkerRegister, ctl: Ctl, who: Who) -> JSONRes
     return _worker_json(ctl, name, 201 if new else 200)
 
 
-@router.post("/workers/{name}/heartbeat", response_model=s.WorkerOut, summary="Probe snapshot")
-async def heartbeat(name: WorkerName, body: s.Heartbeat, ctl: Ctl, who: Who) -> JSONResponse:
+@router.post(
+    "/workers/{name}/heartbeat",
+    response_model=s.HeartbeatOut,
+    summary="Probe snapshot; answers which of the worker's leases are held and revoking",
+)
+async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     name = validate_worker_name(name)
     _as_worker(who, name)
     probes = [GpuProbeReport(p.index, p.used_mb, p.lease_used_mb) for p in body.gpus]
-    ctl.heartbeat(name, probes, stopped=body.stopped)
-    return _worker_json(ctl, name)
+    record = ctl.heartbeat(name, probes, stopped=body.stopped)
+    return JSONResponse(s.heartbeat_out(record, ctl.worker_leases(name)))
 
 
 @router.get("/workers", response_model=list[s.WorkerOut], summary="Workers and their GPUs")
-async def list_workers(ctl: Ctl, who: Who) -> JSONResponse:
+async def list_workers(request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
     return JSONResponse(
         [s.worker_out(w, ctl.gpu_figures(w.name), ctl.last_seen(w.name)) for w in ctl.workers()]
     )
 
 
 @router.get("/workers/{name}", response_model=s.WorkerOut, summary="One worker")
-async def get_worker(name: WorkerName, ctl: Ctl, who: Who) -> JSONResponse:
+async def get_worker(name: WorkerName, request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
     return _worker_json(ctl, validate_worker_name(name))
 
 
 @router.post("/workers/{name}/drain", response_model=s.DrainOut, summary="Drain a worker")
 async def drain_worker(
-    name: WorkerName, ctl: Ctl, who: Who, body: s.DrainIn | None = None
+    name: WorkerName, request: Request, body: s.DrainIn | None = None
 ) -> JSONResponse:
+    ctl, who = _context(request)
     _admin(who)
     body = body or s.DrainIn()
     deadline = None if body.deadline_s is None else float(body.deadline_s)
@@ -208,13 +218,15 @@ async def drain_worker(
 
 
 @router.post("/workers/{name}/cancel-drain", response_model=s.DrainOut, summary="Back online")
-async def cancel_drain(name: WorkerName, ctl: Ctl, who: Who) -> JSONResponse:
+async def cancel_drain(name: WorkerName, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _admin(who)
     return JSONResponse(s.drain_out(ctl.cancel_drain(validate_worker_name(name))))
 
 
 @router.delete("/workers/{name}", response_model=s.DrainOut, summary="Remove a worker")
-async def remove_worker(name: WorkerName, ctl: Ctl, who: Who, force: bool = False) -> JSONResponse:
+async def remove_worker(name: WorkerName, request: Request, force: bool = False) -> JSONResponse:
+    ctl, who = _context(request)
     _admin(who)
     return JSONResponse(s.drain_out(ctl.remove(validate_worker_name(name), force=force)))
 
@@ -223,40 +235,44 @@ async def remove_worker(name: WorkerName, ctl: Ctl, who: Who, force: bool = Fals
 
 
 @router.post("/pause", summary="Grant nothing until resume")
-async def pause(ctl: Ctl, who: Who) -> JSONResponse:
+async def pause(request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _admin(who)
     ctl.pause()
     return JSONResponse({"paused": True})
 
 
 @router.post("/resume", summary="Grant again")
-async def resume(ctl: Ctl, who: Who) -> JSONResponse:
+async def resume(request: Request) -> JSONResponse:
+    ctl, who = _context(request)
     _admin(who)
     ctl.resume()
     return JSONResponse({"paused": False})
 
 
 @router.get("/status", summary="Counters, per-GPU figures, queue depth by priority")
-async def status(ctl: Ctl, who: Who) -> JSONResponse:
+async def status(request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
     body = ctl.status()
     body["gpus"] = [s.gpu_out(f) for w in ctl.workers() for f in ctl.gpu_figures(w.name)]
     return JSONResponse(body)
 
 
 @router.get("/queue", response_model=list[s.LeaseOut], summary="Pending requests, in order")
-async def queue(ctl: Ctl, who: Who) -> JSONResponse:
+async def queue(request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
     return JSONResponse([s.lease_out(record, view) for record, view in ctl.queue()])
 
 
 @router.get("/events", summary="Server-Sent Events, resumable with Last-Event-ID")
 async def events(
-    ctl: Ctl,
-    who: Who,
+    request: Request,
     lease: Annotated[str | None, Query(max_length=64)] = None,
     worker: Annotated[str | None, Query(max_length=64)] = None,
     since: Annotated[int | None, Query(ge=0)] = None,
     last_event_id: Annotated[str | None, Header(max_length=32)] = None,
 ) -> StreamingResponse:
+    ctl, _who = _context(request)
     after = ctl.last_event_seq
     if last_event_id is not None and last_event_id.strip().isdigit():
         after = int(last_event_id)

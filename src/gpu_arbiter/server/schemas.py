@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..controller import DrainOutcome, PendingView
-from ..core import GpuFigures, priority_name
+from ..core import GpuFigures, Lease, LeaseState, priority_name
 from ..store import Event, LeaseRecord, WorkerRecord
 
 Text = Annotated[StrictStr, Field(max_length=256)]
@@ -171,6 +171,13 @@ class WorkerOut(BaseModel):
     gpus: list[GpuOut]
 
 
+class HeartbeatOut(BaseModel):
+    name: str
+    state: str
+    leases: list[str]
+    revoking: list[str]
+
+
 class DrainOut(BaseModel):
     worker: str
     previous_state: str
@@ -247,6 +254,15 @@ def worker_out(
         "last_heartbeat_at": last_seen,
         "drain_deadline": record.drain_deadline,
         "gpus": [gpu_out(f) for f in figures],
+    }
+
+
+def heartbeat_out(record: WorkerRecord, leases: list[Lease]) -> dict[str, Any]:
+    return {
+        "name": record.name,
+        "state": str(record.status),
+        "leases": [lease.id for lease in leases],
+        "revoking": [lease.id for lease in leases if lease.state is LeaseState.REVOKING],
     }
 
 
