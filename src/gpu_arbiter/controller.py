@@ -376,14 +376,20 @@ class Controller:
                 return PendingView(position, effective, self.scheduler.explain(lease_id, now))
         return None
 
-    def queue(self) -> list[tuple[LeaseRecord, PendingView]]:
+    def positions(self) -> dict[str, tuple[int, int]]:
+        """Every pending request's (position, effective priority), in one pass."""
+        now = self._clock()
+        return {r.id: (pos, eff) for pos, r, eff in self.scheduler.pending(now)}
+
+    def queue(self, limit: int = 100) -> list[tuple[LeaseRecord, PendingView]]:
+        """The first ``limit`` pending requests in order, each with its reason."""
         now = self._clock()
         return [
             (
                 self._current(self._records[request.id]),
                 PendingView(position, effective, self.scheduler.explain(request.id, now)),
             )
-            for position, request, effective in self.scheduler.pending(now)
+            for position, request, effective in itertools.islice(self.scheduler.pending(now), limit)
         ]
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseRecord:

@@ -160,3 +160,11 @@ def test_without_auth_loopback_serves_everyone(start_server: Callable[..., Serve
     with server.client(None) as anyone:
         assert anyone.post("/v1/leases", json={"vram_mb": 1}).status_code == 201
         assert anyone.post("/v1/pause").status_code == 200
+
+
+def test_openapi_and_docs_are_published(world: World) -> None:
+    with world.client("none") as client:
+        spec = client.get("/openapi.json").json()
+        assert "/v1/leases" in spec["paths"]
+        assert "/v1/workers/{name}/drain" in spec["paths"]
+        assert client.get("/docs").status_code == 200

@@ -88,7 +88,12 @@ async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
     return _lease_json(ctl, record, status)
 
 
-@router.get("/leases", response_model=list[s.LeaseOut], summary="Live and recently ended leases")
+@router.get(
+    "/leases",
+    response_model=list[s.LeaseOut],
+    summary="Live and recently ended leases (pending ones with their position; the reason is "
+    "in GET /v1/leases/{id} and GET /v1/queue)",
+)
 async def list_leases(
     request: Request,
     state: LeaseState | None = None,
@@ -97,7 +102,8 @@ async def list_leases(
 ) -> JSONResponse:
     ctl, _who = _context(request)
     records = ctl.leases(state=state, worker=worker, holder=holder)
-    return JSONResponse([s.lease_out(r, ctl.pending_view(r.id)) for r in records])
+    positions = ctl.positions() if any(r.state is LeaseState.PENDING for r in records) else {}
+    return JSONResponse([s.lease_out(r, position=positions.get(r.id)) for r in records])
 
 
 @router.get("/leases/{lease_id}", response_model=s.LeaseOut, summary="A lease; long-poll")
@@ -259,9 +265,12 @@ async def status(request: Request) -> JSONResponse:
 
 
 @router.get("/queue", response_model=list[s.LeaseOut], summary="Pending requests, in order")
-async def queue(request: Request) -> JSONResponse:
+async def queue(
+    request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> JSONResponse:
+    """The first ``limit`` pending requests, each with its position and reason."""
     ctl, _who = _context(request)
-    return JSONResponse([s.lease_out(record, view) for record, view in ctl.queue()])
+    return JSONResponse([s.lease_out(record, view) for record, view in ctl.queue(limit)])
 
 
 @router.get("/events", summary="Server-Sent Events, resumable with Last-Event-ID")

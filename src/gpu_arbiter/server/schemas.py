@@ -195,7 +195,13 @@ def _finite(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else value
 
 
-def lease_out(record: LeaseRecord, pending: PendingView | None = None) -> dict[str, Any]:
+def lease_out(
+    record: LeaseRecord,
+    pending: PendingView | None = None,
+    *,
+    position: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """A lease as JSON; a pending one with its position (and reason, when ``pending``)."""
     request, lease = record.request, record.lease
     c = request.constraints
     out: dict[str, Any] = {
@@ -237,6 +243,8 @@ def lease_out(record: LeaseRecord, pending: PendingView | None = None) -> dict[s
         out["position"] = pending.position
         out["effective_priority"] = pending.effective_priority
         out["reason"] = pending.reason.as_dict()
+    elif position is not None:
+        out["position"], out["effective_priority"] = position
     return out
 
 
