@@ -125,7 +125,7 @@ async def round_trips(server: Server, clients: int, seconds: float) -> dict[str,
             start = time.perf_counter()
             status, lease = await conn.call("POST", "/v1/leases", {"vram_mb": 1, "holder": "b"})
             assert status in (201, 202), lease
-            granted += status == 201
+            granted += status == 201  # 202: queued behind a GPU's load gate
             status, _ = await conn.call("DELETE", f"/v1/leases/{lease['id']}")
             assert status == 200
             latencies.append(time.perf_counter() - start)
@@ -143,12 +143,15 @@ async def round_trips(server: Server, clients: int, seconds: float) -> dict[str,
     }
 
 
-def bench_round_trips(seconds: float) -> None:
-    print("lease create+release round trips over HTTP (one round trip = POST + DELETE)")
+def bench_round_trips(seconds: float, gpus: int) -> None:
+    print(
+        f"lease create+release round trips over HTTP (one round trip = POST + DELETE), "
+        f"one simulated worker of {gpus} GPUs"
+    )
     print(f"{'store':>7} {'clients':>7} {'trips/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'granted':>8}")
     results: dict[tuple[str, int], dict[str, float]] = {}
     for store in ("sqlite", "memory"):
-        server = Server("--simulate", "64x80G", "--store", store)
+        server = Server("--simulate", f"{gpus}x80G", "--store", store)
         try:
             asyncio.run(round_trips(server, 4, 0.5))  # warm up
             for clients in (1, 10, 50):
@@ -241,9 +244,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     parser.add_argument("--only", choices=["trips", "heartbeats"], default=None)
+    parser.add_argument("--gpus", type=int, default=64, help="GPUs of the simulated worker")
     args = parser.parse_args()
     if args.only in (None, "trips"):
-        bench_round_trips(args.seconds)
+        bench_round_trips(args.seconds, args.gpus)
     if args.only in (None, "heartbeats"):
         bench_heartbeats(args.seconds)
 
