@@ -204,7 +204,9 @@ class Controller:
 
     def close(self) -> None:
         self.stopping.set()
-        self._events_changed.set()
+        self._events_changed.set()  # event streams and long-polls answer now
+        for waiter in self._lease_changed.values():
+            waiter.set()
         if self._timer is not None:
             self._timer.cancel()
         self.started = False
@@ -699,7 +701,9 @@ class Controller:
         while True:
             record = self.lease(lease_id)
             left = deadline - self._clock()
-            if record.state is not state or left <= 0 or self.stopping.is_set():
+            if record.state is not state or record.state.is_final or left <= 0:
+                return record
+            if self.stopping.is_set():
                 return record
             changed = self._lease_changed.setdefault(lease_id, asyncio.Event())
             try:
@@ -848,6 +852,8 @@ class Controller:
             end_reason=reason,
         )
         self._records.pop(record.id, None)
+        if record.request.idempotency_key is not None:  # the store answers for ended ones
+            self._keys.pop((record.owner or "", record.request.idempotency_key), None)
         self._recent[record.id] = ended
         while len(self._recent) > self.limits.recent_final_leases:
             self._recent.popitem(last=False)

@@ -134,3 +134,40 @@ async def test_simulated_worker_takes_no_heartbeats_and_no_registration() -> Non
         controller.register("local", gpus("local", 1))
     clock_far = controller.worker("local")
     assert clock_far.status is WorkerStatus.ONLINE
+
+
+async def test_total_pending_limit_answers_too_many() -> None:
+    from gpu_arbiter.controller import Limits, TooManyRequests
+
+    controller = start(MemoryStore(), Clock(), limits=Limits(max_pending=2))
+    controller.register("box-1", gpus("box-1", 1, 1000))
+    ask(controller, 1000)
+    ask(controller, 1000)
+    ask(controller, 1000, holder="other")
+    with pytest.raises(TooManyRequests, match="already pending"):
+        ask(controller, 1000, holder="third")
+
+
+async def test_long_poll_on_an_ended_lease_answers_at_once() -> None:
+    controller = start(MemoryStore(), Clock())
+    controller.register("box-1", gpus("box-1"))
+    lease_id = ask(controller, 1000)
+    controller.release(lease_id)
+    record = await controller.wait_lease(lease_id, LeaseState.RELEASED, 30)
+    assert record.state is LeaseState.RELEASED
+
+
+async def test_idempotency_key_finds_an_ended_lease_in_the_store() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    first, new = controller.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert new
+    controller.release(first.id)
+    again, new = controller.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert not new
+    assert again.id == first.id
+    assert again.state is LeaseState.RELEASED
+    other, new = controller.submit("d", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert new
+    assert other.id != first.id
