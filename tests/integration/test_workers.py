@@ -202,3 +202,22 @@ def test_agent_reported_stop_releases_a_revoked_lease(cluster: httpx.Client) -> 
     ended = cluster.get(f"/v1/leases/{lease['id']}").json()
     assert ended["state"] == "released"
     assert ended["end_reason"] == "holder_stopped"
+
+
+def test_per_process_usage_counts_what_a_holder_uses_beyond_its_lease(
+    cluster: httpx.Client,
+) -> None:
+    register(cluster, "box-1", gpus=1)
+    lease = active_on(cluster, "box-1", 4 * GIB)
+    processes = [
+        {"pid": 10, "used_mb": 6 * GIB, "lease": lease["id"]},  # grew past its 4 GiB
+        {"pid": 11, "used_mb": 1 * GIB},  # a process the arbiter does not know
+    ]
+    beat = {"gpus": [{"index": 0, "used_mb": 7 * GIB, "processes": processes}]}
+    assert cluster.post("/v1/workers/box-1/heartbeat", json=beat).status_code == 200
+    blocked = lease_on(cluster, "box-1", 18 * GIB)
+    assert blocked["state"] == "pending"  # 24 - max(4, 6) - 1 = 17 GiB free
+    fits = lease_on(cluster, "box-1", 16 * GIB)
+    assert fits["state"] == "pending"  # behind the larger request's nomination (I6)
+    cluster.delete(f"/v1/leases/{blocked['id']}")
+    assert state_of(cluster, fits) == "loading"

@@ -192,7 +192,7 @@ async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JS
     ctl, who = _context(request)
     name = validate_worker_name(name)
     _as_worker(who, name)
-    probes = [GpuProbeReport(p.index, p.used_mb, p.lease_used_mb) for p in body.gpus]
+    probes = [GpuProbeReport(p.index, p.used_mb, p.per_lease()) for p in body.gpus]
     record = ctl.heartbeat(name, probes, stopped=body.stopped)
     return JSONResponse(s.heartbeat_out(record, ctl.worker_leases(name)))
 

@@ -80,10 +80,31 @@ class WorkerRegister(_In):
     gpus: Annotated[list[GpuIn], Field(min_length=1, max_length=64)]
 
 
+class ProcessIn(_In):
+    """One process on a GPU; ``lease`` when the agent knows which lease it holds."""
+
+    pid: Annotated[StrictInt, Field(ge=0, le=1 << 31)]
+    used_mb: MiB
+    lease: Text | None = None
+
+
 class GpuProbeIn(_In):
+    """A GPU's reading: total used MiB, and per lease (directly, or summed from the
+    processes the agent attributes to leases; other processes count as external)."""
+
     index: Annotated[StrictInt, Field(ge=0, le=1023)]
     used_mb: MiB
     lease_used_mb: Annotated[dict[Text, MiB], Field(max_length=256)] | None = None
+    processes: Annotated[list[ProcessIn], Field(max_length=1024)] | None = None
+
+    def per_lease(self) -> dict[str, int] | None:
+        if self.lease_used_mb is None and self.processes is None:
+            return None
+        used = dict(self.lease_used_mb or {})
+        for process in self.processes or ():
+            if process.lease is not None:
+                used[process.lease] = used.get(process.lease, 0) + process.used_mb
+        return used
 
 
 class Heartbeat(_In):
