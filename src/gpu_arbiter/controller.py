@@ -405,6 +405,10 @@ class Controller:
 
     def _held_verb(self, lease_id: str, verb: str, ttl_s: float | None = None) -> LeaseRecord:
         self._check_available()
+        held = self.scheduler.leases.get(lease_id)
+        if held is not None and held.expires_at <= self._clock():
+            with self._change():  # its TTL lapsed just before its timer ran: run it first
+                pass
         record = self.lease(lease_id)
         if lease_id not in self.scheduler.leases:
             raise Conflict(

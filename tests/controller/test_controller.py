@@ -171,3 +171,14 @@ async def test_idempotency_key_finds_an_ended_lease_in_the_store() -> None:
     other, new = controller.submit("d", {"vram_mb": 1000, "idempotency_key": "k"}, {})
     assert new
     assert other.id != first.id
+
+
+async def test_renewing_a_lapsed_lease_conflicts_even_before_its_timer_ran() -> None:
+    clock = Clock()
+    controller = start(MemoryStore(), clock)
+    controller.register("box-1", gpus("box-1"))
+    lease_id = ask(controller, 1000, ttl_s=5)
+    clock.now += 6  # no timer has run: the fake clock moved, the loop did not
+    with pytest.raises(Conflict, match="expired"):
+        controller.renew(lease_id)
+    assert controller.lease(lease_id).state is LeaseState.EXPIRED

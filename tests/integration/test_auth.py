@@ -26,7 +26,13 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    server = Server(tmp_path_factory.mktemp("auth") / "state", "--simulate", "2x24G").start()
+    server = Server(
+        tmp_path_factory.mktemp("auth") / "state",
+        "--simulate",
+        "2x24G",
+        "--heartbeat-timeout-s",
+        "3600",
+    ).start()
     try:
         tokens: dict[str, str | None] = {
             "none": None,

@@ -98,7 +98,13 @@ HEARTBEATS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    started = Server(tmp_path_factory.mktemp("bad") / "state", "--simulate", "2x24G").start()
+    started = Server(
+        tmp_path_factory.mktemp("bad") / "state",
+        "--simulate",
+        "2x24G",
+        "--heartbeat-timeout-s",
+        "3600",
+    ).start()
     try:
         with started.client() as admin:
             register(admin, "box-1")

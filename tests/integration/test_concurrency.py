@@ -44,7 +44,9 @@ async def _client_loop(client: httpx.AsyncClient, seed: int, rounds: int) -> int
         for _ in range(100):
             if lease["state"] != "pending":
                 break
-            polled = await client.get(f"/v1/leases/{lease['id']}", params={"wait": 10})
+            polled = await client.get(
+                f"/v1/leases/{lease['id']}", params={"wait": 10, "state": "pending"}
+            )
             lease = polled.json()
         assert lease["state"] == "loading", lease
         granted += 1
@@ -91,7 +93,9 @@ async def _churn(
             lease = answer.json()
             acked[lease["id"]] = lease
             if lease["state"] == "pending":
-                polled = await client.get(f"/v1/leases/{lease['id']}", params={"wait": 5})
+                polled = await client.get(
+                    f"/v1/leases/{lease['id']}", params={"wait": 5, "state": "pending"}
+                )
                 lease = polled.json()
                 acked[lease["id"]] = lease
             if lease["state"] == "pending":  # give up: cancel it (or release it, if granted)

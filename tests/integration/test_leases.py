@@ -66,7 +66,9 @@ def test_pending_request_is_granted_on_release_and_long_poll_wakes(admin: httpx.
 
     answers: list[httpx.Response] = []
     poll = threading.Thread(
-        target=lambda: answers.append(admin.get(f"/v1/leases/{pending['id']}", params={"wait": 30}))
+        target=lambda: answers.append(
+            admin.get(f"/v1/leases/{pending['id']}", params={"wait": 30, "state": "pending"})
+        )
     )
     poll.start()
     admin.delete(f"/v1/leases/{first[0]['id']}")
@@ -85,7 +87,8 @@ def test_long_poll_answers_unchanged_when_the_wait_ends(admin: httpx.Client) -> 
 
 def test_unrenewed_lease_lapses_and_renewing_it_then_conflicts(admin: httpx.Client) -> None:
     lease = create(admin, vram_mb="4G", ttl_s=0.3).json()
-    lapsed = admin.get(f"/v1/leases/{lease['id']}", params={"wait": 30}).json()
+    lapsed = admin.get(f"/v1/leases/{lease['id']}", params={"wait": 30, "state": "loading"})
+    lapsed = lapsed.json()
     assert lapsed["state"] == "expired"
     assert gpu_figures(admin)[lease["gpus"][0]]["committed_mb"] == 0
     answer = admin.post(f"/v1/leases/{lease['id']}/renew")
@@ -94,14 +97,12 @@ def test_unrenewed_lease_lapses_and_renewing_it_then_conflicts(admin: httpx.Clie
 
 
 def test_renewing_keeps_a_lease_past_its_first_ttl(admin: httpx.Client) -> None:
-    lease = create(admin, vram_mb="4G", ttl_s=1.0).json()
-    for _ in range(3):
+    lease = create(admin, vram_mb="4G", ttl_s=3.0).json()
+    for _ in range(4):  # 4 waits of a third of the TTL each: longer than the TTL in all
         renewed = admin.post(f"/v1/leases/{lease['id']}/renew")
         assert renewed.status_code == 200
-        # the lease outlives several waits of half its TTL, renewed each time
-        assert admin.get(f"/v1/leases/{lease['id']}", params={"wait": 0.5}).json()["state"] in (
-            "loading",
-        )
+        polled = admin.get(f"/v1/leases/{lease['id']}", params={"wait": 1.0})
+        assert polled.json()["state"] == "loading"
 
 
 def test_idempotent_create_returns_the_same_lease(admin: httpx.Client) -> None:
@@ -156,7 +157,8 @@ def test_max_wait_times_out(admin: httpx.Client) -> None:
     create(admin, vram_mb="24G")
     create(admin, vram_mb="24G")
     pending = create(admin, vram_mb="24G", max_wait_s=0.2).json()
-    ended = admin.get(f"/v1/leases/{pending['id']}", params={"wait": 30}).json()
+    ended = admin.get(f"/v1/leases/{pending['id']}", params={"wait": 30, "state": "pending"})
+    ended = ended.json()
     assert ended["state"] == "timed_out"
 
 

@@ -16,8 +16,16 @@ GIB = 1024
 
 @pytest.fixture
 def cluster(start_server: Callable[..., Server]) -> Iterator[httpx.Client]:
-    """A controller without simulated workers; a silent worker goes offline after 1 s."""
-    server = start_server("--heartbeat-timeout-s", "1")
+    """A controller without simulated workers (none goes offline during a test)."""
+    server = start_server("--heartbeat-timeout-s", "600")
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture
+def quiet_cluster(start_server: Callable[..., Server]) -> Iterator[httpx.Client]:
+    """A controller where a worker silent for 2 s goes offline."""
+    server = start_server("--heartbeat-timeout-s", "2")
     with server.client() as client:
         yield client
 
@@ -109,7 +117,9 @@ def test_drain_with_deadline_revokes_what_is_left(cluster: httpx.Client) -> None
     lease = lease_on(cluster, "box-1")
     cluster.post("/v1/workers/box-1/drain", json={"mode": "graceful", "deadline_s": 0.3})
     cluster.post("/v1/workers/box-1/heartbeat", json={})
-    revoked = cluster.get(f"/v1/leases/{lease['id']}", params={"wait": 30}).json()
+    revoked = cluster.get(
+        f"/v1/leases/{lease['id']}", params={"wait": 30, "state": "loading"}
+    ).json()
     assert revoked["state"] == "revoking"
     assert revoked["revoke_reason"] == "drain_deadline"
 
@@ -127,33 +137,33 @@ def test_cancel_drain_keeps_the_leases(cluster: httpx.Client) -> None:
     assert cluster.post("/v1/workers/box-1/cancel-drain").status_code == 409
 
 
-def test_heartbeat_loss_gives_offline_exactly_once(cluster: httpx.Client) -> None:
-    register(cluster, "box-1")
-    lease = lease_on(cluster, "box-1")
-    wait_for(lambda: worker_state(cluster, "box-1") == "offline", 30, "offline")
-    assert state_of(cluster, lease) == "loading"  # leases stay committed
-    blocked = lease_on(cluster, "box-1")
+def test_heartbeat_loss_gives_offline_exactly_once(quiet_cluster: httpx.Client) -> None:
+    register(quiet_cluster, "box-1")
+    lease = lease_on(quiet_cluster, "box-1")
+    wait_for(lambda: worker_state(quiet_cluster, "box-1") == "offline", 30, "offline")
+    assert state_of(quiet_cluster, lease) == "loading"  # leases stay committed
+    blocked = lease_on(quiet_cluster, "box-1")
     assert blocked["state"] == "pending"
     # watch for longer than the heartbeat timeout: no second offline event
-    cluster.get(f"/v1/leases/{blocked['id']}", params={"wait": 1.5})
-    assert len(events(cluster, "worker.offline")) == 1
-    cluster.post("/v1/workers/box-1/heartbeat", json={})
-    assert worker_state(cluster, "box-1") == "online"
-    assert len(events(cluster, "worker.online")) == 1
+    quiet_cluster.get(f"/v1/leases/{blocked['id']}", params={"wait": 2.5})
+    assert len(events(quiet_cluster, "worker.offline")) == 1
+    quiet_cluster.post("/v1/workers/box-1/heartbeat", json={})
+    assert worker_state(quiet_cluster, "box-1") == "online"
+    assert len(events(quiet_cluster, "worker.online")) == 1
 
 
-def test_drain_then_heartbeat_loss_finishes_the_drain(cluster: httpx.Client) -> None:
-    register(cluster, "box-1")
-    lease = lease_on(cluster, "box-1")
-    cluster.post("/v1/workers/box-1/drain", json={})
-    wait_for(lambda: worker_state(cluster, "box-1") == "offline", 30, "offline")
-    assert state_of(cluster, lease) == "revoking"
-    offline = events(cluster, "worker.offline")
+def test_drain_then_heartbeat_loss_finishes_the_drain(quiet_cluster: httpx.Client) -> None:
+    register(quiet_cluster, "box-1")
+    lease = lease_on(quiet_cluster, "box-1")
+    quiet_cluster.post("/v1/workers/box-1/drain", json={})
+    wait_for(lambda: worker_state(quiet_cluster, "box-1") == "offline", 30, "offline")
+    assert state_of(quiet_cluster, lease) == "revoking"
+    offline = events(quiet_cluster, "worker.offline")
     assert len(offline) == 1
     assert offline[0]["data"]["revoked"] == 1
-    cluster.post("/v1/workers/box-1/heartbeat", json={"stopped": [lease["id"]]})
-    assert state_of(cluster, lease) == "released"
-    assert worker_state(cluster, "box-1") == "drained"
+    quiet_cluster.post("/v1/workers/box-1/heartbeat", json={"stopped": [lease["id"]]})
+    assert state_of(quiet_cluster, lease) == "released"
+    assert worker_state(quiet_cluster, "box-1") == "drained"
 
 
 def test_removal_is_refused_with_leases_unless_forced(cluster: httpx.Client) -> None:

@@ -111,13 +111,15 @@ async def get_lease(
     lease_id: LeaseId,
     request: Request,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
+    state: LeaseState | None = None,
 ) -> JSONResponse:
     """With ``wait=SECONDS``, answers as soon as the lease's state changes, or when the wait
-    ends (at most 60 s)."""
+    ends (at most 60 s). With ``state=``, as soon as it differs from that state — at once if
+    it already does — so a change between two polls is never missed."""
     ctl, _who = _context(request)
     record = ctl.lease(lease_id)
     if wait > 0:
-        record = await ctl.wait_lease(lease_id, record.state, wait)
+        record = await ctl.wait_lease(lease_id, state or record.state, wait)
     return _lease_json(ctl, record)
 
 

@@ -60,4 +60,5 @@ def serve(config: ServeConfig) -> None:
         log_level=config.log_level,
         access_log=False,
         timeout_graceful_shutdown=3,
+        timeout_keep_alive=65,  # longer than clients keep idle connections: no reuse race
     )
