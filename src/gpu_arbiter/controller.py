@@ -23,6 +23,7 @@ reloads what was acknowledged.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
 import itertools
 import logging
@@ -64,6 +65,7 @@ __all__ = [
     "PendingView",
     "ServiceUnavailable",
     "TooManyRequests",
+    "WaitTimes",
 ]
 
 log = logging.getLogger("gpu_arbiter.controller")
@@ -126,6 +128,19 @@ class GpuProbeReport:
 
 
 @dataclass(slots=True)
+class WaitTimes:
+    """A histogram of how long granted requests waited, in seconds (since this start)."""
+
+    bounds: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0)
+    counts: list[int] = field(default_factory=lambda: [0] * 9)
+    total_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.total_s += seconds
+
+
+@dataclass(slots=True)
 class _Change:
     now: float
     leases: set[str] = field(default_factory=set)
@@ -160,6 +175,7 @@ class Controller:
         self.scheduler = Scheduler(self.policy)
         self.broken: str | None = None
         self.started = False
+        self.wait_times = WaitTimes()
         self._records: dict[str, LeaseRecord] = {}
         self._recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._keys: dict[tuple[str, str], str] = {}
@@ -806,6 +822,8 @@ class Controller:
         for lease in decisions.grants:
             change.leases.add(lease.id)
             self._pending_by_holder[self._holder_key(self._records[lease.id])] -= 1
+            waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
+            self.wait_times.observe(waited_s)
             change.event(
                 "lease.granted",
                 lease.id,
@@ -813,6 +831,7 @@ class Controller:
                 gpus=[str(g) for g in lease.gpus],
                 token=lease.token,
                 vram_mb=lease.vram_mb,
+                waited_s=round(waited_s, 6),
             )
         self._revoked(change, decisions.revocations)
         for lease in decisions.expired:

@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import __version__
 from ..controller import Controller
 from .auth import Authenticator
 from .errors import error_response, install_error_handlers
 from .limits import BodyLimit
+from .metrics import render
 from .routes import router
 
 __all__ = ["create_app"]
@@ -54,6 +55,11 @@ def create_app(
         if not controller.started:
             return error_response(503, "unavailable", "the controller is not started")
         return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", summary="Prometheus text exposition (any valid token)")
+    async def metrics(request: Request) -> PlainTextResponse:
+        auth.authenticate(request.headers.get("authorization"))
+        return PlainTextResponse(render(controller), media_type="text/plain; version=0.0.4")
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app
