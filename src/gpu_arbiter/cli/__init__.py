@@ -6,6 +6,7 @@ import typer
 
 from .demo import demo
 from .simulate import simulate
+from .serve import serve, token_app
 
 app = typer.Typer(
     name="gpu-arbiter",
@@ -15,6 +16,8 @@ app = typer.Typer(
 )
 app.command()(demo)
 app.command()(simulate)
+app.command()(serve)
+app.add_typer(token_app, name="token")
 
 
 @app.callback()
