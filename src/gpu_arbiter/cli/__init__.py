@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from .demo import demo
-from .simulate import simulate
 from .serve import serve, token_app
+from .simulate import simulate
 
 app = typer.Typer(
     name="gpu-arbiter",
