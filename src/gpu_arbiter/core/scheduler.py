@@ -747,12 +747,17 @@ class Scheduler:
         holders: dict[GpuId, str],
         own: tuple[GpuId, ...],
     ) -> PendingReason:
-        codes = {v.code for v in verdicts}
-        summary = summarize(verdicts, request.vram_mb)
-        if "fits" in codes:
+        fitting = Counter(v.gpu.worker for v in verdicts if v.code == "fits")
+        if any(count >= request.gpus for count in fitting.values()):
             return PendingReason(
                 "queued", "a GPU fits; waiting for the next scheduling cycle", verdicts, own
             )
+        # GPUs with room, but too few of them on one worker for the request
+        verdicts = tuple(
+            replace(v, code="too_few_gpus_on_worker") if v.code == "fits" else v for v in verdicts
+        )
+        codes = {v.code for v in verdicts}
+        summary = summarize(verdicts, request.vram_mb)
         for code in ("nominated_for", "load_in_progress", "insufficient_vram"):
             if code in codes:
                 blocked = next((holders.get(v.gpu) for v in verdicts if v.code == code), None)
