@@ -34,6 +34,8 @@ def scheduler(
 
 
 def req(request_id: str, vram_mb: int | str, **fields: Any) -> Request:
+    """A validated request; no TTL unless ``ttl_s`` is given (time in these tests jumps)."""
+    fields.setdefault("ttl_s", None)
     return Request.build(request_id, vram_mb=vram_mb, **fields)
 
 
