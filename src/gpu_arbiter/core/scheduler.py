@@ -167,7 +167,7 @@ class Scheduler:
         if worker.status is WorkerStatus.ONLINE:
             self.workers[name] = replace(worker, status=WorkerStatus.DRAINING)
         if force:
-            return [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
+            return self._revoke_worker(name, "drain", now)
         if deadline_s is not None:
             self._drain_deadlines[name] = now + deadline_s
             self._push_timer(now + deadline_s, "drain", name)
@@ -186,10 +186,18 @@ class Scheduler:
         worker = self._worker(name)
         revoked: list[Lease] = []
         if worker.status is WorkerStatus.DRAINING:
-            revoked = [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
+            revoked = self._revoke_worker(name, "drain", now)
         self.workers[name] = replace(worker, status=WorkerStatus.OFFLINE)
         self._drain_deadlines.pop(name, None)
         return revoked
+
+    def _revoke_worker(self, name: str, reason: str, now: float) -> list[Lease]:
+        """Revokes the worker's leases not already being revoked; returns those."""
+        return [
+            self.revoke(lid, reason, now)
+            for lid in sorted(self._worker_leases.get(name, ()))
+            if self.leases[lid].state is not LeaseState.REVOKING
+        ]
 
     def set_probe(self, gpu_id: GpuId, probe: GpuProbe | None) -> None:
         if gpu_id not in self._ledger:
@@ -386,10 +394,7 @@ class Scheduler:
                 loaded.append(self.ready(key, now))
             elif kind == "drain":
                 del self._drain_deadlines[key]
-                revoked += [
-                    self.revoke(lid, "drain_deadline", now)
-                    for lid in sorted(self._worker_leases.get(key, ()))
-                ]
+                revoked += self._revoke_worker(key, "drain_deadline", now)
             elif kind == "wait":
                 waits.append(key)
         return expired, loaded, revoked, waits
