@@ -568,3 +568,18 @@ def test_fencing_tokens_continue_after_a_restore() -> None:
     second.submit(req("b", 1000), 1.0)
     (granted,) = second.decide(1.0).grants
     assert granted.token > lease.token
+
+
+def test_a_lease_already_being_revoked_is_not_revoked_again_by_a_drain() -> None:
+    sched = scheduler(gpu(0))
+    grant_now(sched, req("a", 8000), 0.0)
+    grant_now(sched, req("b", 8000), 0.0)
+    sched.revoke("a", "admin", 1.0)
+    sched.drain("w1", 1.0, deadline_s=10)
+    decisions = sched.decide(11.0)
+    assert [(lease.id, lease.revoke_reason) for lease in decisions.revocations] == [
+        ("b", "drain_deadline")
+    ]
+    assert sched.lease("a").revoke_reason == "admin"
+    assert sched.drain("w1", 12.0, force=True) == []
+    assert sched.set_offline("w1", 13.0) == []
