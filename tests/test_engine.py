@@ -747,10 +747,10 @@ async def test_an_acquired_lease_lapses_without_renewal(
 
 
 async def test_renewal_keeps_an_acquired_lease(arbiter: Arbiter) -> None:
-    lease = await arbiter.acquire(20000, ttl_s=0.1)
+    lease = await arbiter.acquire(20000, ttl_s=0.5)
     await lease.ready()
-    for _ in range(6):
-        await asyncio.sleep(0.04)
+    for _ in range(8):  # held 0.8 s in all, longer than its TTL
+        await asyncio.sleep(0.1)
         await lease.renew()
     assert not lease.revoked
     assert lease.state is LeaseState.ACTIVE
