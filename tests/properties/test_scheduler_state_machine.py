@@ -225,7 +225,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         live: set[str],
         loading: dict[GpuId, int],
     ) -> None:
-        granted_mb: Counter[GpuId] = Counter()
+        live = set(live)  # grows with each grant: the I2 rule counts them as committed
         granted_loads: Counter[GpuId] = Counter()
         positions = [order[lease.id] for lease in decisions.grants]
         assert positions == sorted(positions), "grants out of queue order"
@@ -242,19 +242,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self._matches(request, g)
                 assert statuses[g.worker] is WorkerStatus.ONLINE, "I7: grant on a non-online worker"
                 assert g not in self.stale, "I2: grant on a GPU whose probe is stale"
-                room = self.gpus[g].capacity_mb - self._occupied(g, live) - granted_mb[g] - holds[g]
+                room = self.gpus[g].capacity_mb - self._occupied(g, live) - holds[g]
                 assert request.vram_mb <= room, f"I2: {lease.id} does not fit on {g}"
                 assert loading[g] + granted_loads[g] < self.policy.max_concurrent_loads, "I3"
-                granted_mb[g] += request.vram_mb
                 granted_loads[g] += 1
             self.held[lease.id] = lease
+            live.add(lease.id)
 
     def _check_revocations(
         self, decisions: Decisions, before: dict[str, Lease], now: float
     ) -> None:
+        granted = {lease.id: lease for lease in decisions.grants}
         for lease in decisions.revocations:
-            assert lease.id in before
-            old = before[lease.id]
+            old = before[lease.id] if lease.id in before else granted[lease.id]
             assert old.state is not LeaseState.REVOKING, "revoked twice"
             if lease.revoke_reason == "preempted":
                 assert lease.preempted_for is not None
@@ -286,20 +286,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             request = self.requests[request_id]
             holds = self._holds_ahead(order, position)
-            mb: Counter[GpuId] = Counter()
-            loads: Counter[GpuId] = Counter()
-            for lease in decisions.grants:
-                if order[lease.id] < position:
-                    for g in lease.gpus:
-                        mb[g] += lease.vram_mb
-                        loads[g] += 1
+            ahead = {lease.id for lease in decisions.grants if order[lease.id] < position}
+            loads: Counter[GpuId] = Counter(g for lid in ahead for g in self.held[lid].gpus)
             fitting = Counter(
                 g.worker
                 for g in self.gpus
                 if self._matches(request, g)
                 and statuses[g.worker] is WorkerStatus.ONLINE
                 and g not in self.stale
-                and self.gpus[g].capacity_mb - self._occupied(g, live) - mb[g] - holds[g]
+                and self.gpus[g].capacity_mb - self._occupied(g, live | ahead) - holds[g]
                 >= request.vram_mb
                 and loading[g] + loads[g] < self.policy.max_concurrent_loads
             )
