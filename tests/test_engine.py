@@ -126,6 +126,7 @@ async def test_lease_block_grants_and_releases(arbiter: Arbiter, recorder: Recor
 async def test_fifty_concurrent_leases_never_hold_more_than_fit() -> None:
     holding = peak = 0
     over: list[int] = []
+    reasons: set[str] = set()
 
     async with _arbiter() as arbiter:
 
@@ -134,6 +135,7 @@ async def test_fifty_concurrent_leases_never_hold_more_than_fit() -> None:
             async with arbiter.lease(6000, holder=f"w{i}") as lease:
                 holding += 1
                 peak = max(peak, holding)
+                reasons.update(info.reason.code for info in arbiter.pending())
                 if committed(arbiter) > CAPACITY:
                     over.append(committed(arbiter))
                 await asyncio.sleep(0)
@@ -147,6 +149,8 @@ async def test_fifty_concurrent_leases_never_hold_more_than_fit() -> None:
 
     assert peak == 4  # 4 x 6000 <= 24576 < 5 x 6000
     assert over == []
+    assert "insufficient_vram" in reasons
+    assert reasons <= {"load_in_progress", "insufficient_vram", "nominated_for"}
 
 
 async def test_load_gate_lets_one_load_at_a_time(arbiter: Arbiter) -> None:
@@ -580,6 +584,17 @@ async def test_a_waiter_cancelled_after_its_grant_but_before_waking_leaves_nothi
         await task
     assert arbiter.leases() == []
     assert committed(arbiter) == 0
+
+
+async def test_without_gpus_requests_wait_for_workers() -> None:
+    async with Arbiter() as arbiter:
+        with pytest.raises(WaitTimeout):
+            await arbiter.acquire(1000, max_wait_s=0.05, holder="early")
+        task = asyncio.create_task(arbiter.acquire(1000, holder="early"))
+        await settle()
+        assert pending_by_holder(arbiter)["early"].reason.code == "no_workers"
+    with pytest.raises(ArbiterStopped):
+        await task
 
 
 # ---------------------------------------------------------------- pause

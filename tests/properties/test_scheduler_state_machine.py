@@ -137,6 +137,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     def submit_another(self, **fields: Any) -> None:  # requests are the most common event
         self._submit(**fields)
 
+    @rule(size=st.sampled_from([12000, 16000, 20000]), priority=st.sampled_from([500, 800, 1000]))
+    def submit_urgent(self, size: int, priority: int) -> None:  # one that will often preempt
+        self._submit(
+            size=size,
+            gpus=1,
+            priority=priority,
+            preemptible=None,
+            worker=None,
+            max_wait_s=None,
+            ttl_s=None,
+        )
+
     def _submit(
         self,
         size: int,
