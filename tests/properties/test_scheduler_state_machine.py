@@ -213,6 +213,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_grants(decisions, order, statuses, live, loading)
         self._check_revocations(decisions, before, now)
         self._check_order(decisions, order, statuses, live, loading)
+        self._check_preemptions_free_enough(decisions, order)
         for request in decisions.timed_out:
             assert request.max_wait_s is not None
             assert request.submitted_at + request.max_wait_s <= now
@@ -280,6 +281,40 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert lease.revoke_reason == "drain_deadline"
         self._track_revoked(decisions.revocations)
+
+    def _occupied_without(self, gpu_id: GpuId, gone: set[str]) -> int:
+        """Occupied memory once the leases ``gone`` have stopped and the probe shows it."""
+        ids = set(self._on(gpu_id, self.held))
+        gone = gone & ids
+        gone_mb = sum(self.held[lid].vram_mb for lid in gone)
+        committed = sum(self.held[lid].vram_mb for lid in ids) - gone_mb
+        probe = self.probes.get(gpu_id)
+        if probe is None:
+            return committed
+        if probe.lease_used_mb is None:
+            return max(committed, probe.used_mb - gone_mb)
+        used = probe.lease_used_mb
+        exact = sum(max(self.held[lid].vram_mb, used.get(lid, 0)) for lid in gone)
+        return self._occupied(gpu_id, ids) - exact
+
+    def _check_preemptions_free_enough(self, decisions: Decisions, order: dict[str, int]) -> None:
+        """No revocation starts that cannot free enough for the request it is for."""
+        preemptors = {
+            lease.preempted_for
+            for lease in decisions.revocations
+            if lease.revoke_reason == "preempted"
+        }
+        for request_id in preemptors:
+            assert request_id is not None
+            if request_id not in self.sched.queue:
+                continue  # timed out at the end of this very cycle
+            request = self.requests[request_id]
+            nominated = self.sched.explain(request_id, self.now).nominated
+            assert len(nominated) == request.gpus
+            holds = self._holds_ahead(order, order[request_id])
+            for g in nominated:
+                free = self.gpus[g].capacity_mb - self._occupied_without(g, self.revoking)
+                assert free - holds[g] >= request.vram_mb, f"preempting for {request_id} on {g}"
 
     def _check_order(
         self,
