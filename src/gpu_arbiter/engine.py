@@ -399,8 +399,9 @@ class Arbiter:
             raise
         handle = LeaseHandle(self, lease, task)
         self._handles[lease.id] = handle
-        if lease.state is LeaseState.REVOKING:  # revoked between grant and wake-up
-            handle._notify_revoked(lease.revoke_reason or "revoked")
+        current = self._scheduler.leases.get(lease.id, lease)
+        if current.state is LeaseState.REVOKING:  # revoked between grant and wake-up
+            handle._notify_revoked(current.revoke_reason or "revoked")
         return handle
 
     def _give_up(self, request_id: str, future: asyncio.Future[Lease]) -> None:

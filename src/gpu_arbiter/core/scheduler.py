@@ -177,7 +177,7 @@ class Scheduler:
             self.workers[name] = evolve(worker, status=WorkerStatus.DRAINING)
         self._drain_check.add(name)
         if force:
-            return [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
+            return self._revoke_worker(name, "drain", now)
         if deadline_s is not None:
             self._drain_deadlines[name] = now + deadline_s
             self._push_timer(now + deadline_s, "drain", name)
@@ -196,10 +196,18 @@ class Scheduler:
         worker = self._worker(name)
         revoked: list[Lease] = []
         if worker.status is WorkerStatus.DRAINING:
-            revoked = [self.revoke(lid, "drain", now) for lid in sorted(self._worker_leases[name])]
+            revoked = self._revoke_worker(name, "drain", now)
         self.workers[name] = evolve(worker, status=WorkerStatus.OFFLINE)
         self._drain_deadlines.pop(name, None)
         return revoked
+
+    def _revoke_worker(self, name: str, reason: str, now: float) -> list[Lease]:
+        """Revokes the worker's leases not already being revoked; returns those."""
+        return [
+            self.revoke(lid, reason, now)
+            for lid in sorted(self._worker_leases.get(name, ()))
+            if self.leases[lid].state is not LeaseState.REVOKING
+        ]
 
     def set_probe(self, gpu_id: GpuId, probe: GpuProbe | None) -> None:
         if gpu_id not in self._ledger:
@@ -411,10 +419,7 @@ class Scheduler:
                 loaded.append(self.ready(key, now))
             elif kind == "drain":
                 del self._drain_deadlines[key]
-                revoked += [
-                    self.revoke(lid, "drain_deadline", now)
-                    for lid in sorted(self._worker_leases.get(key, ()))
-                ]
+                revoked += self._revoke_worker(key, "drain_deadline", now)
             elif kind == "wait":
                 waits.append(key)
         return expired, loaded, revoked, waits
@@ -827,14 +832,17 @@ class Scheduler:
         holders: dict[GpuId, str],
         own: tuple[GpuId, ...],
     ) -> PendingReason:
-        codes = {v.code for v in verdicts}
-        summary = summarize(verdicts, request.vram_mb)
         fitting = Counter(v.gpu.worker for v in verdicts if v.code == "fits")
         if any(count >= request.gpus for count in fitting.values()):
             return PendingReason(
                 "queued", "a GPU fits; waiting for the next scheduling cycle", verdicts, own
             )
-        codes.discard("fits")  # some GPUs have room, but no worker has `gpus` of them
+        # GPUs with room, but too few of them on one worker for the request
+        verdicts = tuple(
+            evolve(v, code="too_few_gpus_on_worker") if v.code == "fits" else v for v in verdicts
+        )
+        codes = {v.code for v in verdicts}
+        summary = summarize(verdicts, request.vram_mb)
         for code in ("nominated_for", "load_in_progress", "insufficient_vram"):
             if code in codes:
                 blocked = next((holders.get(v.gpu) for v in verdicts if v.code == code), None)

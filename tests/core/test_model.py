@@ -1,0 +1,232 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.core import (
+    Constraints,
+    Gpu,
+    GpuId,
+    InvalidInput,
+    LeaseState,
+    Policy,
+    Request,
+    Worker,
+    compute_capability,
+    validate_worker_name,
+)
+
+
+def _field_of(fn: Any, *args: Any, **kwargs: Any) -> str:
+    with pytest.raises(InvalidInput) as caught:
+        fn(*args, **kwargs)
+    return caught.value.field
+
+
+# ---------------------------------------------------------------- GPU ids and names
+
+
+def test_gpu_id_parses_exactly_on_the_colon() -> None:
+    assert GpuId.parse("box-1:0") == GpuId("box-1", 0)
+    assert GpuId.parse("BOX-1:12") == GpuId("box-1", 12)
+    assert str(GpuId("box-1", 3)) == "box-1:3"
+
+
+def test_gpu_id_never_matches_by_prefix() -> None:
+    assert GpuId.parse("foo:0") != GpuId.parse("foo-bar:0")
+    assert GpuId.parse("foo-bar:0").worker == "foo-bar"
+
+
+@pytest.mark.parametrize("bad", ["foo", "foo:", ":0", "foo:0:1", "foo:-1", "foo:x", "Foo Bar:0"])
+def test_gpu_id_rejects_malformed_text(bad: str) -> None:
+    assert _field_of(GpuId.parse, bad) in ("gpu", "worker")
+
+
+def test_worker_names_are_case_folded_and_checked() -> None:
+    assert validate_worker_name("Box-1.lab_2") == "box-1.lab_2"
+    for bad in ("", "-box", "box:1", "a" * 64, "box 1"):
+        assert _field_of(validate_worker_name, bad) == "worker"
+    assert Worker("BOX").name == "box"
+
+
+@pytest.mark.parametrize(
+    ("arch", "cc"),
+    [
+        ("sm_86", (8, 6)),
+        ("sm_80", (8, 0)),
+        ("sm_90", (9, 0)),
+        ("sm_100", (10, 0)),
+        ("sm_120", (12, 0)),
+    ],
+)
+def test_compute_capability_from_arch(arch: str, cc: tuple[int, int]) -> None:
+    assert compute_capability(arch) == cc
+
+
+@pytest.mark.parametrize("arch", ["gfx1100", "sm_8", "sm_", "", "sm_x6"])
+def test_compute_capability_is_none_for_other_archs(arch: str) -> None:
+    assert compute_capability(arch) is None
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def test_gpu_capacity_is_total_minus_headroom() -> None:
+    gpu = Gpu(index=1, total_mb=24576, headroom_mb=256, worker="Box-1", vendor="NVIDIA")
+    assert gpu.capacity_mb == 24320
+    assert gpu.id == GpuId("box-1", 1)
+    assert gpu.vendor == "nvidia"
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"index": -1}, "gpu.index"),
+        ({"index": True}, "gpu.index"),
+        ({"total_mb": 0}, "gpu.total_mb"),
+        ({"total_mb": 1.5}, "gpu.total_mb"),
+        ({"headroom_mb": -1}, "gpu.headroom_mb"),
+        ({"headroom_mb": 24576}, "gpu.headroom_mb"),
+        ({"arch": "SM 86"}, "gpu.arch"),
+        ({"worker": "no:colons"}, "gpu.worker"),
+    ],
+)
+def test_gpu_validation_names_the_field(fields: dict[str, Any], name: str) -> None:
+    base: dict[str, Any] = {"index": 0, "total_mb": 24576}
+    assert _field_of(Gpu, **{**base, **fields}) == name
+
+
+# ---------------------------------------------------------------- Request
+
+
+def test_request_defaults() -> None:
+    request = Request.build("r", vram_mb="8G")
+    assert request.vram_mb == 8192
+    assert request.gpus == 1
+    assert request.priority == 500
+    assert request.preemptible is True
+    assert request.ttl_s == 30.0
+    assert request.max_wait_s is None
+    assert request.load_timeout_s == 300.0
+
+
+def test_preemptible_defaults_to_below_interactive() -> None:
+    assert Request.build("a", vram_mb=1, priority=799).preemptible is True
+    assert Request.build("b", vram_mb=1, priority="interactive").preemptible is False
+    assert Request.build("c", vram_mb=1, priority="critical").preemptible is False
+    assert Request.build("d", vram_mb=1, priority="critical", preemptible=True).preemptible
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"vram_mb": 0}, "vram_mb"),
+        ({"vram_mb": "lots"}, "vram_mb"),
+        ({"gpus": 0}, "gpus"),
+        ({"gpus": 65}, "gpus"),
+        ({"gpus": True}, "gpus"),
+        ({"priority": 1001}, "priority"),
+        ({"priority": "urgent"}, "priority"),
+        ({"preemptible": "yes"}, "preemptible"),
+        ({"holder": "x" * 257}, "holder"),
+        ({"metadata": {f"k{i}": i for i in range(33)}}, "metadata"),
+        ({"metadata": {"k": "x" * 5000}}, "metadata"),
+        ({"ttl_s": 0}, "ttl_s"),
+        ({"ttl_s": -1}, "ttl_s"),
+        ({"ttl_s": float("inf")}, "ttl_s"),
+        ({"ttl_s": "30"}, "ttl_s"),
+        ({"max_wait_s": -1}, "max_wait_s"),
+        ({"max_wait_s": float("nan")}, "max_wait_s"),
+        ({"load_timeout_s": None}, "load_timeout_s"),
+        ({"load_timeout_s": 0}, "load_timeout_s"),
+        ({"idempotency_key": ""}, "idempotency_key"),
+    ],
+)
+def test_request_validation_names_the_field(fields: dict[str, Any], name: str) -> None:
+    base: dict[str, Any] = {"vram_mb": 1024}
+    assert _field_of(Request.build, "r", **{**base, **fields}) == name
+
+
+def test_request_accepts_edge_values() -> None:
+    assert Request.build("r", vram_mb=1, max_wait_s=0).max_wait_s == 0.0
+    assert Request.build("r", vram_mb=1, ttl_s=None).ttl_s is None
+    assert Request.build("r", vram_mb=1, gpus=64).gpus == 64
+
+
+# ---------------------------------------------------------------- Constraints
+
+
+def test_constraints_build_normalizes() -> None:
+    c = Constraints.build(
+        vendor="NVIDIA",
+        min_compute_capability="8.6",
+        gpu_arch=["sm_89", "sm_86", "sm_86"],
+        gpu_model="*4090*",
+        worker="Box-1",
+        labels={"zone": "a", "disk": "ssd"},
+    )
+    assert c.vendor == "nvidia"
+    assert c.min_compute_capability == (8, 6)
+    assert c.gpu_arch == ("sm_86", "sm_89")
+    assert c.worker == "box-1"
+    assert c.labels == (("disk", "ssd"), ("zone", "a"))
+    assert Constraints.build(min_compute_capability=10.0).min_compute_capability == (10, 0)
+    assert Constraints.build(gpu_arch="sm_90").gpu_arch == ("sm_90",)
+    assert Constraints.build() == Constraints()
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"min_compute_capability": "eight"}, "constraints.min_compute_capability"),
+        ({"min_compute_capability": "8.6.1"}, "constraints.min_compute_capability"),
+        ({"min_compute_capability": True}, "constraints.min_compute_capability"),
+        ({"gpu_arch": ["sm 86"]}, "constraints.gpu_arch"),
+        ({"gpu_arch": [86]}, "constraints.gpu_arch"),
+        ({"vendor": ""}, "constraints.vendor"),
+        ({"gpu_model": "x" * 300}, "constraints.gpu_model"),
+        ({"worker": "a:b"}, "constraints.worker"),
+        ({"labels": {"zone": 1}}, "constraints.labels"),
+    ],
+)
+def test_constraints_validation_names_the_field(fields: dict[str, Any], name: str) -> None:
+    assert _field_of(Constraints.build, **fields) == name
+
+
+# ---------------------------------------------------------------- Policy and lease states
+
+
+def test_policy_defaults() -> None:
+    policy = Policy()
+    assert policy.max_concurrent_loads == 1
+    assert policy.placement == "binpack"
+    assert policy.aging_cap == 799
+    assert policy.preempt_exempt_s == 0
+    assert policy.grace_s == 10
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"max_concurrent_loads": 0}, "max_concurrent_loads"),
+        ({"placement": "random"}, "placement"),
+        ({"aging_interval_s": 0}, "aging_interval_s"),
+        ({"aging_step": -1}, "aging_step"),
+        ({"aging_cap": 800}, "aging_cap"),
+        ({"aging_cap": -1}, "aging_cap"),
+        ({"preempt_exempt_s": -1}, "preempt_exempt_s"),
+        ({"grace_s": -1}, "grace_s"),
+    ],
+)
+def test_policy_validation_names_the_field(fields: dict[str, Any], name: str) -> None:
+    assert _field_of(Policy, **fields) == name
+
+
+def test_lease_states_that_hold_memory() -> None:
+    held = {s for s in LeaseState if s.holds_memory}
+    assert held == {LeaseState.LOADING, LeaseState.ACTIVE, LeaseState.REVOKING}
+    final = {s for s in LeaseState if s.is_final}
+    assert LeaseState.PENDING not in final
+    assert held.isdisjoint(final)
+    assert len(held | final) == len(LeaseState) - 1

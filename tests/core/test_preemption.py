@@ -1,0 +1,166 @@
+"""Victim selection (I5), seen through the scheduler's decisions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from support import gpu, grant_now, granted_ids, req, revoked_ids, scheduler
+
+from gpu_arbiter.core import LeaseState, Policy, Scheduler
+
+
+def _with_leases(
+    *leases: tuple[str, int, dict[str, Any]], policy: Policy | None = None
+) -> Scheduler:
+    """One 24576 MiB GPU holding ``leases`` (id, MiB, request fields), granted at t = 0, 1, ..."""
+    sched = scheduler(gpu(0, 24576), policy=policy)
+    for at, (lease_id, mb, fields) in enumerate(leases):
+        grant_now(sched, req(lease_id, mb, **fields), float(at))
+    return sched
+
+
+def _preempt(sched: Scheduler, mb: int, now: float = 100.0, **fields: Any) -> list[str]:
+    sched.submit(req("p", mb, **fields), now)
+    decisions = sched.decide(now)
+    assert granted_ids(decisions) == []
+    return sorted(revoked_ids(decisions))
+
+
+BATCH = {"priority": "batch"}
+
+
+def test_fewest_victims() -> None:
+    sched = _with_leases(("a", 6000, BATCH), ("b", 6000, BATCH), ("big", 12000, BATCH))
+    assert _preempt(sched, 12000) == ["big"]
+
+
+def test_the_victims_together_free_enough() -> None:
+    sched = _with_leases(("a", 8000, BATCH), ("b", 8000, BATCH), ("c", 8000, BATCH))
+    victims = _preempt(sched, 16000)
+    assert len(victims) == 2
+    free = sched.figures(sched.gpu_ids()[0]).free_mb
+    freed = sum(sched.leases[v].vram_mb for v in victims)
+    assert free + freed >= 16000
+
+
+def test_lowest_priority_first() -> None:
+    sched = _with_leases(("bg", 12000, {"priority": "background"}), ("batch", 12000, BATCH))
+    assert _preempt(sched, 10000) == ["batch"]
+
+
+def test_youngest_among_equals() -> None:
+    sched = _with_leases(("old", 12000, BATCH), ("young", 12000, BATCH))
+    assert _preempt(sched, 10000) == ["young"]
+
+
+def test_revoked_leases_keep_their_memory_and_state() -> None:
+    sched = _with_leases(("a", 20000, BATCH))
+    assert _preempt(sched, 10000) == ["a"]
+    lease = sched.lease("a")
+    assert lease.state is LeaseState.REVOKING
+    assert lease.revoke_reason == "preempted"
+    assert lease.preempted_for == "p"
+    assert sched.figures(lease.gpus[0]).committed_mb == 20000
+
+
+def test_idle_leases_go_first_least_recently_used() -> None:
+    sched = _with_leases(
+        ("busy_batch", 8000, BATCH), ("warm_recent", 8000, {}), ("warm_old", 8000, {})
+    )
+    sched.set_idle("warm_old", True, 10.0)
+    sched.set_idle("warm_recent", True, 20.0)
+    assert _preempt(sched, 8000, priority="normal") == ["warm_old"]
+
+
+def test_idle_leases_go_before_lower_priority_busy_ones() -> None:
+    sched = _with_leases(("busy_batch", 12000, BATCH), ("warm", 12000, {"priority": "background"}))
+    sched.set_idle("warm", True, 5.0)
+    assert _preempt(sched, 10000, priority="normal") == ["warm"]
+
+
+def test_equal_priority_reclaims_an_idle_lease() -> None:
+    sched = _with_leases(("warm", 20000, {}))
+    sched.set_idle("warm", True, 5.0)
+    assert _preempt(sched, 10000, priority="normal") == ["warm"]
+
+
+def test_equal_priority_never_preempts_a_busy_lease() -> None:
+    sched = _with_leases(("busy", 20000, {}))
+    assert _preempt(sched, 10000, priority="normal") == []
+    sched.set_idle("busy", True, 50.0)
+    sched.set_idle("busy", False, 60.0)  # busy again
+    assert sched.decide(100.0).revocations == ()
+
+
+def test_lower_priority_never_reclaims_an_idle_lease() -> None:
+    sched = _with_leases(("warm", 20000, {}))
+    sched.set_idle("warm", True, 5.0)
+    assert _preempt(sched, 10000, priority="background") == []
+
+
+def test_non_preemptible_leases_are_never_victims() -> None:
+    sched = _with_leases(("pinned", 20000, {"priority": "batch", "preemptible": False}))
+    assert _preempt(sched, 10000, priority="critical") == []
+    sched.set_idle("pinned", True, 5.0)
+    assert sched.decide(101.0).revocations == ()
+
+
+def test_aging_gives_no_preemption_rights() -> None:
+    policy = Policy(aging_interval_s=1, aging_step=100)
+    sched = _with_leases(("batch", 20000, BATCH), policy=policy)
+    sched.submit(req("aged", 10000, priority="batch"), 0.0)
+    decisions = sched.decide(10_000.0)  # aged to the cap long ago
+    assert decisions.revocations == ()
+    assert decisions.grants == ()
+
+
+def test_young_leases_are_spared_by_preempt_exempt_s() -> None:
+    sched = _with_leases(("young", 20000, BATCH), policy=Policy(preempt_exempt_s=60))
+    assert _preempt(sched, 10000, now=10.0) == []
+    deadline = sched.next_deadline()
+    assert deadline is not None
+    assert deadline <= 60.0  # the scheduler wakes itself when the lease comes of age
+    assert revoked_ids(sched.decide(60.0)) == ["young"]
+
+
+def test_idle_leases_are_not_spared_by_preempt_exempt_s() -> None:
+    sched = _with_leases(("young", 20000, {}), policy=Policy(preempt_exempt_s=60))
+    sched.set_idle("young", True, 1.0)
+    assert _preempt(sched, 10000, now=2.0) == ["young"]
+
+
+def test_no_revocation_that_cannot_free_enough() -> None:
+    sched = _with_leases(("pinned", 16000, {"preemptible": False}), ("batch", 4000, BATCH))
+    assert _preempt(sched, 12000, priority="critical") == []
+    reason = sched.explain("p", 100.0)
+    assert reason.code == "insufficient_vram"
+
+
+def test_no_revocation_when_the_probe_shows_the_memory_is_used_by_strangers() -> None:
+    from gpu_arbiter.core import GpuProbe
+
+    sched = _with_leases(("batch", 8000, BATCH))
+    g0 = sched.gpu_ids()[0]
+    sched.set_probe(g0, GpuProbe(used_mb=8000 + 14000))  # 14000 MiB we know nothing about
+    assert _preempt(sched, 12000, priority="critical") == []
+
+
+def test_a_plan_spans_the_gpus_of_one_worker() -> None:
+    sched = scheduler(gpu(0, 24576), gpu(1, 24576))
+    grant_now(sched, req("a", 20000, priority="batch"), 0.0)
+    grant_now(sched, req("b", 20000, priority="batch"), 1.0)
+    sched.submit(req("p", 10000, gpus=2), 2.0)
+    decisions = sched.decide(2.0)
+    assert sorted(revoked_ids(decisions)) == ["a", "b"]
+
+
+def test_preemption_does_not_repeat_while_victims_stop() -> None:
+    sched = _with_leases(("a", 20000, BATCH), ("b", 4000, BATCH))
+    assert _preempt(sched, 10000) == ["a"]
+    for now in (101.0, 102.0, 103.0):
+        assert sched.decide(now).revocations == ()
+    assert sched.explain("p", 103.0).code == "preempting"
+    sched.release("a", 104.0)
+    assert granted_ids(sched.decide(104.0)) == ["p"]
+    assert "b" in sched.leases
+    assert sched.leases["b"].state is LeaseState.ACTIVE

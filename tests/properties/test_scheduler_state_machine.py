@@ -1,0 +1,497 @@
+"""Random event sequences against the decision core, checking I1-I7 after every step.
+
+The checks recompute what must hold from the leases, probes and requests the
+machine itself fed in, not from the scheduler's own accounting.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from gpu_arbiter.core import (
+    Conflict,
+    Constraints,
+    Decisions,
+    Gpu,
+    GpuId,
+    GpuProbe,
+    Lease,
+    LeaseState,
+    Policy,
+    Request,
+    Scheduler,
+    Unschedulable,
+    Worker,
+    WorkerStatus,
+)
+
+GPUS = (
+    Gpu(index=0, total_mb=24576, worker="w1"),
+    Gpu(index=1, total_mb=16384, worker="w1"),
+    Gpu(index=0, total_mb=24576, worker="w2", headroom_mb=256),
+)
+WORKERS = ("w1", "w2")
+SIZES = (1000, 2000, 4000, 6000, 8000, 12000, 16000, 20000, 24000, 30000)
+PRIORITIES = (100, 300, 500, 800, 1000)
+REQUEST_FIELDS = {
+    "size": st.sampled_from(SIZES),
+    "gpus": st.sampled_from([1, 1, 1, 2]),
+    "priority": st.sampled_from(PRIORITIES),
+    "preemptible": st.sampled_from([None, True, False]),
+    "worker": st.sampled_from([None, None, "w1", "w2"]),
+    "max_wait_s": st.sampled_from([None, None, 5.0]),
+    "ttl_s": st.sampled_from([None, None, 20.0]),
+}
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.sched = Scheduler()
+        self.gpus = {g.id: g for g in GPUS}
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, Lease] = {}  # as granted: id, size, GPUs
+        self.ended: set[str] = set()
+        self.revoking: set[str] = set()
+        self.probes: dict[GpuId, GpuProbe] = {}
+        self.stale: set[GpuId] = set()
+        self.last_token = 0
+        self.counter = 0
+
+    @initialize(
+        loads=st.sampled_from([1, 2]),
+        placement=st.sampled_from(["binpack", "spread"]),
+        exempt=st.sampled_from([0.0, 5.0]),
+    )
+    def setup(self, loads: int, placement: str, exempt: float) -> None:
+        policy = Policy(
+            max_concurrent_loads=loads,
+            placement=placement,  # type: ignore[arg-type]
+            preempt_exempt_s=exempt,
+            aging_interval_s=10.0,
+            aging_step=50,
+        )
+        self.sched = Scheduler(policy)
+        for name in WORKERS:
+            self.sched.put_worker(Worker(name), [g for g in GPUS if g.worker == name])
+
+    # ------------------------------------------------------------ helpers
+
+    @property
+    def policy(self) -> Policy:
+        return self.sched.policy
+
+    def _on(self, gpu_id: GpuId, ids: set[str] | dict[str, Lease]) -> list[str]:
+        return [lid for lid in ids if gpu_id in self.held[lid].gpus]
+
+    def _occupied(self, gpu_id: GpuId, live: set[str]) -> int:
+        """I2's occupied memory of a GPU given the leases ``live``, from the last probe."""
+        ids = [lid for lid in live if gpu_id in self.held[lid].gpus]
+        committed = sum(self.held[lid].vram_mb for lid in ids)
+        probe = self.probes.get(gpu_id)
+        if probe is None:
+            return committed
+        if probe.lease_used_mb is None:
+            return max(committed, probe.used_mb)
+        per_lease = probe.lease_used_mb
+        attributed = sum(per_lease.get(lid, 0) for lid in ids)
+        exact = sum(max(self.held[lid].vram_mb, per_lease.get(lid, 0)) for lid in ids)
+        return exact + max(0, probe.used_mb - attributed)
+
+    def _matches(self, request: Request, gpu_id: GpuId) -> bool:
+        worker = request.constraints.worker
+        return (worker is None or worker == gpu_id.worker) and (
+            self.gpus[gpu_id].capacity_mb >= request.vram_mb
+        )
+
+    def _end(self, lease_id: str) -> None:
+        assert lease_id in self.held, f"{lease_id} released twice or never granted"
+        assert lease_id not in self.ended
+        del self.held[lease_id]
+        self.ended.add(lease_id)
+        self.revoking.discard(lease_id)
+
+    def _track_revoked(self, leases: list[Lease] | tuple[Lease, ...]) -> None:
+        for lease in leases:
+            assert lease.state is LeaseState.REVOKING
+            assert lease.id in self.held
+            assert lease.id not in self.revoking, "a revocation reported twice"
+            self.revoking.add(lease.id)
+
+    def _pick(self, data: st.DataObject, ids: set[str] | list[str]) -> str:
+        return data.draw(st.sampled_from(sorted(ids)))
+
+    # ------------------------------------------------------------ events
+
+    @rule(**REQUEST_FIELDS)
+    def submit(self, **fields: Any) -> None:
+        self._submit(**fields)
+
+    @rule(**REQUEST_FIELDS)
+    def submit_another(self, **fields: Any) -> None:  # requests are the most common event
+        self._submit(**fields)
+
+    @rule(size=st.sampled_from([12000, 16000, 20000]), priority=st.sampled_from([500, 800, 1000]))
+    def submit_urgent(self, size: int, priority: int) -> None:  # one that will often preempt
+        self._submit(
+            size=size,
+            gpus=1,
+            priority=priority,
+            preemptible=None,
+            worker=None,
+            max_wait_s=None,
+            ttl_s=None,
+        )
+
+    def _submit(
+        self,
+        size: int,
+        gpus: int,
+        priority: int,
+        preemptible: bool | None,
+        worker: str | None,
+        max_wait_s: float | None,
+        ttl_s: float | None,
+    ) -> None:
+        self.counter += 1
+        request = Request.build(
+            f"r{self.counter}",
+            vram_mb=size,
+            gpus=gpus,
+            priority=priority,
+            preemptible=preemptible,
+            constraints=Constraints.build(worker=worker),
+            max_wait_s=max_wait_s,
+            ttl_s=ttl_s,
+        )
+        per_worker = Counter(g.worker for g in self.gpus if self._matches(request, g))
+        possible = any(n >= gpus for n in per_worker.values())
+        try:
+            queued: Request | None = self.sched.submit(request, self.now)
+        except Unschedulable:
+            queued = None
+        assert (queued is not None) is possible, "rejected a possible request, or the reverse"
+        if queued is not None:
+            self.requests[request.id] = queued
+
+    @rule()
+    def decide_again(self) -> None:  # cycles are as common as events
+        self.decide()
+
+    @rule()
+    def decide(self) -> None:
+        now = self.now
+        statuses = {name: w.status for name, w in self.sched.workers.items()}
+        before = {lid: self.sched.lease(lid) for lid in self.held}
+        order = {r.id: pos for pos, r, _ in self.sched.pending(now)}
+        paused = self.sched.paused
+
+        decisions = self.sched.decide(now)
+
+        for lease in decisions.expired:
+            assert before[lease.id].expires_at <= now
+            assert lease.state is LeaseState.EXPIRED
+            self._end(lease.id)
+        loaded = {lease.id for lease in decisions.loaded}
+        for lease_id in loaded:
+            assert before[lease_id].loading
+            assert before[lease_id].load_deadline <= now
+        live = set(self.held)  # what the placement walk started from
+        loading = {g: 0 for g in self.gpus}
+        for lid in live:
+            if before[lid].loading and lid not in loaded:
+                for g in before[lid].gpus:
+                    loading[g] += 1
+        if paused:
+            assert decisions.grants == ()
+        self._check_grants(decisions, order, statuses, live, loading)
+        self._check_revocations(decisions, before, now)
+        self._check_order(decisions, order, statuses, live, loading)
+        self._check_preemptions_free_enough(decisions, order)
+        for request in decisions.timed_out:
+            assert request.max_wait_s is not None
+            assert request.submitted_at + request.max_wait_s <= now
+        for name, old, new in decisions.workers:
+            assert (old, new) == (WorkerStatus.DRAINING, WorkerStatus.DRAINED)
+            assert not any(lease.worker == name for lease in self.held.values())
+
+    def _holds_ahead(self, order: dict[str, int], position: int) -> Counter[GpuId]:
+        """Memory held for still-pending requests ahead of ``position`` (their nominations)."""
+        holds: Counter[GpuId] = Counter()
+        for request_id, pos in order.items():
+            if pos < position and request_id in self.sched.queue:
+                for g in self.sched.explain(request_id, self.now).nominated:
+                    holds[g] += self.requests[request_id].vram_mb
+        return holds
+
+    def _check_grants(
+        self,
+        decisions: Decisions,
+        order: dict[str, int],
+        statuses: dict[str, WorkerStatus],
+        live: set[str],
+        loading: dict[GpuId, int],
+    ) -> None:
+        live = set(live)  # grows with each grant: the I2 rule counts them as committed
+        granted_loads: Counter[GpuId] = Counter()
+        positions = [order[lease.id] for lease in decisions.grants]
+        assert positions == sorted(positions), "grants out of queue order"
+        for lease in decisions.grants:
+            request = self.requests[lease.id]
+            assert lease.token > self.last_token, "fencing token did not increase"
+            self.last_token = lease.token
+            assert lease.state is LeaseState.LOADING
+            assert lease.loading
+            assert len(lease.gpus) == request.gpus == len(set(lease.gpus))
+            assert len({g.worker for g in lease.gpus}) == 1
+            holds = self._holds_ahead(order, order[lease.id])
+            for g in lease.gpus:
+                assert self._matches(request, g)
+                assert statuses[g.worker] is WorkerStatus.ONLINE, "I7: grant on a non-online worker"
+                assert g not in self.stale, "I2: grant on a GPU whose probe is stale"
+                room = self.gpus[g].capacity_mb - self._occupied(g, live) - holds[g]
+                assert request.vram_mb <= room, f"I2: {lease.id} does not fit on {g}"
+                assert loading[g] + granted_loads[g] < self.policy.max_concurrent_loads, "I3"
+                granted_loads[g] += 1
+            self.held[lease.id] = lease
+            live.add(lease.id)
+
+    def _check_revocations(
+        self, decisions: Decisions, before: dict[str, Lease], now: float
+    ) -> None:
+        granted = {lease.id: lease for lease in decisions.grants}
+        for lease in decisions.revocations:
+            old = before[lease.id] if lease.id in before else granted[lease.id]
+            assert old.state is not LeaseState.REVOKING, "revoked twice"
+            if lease.revoke_reason == "preempted":
+                assert lease.preempted_for is not None
+                preemptor = self.requests[lease.preempted_for].priority
+                assert old.request.preemptible, "I5: a non-preemptible lease was preempted"
+                if old.idle:
+                    assert old.base_priority <= preemptor, "I5: idle lease by lower priority"
+                else:
+                    assert old.base_priority < preemptor, "I5: busy lease by equal/lower priority"
+                    assert now - old.granted_at >= self.policy.preempt_exempt_s
+            else:
+                assert lease.revoke_reason == "drain_deadline"
+        self._track_revoked(decisions.revocations)
+
+    def _occupied_without(self, gpu_id: GpuId, gone: set[str]) -> int:
+        """Occupied memory once the leases ``gone`` have stopped and the probe shows it."""
+        ids = set(self._on(gpu_id, self.held))
+        gone = gone & ids
+        gone_mb = sum(self.held[lid].vram_mb for lid in gone)
+        committed = sum(self.held[lid].vram_mb for lid in ids) - gone_mb
+        probe = self.probes.get(gpu_id)
+        if probe is None:
+            return committed
+        if probe.lease_used_mb is None:
+            return max(committed, probe.used_mb - gone_mb)
+        used = probe.lease_used_mb
+        exact = sum(max(self.held[lid].vram_mb, used.get(lid, 0)) for lid in gone)
+        return self._occupied(gpu_id, ids) - exact
+
+    def _check_preemptions_free_enough(self, decisions: Decisions, order: dict[str, int]) -> None:
+        """No revocation starts that cannot free enough for the request it is for."""
+        preemptors = {
+            lease.preempted_for
+            for lease in decisions.revocations
+            if lease.revoke_reason == "preempted"
+        }
+        for request_id in preemptors:
+            assert request_id is not None
+            if request_id not in self.sched.queue:
+                continue  # timed out at the end of this very cycle
+            request = self.requests[request_id]
+            nominated = self.sched.explain(request_id, self.now).nominated
+            assert len(nominated) == request.gpus
+            holds = self._holds_ahead(order, order[request_id])
+            for g in nominated:
+                free = self.gpus[g].capacity_mb - self._occupied_without(g, self.revoking)
+                assert free - holds[g] >= request.vram_mb, f"preempting for {request_id} on {g}"
+
+    def _check_order(
+        self,
+        decisions: Decisions,
+        order: dict[str, int],
+        statuses: dict[str, WorkerStatus],
+        live: set[str],
+        loading: dict[GpuId, int],
+    ) -> None:
+        """I6: a request left pending ahead of a grant could not have fitted at its turn."""
+        if not decisions.grants or decisions.timed_out:
+            return  # a timed-out request's nomination is no longer visible
+        last = max(order[lease.id] for lease in decisions.grants)
+        for request_id, position in order.items():
+            if position > last or request_id not in self.sched.queue:
+                continue
+            request = self.requests[request_id]
+            holds = self._holds_ahead(order, position)
+            ahead = {lease.id for lease in decisions.grants if order[lease.id] < position}
+            loads: Counter[GpuId] = Counter(g for lid in ahead for g in self.held[lid].gpus)
+            fitting = Counter(
+                g.worker
+                for g in self.gpus
+                if self._matches(request, g)
+                and statuses[g.worker] is WorkerStatus.ONLINE
+                and g not in self.stale
+                and self.gpus[g].capacity_mb - self._occupied(g, live | ahead) - holds[g]
+                >= request.vram_mb
+                and loading[g] + loads[g] < self.policy.max_concurrent_loads
+            )
+            assert not any(n >= request.gpus for n in fitting.values()), (
+                f"I6: {request_id} could fit at its turn but was passed over"
+            )
+
+    @precondition(lambda self: any(self.sched.lease(lid).loading for lid in self.held))
+    @rule(data=st.data())
+    def ready(self, data: st.DataObject) -> None:
+        lease_id = self._pick(data, [lid for lid in self.held if self.sched.lease(lid).loading])
+        assert not self.sched.ready(lease_id, self.now).loading
+
+    @precondition(lambda self: set(self.held) - self.revoking)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        lease_id = self._pick(data, set(self.held) - self.revoking)
+        assert self.sched.release(lease_id, self.now).state is LeaseState.RELEASED
+        self._end(lease_id)
+
+    @precondition(lambda self: self.revoking)
+    @rule(data=st.data())
+    def holder_stopped(self, data: st.DataObject) -> None:
+        lease_id = self._pick(data, self.revoking)
+        self.sched.release(lease_id, self.now)
+        self._end(lease_id)
+
+    @precondition(lambda self: set(self.held) - self.revoking)
+    @rule(data=st.data())
+    def revoke(self, data: st.DataObject) -> None:
+        lease_id = self._pick(data, set(self.held) - self.revoking)
+        self._track_revoked([self.sched.revoke(lease_id, "admin", self.now)])
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), idle=st.booleans())
+    def set_idle(self, data: st.DataObject, idle: bool) -> None:
+        lease_id = self._pick(data, set(self.held))
+        assert self.sched.set_idle(lease_id, idle, self.now).idle is idle
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def renew(self, data: st.DataObject) -> None:
+        self.sched.renew(self._pick(data, set(self.held)), self.now)
+
+    @precondition(lambda self: len(self.sched.queue) > 0)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        request_id = self._pick(data, [r.id for _, r, _ in self.sched.pending(self.now)])
+        self.sched.cancel(request_id)
+
+    @rule(
+        index=st.integers(0, len(GPUS) - 1),
+        strangers_mb=st.sampled_from([0, 0, 500, 3000, 8000]),
+        grown=st.sampled_from([0.0, 0.5, 1.0, 1.2]),
+        per_lease=st.booleans(),
+        fails=st.sampled_from([False, False, False, True]),
+    )
+    def probe(
+        self, index: int, strangers_mb: int, grown: float, per_lease: bool, fails: bool
+    ) -> None:
+        """A probe reading: leases have grown to ``grown`` of their reservation; or it failed."""
+        gpu_id = GPUS[index].id
+        if fails:
+            self.sched.set_probe(gpu_id, None)
+            self.stale.add(gpu_id)
+            return
+        used = {lid: int(self.held[lid].vram_mb * grown) for lid in self._on(gpu_id, self.held)}
+        total = min(sum(used.values()) + strangers_mb, self.gpus[gpu_id].total_mb)
+        probe = GpuProbe(used_mb=total, lease_used_mb=used if per_lease else None)
+        self.sched.set_probe(gpu_id, probe)
+        self.probes[gpu_id] = probe
+        self.stale.discard(gpu_id)
+
+    @rule()
+    def pause_or_resume(self) -> None:
+        if self.sched.paused:
+            self.sched.resume()
+        else:
+            self.sched.pause()
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 3.0, 10.0, 30.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule(
+        worker=st.sampled_from(WORKERS),
+        change=st.sampled_from(["drain", "cancel_drain", "heartbeat_lost", "heartbeat_back"]),
+        force=st.booleans(),
+        deadline=st.booleans(),
+    )
+    def worker_changes(self, worker: str, change: str, force: bool, deadline: bool) -> None:
+        if change == "drain":
+            self._drain(worker, force, deadline)
+        elif change == "cancel_drain":
+            self._cancel_drain(worker)
+        elif change == "heartbeat_lost":
+            revoked = self.sched.set_offline(worker, self.now)
+            assert all(lease.revoke_reason == "drain" for lease in revoked)
+            self._track_revoked(revoked)
+            assert self.sched.workers[worker].status is WorkerStatus.OFFLINE
+        elif self.sched.workers[worker].status is WorkerStatus.OFFLINE:
+            self.sched.set_worker_status(worker, WorkerStatus.ONLINE)
+
+    def _drain(self, worker: str, force: bool, deadline: bool) -> None:
+        try:
+            revoked = self.sched.drain(
+                worker, self.now, force=force, deadline_s=10.0 if deadline else None
+            )
+        except Conflict:
+            assert self.sched.workers[worker].status is WorkerStatus.OFFLINE
+            return
+        assert self.sched.workers[worker].status in (WorkerStatus.DRAINING, WorkerStatus.DRAINED)
+        assert all(lease.revoke_reason == "drain" for lease in revoked)
+        self._track_revoked(revoked)
+
+    def _cancel_drain(self, worker: str) -> None:
+        status = self.sched.workers[worker].status
+        try:
+            self.sched.cancel_drain(worker)
+        except Conflict:
+            assert status in (WorkerStatus.ONLINE, WorkerStatus.OFFLINE)
+            return
+        assert self.sched.workers[worker].status is WorkerStatus.ONLINE
+
+    # ------------------------------------------------------------ after every step
+
+    @invariant()
+    def leases_are_the_ones_granted(self) -> None:
+        assert set(self.sched.leases) == set(self.held)
+        for lease_id in self.revoking:
+            assert self.sched.lease(lease_id).state is LeaseState.REVOKING  # I4
+
+    @invariant()
+    def no_over_commit(self) -> None:
+        for gpu_id, gpu in self.gpus.items():
+            on_gpu = [lease for lease in self.sched.leases.values() if gpu_id in lease.gpus]
+            committed = sum(lease.vram_mb for lease in on_gpu)
+            assert committed <= gpu.capacity_mb, f"I1: {gpu_id} over-committed"
+            assert all(lease.state.holds_memory for lease in on_gpu)
+            figures = self.sched.figures(gpu_id)
+            assert figures.committed_mb == committed  # revoking leases still count (I4)
+            loading = sum(lease.loading for lease in on_gpu)
+            assert loading == figures.loading
+            assert loading <= self.policy.max_concurrent_loads, "I3"
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestSchedulerMachine = SchedulerMachine.TestCase
