@@ -3,10 +3,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support import gpu
 
 from gpu_arbiter.core import Constraints
 from gpu_arbiter.core.filters import mismatch
+from tests.core.support import gpu
 
 
 def _check(

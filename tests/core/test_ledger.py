@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from support import gpu, req
-
 from gpu_arbiter.core import GpuId, GpuProbe, Lease, LeaseState
 from gpu_arbiter.core.ledger import Ledger
+from tests.core.support import gpu, req
 
 G0 = GpuId("w1", 0)
 CAPACITY = 24576 - 256

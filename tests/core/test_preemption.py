@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from support import gpu, grant_now, granted_ids, req, revoked_ids, scheduler
-
 from gpu_arbiter.core import LeaseState, Policy, Scheduler
+from tests.core.support import gpu, grant_now, granted_ids, req, revoked_ids, scheduler
 
 
 def _with_leases(
@@ -98,11 +97,20 @@ def test_lower_priority_never_reclaims_an_idle_lease() -> None:
     assert _preempt(sched, 10000, priority="background") == []
 
 
-def test_non_preemptible_leases_are_never_victims() -> None:
+def test_busy_non_preemptible_leases_are_never_victims() -> None:
     sched = _with_leases(("pinned", 20000, {"priority": "batch", "preemptible": False}))
     assert _preempt(sched, 10000, priority="critical") == []
-    sched.set_idle("pinned", True, 5.0)
-    assert sched.decide(101.0).revocations == ()
+
+
+def test_idle_marks_consent_to_reclaim_even_when_not_preemptible() -> None:
+    sched = _with_leases(("warm", 20000, {"priority": "interactive", "preemptible": False}))
+    sched.submit(req("lower", 10000, priority="normal"), 100.0)
+    sched.submit(req("equal", 10000, priority="interactive"), 100.0)
+    assert sched.decide(100.0).revocations == ()  # busy: neither may preempt it
+    sched.set_idle("warm", True, 101.0)
+    decisions = sched.decide(102.0)
+    assert revoked_ids(decisions) == ["warm"]
+    assert decisions.revocations[0].preempted_for == "equal"  # lower priority never reclaims
 
 
 def test_aging_gives_no_preemption_rights() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from support import gid, gpu, grant_now, granted_ids, req, revoked_ids, scheduler
 
 from gpu_arbiter.core import (
     Conflict,
@@ -17,6 +16,7 @@ from gpu_arbiter.core import (
     Worker,
     WorkerStatus,
 )
+from tests.core.support import gid, gpu, grant_now, granted_ids, req, revoked_ids, scheduler
 
 G0 = gid("w1:0")
 G1 = gid("w1:1")
@@ -585,12 +585,6 @@ def test_a_lease_already_being_revoked_is_not_revoked_again_by_a_drain() -> None
     assert sched.set_offline("w1", 13.0) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memory freed by a preemption is held only for requests behind the preemptor in "
-    "queue order; an aged request of lower base priority ahead of it takes the memory, and "
-    "the preemptor then preempts that one too (holds would have to apply by base priority)",
-)
 def test_an_aged_lower_priority_request_does_not_take_memory_freed_for_a_preemptor() -> None:
     policy = Policy(aging_interval_s=10, aging_step=50, max_concurrent_loads=4)
     sched = scheduler(gpu(0), policy=policy)
@@ -606,11 +600,6 @@ def test_an_aged_lower_priority_request_does_not_take_memory_freed_for_a_preempt
     assert granted_ids(decisions) == ["preemptor"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aging puts a lower base priority ahead in the walk; the request behind it may "
-    "preempt by base priority, so the lease granted first is revoked in the same cycle",
-)
 def test_a_lease_is_not_granted_and_revoked_in_the_same_cycle() -> None:
     policy = Policy(aging_interval_s=10, aging_step=50, max_concurrent_loads=4)
     sched = scheduler(gpu(0), policy=policy)

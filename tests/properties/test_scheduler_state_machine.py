@@ -272,10 +272,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if lease.revoke_reason == "preempted":
                 assert lease.preempted_for is not None
                 preemptor = self.requests[lease.preempted_for].priority
-                assert old.request.preemptible, "I5: a non-preemptible lease was preempted"
-                if old.idle:
+                assert lease.id not in granted, "revoked in the cycle that granted it"
+                if old.idle:  # the holder consented: equal or higher priority may reclaim it
                     assert old.base_priority <= preemptor, "I5: idle lease by lower priority"
                 else:
+                    assert old.request.preemptible, "I5: a non-preemptible lease was preempted"
                     assert old.base_priority < preemptor, "I5: busy lease by equal/lower priority"
                     assert now - old.granted_at >= self.policy.preempt_exempt_s
             else:

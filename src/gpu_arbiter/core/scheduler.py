@@ -94,6 +94,7 @@ class _Cycle:
     grants: list[Lease] = field(default_factory=list)
     revocations: list[Lease] = field(default_factory=list)
     preheld: dict[str, tuple[GpuId, ...]] = field(default_factory=dict)
+    reserved: dict[GpuId, int] = field(default_factory=dict)  # pre-held GPU -> its base priority
     granted: set[str] = field(default_factory=set)
 
 
@@ -476,15 +477,16 @@ class Scheduler:
             if preheld is not None:  # its own hold must not stand in its way
                 for gpu_id in preheld:
                     cycle.holds[gpu_id] -= request.vram_mb
+                    cycle.reserved.pop(gpu_id, None)
             room_left = self._max_room(cycle) >= smallest
-            if not room_left and not self._could_preempt(highest):
+            if not room_left and not cycle.preheld and not self._could_preempt(highest):
                 break
             shape = request.shape
             if cycle.failed_shapes.get(shape, -1) >= request.priority:
                 if room_left:  # it cannot fit either, but it still holds its best GPU (I6)
                     self._hold(cycle, request, self._nominate(request, cycle))
                 continue
-            if not room_left and not self._could_preempt(request.priority):
+            if not room_left and preheld is None and not self._could_preempt(request.priority):
                 continue  # can neither fit nor preempt, and nobody behind can fit: no hold needed
             gpus = self._fit(request, cycle)
             if gpus is not None:
@@ -500,13 +502,17 @@ class Scheduler:
             self._nominations.pop(request_id, None)
 
     def _prehold(self, cycle: _Cycle) -> None:
-        """Memory being freed by preemption is held for its preemptor against every request,
-        even one that aging has moved ahead of it: else a stream of aged lower-priority
-        requests could take it, and the preemption would repeat."""
+        """Memory freed by preemption is held for its preemptor against every request, even
+        one that aging has moved ahead of it, until the preemptor is granted or finds it still
+        does not fit there (then it plans again): else a stream of aged lower-priority
+        requests could take the memory, and the preemption would repeat."""
         for request_id, nomination in self._nominations.items():
-            if request_id in self.queue and self._still_preempting(nomination):
+            if request_id in self.queue:
+                request = self.queue.get(request_id)
+                self._hold(cycle, request, nomination.gpus)
                 cycle.preheld[request_id] = nomination.gpus
-                self._hold(cycle, self.queue.get(request_id), nomination.gpus)
+                for gpu_id in nomination.gpus:
+                    cycle.reserved[gpu_id] = max(cycle.reserved.get(gpu_id, -1), request.priority)
 
     def _max_room(self, cycle: _Cycle) -> int:
         """The most memory any usable GPU has beyond the holds of this cycle."""
@@ -708,7 +714,11 @@ class Scheduler:
         return self._best(request, usable, cycle, spread=True) or ()
 
     def _hold(self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...]) -> None:
+        """Holds ``gpus`` for ``request`` against the requests behind it (I6); a GPU held for a
+        preemptor of higher base priority stays its preemptor's."""
         for gpu_id in gpus:
+            if cycle.reserved.get(gpu_id, -1) > request.priority:
+                continue
             cycle.holds[gpu_id] = cycle.holds.get(gpu_id, 0) + request.vram_mb
         cycle.journal.append((request.id, gpus, request.vram_mb))
 
