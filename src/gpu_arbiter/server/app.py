@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 
 from .. import __version__
 from ..controller import Controller
@@ -17,6 +19,8 @@ from .metrics import render
 from .routes import router
 
 __all__ = ["create_app"]
+
+DASHBOARD = Path(__file__).with_name("dashboard")
 
 
 def create_app(
@@ -61,5 +65,11 @@ def create_app(
         auth.authenticate(request.headers.get("authorization"))
         return PlainTextResponse(render(controller), media_type="text/plain; version=0.0.4")
 
+    @app.get("/", include_in_schema=False)
+    async def dashboard() -> FileResponse:
+        """The dashboard: plain HTML/CSS/JS shipped in the package; it asks for a token."""
+        return FileResponse(DASHBOARD / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app
