@@ -716,11 +716,10 @@ class Scheduler:
     def _hold(self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...]) -> None:
         """Holds ``gpus`` for ``request`` against the requests behind it (I6); a GPU held for a
         preemptor of higher base priority stays its preemptor's."""
-        for gpu_id in gpus:
-            if cycle.reserved.get(gpu_id, -1) > request.priority:
-                continue
+        held = tuple(g for g in gpus if cycle.reserved.get(g, -1) <= request.priority)
+        for gpu_id in held:
             cycle.holds[gpu_id] = cycle.holds.get(gpu_id, 0) + request.vram_mb
-        cycle.journal.append((request.id, gpus, request.vram_mb))
+        cycle.journal.append((request.id, held, request.vram_mb))
 
     def _plan(
         self, request: Request, cycle: _Cycle
