@@ -281,7 +281,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert now - old.granted_at >= self.policy.preempt_exempt_s
             else:
                 assert lease.revoke_reason == "drain_deadline"
-        self._track_revoked(decisions.revocations)
+        expired = {lease.id for lease in decisions.expired}
+        # a drain deadline that fell before a TTL: revoked, then expired, in one cycle
+        self._track_revoked([lease for lease in decisions.revocations if lease.id not in expired])
 
     def _occupied_without(self, gpu_id: GpuId, gone: set[str]) -> int:
         """Occupied memory once the leases ``gone`` have stopped and the probe shows it."""
