@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .demo import demo
+from .serve import serve, token_app
 
 app = typer.Typer(
     name="gpu-arbiter",
@@ -13,6 +14,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command()(demo)
+app.command()(serve)
+app.add_typer(token_app, name="token")
 
 
 @app.callback()

@@ -222,6 +222,13 @@ class Scheduler:
         worker is registered yet, in which case the request waits for one)."""
         if not self.workers or self._matching(request):
             return None
+        matching = self._matching(request)  # cached per shape: the common case is cheap
+        if request.gpus == 1 and matching:
+            return None
+        if len(matching) >= request.gpus and request.gpus <= max(
+            Counter(g.worker for g in matching).values()
+        ):
+            return None
         per_worker: Counter[str] = Counter()
         codes: Counter[str] = Counter()
         for name, ids in self._worker_gpus.items():

@@ -1,0 +1,977 @@
+"""``Controller``: the decision core driven for a whole cluster, with durable state.
+
+It is the service's one authority: every change — a request, a release, a
+heartbeat, a drain, a timer — runs in one *change*::
+
+    now = clock()
+    apply the event to the core          (Scheduler: submit, release, drain ...)
+    core.decide(now)                     (grants, revocations, expiries, drains)
+    one store transaction                (leases + worker statuses + events + counters)
+    wake long-polls and event streams
+
+and the caller is answered only after the transaction committed. Changes run
+one at a time on the event loop (they never await), so no reader ever sees a
+lease table and a worker status that disagree. The only timer is one
+``call_at`` for the earliest of the core's next deadline and the next
+heartbeat deadline: nothing polls.
+
+If the store fails, the controller stops accepting changes (503) until it is
+restarted: the core may hold a change the store does not, and the restart
+reloads what was acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import heapq
+import itertools
+import logging
+import secrets
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .core import (
+    ArbiterError,
+    Conflict,
+    Constraints,
+    Decisions,
+    Gpu,
+    GpuFigures,
+    GpuId,
+    GpuProbe,
+    Lease,
+    LeaseState,
+    NotFound,
+    PendingReason,
+    Policy,
+    Request,
+    Scheduler,
+    Unschedulable,
+    Worker,
+    WorkerStatus,
+)
+from .store import Batch, Event, LeaseRecord, Store, StoreError, WorkerRecord
+
+__all__ = [
+    "Controller",
+    "DrainOutcome",
+    "GpuProbeReport",
+    "Limits",
+    "PendingView",
+    "ServiceUnavailable",
+    "TooManyRequests",
+    "WaitTimes",
+]
+
+log = logging.getLogger("gpu_arbiter.controller")
+
+_LIVE = (LeaseState.PENDING, LeaseState.LOADING, LeaseState.ACTIVE, LeaseState.REVOKING)
+
+
+class TooManyRequests(ArbiterError):
+    """A limit on pending requests was reached; retry later."""
+
+    code = "too_many_requests"
+
+
+class ServiceUnavailable(ArbiterError):
+    """The controller cannot accept changes (its store failed, or it is stopping)."""
+
+    code = "unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one caller can make the controller hold."""
+
+    max_pending: int = 10_000
+    max_pending_per_holder: int = 1_000
+    max_gpus_per_worker: int = 64
+    max_workers: int = 10_000
+    recent_final_leases: int = 10_000
+    event_buffer: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class PendingView:
+    position: int
+    effective_priority: int
+    reason: PendingReason
+
+
+@dataclass(frozen=True, slots=True)
+class DrainOutcome:
+    """What a drain (or cancel, or removal) did: previous and new state, how many leases
+    it revoked, how many were already being revoked, how many had already ended."""
+
+    worker: str
+    previous_state: str
+    state: str
+    revoked: int = 0
+    already_revoking: int = 0
+    already_finished: int = 0
+    leases_left: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProbeReport:
+    """One GPU's reading in a heartbeat."""
+
+    index: int
+    used_mb: int
+    lease_used_mb: Mapping[str, int] | None = None
+
+
+@dataclass(slots=True)
+class WaitTimes:
+    """A histogram of how long granted requests waited, in seconds (since this start)."""
+
+    bounds: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0)
+    counts: list[int] = field(default_factory=lambda: [0] * 9)
+    total_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.total_s += seconds
+
+
+@dataclass(slots=True)
+class _Change:
+    now: float
+    leases: set[str] = field(default_factory=set)
+    ended: dict[str, LeaseRecord] = field(default_factory=dict)
+    workers: set[str] = field(default_factory=set)
+    removed_workers: set[str] = field(default_factory=set)
+    events: list[tuple[str, str | None, str | None, dict[str, Any]]] = field(default_factory=list)
+
+    def event(
+        self, kind: str, lease_id: str | None = None, worker: str | None = None, **data: Any
+    ) -> None:
+        self.events.append((kind, lease_id, worker, data))
+
+
+class Controller:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        policy: Policy | None = None,
+        limits: Limits | None = None,
+        heartbeat_timeout_s: float = 15.0,
+        simulated: Sequence[Gpu] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.policy = policy or Policy()
+        self.limits = limits or Limits()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._simulated = tuple(simulated)
+        self._clock = clock
+        self.scheduler = Scheduler(self.policy)
+        self.broken: str | None = None
+        self.started = False
+        self.wait_times = WaitTimes()
+        self._records: dict[str, LeaseRecord] = {}
+        self._recent: OrderedDict[str, LeaseRecord] = OrderedDict()
+        self._keys: dict[tuple[str, str], str] = {}
+        self._pending_by_holder: Counter[str] = Counter()
+        self._workers: dict[str, WorkerRecord] = {}
+        self._seen: dict[str, float] = {}
+        self._offline_heap: list[tuple[float, str]] = []
+        self._meta: dict[str, int] = {}
+        self._event_seq = 0
+        self._events: deque[Event] = deque(maxlen=self.limits.event_buffer)
+        self._events_changed = asyncio.Event()
+        self._lease_changed: dict[str, asyncio.Event] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = asyncio.Event()
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Loads the acknowledged state and starts the timer. Call on the running loop."""
+        self._loop = asyncio.get_running_loop()
+        snapshot = self.store.load()
+        now = self._clock()
+        meta = dict(snapshot.meta)
+        self.scheduler = Scheduler(
+            self.policy, next_token=meta.get("next_token", 1), next_seq=meta.get("next_seq", 1)
+        )
+        self._meta = meta
+        self._event_seq = snapshot.last_event_seq
+        self._events.extend(self.store.events_after(max(0, self._event_seq - 1000), 1000))
+        if meta.get("paused"):
+            self.scheduler.pause()
+        with self._change() as change:
+            for worker in snapshot.workers:
+                self._restore_worker(worker, now)
+            self._restore_leases(snapshot.leases, change)
+            if self._simulated:
+                self._put_simulated(change)
+            change.event("controller.started", leases=len(self.scheduler.leases))
+        self.started = True
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._events_changed.set()  # event streams and long-polls answer now
+        for waiter in self._lease_changed.values():
+            waiter.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        self.started = False
+
+    def _restore_worker(self, record: WorkerRecord, now: float) -> None:
+        name = record.name
+        self.scheduler.put_worker(Worker(name, record.status, record.labels), record.gpus)
+        self._workers[name] = record
+        if record.simulated:
+            return
+        for gpu in record.gpus:  # memory unknown until the worker reports again
+            self.scheduler.set_probe(gpu.id, None)
+        self._expect_heartbeat(name, now)
+        if record.status is WorkerStatus.DRAINING and record.drain_deadline is not None:
+            self.scheduler.drain(name, now, deadline_s=max(0.0, record.drain_deadline - now))
+
+    def _restore_leases(self, records: Sequence[LeaseRecord], change: _Change) -> None:
+        held = sorted((r.lease.token, r.lease, r) for r in records if r.lease is not None)
+        for _, lease, record in held:
+            try:
+                self.scheduler.restore_lease(lease)
+            except (ArbiterError, KeyError) as error:
+                log.warning("lease %s cannot be restored (%s); ending it", record.id, error)
+                self._end(change, record, LeaseState.EXPIRED, "gpu_gone")
+                continue
+            self._remember(record)
+        pending = sorted((r for r in records if r.lease is None), key=lambda r: r.request.seq)
+        for record in pending:
+            try:
+                self.scheduler.submit(record.request, record.request.submitted_at)
+            except Unschedulable as error:
+                self._end(change, record, LeaseState.REJECTED, error.reason.code)
+                continue
+            self._remember(record)
+            self._pending_by_holder[self._holder_key(record)] += 1
+
+    def _put_simulated(self, change: _Change) -> None:
+        name = self._simulated[0].worker
+        existing = self._workers.get(name)
+        status = existing.status if existing is not None else WorkerStatus.ONLINE
+        record = WorkerRecord(
+            name=name,
+            status=status,
+            gpus=self._simulated,
+            url="simulated",
+            agent_version="simulated",
+            registered_at=existing.registered_at if existing else change.now,
+            simulated=True,
+        )
+        self.scheduler.put_worker(Worker(name, status), self._simulated)
+        self._workers[name] = record
+        change.workers.add(name)
+        if existing is None:
+            change.event("worker.registered", worker=name, gpus=len(self._simulated))
+
+    # ------------------------------------------------------------------ leases
+
+    def submit(
+        self, owner: str | None, fields: Mapping[str, Any], constraints: Mapping[str, Any]
+    ) -> tuple[LeaseRecord, bool]:
+        """Queues a request and runs a cycle. Returns the record and whether it is new
+        (False: an earlier request with the same idempotency key). Raises
+        :class:`Unschedulable` when no known GPU could ever satisfy it."""
+        self._check_available()
+        request = Request.build(
+            f"lease-{secrets.token_hex(8)}",
+            constraints=Constraints.build(**constraints),
+            **fields,
+        )
+        if request.idempotency_key is not None:
+            earlier = self._by_key(owner, request.idempotency_key)
+            if earlier is not None:
+                return self._replay(earlier, request), False
+        self._check_limits(owner, request)
+        record = LeaseRecord(request=request, state=LeaseState.PENDING, owner=owner)
+        with self._change() as change:
+            queued = self.scheduler.submit(request, change.now)
+            record = replace(record, request=queued)
+            self._remember(record)
+            self._pending_by_holder[self._holder_key(record)] += 1
+            change.leases.add(record.id)
+            change.event(
+                "lease.requested",
+                record.id,
+                vram_mb=request.vram_mb,
+                gpus=request.gpus,
+                priority=request.priority,
+                holder=request.holder,
+            )
+        return self.lease(record.id), True
+
+    def _replay(self, earlier: LeaseRecord, request: Request) -> LeaseRecord:
+        mine = (request.vram_mb, request.gpus, request.priority, request.constraints)
+        theirs = (
+            earlier.request.vram_mb,
+            earlier.request.gpus,
+            earlier.request.priority,
+            earlier.request.constraints,
+        )
+        if mine != theirs or request.holder != earlier.request.holder:
+            raise Conflict(
+                f"idempotency_key {request.idempotency_key!r} was used for a different request",
+                lease_id=earlier.id,
+            )
+        return earlier
+
+    def _by_key(self, owner: str | None, key: str) -> LeaseRecord | None:
+        lease_id = self._keys.get((owner or "", key))
+        if lease_id is not None:
+            return self.lease(lease_id)
+        return self.store.lease_by_key(owner, key)
+
+    def _check_limits(self, owner: str | None, request: Request) -> None:
+        if len(self.scheduler.queue) >= self.limits.max_pending:
+            raise TooManyRequests(
+                f"{len(self.scheduler.queue)} requests are already pending (the limit); "
+                "retry later",
+                limit=self.limits.max_pending,
+            )
+        key = self._holder_key(LeaseRecord(request, LeaseState.PENDING, owner))
+        if self._pending_by_holder[key] >= self.limits.max_pending_per_holder:
+            raise TooManyRequests(
+                f"holder {key!r} already has {self._pending_by_holder[key]} pending requests "
+                "(the limit); retry later",
+                limit=self.limits.max_pending_per_holder,
+            )
+
+    @staticmethod
+    def _holder_key(record: LeaseRecord) -> str:
+        return f"{record.owner or ''}/{record.request.holder}"
+
+    def lease(self, lease_id: str) -> LeaseRecord:
+        """The current record of a lease, live or ended. Raises NotFound."""
+        record = self._records.get(lease_id)
+        if record is not None:
+            return self._current(record)
+        record = self._recent.get(lease_id) or self.store.lease(lease_id)
+        if record is None:
+            raise NotFound(f"no lease {lease_id!r}", lease_id=lease_id)
+        return record
+
+    def leases(
+        self,
+        *,
+        state: LeaseState | None = None,
+        worker: str | None = None,
+        holder: str | None = None,
+    ) -> list[LeaseRecord]:
+        """Live leases, and recently ended ones, oldest first."""
+        found = [self._current(r) for r in self._records.values()]
+        found += list(self._recent.values())
+        return sorted(
+            (
+                r
+                for r in found
+                if (state is None or r.state is state)
+                and (worker is None or r.worker == worker)
+                and (holder is None or r.request.holder == holder)
+            ),
+            key=lambda r: r.request.seq,
+        )
+
+    def pending_view(self, lease_id: str) -> PendingView | None:
+        if lease_id not in self.scheduler.queue:
+            return None
+        now = self._clock()
+        for position, request, effective in self.scheduler.pending(now):
+            if request.id == lease_id:
+                return PendingView(position, effective, self.scheduler.explain(lease_id, now))
+        return None
+
+    def positions(self) -> dict[str, tuple[int, int]]:
+        """Every pending request's (position, effective priority), in one pass."""
+        now = self._clock()
+        return {r.id: (pos, eff) for pos, r, eff in self.scheduler.pending(now)}
+
+    def queue(self, limit: int = 100) -> list[tuple[LeaseRecord, PendingView]]:
+        """The first ``limit`` pending requests in order, each with its reason."""
+        now = self._clock()
+        return [
+            (
+                self._current(self._records[request.id]),
+                PendingView(position, effective, self.scheduler.explain(request.id, now)),
+            )
+            for position, request, effective in itertools.islice(self.scheduler.pending(now), limit)
+        ]
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseRecord:
+        return self._held_verb(lease_id, "renew", ttl_s)
+
+    def ready(self, lease_id: str) -> LeaseRecord:
+        return self._held_verb(lease_id, "ready")
+
+    def set_idle(self, lease_id: str, idle: bool) -> LeaseRecord:
+        return self._held_verb(lease_id, "idle" if idle else "busy")
+
+    def _held_verb(self, lease_id: str, verb: str, ttl_s: float | None = None) -> LeaseRecord:
+        self._check_available()
+        held = self.scheduler.leases.get(lease_id)
+        if held is not None and held.expires_at <= self._clock():
+            with self._change():  # its TTL lapsed just before its timer ran: run it first
+                pass
+        record = self.lease(lease_id)
+        if lease_id not in self.scheduler.leases:
+            raise Conflict(
+                f"lease {lease_id} is {record.state}, not held",
+                lease_id=lease_id,
+                state=str(record.state),
+            )
+        with self._change() as change:
+            scheduler = self.scheduler
+            if verb == "renew":
+                scheduler.renew(lease_id, change.now, ttl_s)
+            elif verb == "ready":
+                if scheduler.leases[lease_id].loading:
+                    change.event("lease.ready", lease_id)
+                scheduler.ready(lease_id, change.now)
+            else:
+                if scheduler.leases[lease_id].idle != (verb == "idle"):
+                    change.event(f"lease.{verb}", lease_id)
+                scheduler.set_idle(lease_id, verb == "idle", change.now)
+            change.leases.add(lease_id)
+        return self.lease(lease_id)
+
+    def release(self, lease_id: str) -> LeaseRecord:
+        """Releases a held lease, cancels a pending one; an ended one is returned as is."""
+        self._check_available()
+        record = self.lease(lease_id)
+        if record.state.is_final:
+            return record
+        with self._change() as change:
+            if lease_id in self.scheduler.queue:
+                self.scheduler.cancel(lease_id)
+                self._end(change, record, LeaseState.CANCELLED, "cancelled")
+            else:
+                ended = self.scheduler.release(lease_id, change.now)
+                self._end(change, record, LeaseState.RELEASED, "released", ended)
+        return self.lease(lease_id)
+
+    def revoke(self, lease_id: str, reason: str = "revoked_by_admin") -> LeaseRecord:
+        self._check_available()
+        record = self.lease(lease_id)
+        if lease_id not in self.scheduler.leases:
+            raise Conflict(f"lease {lease_id} is {record.state}, not held", state=str(record.state))
+        with self._change() as change:
+            lease = self.scheduler.revoke(lease_id, reason, change.now)
+            self._revoked(change, [lease])
+        return self.lease(lease_id)
+
+    # ------------------------------------------------------------------ workers
+
+    def workers(self) -> list[WorkerRecord]:
+        return [self._worker_now(name) for name in sorted(self._workers)]
+
+    def worker(self, name: str) -> WorkerRecord:
+        if name not in self._workers:
+            raise NotFound(f"no worker {name!r}", worker=name)
+        return self._worker_now(name)
+
+    def worker_leases(self, name: str) -> list[Lease]:
+        """The held leases on a worker, by fencing token."""
+        leases = self.scheduler.leases
+        return sorted(
+            (leases[i] for i in self.scheduler.worker_lease_ids(name)), key=lambda x: x.token
+        )
+
+    def gpu_figures(self, name: str) -> list[GpuFigures]:
+        return [self.scheduler.figures(g) for g in self.scheduler.gpu_ids(name)]
+
+    def last_seen(self, name: str) -> float | None:
+        return self._seen.get(name)
+
+    def register(
+        self,
+        name: str,
+        gpus: Sequence[Gpu],
+        *,
+        labels: Mapping[str, str] | None = None,
+        url: str = "",
+        agent_version: str = "",
+    ) -> tuple[WorkerRecord, bool]:
+        """Registers a worker, or updates a known one (its GPUs, labels, version)."""
+        self._check_available()
+        existing = self._workers.get(name)
+        if existing is None and len(self._workers) >= self.limits.max_workers:
+            raise TooManyRequests(f"{len(self._workers)} workers are registered (the limit)")
+        if existing is not None and existing.simulated:
+            raise Conflict(f"worker {name} is simulated by this controller")
+        with self._change() as change:
+            status = (
+                WorkerStatus.ONLINE if existing is None else self.scheduler.workers[name].status
+            )
+            self.scheduler.put_worker(Worker(name, status, dict(labels or {})), gpus)
+            record = WorkerRecord(
+                name=name,
+                status=status,
+                gpus=tuple(gpus),
+                labels=dict(labels or {}),
+                url=url,
+                agent_version=agent_version,
+                registered_at=change.now if existing is None else existing.registered_at,
+                drain_deadline=None if existing is None else existing.drain_deadline,
+                status_after_offline=(
+                    WorkerStatus.ONLINE if existing is None else existing.status_after_offline
+                ),
+            )
+            self._workers[name] = record
+            change.workers.add(name)
+            change.event(
+                "worker.registered", worker=name, gpus=len(gpus), agent_version=agent_version
+            )
+            self._seen_now(name, change)
+        return self.worker(name), existing is None
+
+    def heartbeat(
+        self,
+        name: str,
+        probes: Sequence[GpuProbeReport] = (),
+        *,
+        stopped: Sequence[str] = (),
+    ) -> WorkerRecord:
+        """A worker's probe snapshot, and the leases whose processes it saw stop."""
+        self._check_available()
+        record = self.worker(name)
+        if record.simulated:
+            raise Conflict(f"worker {name} is simulated by this controller")
+        known = set(self.scheduler.gpu_ids(name))
+        for probe in probes:
+            if GpuId(name, probe.index) not in known:
+                raise NotFound(f"worker {name} has no GPU {probe.index}; register it first")
+        ending = [
+            lid for lid in dict.fromkeys(stopped) if lid in self.scheduler.worker_lease_ids(name)
+        ]
+        changed = self._apply_probes(name, probes) and len(self.scheduler.queue) > 0
+        offline = self.scheduler.workers[name].status is WorkerStatus.OFFLINE
+        if not (changed or ending or offline):  # a new reading only matters to pending work
+            self._seen[name] = self._clock()  # nothing to decide, nothing to persist
+            self._push_offline_deadline(name, self._seen[name])
+            return record
+        with self._change() as change:
+            self._seen_now(name, change)
+            for lease_id in ending:
+                ended = self.scheduler.release(lease_id, change.now)
+                self._end(
+                    change, self._records[lease_id], LeaseState.RELEASED, "holder_stopped", ended
+                )
+        return self.worker(name)
+
+    def _apply_probes(self, name: str, probes: Sequence[GpuProbeReport]) -> bool:
+        changed = False
+        for report in probes:
+            gpu_id = GpuId(name, report.index)
+            figures = self.scheduler.figures(gpu_id)
+            lease_used = None if report.lease_used_mb is None else dict(report.lease_used_mb)
+            self.scheduler.set_probe(gpu_id, GpuProbe(report.used_mb, lease_used))
+            changed |= figures.used_mb != report.used_mb or figures.stale or lease_used is not None
+        return changed
+
+    def _seen_now(self, name: str, change: _Change) -> None:
+        """A sign of life: an offline worker comes back (draining if it was)."""
+        self._seen[name] = change.now
+        self._push_offline_deadline(name, change.now)
+        worker = self.scheduler.workers[name]
+        if worker.status is not WorkerStatus.OFFLINE:
+            return
+        back = self._workers[name].status_after_offline
+        self.scheduler.set_worker_status(name, WorkerStatus.ONLINE)
+        if back is WorkerStatus.DRAINING:
+            self.scheduler.drain(name, change.now)
+        change.workers.add(name)
+        change.event("worker.online", worker=name, previous="offline", state=str(back))
+
+    def drain(
+        self, name: str, *, force: bool = False, deadline_s: float | None = None
+    ) -> DrainOutcome:
+        self._check_available()
+        record = self.worker(name)
+        with self._change() as change:
+            before = set(self.scheduler.worker_lease_ids(name))
+            self._absorb(change, self.scheduler.decide(change.now))
+            still = self.scheduler.worker_lease_ids(name)
+            revoking = {
+                lid for lid in still if self.scheduler.leases[lid].state is LeaseState.REVOKING
+            }
+            revoked = self.scheduler.drain(name, change.now, force=force, deadline_s=deadline_s)
+            fresh = [lease for lease in revoked if lease.id not in revoking]
+            self._revoked(change, fresh)
+            deadline = None if deadline_s is None else change.now + deadline_s
+            self._workers[name] = replace(self._workers[name], drain_deadline=deadline)
+            change.workers.add(name)
+            outcome = DrainOutcome(
+                worker=name,
+                previous_state=str(record.status),
+                state=str(self.scheduler.workers[name].status),
+                revoked=len(fresh),
+                already_revoking=len(revoking) if force else 0,
+                already_finished=len(before - still),
+                leases_left=len(still),
+            )
+            change.event(
+                "worker.draining",
+                worker=name,
+                mode="force" if force else "graceful",
+                deadline_s=deadline_s,
+                previous=outcome.previous_state,
+                revoked=outcome.revoked,
+                already_revoking=outcome.already_revoking,
+                already_finished=outcome.already_finished,
+            )
+        return replace(outcome, state=str(self.scheduler.workers[name].status))
+
+    def cancel_drain(self, name: str) -> DrainOutcome:
+        self._check_available()
+        self.worker(name)
+        with self._change() as change:
+            previous = self.scheduler.cancel_drain(name)
+            self._workers[name] = replace(self._workers[name], drain_deadline=None)
+            change.workers.add(name)
+            change.event("worker.online", worker=name, previous=str(previous), state="online")
+        return DrainOutcome(
+            worker=name,
+            previous_state=str(previous),
+            state=str(self.scheduler.workers[name].status),
+            leases_left=len(self.scheduler.worker_lease_ids(name)),
+        )
+
+    def remove(self, name: str, *, force: bool = False) -> DrainOutcome:
+        """Forgets a worker. Refused while it holds leases, unless ``force``: then its leases
+        are revoked (reason ``worker_removed``) and end with it."""
+        self._check_available()
+        record = self.worker(name)
+        held = sorted(self.scheduler.worker_lease_ids(name))
+        if held and not force:
+            raise Conflict(
+                f"worker {name} holds {len(held)} lease(s); drain it first or remove with force",
+                leases=len(held),
+            )
+        with self._change() as change:
+            for lease_id in held:
+                revoked = self.scheduler.revoke(lease_id, "worker_removed", change.now)
+                change.event("lease.revoked", lease_id, name, reason="worker_removed")
+                ended = self.scheduler.release(lease_id, change.now)
+                self._end(
+                    change,
+                    self._records[lease_id],
+                    LeaseState.RELEASED,
+                    "worker_removed",
+                    replace(ended, revoke_reason=revoked.revoke_reason),
+                )
+            self.scheduler.remove_worker(name)
+            del self._workers[name]
+            self._seen.pop(name, None)
+            change.removed_workers.add(name)
+            change.event(
+                "worker.removed", worker=name, previous=str(record.status), revoked=len(held)
+            )
+        return DrainOutcome(name, str(record.status), "removed", revoked=len(held))
+
+    # ------------------------------------------------------------------ arbiter
+
+    def pause(self) -> None:
+        self._check_available()
+        with self._change() as change:
+            if not self.scheduler.paused:
+                change.event("arbiter.paused")
+            self.scheduler.pause()
+
+    def resume(self) -> None:
+        self._check_available()
+        with self._change() as change:
+            if self.scheduler.paused:
+                change.event("arbiter.resumed")
+            self.scheduler.resume()
+
+    def status(self) -> dict[str, Any]:
+        leases: Counter[str] = Counter(str(lease.state) for lease in self.scheduler.leases.values())
+        workers: Counter[str] = Counter(str(w.status) for w in self.scheduler.workers.values())
+        return {
+            "paused": self.scheduler.paused,
+            "pending": len(self.scheduler.queue),
+            "pending_by_priority": {
+                str(p): n for p, n in sorted(self.scheduler.queue.count_by_priority().items())
+            },
+            "leases_by_state": dict(leases),
+            "workers_by_state": dict(workers),
+            "counters": dict(self.scheduler.counters),
+            "next_token": self.scheduler.next_token,
+            "last_event": self._event_seq,
+        }
+
+    # ------------------------------------------------------------------ waiting
+
+    async def wait_lease(self, lease_id: str, state: LeaseState, timeout_s: float) -> LeaseRecord:
+        """The lease once its state differs from ``state``, or as it is after ``timeout_s``."""
+        deadline = self._clock() + timeout_s
+        while True:
+            record = self.lease(lease_id)
+            left = deadline - self._clock()
+            if record.state is not state or record.state.is_final or left <= 0:
+                return record
+            if self.stopping.is_set():
+                return record
+            changed = self._lease_changed.setdefault(lease_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                return self.lease(lease_id)
+
+    def events_after(self, seq: int, limit: int = 500) -> list[Event]:
+        """Events after ``seq``: from memory when recent, else from the store's history."""
+        if self._events and self._events[0].seq <= seq + 1:
+            start = max(0, seq + 1 - self._events[0].seq)
+            return list(itertools.islice(self._events, start, start + limit))
+        return self.store.events_after(seq, limit)
+
+    async def wait_events(self, seq: int, timeout_s: float) -> bool:
+        """Waits until an event after ``seq`` exists (True) or ``timeout_s`` passes."""
+        if self._event_seq > seq:
+            return True
+        try:
+            await asyncio.wait_for(self._events_changed.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return self._event_seq > seq
+
+    @property
+    def last_event_seq(self) -> int:
+        return self._event_seq
+
+    # ------------------------------------------------------------------ the change
+
+    def _check_available(self) -> None:
+        if self.broken is not None:
+            raise ServiceUnavailable(f"the controller is not accepting changes: {self.broken}")
+        if not self.started and self._loop is not None:
+            raise ServiceUnavailable("the controller is stopping")
+
+    @contextmanager
+    def _change(self) -> Iterator[_Change]:
+        change = _Change(self._clock())
+        try:
+            yield change
+        except BaseException:
+            if change.leases or change.ended or change.workers or change.events:
+                self._commit(change)  # what was applied before the error is kept
+            raise
+        self._offline_sweep(change)
+        self._absorb(change, self.scheduler.decide(change.now))
+        self._commit(change)
+
+    def _commit(self, change: _Change) -> None:
+        batch = self._batch(change)
+        if batch:
+            try:
+                self.store.commit(batch)
+            except StoreError as error:
+                self.broken = str(error)
+                log.error("store failed; refusing changes until restarted: %s", error)
+                raise ServiceUnavailable(f"the change could not be stored: {error}") from error
+        for lease_id in batch.leases:
+            waiter = self._lease_changed.pop(lease_id, None)
+            if waiter is not None:
+                waiter.set()
+        if batch.events:
+            self._events.extend(batch.events)
+            self._events_changed.set()
+            self._events_changed = asyncio.Event()
+        self._arm_timer()
+
+    def _batch(self, change: _Change) -> Batch:
+        batch = Batch()
+        for lease_id in change.leases - change.ended.keys():
+            if lease_id in self._records:
+                record = self._current(self._records[lease_id])
+                self._records[lease_id] = record
+                batch.leases[lease_id] = record
+        batch.leases.update(change.ended)
+        for name in change.workers - change.removed_workers:
+            if name in self._workers:
+                batch.workers[name] = self._worker_now(name)
+                self._workers[name] = batch.workers[name]
+        batch.removed_workers = set(change.removed_workers)
+        for kind, subject, worker, data in change.events:
+            self._event_seq += 1
+            batch.events.append(Event(self._event_seq, change.now, kind, subject, worker, data))
+        meta = {
+            "next_token": self.scheduler.next_token,
+            "next_seq": self.scheduler.next_seq,
+            "paused": int(self.scheduler.paused),
+        }
+        batch.meta = {k: v for k, v in meta.items() if self._meta.get(k) != v}
+        self._meta.update(batch.meta)
+        return batch
+
+    def _absorb(self, change: _Change, decisions: Decisions) -> None:
+        """Records what one cycle decided."""
+        for lease in decisions.grants:
+            change.leases.add(lease.id)
+            self._pending_by_holder[self._holder_key(self._records[lease.id])] -= 1
+            waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
+            self.wait_times.observe(waited_s)
+            change.event(
+                "lease.granted",
+                lease.id,
+                lease.worker,
+                gpus=[str(g) for g in lease.gpus],
+                token=lease.token,
+                vram_mb=lease.vram_mb,
+                waited_s=round(waited_s, 6),
+            )
+        self._revoked(change, decisions.revocations)
+        for lease in decisions.expired:
+            self._end(change, self._records[lease.id], LeaseState.EXPIRED, "expired", lease)
+        for request in decisions.timed_out:
+            self._end(change, self._records[request.id], LeaseState.TIMED_OUT, "max_wait")
+        for lease in decisions.loaded:
+            change.leases.add(lease.id)
+            change.event("lease.loaded", lease.id, lease.worker, reason="load_timeout")
+        for name, previous, status in decisions.workers:
+            change.workers.add(name)
+            change.event("worker.drained", worker=name, previous=str(previous), state=str(status))
+
+    def _revoked(self, change: _Change, leases: Sequence[Lease]) -> None:
+        for lease in leases:
+            change.leases.add(lease.id)
+            change.event(
+                "lease.revoked",
+                lease.id,
+                lease.worker,
+                reason=lease.revoke_reason,
+                for_request=lease.preempted_for,
+            )
+
+    def _end(
+        self,
+        change: _Change,
+        record: LeaseRecord,
+        state: LeaseState,
+        reason: str,
+        lease: Lease | None = None,
+    ) -> None:
+        """A record reaches a final state: it leaves the live set, kept as recent."""
+        if lease is None and record.lease is None and record.id in self._records:  # never granted
+            self._pending_by_holder[self._holder_key(record)] -= 1
+        ended = replace(
+            record,
+            state=state,
+            lease=lease if lease is not None else record.lease,
+            ended_at=change.now,
+            end_reason=reason,
+        )
+        self._records.pop(record.id, None)
+        if record.request.idempotency_key is not None:  # the store answers for ended ones
+            self._keys.pop((record.owner or "", record.request.idempotency_key), None)
+        self._recent[record.id] = ended
+        while len(self._recent) > self.limits.recent_final_leases:
+            self._recent.popitem(last=False)
+        change.ended[record.id] = ended
+        worker = None if ended.lease is None else ended.lease.worker
+        change.event(f"lease.{state}", record.id, worker, reason=reason)
+
+    def _remember(self, record: LeaseRecord) -> None:
+        self._records[record.id] = record
+        if record.request.idempotency_key is not None:
+            self._keys[(record.owner or "", record.request.idempotency_key)] = record.id
+
+    def _current(self, record: LeaseRecord) -> LeaseRecord:
+        lease = self.scheduler.leases.get(record.id)
+        if lease is not None:
+            if record.lease is lease:
+                return record
+            return replace(record, request=lease.request, state=lease.state, lease=lease)
+        if record.id in self.scheduler.queue:
+            request = self.scheduler.queue.get(record.id)
+            return record if record.request is request else replace(record, request=request)
+        return record
+
+    def _worker_now(self, name: str) -> WorkerRecord:
+        record = self._workers[name]
+        status = self.scheduler.workers[name].status
+        return record if record.status is status else replace(record, status=status)
+
+    # ------------------------------------------------------------------ timers
+
+    def _expect_heartbeat(self, name: str, now: float) -> None:
+        self._seen[name] = now
+        self._push_offline_deadline(name, now)
+
+    def _push_offline_deadline(self, name: str, seen_at: float) -> None:
+        heapq.heappush(self._offline_heap, (seen_at + self.heartbeat_timeout_s, name))
+
+    def _offline_sweep(self, change: _Change) -> None:
+        """Workers silent for ``heartbeat_timeout_s`` go offline: exactly one event each."""
+        heap = self._offline_heap
+        while heap and heap[0][0] <= change.now:
+            _, name = heapq.heappop(heap)
+            seen = self._seen.get(name)
+            if seen is None or seen + self.heartbeat_timeout_s > change.now:
+                continue  # removed, or heard from since
+            status = self.scheduler.workers[name].status
+            if status is WorkerStatus.OFFLINE:
+                continue
+            revoked = self.scheduler.set_offline(name, change.now)
+            self._revoked(change, revoked)
+            after = (
+                WorkerStatus.DRAINING
+                if status in (WorkerStatus.DRAINING, WorkerStatus.DRAINED)
+                else WorkerStatus.ONLINE
+            )
+            self._workers[name] = replace(
+                self._workers[name], status_after_offline=after, drain_deadline=None
+            )
+            change.workers.add(name)
+            change.event("worker.offline", worker=name, previous=str(status), revoked=len(revoked))
+
+    def _next_wakeup(self) -> float | None:
+        heap = self._offline_heap
+        while heap:
+            at, name = heap[0]
+            seen = self._seen.get(name)
+            if seen is not None and seen + self.heartbeat_timeout_s == at:
+                break
+            heapq.heappop(heap)
+        deadlines = [d for d in (self.scheduler.next_deadline(), heap[0][0] if heap else None)]
+        return min((d for d in deadlines if d is not None), default=None)
+
+    def _arm_timer(self) -> None:
+        if self._loop is None or self.stopping.is_set():
+            return
+        at = self._next_wakeup()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            self._timer = self._loop.call_later(max(0.0, at - self._clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        if self.broken is not None or self.stopping.is_set():
+            return
+        try:
+            with self._change():
+                pass
+        except ServiceUnavailable:
+            pass
+        except Exception:  # a bug must not stop the timer for good
+            log.exception("timer cycle failed")
+            self._arm_timer()

@@ -1,0 +1,65 @@
+"""The FastAPI application factory: one controller, one authenticator, no globals."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from .. import __version__
+from ..controller import Controller
+from .auth import Authenticator
+from .errors import error_response, install_error_handlers
+from .limits import BodyLimit
+from .metrics import render
+from .routes import router
+
+__all__ = ["create_app"]
+
+
+def create_app(
+    controller: Controller, auth: Authenticator, *, max_body_bytes: int = 64 * 1024
+) -> FastAPI:
+    """The controller is started in the app's lifespan and closed (with its store) after."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        controller.start()
+        try:
+            yield
+        finally:
+            controller.close()
+            controller.store.close()
+
+    app = FastAPI(
+        title="gpu-arbiter",
+        version=__version__,
+        summary="The single authority for GPU memory: leases of VRAM, granted safely.",
+        lifespan=lifespan,
+    )
+    app.state.controller = controller
+    app.state.auth = auth
+    install_error_handlers(app)
+    app.include_router(router)
+
+    @app.get("/healthz", summary="The process is up")
+    async def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz", summary="The controller accepts changes")
+    async def readyz() -> JSONResponse:
+        if controller.broken is not None:
+            return error_response(503, "unavailable", controller.broken)
+        if not controller.started:
+            return error_response(503, "unavailable", "the controller is not started")
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", summary="Prometheus text exposition (any valid token)")
+    async def metrics(request: Request) -> PlainTextResponse:
+        auth.authenticate(request.headers.get("authorization"))
+        return PlainTextResponse(render(controller), media_type="text/plain; version=0.0.4")
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    return app

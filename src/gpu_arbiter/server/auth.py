@@ -1,0 +1,130 @@
+"""Bearer tokens and roles.
+
+    admin    everything
+    worker   bound to one worker name: registers and heartbeats as that worker only
+    client   asks for leases; renews, readies, idles and releases only its own
+
+A token is ``gat_`` + 32 random bytes (URL-safe). Only its SHA-256 digest is
+stored; a presented token is hashed and the digests compared in constant time.
+Tokens are never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core import ArbiterError
+from ..store import Store, TokenRecord
+
+__all__ = [
+    "ROLES",
+    "Authenticator",
+    "Forbidden",
+    "Principal",
+    "Unauthorized",
+    "create_token",
+    "ensure_admin_token",
+]
+
+ROLES = ("admin", "worker", "client")
+_PREFIX = "gat_"
+
+
+class Unauthorized(ArbiterError):
+    """No token, or a token the controller does not know."""
+
+    code = "unauthorized"
+
+
+class Forbidden(ArbiterError):
+    """A known token whose role may not do this."""
+
+    code = "forbidden"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    id: str
+    role: str
+    worker: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+ANONYMOUS_ADMIN = Principal("anonymous", "admin")
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(store: Store, role: str, worker: str | None = None) -> tuple[str, TokenRecord]:
+    """A new token of ``role`` (a worker token is bound to ``worker``); returns the token
+    itself — shown once, never stored — and its record."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}")
+    if (role == "worker") != (worker is not None):
+        raise ValueError("a worker token needs --worker NAME; other roles take none")
+    token = _PREFIX + secrets.token_urlsafe(32)
+    record = TokenRecord(
+        id=f"{role}-{secrets.token_hex(4)}",
+        digest=_digest(token),
+        role=role,
+        worker=worker,
+        created_at=time.time(),
+    )
+    store.put_token(record)
+    return token, record
+
+
+def ensure_admin_token(state_dir: Path, store: Store) -> tuple[Path, bool]:
+    """``admin.token`` in ``state_dir`` (mode 0600), created on first start. Returns its path
+    and whether it was created now."""
+    path = state_dir / "admin.token"
+    if path.exists():
+        token = path.read_text().strip()
+        if store.token(_digest(token)) is None:  # a fresh store next to an old file
+            store.put_token(TokenRecord("admin", _digest(token), "admin", None, time.time()))
+        return path, False
+    token, _ = create_token(store, "admin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    return path, True
+
+
+class Authenticator:
+    """Finds the principal of an ``Authorization: Bearer ...`` header."""
+
+    def __init__(self, store: Store, *, enabled: bool = True) -> None:
+        self.store = store
+        self.enabled = enabled
+        self._cache: dict[str, TokenRecord] = {}
+
+    def authenticate(self, header: str | None) -> Principal:
+        if not self.enabled:
+            return ANONYMOUS_ADMIN
+        if not header:
+            raise Unauthorized("missing bearer token (Authorization: Bearer ...)")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token or len(token) > 256:
+            raise Unauthorized("malformed Authorization header; expected 'Bearer TOKEN'")
+        digest = _digest(token)
+        record = self._cache.get(digest)
+        if record is None:
+            record = self.store.token(digest)  # tokens created since start, by the CLI
+            if record is None:
+                raise Unauthorized("unknown token")
+            self._cache[digest] = record
+        if not hmac.compare_digest(record.digest, digest):
+            raise Unauthorized("unknown token")
+        return Principal(record.id, record.role, record.worker)

@@ -1,0 +1,103 @@
+"""Settings of ``gpu-arbiter serve``: command line > environment > config file > default.
+
+The config file is TOML (``--config`` or ``GPU_ARBITER_CONFIG``), keys as the
+options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
+``auth``, ``store``, ``heartbeat_timeout_s``, ``sync``, ``max_body_bytes``,
+``max_pending``, ``max_pending_per_holder``), optionally under ``[serve]``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from ..core import Gpu, InvalidInput, parse_mb
+
+__all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
+
+SIMULATED_WORKER = "local"
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "gpu-arbiter"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 7070
+    state_dir: Path | None = None
+    simulate: str | None = None
+    auth: bool = True
+    store: Literal["sqlite", "memory"] = "sqlite"
+    sync: Literal["normal", "full"] = "normal"
+    heartbeat_timeout_s: float = 15.0
+    max_body_bytes: int = 64 * 1024
+    max_pending: int = 10_000
+    max_pending_per_holder: int = 1_000
+    log_level: str = "info"
+
+    @classmethod
+    def resolve(cls, given: dict[str, Any], config_file: Path | None) -> ServeConfig:
+        """``given``: values from the command line or environment (None: not set)."""
+        from_file: dict[str, Any] = {}
+        if config_file is not None:
+            with config_file.open("rb") as handle:
+                loaded = tomllib.load(handle)
+            from_file = loaded.get("serve", loaded)
+        names = {f.name for f in fields(cls)}
+        unknown = set(from_file) - names
+        if unknown:
+            raise InvalidInput("config", f"unknown settings {', '.join(sorted(unknown))}")
+        merged = {**from_file, **{k: v for k, v in given.items() if v is not None}}
+        if merged.get("state_dir") is not None:
+            merged["state_dir"] = Path(merged["state_dir"]).expanduser()
+        config = cls(**merged)
+        if config.simulate:
+            parse_simulate(config.simulate)
+        return config
+
+    @property
+    def state_path(self) -> Path:
+        return self.state_dir or default_state_dir()
+
+
+def parse_simulate(spec: str) -> list[Gpu]:
+    """``2x24G``, ``24G``, ``2x24G:sm_86``, ``2x24G:sm_86,1x80G:sm_90`` -> GPUs of one
+    simulated worker named ``local``."""
+    gpus: list[Gpu] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(?:(\d{1,2})\s*x\s*)?([0-9.]+\s*[A-Za-z]*)(?::(\w+))?\s*", part)
+        if match is None:
+            raise InvalidInput("simulate", f"{part!r} is not like 2x24G or 2x24G:sm_86")
+        count = int(match.group(1) or 1)
+        total = parse_mb(match.group(2), "simulate")
+        for _ in range(count):
+            gpus.append(
+                Gpu(
+                    index=len(gpus),
+                    total_mb=total,
+                    arch=match.group(3) or "",
+                    worker=SIMULATED_WORKER,
+                    model="simulated",
+                    uuid=f"sim-{len(gpus)}",
+                )
+            )
+    if not gpus or len(gpus) > 64:
+        raise InvalidInput("simulate", "must describe 1..64 GPUs")
+    return gpus
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

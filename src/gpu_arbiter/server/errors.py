@@ -1,0 +1,101 @@
+"""Every error leaves as ``{"error": {"code", "message", "details"}}`` with its status.
+
+This is the one place that maps the exception tree to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..controller import ServiceUnavailable, TooManyRequests
+from ..core import (
+    ArbiterError,
+    Conflict,
+    InvalidInput,
+    NotFound,
+    Unschedulable,
+)
+from .auth import Forbidden, Unauthorized
+
+__all__ = ["error_response", "install_error_handlers"]
+
+log = logging.getLogger("gpu_arbiter.server")
+
+_STATUS: tuple[tuple[type[ArbiterError], int], ...] = (
+    (Unauthorized, 401),
+    (Forbidden, 403),
+    (NotFound, 404),
+    (Conflict, 409),
+    (InvalidInput, 422),
+    (Unschedulable, 422),
+    (TooManyRequests, 429),
+    (ServiceUnavailable, 503),
+)
+_HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def error_response(
+    status: int, code: str, message: str, details: dict[str, Any] | None = None
+) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    body = {"error": {"code": code, "message": message, "details": details or {}}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _details(error: ArbiterError) -> dict[str, Any]:
+    if isinstance(error, Unschedulable):
+        return {"reason": error.reason.as_dict()}
+    return {k: v for k, v in error.details.items() if isinstance(v, str | int | float | bool)}
+
+
+async def _arbiter_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ArbiterError)
+    status = next((s for kind, s in _STATUS if isinstance(error, kind)), 400)
+    return error_response(status, error.code, error.message, _details(error))
+
+
+async def _validation_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    problems = [
+        {
+            "field": ".".join(str(part) for part in e.get("loc", ()) if part != "body"),
+            "message": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in error.errors()
+    ]
+    if any(p["type"] == "json_invalid" for p in problems):
+        return error_response(400, "malformed_json", "the body is not valid JSON")
+    first = problems[0] if problems else {"field": "", "message": "invalid"}
+    message = f"{first['field'] or 'body'}: {first['message']}"
+    return error_response(422, "invalid_input", message, {"errors": problems})
+
+
+async def _http_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, HTTPException)
+    code = _HTTP_CODES.get(error.status_code, "http_error")
+    return error_response(error.status_code, code, str(error.detail))
+
+
+async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return error_response(500, "internal", "internal error; see the controller's log")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ArbiterError, _arbiter_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,297 @@
+"""The HTTP routes under ``/v1``: arguments in, one controller call, JSON out.
+
+Who may call what (see :mod:`.auth`): reads are open to every role; creating a
+lease to admin and client; renew/ready/idle/busy/release to admin and the
+client that created the lease; register and heartbeat to admin and the worker
+the token is bound to; revoke, drain, cancel-drain, remove, pause and resume
+to admin only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..controller import Controller, GpuProbeReport
+from ..core import Gpu, LeaseState, validate_worker_name
+from ..store import LeaseRecord
+from . import schemas as s
+from .auth import Forbidden, Principal
+from .events import event_stream
+
+__all__ = ["router"]
+
+LeaseId = Annotated[str, Path(min_length=1, max_length=64)]
+WorkerName = Annotated[str, Path(min_length=1, max_length=64)]
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": s.ErrorOut} for code in (401, 403, 404, 409, 413, 422, 429, 503)
+}
+MAX_WAIT_S = 60.0
+
+router = APIRouter(prefix="/v1", responses=_ERRORS)
+
+
+def _context(request: Request) -> tuple[Controller, Principal]:
+    """The controller, and who is calling (401 without a valid token). A plain call, not a
+    dependency: it runs on every request, and dependencies cost more."""
+    controller: Controller = request.app.state.controller
+    principal: Principal = request.app.state.auth.authenticate(request.headers.get("authorization"))
+    return controller, principal
+
+
+def _admin(who: Principal) -> None:
+    if not who.is_admin:
+        raise Forbidden(f"only an admin may do this (your role: {who.role})")
+
+
+def _lease_access(who: Principal, record: LeaseRecord) -> None:
+    if who.is_admin or (who.role == "client" and record.owner == who.id):
+        return
+    raise Forbidden(f"lease {record.id} belongs to another holder (your role: {who.role})")
+
+
+def _as_worker(who: Principal, name: str) -> None:
+    if who.is_admin or (who.role == "worker" and who.worker == name):
+        return
+    raise Forbidden(f"this token may not act as worker {name} (your role: {who.role})")
+
+
+def _lease_json(ctl: Controller, record: LeaseRecord, status: int = 200) -> JSONResponse:
+    return JSONResponse(s.lease_out(record, ctl.pending_view(record.id)), status_code=status)
+
+
+def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
+    record = ctl.worker(name)
+    body = s.worker_out(record, ctl.gpu_figures(name), ctl.last_seen(name))
+    return JSONResponse(body, status_code=status)
+
+
+# ---------------------------------------------------------------- leases
+
+
+@router.post(
+    "/leases",
+    response_model=s.LeaseOut,
+    status_code=201,
+    summary="Ask for a lease: 201 granted, 202 pending, 200 an idempotent replay",
+)
+async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    if who.role not in ("admin", "client"):
+        raise Forbidden(f"a {who.role} token may not ask for leases")
+    fields = body.model_dump(exclude={"constraints"})
+    constraints = body.constraints.model_dump(exclude_none=True)
+    record, new = ctl.submit(who.id, fields, constraints)
+    status = 200 if not new else 202 if record.state is LeaseState.PENDING else 201
+    return _lease_json(ctl, record, status)
+
+
+@router.get(
+    "/leases",
+    response_model=list[s.LeaseOut],
+    summary="Live and recently ended leases (pending ones with their position; the reason is "
+    "in GET /v1/leases/{id} and GET /v1/queue)",
+)
+async def list_leases(
+    request: Request,
+    state: LeaseState | None = None,
+    worker: Annotated[str | None, Query(max_length=64)] = None,
+    holder: Annotated[str | None, Query(max_length=256)] = None,
+) -> JSONResponse:
+    ctl, _who = _context(request)
+    records = ctl.leases(state=state, worker=worker, holder=holder)
+    positions = ctl.positions() if any(r.state is LeaseState.PENDING for r in records) else {}
+    return JSONResponse([s.lease_out(r, position=positions.get(r.id)) for r in records])
+
+
+@router.get("/leases/{lease_id}", response_model=s.LeaseOut, summary="A lease; long-poll")
+async def get_lease(
+    lease_id: LeaseId,
+    request: Request,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
+    state: LeaseState | None = None,
+) -> JSONResponse:
+    """With ``wait=SECONDS``, answers as soon as the lease's state changes, or when the wait
+    ends (at most 60 s). With ``state=``, as soon as it differs from that state — at once if
+    it already does — so a change between two polls is never missed."""
+    ctl, _who = _context(request)
+    record = ctl.lease(lease_id)
+    if wait > 0:
+        record = await ctl.wait_lease(lease_id, state or record.state, wait)
+    return _lease_json(ctl, record)
+
+
+@router.post("/leases/{lease_id}/renew", response_model=s.LeaseOut, summary="Extend the TTL")
+async def renew_lease(
+    lease_id: LeaseId, request: Request, body: s.RenewIn | None = None
+) -> JSONResponse:
+    ctl, who = _context(request)
+    _lease_access(who, ctl.lease(lease_id))
+    ttl = None if body is None or body.ttl_s is None else float(body.ttl_s)
+    return _lease_json(ctl, ctl.renew(lease_id, ttl))
+
+
+@router.post("/leases/{lease_id}/ready", response_model=s.LeaseOut, summary="The load finished")
+async def ready_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _lease_access(who, ctl.lease(lease_id))
+    return _lease_json(ctl, ctl.ready(lease_id))
+
+
+@router.post("/leases/{lease_id}/idle", response_model=s.LeaseOut, summary="Keep warm")
+async def idle_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _lease_access(who, ctl.lease(lease_id))
+    return _lease_json(ctl, ctl.set_idle(lease_id, True))
+
+
+@router.post("/leases/{lease_id}/busy", response_model=s.LeaseOut, summary="Busy again")
+async def busy_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _lease_access(who, ctl.lease(lease_id))
+    return _lease_json(ctl, ctl.set_idle(lease_id, False))
+
+
+@router.delete(
+    "/leases/{lease_id}", response_model=s.LeaseOut, summary="Release or cancel; idempotent"
+)
+async def release_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _lease_access(who, ctl.lease(lease_id))
+    return _lease_json(ctl, ctl.release(lease_id))
+
+
+@router.post("/leases/{lease_id}/revoke", response_model=s.LeaseOut, summary="Take a lease back")
+async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _admin(who)
+    return _lease_json(ctl, ctl.revoke(lease_id))
+
+
+# ---------------------------------------------------------------- workers
+
+
+@router.post("/workers", response_model=s.WorkerOut, summary="Register a worker (or update it)")
+async def register_worker(body: s.WorkerRegister, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    name = validate_worker_name(body.name, "name")
+    _as_worker(who, name)
+    gpus = [Gpu(worker=name, **g.model_dump()) for g in body.gpus]
+    _, new = ctl.register(
+        name, gpus, labels=body.labels, url=body.url, agent_version=body.agent_version
+    )
+    return _worker_json(ctl, name, 201 if new else 200)
+
+
+@router.post(
+    "/workers/{name}/heartbeat",
+    response_model=s.HeartbeatOut,
+    summary="Probe snapshot; answers which of the worker's leases are held and revoking",
+)
+async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    name = validate_worker_name(name)
+    _as_worker(who, name)
+    probes = [GpuProbeReport(p.index, p.used_mb, p.per_lease()) for p in body.gpus]
+    record = ctl.heartbeat(name, probes, stopped=body.stopped)
+    return JSONResponse(s.heartbeat_out(record, ctl.worker_leases(name)))
+
+
+@router.get("/workers", response_model=list[s.WorkerOut], summary="Workers and their GPUs")
+async def list_workers(request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
+    return JSONResponse(
+        [s.worker_out(w, ctl.gpu_figures(w.name), ctl.last_seen(w.name)) for w in ctl.workers()]
+    )
+
+
+@router.get("/workers/{name}", response_model=s.WorkerOut, summary="One worker")
+async def get_worker(name: WorkerName, request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
+    return _worker_json(ctl, validate_worker_name(name))
+
+
+@router.post("/workers/{name}/drain", response_model=s.DrainOut, summary="Drain a worker")
+async def drain_worker(
+    name: WorkerName, request: Request, body: s.DrainIn | None = None
+) -> JSONResponse:
+    ctl, who = _context(request)
+    _admin(who)
+    body = body or s.DrainIn()
+    deadline = None if body.deadline_s is None else float(body.deadline_s)
+    outcome = ctl.drain(validate_worker_name(name), force=body.mode == "force", deadline_s=deadline)
+    return JSONResponse(s.drain_out(outcome))
+
+
+@router.post("/workers/{name}/cancel-drain", response_model=s.DrainOut, summary="Back online")
+async def cancel_drain(name: WorkerName, request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _admin(who)
+    return JSONResponse(s.drain_out(ctl.cancel_drain(validate_worker_name(name))))
+
+
+@router.delete("/workers/{name}", response_model=s.DrainOut, summary="Remove a worker")
+async def remove_worker(name: WorkerName, request: Request, force: bool = False) -> JSONResponse:
+    ctl, who = _context(request)
+    _admin(who)
+    return JSONResponse(s.drain_out(ctl.remove(validate_worker_name(name), force=force)))
+
+
+# ---------------------------------------------------------------- arbiter
+
+
+@router.post("/pause", summary="Grant nothing until resume")
+async def pause(request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _admin(who)
+    ctl.pause()
+    return JSONResponse({"paused": True})
+
+
+@router.post("/resume", summary="Grant again")
+async def resume(request: Request) -> JSONResponse:
+    ctl, who = _context(request)
+    _admin(who)
+    ctl.resume()
+    return JSONResponse({"paused": False})
+
+
+@router.get("/status", summary="Counters, per-GPU figures, queue depth by priority")
+async def status(request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
+    body = ctl.status()
+    body["gpus"] = [s.gpu_out(f) for w in ctl.workers() for f in ctl.gpu_figures(w.name)]
+    return JSONResponse(body)
+
+
+@router.get("/queue", response_model=list[s.LeaseOut], summary="Pending requests, in order")
+async def queue(
+    request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> JSONResponse:
+    """The first ``limit`` pending requests, each with its position and reason."""
+    ctl, _who = _context(request)
+    return JSONResponse([s.lease_out(record, view) for record, view in ctl.queue(limit)])
+
+
+@router.get("/events", summary="Server-Sent Events, resumable with Last-Event-ID")
+async def events(
+    request: Request,
+    lease: Annotated[str | None, Query(max_length=64)] = None,
+    worker: Annotated[str | None, Query(max_length=64)] = None,
+    since: Annotated[int | None, Query(ge=0)] = None,
+    last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+) -> StreamingResponse:
+    ctl, _who = _context(request)
+    after = ctl.last_event_seq
+    if last_event_id is not None and last_event_id.strip().isdigit():
+        after = int(last_event_id)
+    elif since is not None:
+        after = since
+    stream = event_stream(ctl, after, lease=lease, worker=worker)
+    return StreamingResponse(
+        stream,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,339 @@
+"""The shapes of the HTTP API (pydantic lives here, and only here).
+
+Inputs are strict: a number where a number is expected (no ``"5"`` for 5), no
+unknown fields, bounded strings and collections. Outputs are built from the
+controller's records by the ``*_out`` functions; the models below document them
+in the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from ..controller import DrainOutcome, PendingView
+from ..core import GpuFigures, Lease, LeaseState, priority_name
+from ..store import Event, LeaseRecord, WorkerRecord
+
+Text = Annotated[StrictStr, Field(max_length=256)]
+Short = Annotated[StrictStr, Field(min_length=1, max_length=64)]
+Seconds = Annotated[StrictFloat | StrictInt, Field(allow_inf_nan=False)]
+MiB = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ConstraintsIn(_In):
+    vendor: Short | None = None
+    min_compute_capability: Annotated[StrictStr, Field(max_length=8)] | Seconds | None = None
+    gpu_arch: (
+        Annotated[list[Annotated[StrictStr, Field(max_length=32)]], Field(max_length=16)] | None
+    ) = None
+    gpu_model: Text | None = None
+    worker: Short | None = None
+    labels: Annotated[dict[Short, Text], Field(max_length=32)] | None = None
+
+
+class LeaseCreate(_In):
+    """A request for VRAM (DESIGN section 4)."""
+
+    vram_mb: (
+        Annotated[StrictInt, Field(gt=0, le=1 << 40)] | Annotated[StrictStr, Field(max_length=32)]
+    )
+    gpus: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    priority: (
+        Annotated[StrictInt, Field(ge=0, le=1000)] | Annotated[StrictStr, Field(max_length=16)]
+    ) = "normal"
+    preemptible: StrictBool | None = None
+    constraints: ConstraintsIn = Field(default_factory=ConstraintsIn)
+    holder: Text = ""
+    metadata: Annotated[dict[Short, Any], Field(max_length=32)] = Field(default_factory=dict)
+    ttl_s: Annotated[Seconds, Field(gt=0, le=86400)] = 30.0
+    max_wait_s: Annotated[Seconds, Field(ge=0, le=366 * 86400)] | None = None
+    load_timeout_s: Annotated[Seconds, Field(gt=0, le=86400)] = 300.0
+    idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+
+
+class RenewIn(_In):
+    ttl_s: Annotated[Seconds, Field(gt=0, le=86400)] | None = None
+
+
+class GpuIn(_In):
+    index: Annotated[StrictInt, Field(ge=0, le=1023)]
+    total_mb: Annotated[StrictInt, Field(gt=0, le=1 << 40)]
+    uuid: Text = ""
+    model: Text = ""
+    vendor: Short = "nvidia"
+    arch: Annotated[StrictStr, Field(max_length=32)] = ""
+    headroom_mb: MiB = 256
+
+
+class WorkerRegister(_In):
+    name: Short
+    url: Text = ""
+    labels: Annotated[dict[Short, Text], Field(max_length=32)] = Field(default_factory=dict)
+    agent_version: Text = ""
+    gpus: Annotated[list[GpuIn], Field(min_length=1, max_length=64)]
+
+
+class ProcessIn(_In):
+    """One process on a GPU; ``lease`` when the agent knows which lease it holds."""
+
+    pid: Annotated[StrictInt, Field(ge=0, le=1 << 31)]
+    used_mb: MiB
+    lease: Text | None = None
+
+
+class GpuProbeIn(_In):
+    """A GPU's reading: total used MiB, and per lease (directly, or summed from the
+    processes the agent attributes to leases; other processes count as external)."""
+
+    index: Annotated[StrictInt, Field(ge=0, le=1023)]
+    used_mb: MiB
+    lease_used_mb: Annotated[dict[Text, MiB], Field(max_length=256)] | None = None
+    processes: Annotated[list[ProcessIn], Field(max_length=1024)] | None = None
+
+    def per_lease(self) -> dict[str, int] | None:
+        if self.lease_used_mb is None and self.processes is None:
+            return None
+        used = dict(self.lease_used_mb or {})
+        for process in self.processes or ():
+            if process.lease is not None:
+                used[process.lease] = used.get(process.lease, 0) + process.used_mb
+        return used
+
+
+class Heartbeat(_In):
+    gpus: Annotated[list[GpuProbeIn], Field(max_length=64)] = Field(default_factory=list)
+    leases: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
+    stopped: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
+
+
+class DrainIn(_In):
+    mode: Literal["graceful", "force"] = "graceful"
+    deadline_s: Annotated[Seconds, Field(ge=0, le=366 * 86400)] | None = None
+
+
+# ---------------------------------------------------------------- outputs (documentation)
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody
+
+
+class LeaseOut(BaseModel):
+    id: str
+    state: str
+    gpus: list[str]
+    worker: str | None
+    token: int | None
+    vram_mb: int
+    gpu_count: int
+    priority: int
+    priority_name: str
+    preemptible: bool
+    holder: str
+    metadata: dict[str, Any]
+    constraints: dict[str, Any]
+    ttl_s: float | None
+    submitted_at: float
+    granted_at: float | None
+    expires_at: float | None
+    ended_at: float | None
+    end_reason: str | None
+    revoke_reason: str | None
+    preempted_for: str | None
+    idle: bool
+    loading: bool
+    idempotency_key: str | None
+    position: int | None = None
+    effective_priority: int | None = None
+    reason: dict[str, Any] | None = None
+
+
+class GpuOut(BaseModel):
+    id: str
+    index: int
+    uuid: str
+    model: str
+    vendor: str
+    arch: str
+    total_mb: int
+    headroom_mb: int
+    capacity_mb: int
+    used_mb: int | None
+    committed_mb: int
+    free_mb: int
+    loading: int
+    stale: bool
+    leases: list[str]
+
+
+class WorkerOut(BaseModel):
+    name: str
+    state: str
+    url: str
+    labels: dict[str, str]
+    agent_version: str
+    simulated: bool
+    registered_at: float
+    last_heartbeat_at: float | None
+    drain_deadline: float | None
+    gpus: list[GpuOut]
+
+
+class HeartbeatOut(BaseModel):
+    name: str
+    state: str
+    leases: list[str]
+    revoking: list[str]
+
+
+class DrainOut(BaseModel):
+    worker: str
+    previous_state: str
+    state: str
+    revoked: int
+    already_revoking: int
+    already_finished: int
+    leases_left: int
+
+
+# ---------------------------------------------------------------- records -> JSON
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else value
+
+
+def lease_out(
+    record: LeaseRecord,
+    pending: PendingView | None = None,
+    *,
+    position: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """A lease as JSON; a pending one with its position (and reason, when ``pending``)."""
+    request, lease = record.request, record.lease
+    c = request.constraints
+    out: dict[str, Any] = {
+        "id": record.id,
+        "state": str(record.state),
+        "gpus": [] if lease is None else [str(g) for g in lease.gpus],
+        "worker": record.worker,
+        "token": record.token,
+        "vram_mb": request.vram_mb,
+        "gpu_count": request.gpus,
+        "priority": request.priority,
+        "priority_name": priority_name(request.priority),
+        "preemptible": request.preemptible,
+        "holder": request.holder,
+        "metadata": dict(request.metadata),
+        "constraints": {
+            "vendor": c.vendor,
+            "min_compute_capability": "{}.{}".format(*c.min_compute_capability)
+            if c.min_compute_capability
+            else None,
+            "gpu_arch": list(c.gpu_arch),
+            "gpu_model": c.gpu_model,
+            "worker": c.worker,
+            "labels": dict(c.labels),
+        },
+        "ttl_s": request.ttl_s,
+        "submitted_at": request.submitted_at,
+        "granted_at": None if lease is None else lease.granted_at,
+        "expires_at": None if lease is None else _finite(lease.expires_at),
+        "ended_at": record.ended_at,
+        "end_reason": record.end_reason,
+        "revoke_reason": None if lease is None else lease.revoke_reason,
+        "preempted_for": None if lease is None else lease.preempted_for,
+        "idle": False if lease is None else lease.idle,
+        "loading": False if lease is None else lease.loading and not record.state.is_final,
+        "idempotency_key": request.idempotency_key,
+    }
+    if pending is not None:
+        out["position"] = pending.position
+        out["effective_priority"] = pending.effective_priority
+        out["reason"] = pending.reason.as_dict()
+    elif position is not None:
+        out["position"], out["effective_priority"] = position
+    return out
+
+
+def worker_out(
+    record: WorkerRecord, figures: list[GpuFigures], last_seen: float | None
+) -> dict[str, Any]:
+    return {
+        "name": record.name,
+        "state": str(record.status),
+        "url": record.url,
+        "labels": dict(record.labels),
+        "agent_version": record.agent_version,
+        "simulated": record.simulated,
+        "registered_at": record.registered_at,
+        "last_heartbeat_at": last_seen,
+        "drain_deadline": record.drain_deadline,
+        "gpus": [gpu_out(f) for f in figures],
+    }
+
+
+def heartbeat_out(record: WorkerRecord, leases: list[Lease]) -> dict[str, Any]:
+    return {
+        "name": record.name,
+        "state": str(record.status),
+        "leases": [lease.id for lease in leases],
+        "revoking": [lease.id for lease in leases if lease.state is LeaseState.REVOKING],
+    }
+
+
+def gpu_out(f: GpuFigures) -> dict[str, Any]:
+    gpu = f.gpu
+    return {
+        "id": str(gpu.id),
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "model": gpu.model,
+        "vendor": gpu.vendor,
+        "arch": gpu.arch,
+        "total_mb": gpu.total_mb,
+        "headroom_mb": gpu.headroom_mb,
+        "capacity_mb": gpu.capacity_mb,
+        "used_mb": f.used_mb,
+        "committed_mb": f.committed_mb,
+        "free_mb": f.free_mb,
+        "loading": f.loading,
+        "stale": f.stale,
+        "leases": list(f.lease_ids),
+    }
+
+
+def drain_out(outcome: DrainOutcome) -> dict[str, Any]:
+    return {
+        "worker": outcome.worker,
+        "previous_state": outcome.previous_state,
+        "state": outcome.state,
+        "revoked": outcome.revoked,
+        "already_revoking": outcome.already_revoking,
+        "already_finished": outcome.already_finished,
+        "leases_left": outcome.leases_left,
+    }
+
+
+def event_out(event: Event) -> dict[str, Any]:
+    return {
+        "seq": event.seq,
+        "at": event.at,
+        "kind": event.kind,
+        "lease_id": event.lease_id,
+        "worker": event.worker,
+        "data": dict(event.data),
+    }

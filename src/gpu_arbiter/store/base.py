@@ -1,0 +1,46 @@
+"""The storage interface of the controller.
+
+A store keeps what was acknowledged: worker records, lease records (live and
+final), counters (``next_token``, ``next_seq``, ``paused``), the bounded event
+history and the token digests. :meth:`Store.commit` writes one :class:`Batch` in
+one transaction: when it returns, the change is durable; when it raises, none
+of it was written.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .records import Batch, Event, LeaseRecord, Snapshot, TokenRecord
+
+__all__ = ["Store", "StoreError"]
+
+
+class StoreError(Exception):
+    """The store could not read or write (disk full, database locked, ...)."""
+
+
+class Store(Protocol):
+    def load(self) -> Snapshot:
+        """Workers, live leases (pending and held) and counters, as last committed."""
+        ...
+
+    def commit(self, batch: Batch) -> None:
+        """Writes ``batch`` in one transaction, durably, or raises :class:`StoreError`."""
+        ...
+
+    def lease(self, lease_id: str) -> LeaseRecord | None: ...
+
+    def lease_by_key(self, owner: str | None, idempotency_key: str) -> LeaseRecord | None:
+        """The record created by ``owner`` with this idempotency key, in any state."""
+        ...
+
+    def events_after(self, seq: int, limit: int) -> list[Event]:
+        """Retained events with a sequence number above ``seq``, oldest first."""
+        ...
+
+    def put_token(self, token: TokenRecord) -> None: ...
+
+    def token(self, digest: str) -> TokenRecord | None: ...
+
+    def close(self) -> None: ...

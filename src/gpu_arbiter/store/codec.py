@@ -1,0 +1,215 @@
+"""Records <-> JSON documents (plain dicts), the one encoding every store keeps."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..core import Constraints, Gpu, GpuId, Lease, LeaseState, Request, WorkerStatus
+from .records import Event, LeaseRecord, WorkerRecord
+
+__all__ = [
+    "event_from_doc",
+    "event_to_doc",
+    "lease_from_doc",
+    "lease_to_doc",
+    "worker_from_doc",
+    "worker_to_doc",
+]
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _constraints_to_doc(c: Constraints) -> dict[str, Any]:
+    return {
+        "vendor": c.vendor,
+        "min_compute_capability": list(c.min_compute_capability)
+        if c.min_compute_capability
+        else None,
+        "gpu_arch": list(c.gpu_arch),
+        "gpu_model": c.gpu_model,
+        "worker": c.worker,
+        "labels": dict(c.labels),
+    }
+
+
+def _constraints_from_doc(doc: dict[str, Any]) -> Constraints:
+    cc = doc.get("min_compute_capability")
+    return Constraints(
+        vendor=doc.get("vendor"),
+        min_compute_capability=(int(cc[0]), int(cc[1])) if cc else None,
+        gpu_arch=tuple(doc.get("gpu_arch") or ()),
+        gpu_model=doc.get("gpu_model"),
+        worker=doc.get("worker"),
+        labels=tuple(sorted((doc.get("labels") or {}).items())),
+    )
+
+
+def request_to_doc(r: Request) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "vram_mb": r.vram_mb,
+        "gpus": r.gpus,
+        "priority": r.priority,
+        "preemptible": r.preemptible,
+        "constraints": _constraints_to_doc(r.constraints),
+        "holder": r.holder,
+        "metadata": dict(r.metadata),
+        "ttl_s": r.ttl_s,
+        "max_wait_s": r.max_wait_s,
+        "load_timeout_s": r.load_timeout_s,
+        "idempotency_key": r.idempotency_key,
+        "seq": r.seq,
+        "submitted_at": r.submitted_at,
+    }
+
+
+def request_from_doc(doc: dict[str, Any]) -> Request:
+    return Request(
+        id=doc["id"],
+        vram_mb=doc["vram_mb"],
+        gpus=doc["gpus"],
+        priority=doc["priority"],
+        preemptible=doc["preemptible"],
+        constraints=_constraints_from_doc(doc["constraints"]),
+        holder=doc["holder"],
+        metadata=doc["metadata"],
+        ttl_s=doc["ttl_s"],
+        max_wait_s=doc["max_wait_s"],
+        load_timeout_s=doc["load_timeout_s"],
+        idempotency_key=doc["idempotency_key"],
+        seq=doc["seq"],
+        submitted_at=doc["submitted_at"],
+    )
+
+
+def _grant_to_doc(lease: Lease) -> dict[str, Any]:
+    return {
+        "gpus": [str(g) for g in lease.gpus],
+        "token": lease.token,
+        "state": str(lease.state),
+        "granted_at": lease.granted_at,
+        "expires_at": _finite(lease.expires_at),
+        "load_deadline": lease.load_deadline,
+        "idle": lease.idle,
+        "last_used_at": lease.last_used_at,
+        "loading": lease.loading,
+        "revoke_reason": lease.revoke_reason,
+        "preempted_for": lease.preempted_for,
+        "ended_at": lease.ended_at,
+    }
+
+
+def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
+    expires = doc["expires_at"]
+    return Lease(
+        request=request,
+        gpus=tuple(_gpu_id(text) for text in doc["gpus"]),
+        token=doc["token"],
+        state=LeaseState(doc["state"]),
+        granted_at=doc["granted_at"],
+        expires_at=math.inf if expires is None else expires,
+        load_deadline=doc["load_deadline"],
+        idle=doc["idle"],
+        last_used_at=doc["last_used_at"],
+        loading=doc["loading"],
+        revoke_reason=doc["revoke_reason"],
+        preempted_for=doc["preempted_for"],
+        ended_at=doc["ended_at"],
+    )
+
+
+def _gpu_id(text: str) -> GpuId:
+    worker, index = text.split(":")
+    return GpuId(worker, int(index))
+
+
+def lease_to_doc(record: LeaseRecord) -> dict[str, Any]:
+    return {
+        "request": request_to_doc(record.request),
+        "state": str(record.state),
+        "owner": record.owner,
+        "lease": None if record.lease is None else _grant_to_doc(record.lease),
+        "ended_at": record.ended_at,
+        "end_reason": record.end_reason,
+    }
+
+
+def lease_from_doc(doc: dict[str, Any]) -> LeaseRecord:
+    request = request_from_doc(doc["request"])
+    grant = doc["lease"]
+    return LeaseRecord(
+        request=request,
+        state=LeaseState(doc["state"]),
+        owner=doc["owner"],
+        lease=None if grant is None else _grant_from_doc(request, grant),
+        ended_at=doc["ended_at"],
+        end_reason=doc["end_reason"],
+    )
+
+
+def _gpu_to_doc(gpu: Gpu) -> dict[str, Any]:
+    return {
+        "index": gpu.index,
+        "total_mb": gpu.total_mb,
+        "arch": gpu.arch,
+        "vendor": gpu.vendor,
+        "model": gpu.model,
+        "uuid": gpu.uuid,
+        "headroom_mb": gpu.headroom_mb,
+    }
+
+
+def worker_to_doc(record: WorkerRecord) -> dict[str, Any]:
+    return {
+        "name": record.name,
+        "status": str(record.status),
+        "gpus": [_gpu_to_doc(g) for g in record.gpus],
+        "labels": dict(record.labels),
+        "url": record.url,
+        "agent_version": record.agent_version,
+        "registered_at": record.registered_at,
+        "drain_deadline": record.drain_deadline,
+        "status_after_offline": str(record.status_after_offline),
+        "simulated": record.simulated,
+    }
+
+
+def worker_from_doc(doc: dict[str, Any]) -> WorkerRecord:
+    name = doc["name"]
+    return WorkerRecord(
+        name=name,
+        status=WorkerStatus(doc["status"]),
+        gpus=tuple(Gpu(worker=name, **g) for g in doc["gpus"]),
+        labels=doc["labels"],
+        url=doc["url"],
+        agent_version=doc["agent_version"],
+        registered_at=doc["registered_at"],
+        drain_deadline=doc["drain_deadline"],
+        status_after_offline=WorkerStatus(doc["status_after_offline"]),
+        simulated=doc["simulated"],
+    )
+
+
+def event_to_doc(event: Event) -> dict[str, Any]:
+    return {
+        "seq": event.seq,
+        "at": event.at,
+        "kind": event.kind,
+        "lease_id": event.lease_id,
+        "worker": event.worker,
+        "data": dict(event.data),
+    }
+
+
+def event_from_doc(doc: dict[str, Any]) -> Event:
+    return Event(
+        seq=doc["seq"],
+        at=doc["at"],
+        kind=doc["kind"],
+        lease_id=doc["lease_id"],
+        worker=doc["worker"],
+        data=doc["data"],
+    )

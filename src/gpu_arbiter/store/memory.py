@@ -1,0 +1,62 @@
+"""A store in memory: the reference for the contract tests, and a fast non-durable mode."""
+
+from __future__ import annotations
+
+import bisect
+
+from .records import Batch, Event, LeaseRecord, Snapshot, TokenRecord, WorkerRecord
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore:
+    def __init__(self, *, event_history: int = 10_000) -> None:
+        self._event_history = event_history
+        self._workers: dict[str, WorkerRecord] = {}
+        self._leases: dict[str, LeaseRecord] = {}
+        self._keys: dict[tuple[str, str], str] = {}
+        self._events: list[Event] = []
+        self._meta: dict[str, int] = {}
+        self._tokens: dict[str, TokenRecord] = {}
+
+    def load(self) -> Snapshot:
+        live = tuple(r for r in self._leases.values() if not r.state.is_final)
+        return Snapshot(
+            workers=tuple(self._workers.values()),
+            leases=live,
+            meta=dict(self._meta),
+            last_event_seq=self._events[-1].seq if self._events else 0,
+        )
+
+    def commit(self, batch: Batch) -> None:
+        for name in batch.removed_workers:
+            self._workers.pop(name, None)
+        self._workers.update(batch.workers)
+        for lease_id, record in batch.leases.items():
+            self._leases[lease_id] = record
+            if record.request.idempotency_key is not None:
+                self._keys[(record.owner or "", record.request.idempotency_key)] = lease_id
+        self._events.extend(batch.events)
+        if len(self._events) > 2 * self._event_history:  # trim now and then, not every time
+            del self._events[: len(self._events) - self._event_history]
+        self._meta.update(batch.meta)
+
+    def lease(self, lease_id: str) -> LeaseRecord | None:
+        return self._leases.get(lease_id)
+
+    def lease_by_key(self, owner: str | None, idempotency_key: str) -> LeaseRecord | None:
+        lease_id = self._keys.get((owner or "", idempotency_key))
+        return None if lease_id is None else self._leases.get(lease_id)
+
+    def events_after(self, seq: int, limit: int) -> list[Event]:
+        start = bisect.bisect_right(self._events, seq, key=lambda e: e.seq)
+        return self._events[start : start + limit]
+
+    def put_token(self, token: TokenRecord) -> None:
+        self._tokens[token.digest] = token
+
+    def token(self, digest: str) -> TokenRecord | None:
+        return self._tokens.get(digest)
+
+    def close(self) -> None:
+        pass

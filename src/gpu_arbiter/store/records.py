@@ -1,0 +1,108 @@
+"""What the controller persists: lease records, worker records, events, tokens.
+
+Each record is a frozen value; :mod:`.codec` turns them into JSON documents and
+back, so every store keeps exactly the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import Gpu, Lease, LeaseState, Request, WorkerStatus
+
+__all__ = ["Batch", "Event", "LeaseRecord", "Snapshot", "TokenRecord", "WorkerRecord"]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """One request and, once granted, its lease — through to its final state.
+
+    ``owner`` is the principal (token id) that created it; ``end_reason`` says why a
+    final record ended (``released``, ``expired``, ``holder_stopped``, ...)."""
+
+    request: Request
+    state: LeaseState
+    owner: str | None = None
+    lease: Lease | None = None
+    ended_at: float | None = None
+    end_reason: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def worker(self) -> str | None:
+        return None if self.lease is None else self.lease.worker
+
+    @property
+    def token(self) -> int | None:
+        return None if self.lease is None else self.lease.token
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """A worker as registered, with its status.
+
+    ``status_after_offline`` is where a heartbeat brings it back after it went offline
+    (``draining`` if it was draining or drained, else ``online``)."""
+
+    name: str
+    status: WorkerStatus
+    gpus: tuple[Gpu, ...]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    url: str = ""
+    agent_version: str = ""
+    registered_at: float = 0.0
+    drain_deadline: float | None = None
+    status_after_offline: WorkerStatus = WorkerStatus.ONLINE
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One typed, sequenced event (``lease.granted``, ``worker.offline``, ...)."""
+
+    seq: int
+    at: float
+    kind: str
+    lease_id: str | None = None
+    worker: str | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    """A bearer token, kept only as its SHA-256 digest."""
+
+    id: str
+    digest: str
+    role: str
+    worker: str | None = None
+    created_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Batch:
+    """Everything one change writes, committed in one transaction."""
+
+    leases: dict[str, LeaseRecord] = field(default_factory=dict)
+    workers: dict[str, WorkerRecord] = field(default_factory=dict)
+    removed_workers: set[str] = field(default_factory=set)
+    events: list[Event] = field(default_factory=list)
+    meta: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.workers or self.removed_workers or self.events or self.meta)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The state a controller starts from: workers, live (non-final) leases, counters."""
+
+    workers: tuple[WorkerRecord, ...] = ()
+    leases: tuple[LeaseRecord, ...] = ()
+    meta: Mapping[str, int] = field(default_factory=dict)
+    last_event_seq: int = 0

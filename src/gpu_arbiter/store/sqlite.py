@@ -1,0 +1,205 @@
+"""The embedded durable store: SQLite in WAL mode, in the state directory.
+
+Every :meth:`SqliteStore.commit` is one ``BEGIN IMMEDIATE ... COMMIT``. With
+``synchronous=NORMAL`` (the default) a committed change survives the process
+being killed; ``synchronous=FULL`` also survives power loss, at the cost of an
+fsync per commit. The SQL is plain enough for PostgreSQL too (``ON CONFLICT``
+upserts, no SQLite-only types).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any, Literal
+
+from .base import StoreError
+from .codec import (
+    event_from_doc,
+    event_to_doc,
+    lease_from_doc,
+    lease_to_doc,
+    worker_from_doc,
+    worker_to_doc,
+)
+from .records import Batch, Event, LeaseRecord, Snapshot, TokenRecord
+
+__all__ = ["SqliteStore"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    final INTEGER NOT NULL,
+    owner TEXT NOT NULL,
+    idempotency_key TEXT,
+    doc TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS leases_final ON leases (final);
+CREATE INDEX IF NOT EXISTS leases_key ON leases (owner, idempotency_key);
+CREATE TABLE IF NOT EXISTS events (seq BIGINT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (
+    digest TEXT PRIMARY KEY,
+    id TEXT NOT NULL,
+    role TEXT NOT NULL,
+    worker TEXT,
+    created_at DOUBLE PRECISION NOT NULL
+);
+"""
+
+_UPSERT_LEASE = (
+    "INSERT INTO leases (id, state, final, owner, idempotency_key, doc) VALUES (?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET state = excluded.state, final = excluded.final, "
+    "doc = excluded.doc"
+)
+_UPSERT_WORKER = (
+    "INSERT INTO workers (name, doc) VALUES (?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET doc = excluded.doc"
+)
+_UPSERT_META = (
+    "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = "
+    "excluded.value"
+)
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+
+class SqliteStore:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+        event_history: int = 10_000,
+    ) -> None:
+        self.path = Path(path)
+        self._event_history = event_history
+        self._commits = 0
+        try:
+            self._db = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=10.0
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot open {self.path}: {error}") from error
+
+    def load(self) -> Snapshot:
+        db = self._db
+        try:
+            workers = tuple(
+                worker_from_doc(json.loads(doc)) for (doc,) in db.execute("SELECT doc FROM workers")
+            )
+            leases = tuple(
+                lease_from_doc(json.loads(doc))
+                for (doc,) in db.execute("SELECT doc FROM leases WHERE final = 0")
+            )
+            meta = {key: int(value) for key, value in db.execute("SELECT key, value FROM meta")}
+            (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot load {self.path}: {error}") from error
+        return Snapshot(workers=workers, leases=leases, meta=meta, last_event_seq=int(last))
+
+    def commit(self, batch: Batch) -> None:
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                self._write(batch)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot write {self.path}: {error}") from error
+
+    def _write(self, batch: Batch) -> None:
+        db = self._db
+        if batch.removed_workers:
+            db.executemany(
+                "DELETE FROM workers WHERE name = ?", [(n,) for n in batch.removed_workers]
+            )
+        if batch.workers:
+            db.executemany(
+                _UPSERT_WORKER,
+                [(n, _dumps(worker_to_doc(w))) for n, w in batch.workers.items()],
+            )
+        if batch.leases:
+            db.executemany(
+                _UPSERT_LEASE,
+                [
+                    (
+                        r.id,
+                        str(r.state),
+                        int(r.state.is_final),
+                        r.owner or "",
+                        r.request.idempotency_key,
+                        _dumps(lease_to_doc(r)),
+                    )
+                    for r in batch.leases.values()
+                ],
+            )
+        if batch.events:
+            db.executemany(
+                "INSERT INTO events (seq, doc) VALUES (?, ?)",
+                [(e.seq, _dumps(event_to_doc(e))) for e in batch.events],
+            )
+            self._commits += 1
+            if self._commits % 256 == 0:
+                last = batch.events[-1].seq
+                db.execute("DELETE FROM events WHERE seq <= ?", (last - self._event_history,))
+        if batch.meta:
+            db.executemany(_UPSERT_META, list(batch.meta.items()))
+
+    def lease(self, lease_id: str) -> LeaseRecord | None:
+        row = self._one("SELECT doc FROM leases WHERE id = ?", (lease_id,))
+        return None if row is None else lease_from_doc(json.loads(row[0]))
+
+    def lease_by_key(self, owner: str | None, idempotency_key: str) -> LeaseRecord | None:
+        row = self._one(
+            "SELECT doc FROM leases WHERE owner = ? AND idempotency_key = ?",
+            (owner or "", idempotency_key),
+        )
+        return None if row is None else lease_from_doc(json.loads(row[0]))
+
+    def events_after(self, seq: int, limit: int) -> list[Event]:
+        try:
+            rows = self._db.execute(
+                "SELECT doc FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
+            ).fetchall()
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot read {self.path}: {error}") from error
+        return [event_from_doc(json.loads(doc)) for (doc,) in rows]
+
+    def put_token(self, token: TokenRecord) -> None:
+        try:
+            with self._db:
+                self._db.execute(
+                    "INSERT INTO tokens (digest, id, role, worker, created_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (token.digest, token.id, token.role, token.worker, token.created_at),
+                )
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot write {self.path}: {error}") from error
+
+    def token(self, digest: str) -> TokenRecord | None:
+        row = self._one(
+            "SELECT id, digest, role, worker, created_at FROM tokens WHERE digest = ?", (digest,)
+        )
+        return None if row is None else TokenRecord(*row)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _one(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        try:
+            row = self._db.execute(sql, args).fetchone()
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot read {self.path}: {error}") from error
+        return None if row is None else tuple(row)

@@ -1,0 +1,184 @@
+"""The controller without HTTP: a fake clock, a memory store, restarts on the same store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.controller import Controller, GpuProbeReport, ServiceUnavailable
+from gpu_arbiter.core import Conflict, Gpu, LeaseState, WorkerStatus
+from gpu_arbiter.store import Batch, MemoryStore, StoreError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gpus(name: str, count: int = 2, total_mb: int = 24576) -> list[Gpu]:
+    return [Gpu(index=i, total_mb=total_mb, worker=name, arch="sm_86") for i in range(count)]
+
+
+def start(store: MemoryStore, clock: Clock, **kwargs: Any) -> Controller:
+    controller = Controller(store, clock=clock, heartbeat_timeout_s=15.0, **kwargs)
+    controller.start()
+    return controller
+
+
+def ask(controller: Controller, vram_mb: int, **fields: Any) -> str:
+    record, _ = controller.submit("client-1", {"vram_mb": vram_mb, **fields}, {})
+    return record.id
+
+
+async def test_a_restart_keeps_leases_and_tokens_and_waits_for_the_worker() -> None:
+    store, clock = MemoryStore(), Clock()
+    first = start(store, clock)
+    first.register("box-1", gpus("box-1"))
+    held = first.lease(ask(first, 20_000, ttl_s=300))
+    assert held.state is LeaseState.LOADING
+    first.close()
+
+    clock.now += 5
+    second = start(store, clock)
+    again = second.lease(held.id)
+    assert again.state is LeaseState.LOADING
+    assert again.token == held.token
+    assert [f.committed_mb for f in second.gpu_figures("box-1")] in ([20_000, 0], [0, 20_000])
+    waiting = ask(second, 1_000)  # memory of a worker not yet heard from is unknown
+    view = second.pending_view(waiting)
+    assert view is not None
+    assert view.reason.code == "workers_draining"
+    second.heartbeat("box-1", [GpuProbeReport(0, 0), GpuProbeReport(1, 0)])
+    granted = second.lease(waiting)
+    assert granted.state is LeaseState.LOADING
+    assert granted.token is not None
+    assert held.token is not None
+    assert granted.token > held.token
+
+
+async def test_a_worker_silent_after_a_restart_goes_offline_once() -> None:
+    store, clock = MemoryStore(), Clock()
+    first = start(store, clock)
+    first.register("box-1", gpus("box-1"))
+    first.close()
+    second = start(store, clock)
+    clock.now += 16
+    second.pause()  # any change runs the overdue timers
+    second.resume()
+    assert second.worker("box-1").status is WorkerStatus.OFFLINE
+    kinds = [e.kind for e in second.events_after(0, 1000)]
+    assert kinds.count("worker.offline") == 1
+
+
+async def test_heartbeat_without_news_writes_nothing() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    before = controller.last_event_seq
+    for _ in range(3):
+        clock.now += 1
+        controller.heartbeat("box-1", [GpuProbeReport(0, 500)])
+    assert controller.last_event_seq == before
+
+
+async def test_a_failed_store_refuses_every_change_and_keeps_the_answer_honest() -> None:
+    class FailingStore(MemoryStore):
+        fail = False
+
+        def commit(self, batch: Batch) -> None:
+            if self.fail:
+                raise StoreError("disk full")
+            super().commit(batch)
+
+    store, clock = FailingStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    store.fail = True
+    with pytest.raises(ServiceUnavailable):
+        ask(controller, 1_000)
+    assert controller.broken is not None
+    store.fail = False
+    with pytest.raises(ServiceUnavailable):
+        ask(controller, 1_000)
+    restarted = start(store, clock)
+    assert restarted.leases() == []  # what was never acknowledged is not there
+
+
+async def test_drain_counts_leases_that_ended_on_their_own() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    short = ask(controller, 1_000, ttl_s=1)
+    controller.ready(short)
+    long = ask(controller, 1_000, ttl_s=300)
+    clock.now += 2
+    outcome = controller.drain("box-1", force=True)
+    assert outcome.already_finished == 1
+    assert outcome.revoked == 1
+    assert controller.lease(short).state is LeaseState.EXPIRED
+    assert controller.lease(long).state is LeaseState.REVOKING
+    again = controller.drain("box-1", force=True)
+    assert again.revoked == 0
+    assert again.already_revoking == 1
+
+
+async def test_simulated_worker_takes_no_heartbeats_and_no_registration() -> None:
+    controller = start(MemoryStore(), Clock(), simulated=gpus("local", 1))
+    with pytest.raises(Conflict):
+        controller.heartbeat("local", [])
+    with pytest.raises(Conflict):
+        controller.register("local", gpus("local", 1))
+    clock_far = controller.worker("local")
+    assert clock_far.status is WorkerStatus.ONLINE
+
+
+async def test_total_pending_limit_answers_too_many() -> None:
+    from gpu_arbiter.controller import Limits, TooManyRequests
+
+    controller = start(MemoryStore(), Clock(), limits=Limits(max_pending=2))
+    controller.register("box-1", gpus("box-1", 1, 1000))
+    ask(controller, 1000)
+    ask(controller, 1000)
+    ask(controller, 1000, holder="other")
+    with pytest.raises(TooManyRequests, match="already pending"):
+        ask(controller, 1000, holder="third")
+
+
+async def test_long_poll_on_an_ended_lease_answers_at_once() -> None:
+    controller = start(MemoryStore(), Clock())
+    controller.register("box-1", gpus("box-1"))
+    lease_id = ask(controller, 1000)
+    controller.release(lease_id)
+    record = await controller.wait_lease(lease_id, LeaseState.RELEASED, 30)
+    assert record.state is LeaseState.RELEASED
+
+
+async def test_idempotency_key_finds_an_ended_lease_in_the_store() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    first, new = controller.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert new
+    controller.release(first.id)
+    again, new = controller.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert not new
+    assert again.id == first.id
+    assert again.state is LeaseState.RELEASED
+    other, new = controller.submit("d", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert new
+    assert other.id != first.id
+
+
+async def test_renewing_a_lapsed_lease_conflicts_even_before_its_timer_ran() -> None:
+    clock = Clock()
+    controller = start(MemoryStore(), clock)
+    controller.register("box-1", gpus("box-1"))
+    lease_id = ask(controller, 1000, ttl_s=5)
+    clock.now += 6  # no timer has run: the fake clock moved, the loop did not
+    with pytest.raises(Conflict, match="expired"):
+        controller.renew(lease_id)
+    assert controller.lease(lease_id).state is LeaseState.EXPIRED

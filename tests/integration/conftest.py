@@ -1,0 +1,171 @@
+"""A real controller process on a free loopback port, and HTTP clients for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+_LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
+    """Polls ``predicate`` until it returns something truthy; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.02)
+
+
+class Server:
+    def __init__(self, state_dir: Path, *args: str) -> None:
+        self.state_dir = state_dir
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.log = state_dir / "server.log"
+        self._log_from = 0
+
+    def start(self, timeout_s: float = 30.0) -> Server:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        env.pop("GPU_ARBITER_CONFIG", None)
+        command = [sys.executable, "-m", "gpu_arbiter", "serve", "--port", "0"]
+        command += ["--state-dir", str(self.state_dir), *self.args]
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+        port = wait_for(self._port, timeout_s, "the server to listen")
+        self.url = f"http://127.0.0.1:{port}"
+        wait_for(self._ready, timeout_s, "the server to be ready")
+        return self
+
+    def _port(self) -> str | None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited: {self.log.read_text()}")
+        found = _LISTENING.findall(self.log.read_bytes()[self._log_from :].decode())
+        return found[-1] if found else None
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    @property
+    def admin_token(self) -> str:
+        return (self.state_dir / "admin.token").read_text().strip()
+
+    def client(self, token: str | None = "admin", **kwargs: Any) -> httpx.Client:
+        headers = {}
+        if token == "admin":
+            token = self.admin_token
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30, **kwargs)
+
+    def async_client(self, token: str | None = "admin", **kwargs: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.admin_token if token == 'admin' else token}"}
+        kwargs.setdefault("timeout", 60)
+        return httpx.AsyncClient(base_url=self.url, headers=headers, **kwargs)
+
+    def token(self, role: str, worker: str | None = None) -> str:
+        command = [sys.executable, "-m", "gpu_arbiter", "token", "create", "--role", role]
+        command += ["--state-dir", str(self.state_dir)]
+        if worker is not None:
+            command += ["--worker", worker]
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    started: list[Server] = []
+
+    def start(*args: str, state_dir: Path | None = None) -> Server:
+        server = Server(state_dir or tmp_path / f"state-{len(started)}", *args).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def server(start_server: Callable[..., Server]) -> Server:
+    """A controller with one simulated worker ``local`` of two 24 GiB GPUs."""
+    return start_server("--simulate", "2x24G:sm_86")
+
+
+@pytest.fixture
+def admin(server: Server) -> Iterator[httpx.Client]:
+    with server.client() as client:
+        yield client
+
+
+def gpu_figures(client: httpx.Client) -> dict[str, dict[str, Any]]:
+    answer = client.get("/v1/workers")
+    assert answer.status_code == 200
+    return {gpu["id"]: gpu for worker in answer.json() for gpu in worker["gpus"]}
+
+
+def register(client: httpx.Client, name: str, gpus: int = 2, total_mb: int = 24576) -> None:
+    body = {
+        "name": name,
+        "gpus": [
+            {"index": i, "total_mb": total_mb, "arch": "sm_86", "headroom_mb": 0}
+            for i in range(gpus)
+        ],
+    }
+    answer = client.post("/v1/workers", json=body)
+    assert answer.status_code in (200, 201), answer.text
+
+
+def events(client: httpx.Client, kind: str | None = None) -> list[dict[str, Any]]:
+    """Every retained event so far, read from the SSE stream up to the current last one."""
+    last = client.get("/v1/status").json()["last_event"]
+    found: list[dict[str, Any]] = []
+    if last > 0:
+        with client.stream("GET", "/v1/events", params={"since": 0}, timeout=30) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                found.append(event)
+                if event["seq"] >= last:
+                    break
+    return [e for e in found if kind is None or e["kind"] == kind]

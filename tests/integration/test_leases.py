@@ -1,0 +1,199 @@
+"""The lease lifecycle over HTTP: grant, pending, long-poll, renew, lapse, idempotency."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+
+from .conftest import Server, events, gpu_figures
+
+GIB = 1024
+
+
+def create(client: httpx.Client, **body: Any) -> httpx.Response:
+    return client.post("/v1/leases", json={"holder": "test", **body})
+
+
+def test_lifecycle_grant_ready_renew_idle_release(admin: httpx.Client) -> None:
+    answer = create(admin, vram_mb="8G", ttl_s=30)
+    assert answer.status_code == 201
+    lease = answer.json()
+    assert lease["state"] == "loading"
+    assert lease["gpus"] in (["local:0"], ["local:1"])
+    assert lease["vram_mb"] == 8 * GIB
+    assert gpu_figures(admin)[lease["gpus"][0]]["committed_mb"] == 8 * GIB
+
+    ready = admin.post(f"/v1/leases/{lease['id']}/ready").json()
+    assert ready["state"] == "active"
+    assert not ready["loading"]
+    renewed = admin.post(f"/v1/leases/{lease['id']}/renew", json={"ttl_s": 120}).json()
+    assert renewed["expires_at"] > lease["expires_at"]
+    assert admin.post(f"/v1/leases/{lease['id']}/idle").json()["idle"] is True
+    assert admin.post(f"/v1/leases/{lease['id']}/busy").json()["idle"] is False
+
+    released = admin.delete(f"/v1/leases/{lease['id']}")
+    assert released.status_code == 200
+    assert released.json()["state"] == "released"
+    again = admin.delete(f"/v1/leases/{lease['id']}")
+    assert again.status_code == 200
+    assert again.json()["state"] == "released"
+    assert gpu_figures(admin)[lease["gpus"][0]]["committed_mb"] == 0
+    kinds = [e["kind"] for e in events(admin) if e["lease_id"] == lease["id"]]
+    assert kinds == [
+        "lease.requested",
+        "lease.granted",
+        "lease.ready",
+        "lease.idle",
+        "lease.busy",
+        "lease.released",
+    ]
+
+
+def test_pending_request_is_granted_on_release_and_long_poll_wakes(admin: httpx.Client) -> None:
+    first = [create(admin, vram_mb="20G").json() for _ in range(2)]
+    assert {lease["state"] for lease in first} == {"loading"}
+    waiting = create(admin, vram_mb="20G")
+    assert waiting.status_code == 202
+    pending = waiting.json()
+    assert pending["state"] == "pending"
+    assert pending["position"] == 1
+    assert pending["reason"]["code"] == "insufficient_vram"
+    assert "0/2 GPUs fit" in pending["reason"]["message"]
+    queue = admin.get("/v1/queue").json()
+    assert [item["id"] for item in queue] == [pending["id"]]
+
+    answers: list[httpx.Response] = []
+    poll = threading.Thread(
+        target=lambda: answers.append(
+            admin.get(f"/v1/leases/{pending['id']}", params={"wait": 30, "state": "pending"})
+        )
+    )
+    poll.start()
+    admin.delete(f"/v1/leases/{first[0]['id']}")
+    poll.join(timeout=60)
+    assert answers
+    assert answers[0].json()["state"] == "loading"
+    assert answers[0].json()["gpus"] == first[0]["gpus"]
+
+
+def test_long_poll_answers_unchanged_when_the_wait_ends(admin: httpx.Client) -> None:
+    lease = create(admin, vram_mb="1G").json()
+    answer = admin.get(f"/v1/leases/{lease['id']}", params={"wait": 0.2})
+    assert answer.status_code == 200
+    assert answer.json()["state"] == "loading"
+
+
+def test_unrenewed_lease_lapses_and_renewing_it_then_conflicts(admin: httpx.Client) -> None:
+    lease = create(admin, vram_mb="4G", ttl_s=0.3).json()
+    lapsed = admin.get(f"/v1/leases/{lease['id']}", params={"wait": 30, "state": "loading"})
+    lapsed = lapsed.json()
+    assert lapsed["state"] == "expired"
+    assert gpu_figures(admin)[lease["gpus"][0]]["committed_mb"] == 0
+    answer = admin.post(f"/v1/leases/{lease['id']}/renew")
+    assert answer.status_code == 409
+    assert answer.json()["error"]["details"]["state"] == "expired"
+
+
+def test_renewing_keeps_a_lease_past_its_first_ttl(admin: httpx.Client) -> None:
+    lease = create(admin, vram_mb="4G", ttl_s=3.0).json()
+    for _ in range(4):  # 4 waits of a third of the TTL each: longer than the TTL in all
+        renewed = admin.post(f"/v1/leases/{lease['id']}/renew")
+        assert renewed.status_code == 200
+        polled = admin.get(f"/v1/leases/{lease['id']}", params={"wait": 1.0})
+        assert polled.json()["state"] == "loading"
+
+
+def test_idempotent_create_returns_the_same_lease(admin: httpx.Client) -> None:
+    first = create(admin, vram_mb="6G", idempotency_key="job-42")
+    second = create(admin, vram_mb="6G", idempotency_key="job-42")
+    assert first.status_code == 201
+    assert second.status_code == 200
+    assert second.json()["id"] == first.json()["id"]
+    assert second.json()["token"] == first.json()["token"]
+    assert sum(g["committed_mb"] for g in gpu_figures(admin).values()) == 6 * GIB
+    different = create(admin, vram_mb="7G", idempotency_key="job-42")
+    assert different.status_code == 409
+    admin.delete(f"/v1/leases/{first.json()['id']}")
+    after_release = create(admin, vram_mb="6G", idempotency_key="job-42")
+    assert after_release.json()["id"] == first.json()["id"]
+    assert after_release.json()["state"] == "released"
+
+
+def test_cancel_pending_is_idempotent(admin: httpx.Client) -> None:
+    create(admin, vram_mb="24G")
+    create(admin, vram_mb="24G")
+    pending = create(admin, vram_mb="24G").json()
+    assert pending["state"] == "pending"
+    for _ in range(2):
+        answer = admin.delete(f"/v1/leases/{pending['id']}")
+        assert answer.status_code == 200
+        assert answer.json()["state"] == "cancelled"
+    assert admin.get("/v1/queue").json() == []
+
+
+def test_request_no_gpu_could_ever_satisfy_is_rejected(admin: httpx.Client) -> None:
+    answer = create(admin, vram_mb="80G")
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert error["code"] == "unschedulable"
+    assert error["details"]["reason"]["code"] == "too_large"
+    arch = create(admin, vram_mb="1G", constraints={"gpu_arch": ["sm_90"]})
+    assert arch.json()["error"]["details"]["reason"]["code"] == "no_matching_gpu"
+    assert admin.get("/v1/leases").json() == []
+
+
+def test_fencing_tokens_strictly_increase(admin: httpx.Client) -> None:
+    tokens = []
+    for _ in range(5):
+        lease = create(admin, vram_mb="1G").json()
+        tokens.append(lease["token"])
+        admin.delete(f"/v1/leases/{lease['id']}")
+    assert tokens == sorted(set(tokens))
+
+
+def test_max_wait_times_out(admin: httpx.Client) -> None:
+    create(admin, vram_mb="24G")
+    create(admin, vram_mb="24G")
+    pending = create(admin, vram_mb="24G", max_wait_s=0.2).json()
+    ended = admin.get(f"/v1/leases/{pending['id']}", params={"wait": 30, "state": "pending"})
+    ended = ended.json()
+    assert ended["state"] == "timed_out"
+
+
+def test_pause_holds_grants_until_resume(admin: httpx.Client) -> None:
+    assert admin.post("/v1/pause").json() == {"paused": True}
+    pending = create(admin, vram_mb="1G")
+    assert pending.status_code == 202
+    assert pending.json()["reason"]["code"] == "paused"
+    assert admin.get("/v1/status").json()["paused"] is True
+    admin.post("/v1/resume")
+    assert admin.get(f"/v1/leases/{pending.json()['id']}").json()["state"] == "loading"
+
+
+def test_listing_filters_by_state_worker_and_holder(admin: httpx.Client) -> None:
+    a = create(admin, vram_mb="1G", holder="alice").json()
+    create(admin, vram_mb="1G", holder="bob")
+    admin.delete(f"/v1/leases/{a['id']}")
+    assert [x["holder"] for x in admin.get("/v1/leases", params={"holder": "bob"}).json()] == [
+        "bob"
+    ]
+    released = admin.get("/v1/leases", params={"state": "released"}).json()
+    assert [x["id"] for x in released] == [a["id"]]
+    assert len(admin.get("/v1/leases", params={"worker": "local"}).json()) == 2
+    assert admin.get("/v1/leases", params={"worker": "other"}).json() == []
+
+
+def test_pending_limit_per_holder_answers_429(start_server: Any, tmp_path: Any) -> None:
+    config = tmp_path / "arbiter.toml"
+    config.write_text('[serve]\nmax_pending_per_holder = 2\nsimulate = "1x8G"\n')
+    server: Server = start_server("--config", str(config))
+    with server.client() as admin:
+        create(admin, vram_mb="8G")
+        assert create(admin, vram_mb="8G").status_code == 202
+        assert create(admin, vram_mb="8G").status_code == 202
+        refused = create(admin, vram_mb="8G")
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "too_many_requests"
+        assert create(admin, vram_mb="8G", holder="other").status_code == 202

@@ -1,0 +1,176 @@
+"""One contract, every store: what is committed is what is loaded, in one transaction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpu_arbiter.core import Constraints, Gpu, GpuId, Lease, LeaseState, Request, WorkerStatus
+from gpu_arbiter.store import (
+    Batch,
+    Event,
+    LeaseRecord,
+    MemoryStore,
+    SqliteStore,
+    Store,
+    TokenRecord,
+    WorkerRecord,
+)
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    made: Store = (
+        MemoryStore(event_history=20)
+        if request.param == "memory"
+        else SqliteStore(tmp_path / "state.db", event_history=20)
+    )
+    yield made
+    made.close()
+
+
+def _request(rid: str, key: str | None = None) -> Request:
+    return Request.build(
+        rid,
+        vram_mb="2G",
+        priority="interactive",
+        constraints=Constraints.build(gpu_arch=["sm_86"], labels={"zone": "a"}),
+        holder="chat",
+        metadata={"model": "llama"},
+        idempotency_key=key,
+    )
+
+
+def _worker(name: str = "box-1") -> WorkerRecord:
+    gpus = (Gpu(index=0, total_mb=24576, arch="sm_86", worker=name, headroom_mb=256),)
+    return WorkerRecord(name=name, status=WorkerStatus.ONLINE, gpus=gpus, labels={"zone": "a"})
+
+
+def _granted(rid: str, token: int) -> LeaseRecord:
+    request = replace(_request(rid), seq=token, submitted_at=1.0)
+    lease = Lease(
+        request=request,
+        gpus=(GpuId("box-1", 0),),
+        token=token,
+        state=LeaseState.LOADING,
+        granted_at=2.0,
+        expires_at=32.0,
+        load_deadline=302.0,
+    )
+    return LeaseRecord(request=request, state=lease.state, owner="tok-1", lease=lease)
+
+
+def test_empty_store_loads_nothing(store: Store) -> None:
+    snapshot = store.load()
+    assert snapshot.workers == ()
+    assert snapshot.leases == ()
+    assert snapshot.last_event_seq == 0
+
+
+def test_committed_records_load_back_equal(store: Store) -> None:
+    worker = _worker()
+    held = _granted("l-1", 7)
+    pending = LeaseRecord(request=replace(_request("l-2"), seq=9), state=LeaseState.PENDING)
+    batch = Batch(
+        leases={held.id: held, pending.id: pending},
+        workers={worker.name: worker},
+        events=[Event(1, 2.0, "lease.granted", "l-1", "box-1", {"token": 7})],
+        meta={"next_token": 8},
+    )
+    store.commit(batch)
+    snapshot = store.load()
+    assert snapshot.workers == (worker,)
+    assert sorted(snapshot.leases, key=lambda r: r.id) == [held, pending]
+    assert snapshot.meta["next_token"] == 8
+    assert snapshot.last_event_seq == 1
+    assert store.lease("l-1") == held
+
+
+def test_final_leases_are_kept_but_not_loaded_as_live(store: Store) -> None:
+    held = _granted("l-1", 1)
+    store.commit(Batch(leases={held.id: held}))
+    assert held.lease is not None
+    ended = replace(held.lease, state=LeaseState.RELEASED, ended_at=5.0)
+    store.commit(
+        Batch(leases={held.id: replace(held, state=LeaseState.RELEASED, lease=ended, ended_at=5.0)})
+    )
+    assert store.load().leases == ()
+    record = store.lease("l-1")
+    assert record is not None
+    assert record.state is LeaseState.RELEASED
+
+
+def test_infinite_expiry_round_trips(store: Store) -> None:
+    held = _granted("l-1", 1)
+    assert held.lease is not None
+    held = replace(held, lease=replace(held.lease, expires_at=math.inf))
+    store.commit(Batch(leases={held.id: held}))
+    loaded = store.lease("l-1")
+    assert loaded is not None
+    assert loaded.lease is not None
+    assert loaded.lease.expires_at == math.inf
+
+
+def test_idempotency_key_is_scoped_to_its_owner(store: Store) -> None:
+    mine = LeaseRecord(request=_request("l-1", key="k"), state=LeaseState.PENDING, owner="a")
+    store.commit(Batch(leases={mine.id: mine}))
+    found = store.lease_by_key("a", "k")
+    assert found is not None
+    assert found.id == "l-1"
+    assert store.lease_by_key("b", "k") is None
+    assert store.lease_by_key("a", "other") is None
+
+
+def test_removed_workers_are_gone(store: Store) -> None:
+    store.commit(Batch(workers={"box-1": _worker("box-1"), "box-2": _worker("box-2")}))
+    store.commit(Batch(removed_workers={"box-1"}))
+    assert [w.name for w in store.load().workers] == ["box-2"]
+
+
+def test_events_are_ordered_and_history_is_bounded(store: Store) -> None:
+    for seq in range(1, 301):
+        store.commit(Batch(events=[Event(seq, float(seq), "lease.released", f"l-{seq}")]))
+    after = store.events_after(290, 100)
+    assert [e.seq for e in after] == list(range(291, 301))
+    assert store.events_after(298, 1)[0].seq == 299
+    retained = store.events_after(0, 1000)
+    assert len(retained) < 300
+    assert retained[-1].seq == 300
+
+
+def test_tokens_are_found_by_digest(store: Store) -> None:
+    token = TokenRecord(id="t1", digest="ab" * 32, role="worker", worker="box-1", created_at=1.0)
+    store.put_token(token)
+    assert store.token("ab" * 32) == token
+    assert store.token("cd" * 32) is None
+
+
+def test_sqlite_state_survives_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = SqliteStore(path)
+    held = _granted("l-1", 3)
+    first.commit(Batch(leases={held.id: held}, meta={"next_token": 4}))
+    first.close()
+    second = SqliteStore(path)
+    try:
+        snapshot = second.load()
+        assert snapshot.leases == (held,)
+        assert snapshot.meta == {"next_token": 4}
+    finally:
+        second.close()
+
+
+def test_sqlite_failed_batch_writes_nothing(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        store.commit(Batch(events=[Event(1, 1.0, "x")]))
+        duplicate = _granted("l-9", 9)
+        with pytest.raises(Exception, match="cannot write"):
+            store.commit(Batch(leases={duplicate.id: duplicate}, events=[Event(1, 1.0, "x")]))
+        assert store.lease("l-9") is None
+    finally:
+        store.close()

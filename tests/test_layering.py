@@ -1,0 +1,35 @@
+"""The core imports nothing outside the core; only the entry point imports server or cli."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gpu_arbiter"
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_core_is_self_contained() -> None:
+    for path in (PACKAGE / "core").glob("*.py"):
+        for name in _imports(path):
+            assert not name.startswith(".."), (path.name, name)
+            assert not name.startswith("gpu_arbiter"), (path.name, name)
+
+
+def test_nothing_but_the_cli_imports_server_or_cli() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        part = path.relative_to(PACKAGE).parts[0]
+        if part in ("server", "cli", "__main__.py"):
+            continue
+        for name in _imports(path):
+            assert "server" not in name.split("."), (path, name)
+            assert "cli" not in name.split("."), (path, name)
