@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from .agent import agent
 from .demo import demo
 from .serve import serve, token_app
 
@@ -15,6 +16,7 @@ app = typer.Typer(
 )
 app.command()(demo)
 app.command()(serve)
+app.command()(agent)
 app.add_typer(token_app, name="token")
 
 
