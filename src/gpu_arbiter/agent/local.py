@@ -86,6 +86,8 @@ class LocalEndpoint:
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if await _answers(self.path):
+            raise RuntimeError(f"another agent already listens on {self.path}")
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # left by an agent that was killed
         old = os.umask(0o177)
@@ -121,6 +123,15 @@ class LocalEndpoint:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+
+async def _answers(path: Path) -> bool:
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 2.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 async def agent_request(worker: str, request: Json, timeout_s: float = 5.0) -> Json | None:

@@ -6,6 +6,7 @@ import typer
 
 from .agent import agent
 from .demo import demo
+from .run import run
 from .serve import serve, token_app
 
 app = typer.Typer(
@@ -17,6 +18,7 @@ app = typer.Typer(
 app.command()(demo)
 app.command()(serve)
 app.command()(agent)
+app.command()(run)
 app.add_typer(token_app, name="token")
 
 

@@ -65,6 +65,9 @@ async def run_agent(config: AgentConfig, probe: Probe) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await Agent(config, probe).run(stop)
+    except RuntimeError as error:
+        print(f"gpu-arbiter agent: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from error
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
