@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shlex
@@ -34,7 +35,7 @@ from typing import Any
 
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from .local import LocalEndpoint, process_uid, socket_path
-from .probes import FakeProbe, Probe, ProbeSnapshot, to_gpus
+from .probes import FakeProbe, Probe, ProbeSnapshot, process_alive, to_gpus
 from .supervisor import ProcessSupervisor
 
 __all__ = ["Agent", "AgentConfig", "read_version"]
@@ -86,6 +87,7 @@ class Agent:
         self.client = client or ArbiterClient(config.controller, token=config.token)
         self.supervisor = ProcessSupervisor()
         self.endpoint = LocalEndpoint(socket_path(config.name), self._local)
+        self.attachments = self.endpoint.path.with_suffix(".leases.json")
         self.version = read_version(config.version_file)
         self._reexec = reexec or _reexec
         self._snapshot: ProbeSnapshot | None = None
@@ -100,6 +102,7 @@ class Agent:
         """Registers and heartbeats until ``stop`` is set. Supervised processes are left
         running when the agent stops: they are not the agent's to end."""
         await self.endpoint.start()
+        self._restore()
         backoff = 0.5
         try:
             while not stop.is_set():
@@ -196,13 +199,50 @@ class Agent:
         """Stops revoked processes; forgets those the controller is done with."""
         held = set(answer.get("leases") or ())
         for lease_id in answer.get("revoking") or ():
-            if self.supervisor.get(lease_id) is not None:
+            entry = self.supervisor.get(lease_id)
+            if entry is not None and not entry.stopped:
                 task = self.supervisor.stop(lease_id, self.config.grace_s)
                 if task is not None:
                     task.add_done_callback(lambda _t: self._kick.set())
-        for entry in self.supervisor.leases():
-            if entry.lease_id not in held and entry.stopped:
-                self.supervisor.forget(entry.lease_id)  # released, or confirmed stopped
+        done = [e for e in self.supervisor.leases() if e.lease_id not in held and e.stopped]
+        for entry in done:
+            self.supervisor.forget(entry.lease_id)  # released, or confirmed stopped
+        if done:
+            self._persist()
+
+    # ------------------------------------------------------------------ attachments
+
+    def _persist(self) -> None:
+        """Which process holds which lease, kept across a restart of the agent (with each
+        process's start time, so a pid reused meanwhile is never mistaken for it)."""
+        entries = {
+            e.lease_id: [e.pid, e.pgid, _start_time(e.pid)] for e in self.supervisor.leases()
+        }
+        partial = self.attachments.with_suffix(".tmp")
+        try:
+            partial.write_text(json.dumps(entries), encoding="utf-8")
+            os.replace(partial, self.attachments)
+        except OSError as error:
+            log.warning("cannot keep the attachments in %s: %s", self.attachments, error)
+
+    def _restore(self) -> None:
+        """Supervises again what a previous run of this agent supervised; a process that
+        exited meanwhile is reported stopped with the first heartbeat."""
+        try:
+            entries = json.loads(self.attachments.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if not isinstance(entries, dict):
+            return
+        for lease_id, ids in entries.items():
+            if not (isinstance(ids, list) and len(ids) == 3 and isinstance(ids[0], int)):
+                continue
+            pid, pgid, started = ids
+            entry = self.supervisor.watch(str(lease_id), pid, int(pgid))
+            if not process_alive(pid) or _start_time(pid) != started:
+                entry.stopped = True
+            log.info("lease %s: pid %d %s", lease_id, pid, "exited" if entry.stopped else "again")
+        self._persist()
 
     # ------------------------------------------------------------------ local endpoint
 
@@ -233,6 +273,7 @@ class Agent:
         if entry is None or entry.pid != pid:
             log.info("lease %s: supervising pid %d (group %d)", lease_id, pid, pgid)
         self.supervisor.watch(lease_id, pid, pgid)
+        self._persist()
         return {"ok": True}
 
     def _usage(self, lease_id: str) -> int | None:
@@ -306,6 +347,14 @@ def _reexec() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _pgid(pid: int) -> int | None:
