@@ -243,3 +243,30 @@ def test_run_without_a_controller_says_how_to_start_one(tmp_path: Path) -> None:
     )
     assert done.returncode == 69
     assert "gpu-arbiter serve --local" in done.stderr
+
+
+def test_serve_local_runs_the_controller_and_an_agent_for_this_machine(
+    start_server: Callable[..., Server],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cleanup: Started,
+) -> None:
+    runtime = tmp_path / "rt"
+    monkeypatch.setenv("GPU_ARBITER_RUNTIME_DIR", str(runtime))
+    server = start_server("--local", "--simulate", "2x24G:sm_86")
+    admin = server.client()
+    cleanup.append(admin)
+    workers = wait_for(lambda: admin.get("/v1/workers").json(), what="the local worker")
+    assert len(workers) == 1
+    assert [g["total_mb"] for g in workers[0]["gpus"]] == [24576, 24576]
+    assert not workers[0]["simulated"]  # a real agent, on the fake probe
+    log = server.log.read_text()
+    assert "simulated GPUs 2x24G:sm_86" in log
+    assert f"GPU_ARBITER_TOKEN=$(cat {server.state_dir / 'admin.token'})" in log
+    assert "gpu-arbiter run --vram" in log
+
+    run = RunProcess(server.url, server.admin_token, runtime, "job", "--vram", "1G", mb=0)
+    cleanup.append(run.start())
+    run.wait_child()
+    run.go()
+    assert run.wait() == 0
