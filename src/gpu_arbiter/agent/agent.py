@@ -95,6 +95,7 @@ class Agent:
         self._registered = False
         self._reported_stopped: set[str] = set()
         self._updating: str | None = None
+        self._update_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -121,6 +122,9 @@ class Agent:
                     delay, backoff = backoff, min(backoff * 2, self.config.max_backoff_s)
                 await self._sleep(stop, delay)
         finally:
+            if self._update_task is not None:
+                self._update_task.cancel()
+                await asyncio.gather(self._update_task, return_exceptions=True)
             await self.supervisor.close()
             await self.endpoint.close()
             await self.client.aclose()
@@ -143,8 +147,11 @@ class Agent:
         answer = await self.client.heartbeat(self.config.name, self._heartbeat_body(snapshot))
         self._act(answer)
         update = answer.get("update")
-        if isinstance(update, dict) and update.get("run") and self._updating is None:
-            await self._update(str(update["operation"]))
+        if isinstance(update, dict) and update.get("run"):
+            operation_id = str(update["operation"])
+            if self._updating != operation_id:  # in the background: heartbeats go on
+                self._updating = operation_id
+                self._update_task = asyncio.create_task(self._update(operation_id))
 
     async def _register(self, snapshot: ProbeSnapshot) -> None:
         gpus = to_gpus(snapshot, self.config.name, headroom_mb=self.config.headroom_mb)
@@ -295,7 +302,6 @@ class Agent:
 
     async def _update(self, operation_id: str) -> None:
         """Runs this host's update command, reports it, and restarts on success."""
-        self._updating = operation_id
         command = self.config.update_command
         if not command:
             await self._report(operation_id, "failed", "no --update-command is configured here")
