@@ -270,3 +270,28 @@ def test_serve_local_runs_the_controller_and_an_agent_for_this_machine(
     run.wait_child()
     run.go()
     assert run.wait() == 0
+
+
+def test_run_exit_codes_when_the_lease_is_not_granted(
+    start_server: Callable[..., Server], tmp_path: Path, cleanup: Started
+) -> None:
+    server = start_server("--simulate", "1x24G:sm_86")  # a worker inside the controller
+    admin = server.client()
+    cleanup.append(admin)
+    held = admin.post("/v1/leases", json={"vram_mb": 20480, "ttl_s": 120})
+    assert held.status_code == 201, held.text
+
+    def run(*options: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "gpu_arbiter", "run", "--controller", server.url]
+        command += ["--token", server.admin_token, *options, "--", "true"]
+        env = env_for(tmp_path)
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+    too_big = run("--vram", "48G")
+    assert too_big.returncode == 65
+    assert "refused" in too_big.stderr
+
+    waited = run("--vram", "20G", "--max-wait", "1")
+    assert waited.returncode == 124
+    assert "waiting for lease" in waited.stderr
+    assert "timed_out" in waited.stderr
