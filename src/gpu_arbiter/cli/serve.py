@@ -1,4 +1,7 @@
-"""``gpu-arbiter serve`` and ``gpu-arbiter token create``."""
+"""``gpu-arbiter serve`` and ``gpu-arbiter token create``.
+
+The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`` and
+``agent`` start quickly."""
 
 from __future__ import annotations
 
@@ -6,18 +9,17 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..agent.agent import Agent, AgentConfig
 from ..agent.probes import FakeProbe, parse_fake_spec
 from ..core import InvalidInput, validate_worker_name
-from ..server.auth import create_token
-from ..server.config import ServeConfig
-from ..server.serve import Companion, open_store
-from ..server.serve import serve as run_server
 from .agent import open_agent_probe, worker_name
+
+if TYPE_CHECKING:
+    from ..server.serve import Companion
 
 ENV = "GPU_ARBITER_"
 token_app = typer.Typer(help="Bearer tokens for the controller.", no_args_is_help=True)
@@ -85,6 +87,9 @@ def serve(
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "log_level": log_level,
     }
+    from ..server.config import ServeConfig
+    from ..server.serve import serve as run_server
+
     spec = given.pop("simulate") if local else None  # --local: the local agent's GPUs
     try:
         settings = ServeConfig.resolve(given, config)
@@ -144,6 +149,10 @@ def token_create(
     ] = None,
 ) -> None:
     """Issue a token: printed once; only its digest is kept."""
+    from ..server.auth import create_token
+    from ..server.config import ServeConfig
+    from ..server.serve import open_store
+
     if role not in ("client", "worker"):
         raise typer.BadParameter("--role must be client or worker")
     try:
