@@ -556,20 +556,26 @@ class Controller:
         probes: Sequence[GpuProbeReport] = (),
         *,
         stopped: Sequence[str] = (),
+        stale: Sequence[int] = (),
     ) -> WorkerRecord:
-        """A worker's probe snapshot, and the leases whose processes it saw stop."""
+        """A worker's probe snapshot, the leases whose processes it saw stop, and the GPUs
+        its probe could not read (``stale``: no grants there until they read again)."""
         self._check_available()
         record = self.worker(name)
         if record.simulated:
             raise Conflict(f"worker {name} is simulated by this controller")
         known = set(self.scheduler.gpu_ids(name))
-        for probe in probes:
-            if GpuId(name, probe.index) not in known:
-                raise NotFound(f"worker {name} has no GPU {probe.index}; register it first")
+        for index in [p.index for p in probes] + list(stale):
+            if GpuId(name, index) not in known:
+                raise NotFound(f"worker {name} has no GPU {index}; register it first")
         ending = [
             lid for lid in dict.fromkeys(stopped) if lid in self.scheduler.worker_lease_ids(name)
         ]
-        changed = self._apply_probes(name, probes) and len(self.scheduler.queue) > 0
+        changed = self._apply_probes(name, probes)
+        for index in stale:
+            changed |= not self.scheduler.figures(GpuId(name, index)).stale
+            self.scheduler.set_probe(GpuId(name, index), None)
+        changed = changed and len(self.scheduler.queue) > 0
         offline = self.scheduler.workers[name].status is WorkerStatus.OFFLINE
         if not (changed or ending or offline):  # a new reading only matters to pending work
             self._seen[name] = self._clock()  # nothing to decide, nothing to persist

@@ -95,7 +95,14 @@ async def test_a_revoked_lease_is_stopped_then_reported_and_forgotten(
         assert await agent_request("box", attach) == {"ok": True}
         controller.held.add("lease-1")
         report_usage({1: 3000}, pid=child.pid, usage_dir=runtime / "usage")
-        beat = await controller.until(lambda hb: hb["gpus"][1].get("processes"))
+        agent_probe = agent.probe
+        assert isinstance(agent_probe, FakeProbe)
+        agent_probe.fail(0)
+        beat = await controller.until(lambda hb: hb["stale"] == [0])
+        assert [g["index"] for g in beat["gpus"]] == [1]  # no reading for a stale GPU
+        agent_probe.recover(0)
+        beat = await controller.until(lambda hb: not hb["stale"] and hb["gpus"][1].get("processes"))
+        assert beat["stale"] == []
         assert beat["gpus"][1]["processes"] == [
             {"pid": child.pid, "used_mb": 3000, "lease": "lease-1"}
         ]

@@ -234,3 +234,15 @@ async def test_a_failed_update_leaves_the_worker_drained() -> None:
     with pytest.raises(Conflict):
         controller.report_operation(operation.id, "update_command", "ok", "")
     assert store.operation(operation.id) == controller.operation(operation.id)
+
+
+async def test_a_gpu_the_probe_cannot_read_gets_no_grants_until_it_reads_again() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1", count=1))
+    controller.heartbeat("box-1", [], stale=[0])
+    assert controller.gpu_figures("box-1")[0].stale
+    waiting = ask(controller, 1_000)
+    assert controller.lease(waiting).state is LeaseState.PENDING
+    controller.heartbeat("box-1", [GpuProbeReport(0, 0)])
+    assert controller.lease(waiting).state is LeaseState.LOADING

@@ -93,7 +93,7 @@ class Agent:
         self._snapshot: ProbeSnapshot | None = None
         self._kick = asyncio.Event()
         self._registered = False
-        self._reported_stopped: set[str] = set()
+        self._registered_gpus: set[int] = set()
         self._updating: str | None = None
         self._update_task: asyncio.Task[None] | None = None
 
@@ -177,6 +177,7 @@ class Agent:
         }
         await self.client.register(body)
         self._registered = True
+        self._registered_gpus = {g.index for g in gpus}
         log.info("registered %s (%d GPUs, version %s)", self.config.name, len(gpus), self.version)
 
     # ------------------------------------------------------------------ heartbeat
@@ -200,6 +201,7 @@ class Agent:
             "gpus": gpus,
             "leases": sorted(e.lease_id for e in entries if not e.stopped),
             "stopped": sorted(e.lease_id for e in entries if e.stopped),
+            "stale": [i for i in snapshot.stale_indices if i in self._registered_gpus],
         }
 
     def _act(self, answer: Json) -> None:

@@ -111,6 +111,9 @@ class Heartbeat(_In):
     gpus: Annotated[list[GpuProbeIn], Field(max_length=64)] = Field(default_factory=list)
     leases: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
     stopped: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
+    stale: Annotated[list[Annotated[StrictInt, Field(ge=0, le=1023)]], Field(max_length=64)] = (
+        Field(default_factory=list)
+    )
 
 
 class OperationReportIn(_In):
