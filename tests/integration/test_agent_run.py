@@ -58,6 +58,7 @@ def test_run_holds_a_lease_for_the_life_of_its_command(
     info = run.wait_child()
     lease = lease_of(admin, "job")
     assert lease is not None
+    assert lease["constraints"]["worker"] == "box-a"  # the worker of this host's agent
     index = lease["gpus"][0].split(":")[1]
     for name in ("CUDA", "NVIDIA", "HIP", "ROCR"):
         assert info["env"][f"{name}_VISIBLE_DEVICES"] == index

@@ -34,6 +34,7 @@ __all__ = [
     "RUNTIME_DIR_ENV",
     "LocalEndpoint",
     "agent_request",
+    "local_workers",
     "runtime_dir",
     "socket_path",
 ]
@@ -123,6 +124,17 @@ class LocalEndpoint:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+
+async def local_workers() -> list[str]:
+    """The workers whose agents run on this host (their sockets answer)."""
+    found = []
+    for path in sorted(runtime_dir().glob("agent-*.sock")):
+        name = path.name.removeprefix("agent-").removesuffix(".sock")
+        answer = await agent_request(name, {"op": "env"}, timeout_s=2.0)
+        if answer is not None and answer.get("ok"):
+            found.append(name)
+    return found
 
 
 async def _answers(path: Path) -> bool:

@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from ..agent.local import agent_request
+from ..agent.local import agent_request, local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import ArbiterError, parse_mb
 
@@ -386,7 +386,21 @@ def _waiting(lease: Json, waited_s: float) -> Text:
     return line
 
 
+async def _local_worker(request: Json) -> None:
+    """Without ``--worker``, the lease is asked on this host's worker when exactly one agent
+    runs here: the command runs here, so its GPUs must be here."""
+    constraints = request["constraints"]
+    if "worker" in constraints:
+        return
+    here = await local_workers()
+    if len(here) == 1:
+        constraints["worker"] = here[0]
+    elif not here:
+        say("no agent runs on this host: the granted GPUs may be on another machine")
+
+
 async def _main(options: RunOptions) -> int:
+    await _local_worker(options.request)
     async with ArbiterClient(options.controller, token=options.token) as client:
         runner = Runner(options, client)
         try:
