@@ -137,11 +137,15 @@ class ArbiterClient:
         result: Json = await self.request("POST", "/v1/leases", json_body=body)
         return result
 
-    async def lease(self, lease_id: str, *, wait_s: float | None = None) -> Json:
-        """GET /v1/leases/{id}; with ``wait_s``, answers as soon as the state changes."""
+    async def lease(
+        self, lease_id: str, *, wait_s: float | None = None, state: str | None = None
+    ) -> Json:
+        """GET /v1/leases/{id}; with ``wait_s``, answers as soon as the state changes (from
+        ``state`` when given: at once if it already differs, so no change is missed)."""
         timeout = None if wait_s is None else wait_s + 10.0
+        params = {"wait": wait_s, "state": state}
         result: Json = await self.request(
-            "GET", f"/v1/leases/{lease_id}", params={"wait": wait_s}, timeout_s=timeout
+            "GET", f"/v1/leases/{lease_id}", params=params, timeout_s=timeout
         )
         return result
 

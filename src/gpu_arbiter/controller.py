@@ -55,7 +55,16 @@ from .core import (
     Worker,
     WorkerStatus,
 )
-from .store import Batch, Event, LeaseRecord, Store, StoreError, WorkerRecord
+from .store import (
+    Batch,
+    Event,
+    LeaseRecord,
+    OperationRecord,
+    OperationStep,
+    Store,
+    StoreError,
+    WorkerRecord,
+)
 
 __all__ = [
     "Controller",
@@ -148,6 +157,7 @@ class _Change:
     workers: set[str] = field(default_factory=set)
     removed_workers: set[str] = field(default_factory=set)
     events: list[tuple[str, str | None, str | None, dict[str, Any]]] = field(default_factory=list)
+    operations: dict[str, OperationRecord] = field(default_factory=dict)
 
     def event(
         self, kind: str, lease_id: str | None = None, worker: str | None = None, **data: Any
@@ -181,6 +191,7 @@ class Controller:
         self._keys: dict[tuple[str, str], str] = {}
         self._pending_by_holder: Counter[str] = Counter()
         self._workers: dict[str, WorkerRecord] = {}
+        self._operations: dict[str, OperationRecord] = {}
         self._seen: dict[str, float] = {}
         self._offline_heap: list[tuple[float, str]] = []
         self._meta: dict[str, int] = {}
@@ -209,6 +220,7 @@ class Controller:
         self._events.extend(self.store.events_after(max(0, self._event_seq - 1000), 1000))
         if meta.get("paused"):
             self.scheduler.pause()
+        self._operations = {op.id: op for op in snapshot.operations}
         with self._change() as change:
             for worker in snapshot.workers:
                 self._restore_worker(worker, now)
@@ -535,6 +547,7 @@ class Controller:
                 "worker.registered", worker=name, gpus=len(gpus), agent_version=agent_version
             )
             self._seen_now(name, change)
+        self._update_restarted(name, agent_version)
         return self.worker(name), existing is None
 
     def heartbeat(
@@ -543,20 +556,26 @@ class Controller:
         probes: Sequence[GpuProbeReport] = (),
         *,
         stopped: Sequence[str] = (),
+        stale: Sequence[int] = (),
     ) -> WorkerRecord:
-        """A worker's probe snapshot, and the leases whose processes it saw stop."""
+        """A worker's probe snapshot, the leases whose processes it saw stop, and the GPUs
+        its probe could not read (``stale``: no grants there until they read again)."""
         self._check_available()
         record = self.worker(name)
         if record.simulated:
             raise Conflict(f"worker {name} is simulated by this controller")
         known = set(self.scheduler.gpu_ids(name))
-        for probe in probes:
-            if GpuId(name, probe.index) not in known:
-                raise NotFound(f"worker {name} has no GPU {probe.index}; register it first")
+        for index in [p.index for p in probes] + list(stale):
+            if GpuId(name, index) not in known:
+                raise NotFound(f"worker {name} has no GPU {index}; register it first")
         ending = [
             lid for lid in dict.fromkeys(stopped) if lid in self.scheduler.worker_lease_ids(name)
         ]
-        changed = self._apply_probes(name, probes) and len(self.scheduler.queue) > 0
+        changed = self._apply_probes(name, probes)
+        for index in stale:
+            changed |= not self.scheduler.figures(GpuId(name, index)).stale
+            self.scheduler.set_probe(GpuId(name, index), None)
+        changed = changed and len(self.scheduler.queue) > 0
         offline = self.scheduler.workers[name].status is WorkerStatus.OFFLINE
         if not (changed or ending or offline):  # a new reading only matters to pending work
             self._seen[name] = self._clock()  # nothing to decide, nothing to persist
@@ -681,6 +700,110 @@ class Controller:
             )
         return DrainOutcome(name, str(record.status), "removed", revoked=len(held))
 
+    # ------------------------------------------------------------------ update
+
+    def start_update(self, name: str) -> OperationRecord:
+        """An update of a worker's agent: drain -> the agent runs its own update command ->
+        it restarts and registers its new version -> the drain is cancelled. Each step is
+        recorded in the operation, with its time and outcome."""
+        self._check_available()
+        record = self.worker(name)
+        if record.simulated:
+            raise Conflict(f"worker {name} is simulated by this controller; it has no agent")
+        running = self._running_update(name)
+        if running is not None:
+            raise Conflict(f"worker {name} is already being updated", operation=running.id)
+        status = self.scheduler.workers[name].status
+        if status not in (WorkerStatus.DRAINING, WorkerStatus.DRAINED):
+            self.drain(name)
+        now = self._clock()
+        operation = OperationRecord(
+            id=f"op-{secrets.token_hex(8)}",
+            kind="update",
+            worker=name,
+            state="running",
+            created_at=now,
+            steps=(OperationStep("drain", "started", now, f"graceful drain (was {status})"),),
+            from_version=record.agent_version,
+        )
+        self._save_operation(operation)
+        if self.scheduler.workers[name].status is WorkerStatus.DRAINED:
+            operation = self._step(operation, "drain", "ok", "no lease left on the worker")
+        return operation
+
+    def operation(self, operation_id: str) -> OperationRecord:
+        found = self._operations.get(operation_id) or self.store.operation(operation_id)
+        if found is None:
+            raise NotFound(f"no operation {operation_id!r}", operation=operation_id)
+        return found
+
+    def update_for(self, name: str) -> dict[str, Any] | None:
+        """What a heartbeat answer tells the agent of an update: its operation, and whether
+        to run the update command now (the worker is drained and it has not run yet)."""
+        operation = self._running_update(name)
+        if operation is None:
+            return None
+        drained = self.scheduler.workers[name].status is WorkerStatus.DRAINED
+        drain = operation.step("drain")
+        if drained and (drain is None or drain.outcome != "ok"):
+            operation = self._step(operation, "drain", "ok", "no lease left on the worker")
+        return {"operation": operation.id, "run": drained and not operation.step("update_command")}
+
+    def report_operation(
+        self, operation_id: str, step: str, outcome: str, detail: str
+    ) -> OperationRecord:
+        """The agent reports a step it carried out (``update_command``)."""
+        self._check_available()
+        operation = self.operation(operation_id)
+        if not operation.running:
+            raise Conflict(f"operation {operation_id} is {operation.state}", state=operation.state)
+        done = operation.step(step)
+        if done is not None and done.outcome != "started":
+            raise Conflict(f"step {step} of {operation_id} was already reported {done.outcome}")
+        if outcome == "failed":
+            failed = replace(operation, state="failed", reason=f"{step} failed: {detail}")
+            return self._step(failed, step, outcome, detail)
+        operation = self._step(operation, step, outcome, detail)
+        if outcome == "ok":
+            operation = self._step(operation, "restart", "started", "the agent restarts")
+        return operation
+
+    def _update_restarted(self, name: str, version: str) -> None:
+        operation = self._running_update(name)
+        if operation is None or operation.step("restart") is None:
+            return
+        detail = f"registered with version {version} (was {operation.from_version})"
+        operation = self._step(replace(operation, to_version=version), "restart", "ok", detail)
+        self.cancel_drain(name)
+        self._step(replace(operation, state="succeeded"), "cancel_drain", "ok", "back online")
+
+    def _running_update(self, name: str) -> OperationRecord | None:
+        return next(
+            (op for op in self._operations.values() if op.worker == name and op.running), None
+        )
+
+    def _step(self, op: OperationRecord, name: str, outcome: str, detail: str) -> OperationRecord:
+        step = OperationStep(name, outcome, self._clock(), detail)
+        operation = replace(op, steps=(*op.steps, step))
+        self._save_operation(operation)
+        return operation
+
+    def _save_operation(self, operation: OperationRecord) -> None:
+        with self._change() as change:
+            change.operations[operation.id] = operation
+            last = operation.steps[-1]
+            change.event(
+                f"operation.{operation.state}" if not operation.running else "operation.step",
+                worker=operation.worker,
+                operation=operation.id,
+                step=last.name,
+                outcome=last.outcome,
+            )
+        if operation.running:
+            self._operations[operation.id] = operation
+        else:
+            self._operations.pop(operation.id, None)
+
     # ------------------------------------------------------------------ arbiter
 
     def pause(self) -> None:
@@ -766,7 +889,13 @@ class Controller:
         try:
             yield change
         except BaseException:
-            if change.leases or change.ended or change.workers or change.events:
+            if (
+                change.leases
+                or change.ended
+                or change.workers
+                or change.events
+                or change.operations
+            ):
                 self._commit(change)  # what was applied before the error is kept
             raise
         self._offline_sweep(change)
@@ -805,6 +934,7 @@ class Controller:
                 batch.workers[name] = self._worker_now(name)
                 self._workers[name] = batch.workers[name]
         batch.removed_workers = set(change.removed_workers)
+        batch.operations = dict(change.operations)
         for kind, subject, worker, data in change.events:
             self._event_seq += 1
             batch.events.append(Event(self._event_seq, change.now, kind, subject, worker, data))

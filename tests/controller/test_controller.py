@@ -182,3 +182,67 @@ async def test_renewing_a_lapsed_lease_conflicts_even_before_its_timer_ran() -> 
     with pytest.raises(Conflict, match="expired"):
         controller.renew(lease_id)
     assert controller.lease(lease_id).state is LeaseState.EXPIRED
+
+
+async def test_an_update_is_recorded_step_by_step_and_survives_a_restart() -> None:
+    store, clock = MemoryStore(), Clock()
+    first = start(store, clock)
+    first.register("box-1", gpus("box-1"), agent_version="1.0")
+    held = ask(first, 1_000, ttl_s=300)
+    operation = first.start_update("box-1")
+    assert first.worker("box-1").status is WorkerStatus.DRAINING
+    assert first.update_for("box-1") == {"operation": operation.id, "run": False}
+    with pytest.raises(Conflict):
+        first.start_update("box-1")  # one update at a time
+    clock.now += 1
+    first.release(held)
+    assert first.update_for("box-1") == {"operation": operation.id, "run": True}
+    first.report_operation(operation.id, "update_command", "started", "running")
+    assert first.update_for("box-1") == {"operation": operation.id, "run": False}
+    first.close()
+
+    second = start(store, clock)  # the operation is in the store
+    clock.now += 1
+    second.report_operation(operation.id, "update_command", "ok", "")
+    second.register("box-1", gpus("box-1"), agent_version="2.0")
+    done = second.operation(operation.id)
+    assert done.state == "succeeded"
+    assert (done.from_version, done.to_version) == ("1.0", "2.0")
+    assert [(s.name, s.outcome) for s in done.steps] == [
+        ("drain", "started"),
+        ("drain", "ok"),
+        ("update_command", "started"),
+        ("update_command", "ok"),
+        ("restart", "started"),
+        ("restart", "ok"),
+        ("cancel_drain", "ok"),
+    ]
+    assert second.worker("box-1").status is WorkerStatus.ONLINE
+    assert second.update_for("box-1") is None
+
+
+async def test_a_failed_update_leaves_the_worker_drained() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"), agent_version="1.0")
+    operation = controller.start_update("box-1")
+    assert controller.worker("box-1").status is WorkerStatus.DRAINED  # nothing to wait for
+    failed = controller.report_operation(operation.id, "update_command", "failed", "exit 2")
+    assert (failed.state, failed.reason) == ("failed", "update_command failed: exit 2")
+    controller.register("box-1", gpus("box-1"), agent_version="1.0")  # a plain reconnect
+    assert controller.worker("box-1").status is WorkerStatus.DRAINED
+    with pytest.raises(Conflict):
+        controller.report_operation(operation.id, "update_command", "ok", "")
+    assert store.operation(operation.id) == controller.operation(operation.id)
+
+
+async def test_a_gpu_the_probe_cannot_read_gets_no_grants_until_it_reads_again() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1", count=1))
+    controller.heartbeat("box-1", [], stale=[0])
+    assert controller.gpu_figures("box-1")[0].stale
+    waiting = ask(controller, 1_000)
+    assert controller.lease(waiting).state is LeaseState.PENDING
+    controller.heartbeat("box-1", [GpuProbeReport(0, 0)])
+    assert controller.lease(waiting).state is LeaseState.LOADING

@@ -15,6 +15,8 @@ from gpu_arbiter.store import (
     Event,
     LeaseRecord,
     MemoryStore,
+    OperationRecord,
+    OperationStep,
     SqliteStore,
     Store,
     TokenRecord,
@@ -174,3 +176,14 @@ def test_sqlite_failed_batch_writes_nothing(tmp_path: Path) -> None:
         assert store.lease("l-9") is None
     finally:
         store.close()
+
+
+def test_operations_round_trip_and_running_ones_load(store: Store) -> None:
+    step = OperationStep("drain", "started", 1.0, "graceful")
+    running = OperationRecord("op-1", "update", "box-1", "running", 1.0, (step,), from_version="1")
+    failed = replace(running, id="op-2", state="failed", reason="exit 1")
+    store.commit(Batch(operations={"op-1": running, "op-2": failed}))
+    assert store.operation("op-1") == running
+    assert store.operation("op-2") == failed
+    assert store.operation("op-3") is None
+    assert store.load().operations == (running,)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from .agent import agent
 from .demo import demo
+from .run import run
 from .serve import serve, token_app
 from .simulate import simulate
 
@@ -17,6 +19,8 @@ app = typer.Typer(
 app.command()(demo)
 app.command()(simulate)
 app.command()(serve)
+app.command()(agent)
+app.command()(run)
 app.add_typer(token_app, name="token")
 
 

@@ -1,17 +1,25 @@
-"""``gpu-arbiter serve`` and ``gpu-arbiter token create``."""
+"""``gpu-arbiter serve`` and ``gpu-arbiter token create``.
+
+The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`` and
+``agent`` start quickly."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..agent.agent import Agent, AgentConfig
+from ..agent.probes import FakeProbe, parse_fake_spec
 from ..core import InvalidInput, validate_worker_name
-from ..server.auth import create_token
-from ..server.config import ServeConfig
-from ..server.serve import open_store
-from ..server.serve import serve as run_server
+from .agent import open_agent_probe, worker_name
+
+if TYPE_CHECKING:
+    from ..server.serve import Companion
 
 ENV = "GPU_ARBITER_"
 token_app = typer.Typer(help="Bearer tokens for the controller.", no_args_is_help=True)
@@ -58,6 +66,14 @@ def serve(
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
     ] = None,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local",
+            help="Also run the agent of this machine (GPUs detected; none: simulated 1x24G, "
+            "or --simulate SPEC).",
+        ),
+    ] = False,
 ) -> None:
     """Run the controller: the HTTP API over the decision core, with durable state."""
     given: dict[str, Any] = {
@@ -71,11 +87,55 @@ def serve(
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "log_level": log_level,
     }
+    from ..server.config import ServeConfig
+    from ..server.serve import serve as run_server
+
+    spec = given.pop("simulate") if local else None  # --local: the local agent's GPUs
     try:
         settings = ServeConfig.resolve(given, config)
     except (InvalidInput, TypeError) as error:
         raise typer.BadParameter(str(error)) from error
-    run_server(settings)
+    companion = None
+    if local:
+        token_file = settings.state_path / "admin.token" if settings.auth else None
+        companion = local_agent(spec, token_file)
+    run_server(settings, companion)
+
+
+def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
+    """``serve --local``'s agent for this machine, in the controller's process."""
+    if simulate is not None:
+        try:
+            parse_fake_spec(simulate)
+        except InvalidInput as error:
+            raise typer.BadParameter(str(error)) from error
+    try:
+        name = worker_name(None)
+    except typer.BadParameter:
+        name = "local"
+
+    async def companion(url: str, token: str | None, stop: asyncio.Event) -> None:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        probe = await open_agent_probe(name, simulate)
+        simulated = isinstance(probe, FakeProbe)
+        if simulate is not None:
+            say(f"running on simulated GPUs {simulate} (--simulate)")
+        settings = AgentConfig(
+            name=name, controller=url, token=token, headroom_mb=0 if simulated else 256
+        )
+        say(f"local worker {name}: probe {probe.name}; controller {url}")
+        say("use it with:")
+        say(f"  export GPU_ARBITER_URL={url}")
+        if token_file is not None:
+            say(f"  export GPU_ARBITER_TOKEN=$(cat {token_file})")
+        say("  gpu-arbiter run --vram 8G -- python serve.py")
+        await Agent(settings, probe).run(stop)
+
+    return companion
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 @token_app.command("create")
@@ -89,6 +149,10 @@ def token_create(
     ] = None,
 ) -> None:
     """Issue a token: printed once; only its digest is kept."""
+    from ..server.auth import create_token
+    from ..server.config import ServeConfig
+    from ..server.serve import open_store
+
     if role not in ("client", "worker"):
         raise typer.BadParameter("--role must be client or worker")
     try:

@@ -3,8 +3,8 @@
 Who may call what (see :mod:`.auth`): reads are open to every role; creating a
 lease to admin and client; renew/ready/idle/busy/release to admin and the
 client that created the lease; register and heartbeat to admin and the worker
-the token is bound to; revoke, drain, cancel-drain, remove, pause and resume
-to admin only.
+the token is bound to (and the reports of that worker's operations); revoke,
+drain, cancel-drain, remove, update, pause and resume to admin only.
 """
 
 from __future__ import annotations
@@ -195,8 +195,9 @@ async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JS
     name = validate_worker_name(name)
     _as_worker(who, name)
     probes = [GpuProbeReport(p.index, p.used_mb, p.per_lease()) for p in body.gpus]
-    record = ctl.heartbeat(name, probes, stopped=body.stopped)
-    return JSONResponse(s.heartbeat_out(record, ctl.worker_leases(name)))
+    record = ctl.heartbeat(name, probes, stopped=body.stopped, stale=body.stale)
+    update = ctl.update_for(name)
+    return JSONResponse(s.heartbeat_out(record, ctl.worker_leases(name), update))
 
 
 @router.get("/workers", response_model=list[s.WorkerOut], summary="Workers and their GPUs")
@@ -237,6 +238,41 @@ async def remove_worker(name: WorkerName, request: Request, force: bool = False)
     ctl, who = _context(request)
     _admin(who)
     return JSONResponse(s.drain_out(ctl.remove(validate_worker_name(name), force=force)))
+
+
+@router.post(
+    "/workers/{name}/update",
+    response_model=s.OperationOut,
+    status_code=202,
+    summary="Update a worker's agent: drain, its own update command, restart, back online",
+)
+async def update_worker(name: WorkerName, request: Request) -> JSONResponse:
+    """The agent runs the update command configured on its own host (never one sent over
+    the network). Follow the steps in ``GET /v1/operations/{id}``."""
+    ctl, who = _context(request)
+    _admin(who)
+    operation = ctl.start_update(validate_worker_name(name))
+    return JSONResponse(s.operation_out(operation), status_code=202)
+
+
+@router.get("/operations/{operation_id}", response_model=s.OperationOut, summary="An operation")
+async def get_operation(operation_id: LeaseId, request: Request) -> JSONResponse:
+    ctl, _who = _context(request)
+    return JSONResponse(s.operation_out(ctl.operation(operation_id)))
+
+
+@router.post(
+    "/operations/{operation_id}/report",
+    response_model=s.OperationOut,
+    summary="The worker's agent reports a step it carried out",
+)
+async def report_operation(
+    operation_id: LeaseId, body: s.OperationReportIn, request: Request
+) -> JSONResponse:
+    ctl, who = _context(request)
+    _as_worker(who, ctl.operation(operation_id).worker)
+    operation = ctl.report_operation(operation_id, body.step, body.outcome, body.detail)
+    return JSONResponse(s.operation_out(operation))
 
 
 # ---------------------------------------------------------------- arbiter

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..controller import DrainOutcome, PendingView
 from ..core import GpuFigures, Lease, LeaseState, priority_name
-from ..store import Event, LeaseRecord, WorkerRecord
+from ..store import Event, LeaseRecord, OperationRecord, WorkerRecord
 
 Text = Annotated[StrictStr, Field(max_length=256)]
 Short = Annotated[StrictStr, Field(min_length=1, max_length=64)]
@@ -111,6 +111,17 @@ class Heartbeat(_In):
     gpus: Annotated[list[GpuProbeIn], Field(max_length=64)] = Field(default_factory=list)
     leases: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
     stopped: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
+    stale: Annotated[list[Annotated[StrictInt, Field(ge=0, le=1023)]], Field(max_length=64)] = (
+        Field(default_factory=list)
+    )
+
+
+class OperationReportIn(_In):
+    """An agent reports a step of an operation it carries out."""
+
+    step: Literal["update_command"]
+    outcome: Literal["started", "ok", "failed"]
+    detail: Annotated[StrictStr, Field(max_length=4000)] = ""
 
 
 class DrainIn(_In):
@@ -197,6 +208,26 @@ class HeartbeatOut(BaseModel):
     state: str
     leases: list[str]
     revoking: list[str]
+    update: dict[str, Any] | None = None
+
+
+class OperationStepOut(BaseModel):
+    name: str
+    outcome: str
+    at: float
+    detail: str
+
+
+class OperationOut(BaseModel):
+    id: str
+    kind: str
+    worker: str
+    state: str
+    created_at: float
+    steps: list[OperationStepOut]
+    reason: str | None
+    from_version: str
+    to_version: str | None
 
 
 class DrainOut(BaseModel):
@@ -286,12 +317,33 @@ def worker_out(
     }
 
 
-def heartbeat_out(record: WorkerRecord, leases: list[Lease]) -> dict[str, Any]:
-    return {
+def heartbeat_out(
+    record: WorkerRecord, leases: list[Lease], update: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "name": record.name,
         "state": str(record.status),
         "leases": [lease.id for lease in leases],
         "revoking": [lease.id for lease in leases if lease.state is LeaseState.REVOKING],
+    }
+    if update is not None:
+        out["update"] = update
+    return out
+
+
+def operation_out(op: OperationRecord) -> dict[str, Any]:
+    return {
+        "id": op.id,
+        "kind": op.kind,
+        "worker": op.worker,
+        "state": op.state,
+        "created_at": op.created_at,
+        "steps": [
+            {"name": s.name, "outcome": s.outcome, "at": s.at, "detail": s.detail} for s in op.steps
+        ],
+        "reason": op.reason,
+        "from_version": op.from_version,
+        "to_version": op.to_version,
     }
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import uvicorn
 
@@ -13,7 +17,10 @@ from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
 
-__all__ = ["open_store", "serve"]
+__all__ = ["Companion", "open_store", "serve"]
+
+Companion = Callable[[str, str | None, asyncio.Event], Coroutine[Any, Any, None]]
+"""Runs beside the server once it listens: ``companion(url, admin_token, stop)``."""
 
 
 def open_store(config: ServeConfig) -> Store:
@@ -26,8 +33,9 @@ def open_store(config: ServeConfig) -> Store:
     )
 
 
-def serve(config: ServeConfig) -> None:
-    """Blocks until the server stops (SIGINT/SIGTERM)."""
+def serve(config: ServeConfig, companion: Companion | None = None) -> None:
+    """Blocks until the server stops (SIGINT/SIGTERM). ``companion`` (``serve --local``'s
+    agent) is started once the server listens, and stopped before it returns."""
     if not config.auth and not is_loopback(config.host):
         raise SystemExit(
             f"refusing to listen on {config.host} without authentication; "
@@ -35,10 +43,12 @@ def serve(config: ServeConfig) -> None:
         )
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
     store = open_store(config)
+    admin_token = None
     if config.auth:
         state_dir = config.state_path
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path, created = ensure_admin_token(state_dir, store)
+        admin_token = path.read_text(encoding="utf-8").strip()
         print(
             f"admin token {'created in' if created else 'in'} {path}", file=sys.stderr, flush=True
         )
@@ -53,12 +63,41 @@ def serve(config: ServeConfig) -> None:
     app = create_app(
         controller, Authenticator(store, enabled=config.auth), max_body_bytes=config.max_body_bytes
     )
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=3,
-        timeout_keep_alive=65,  # longer than clients keep idle connections: no reuse race
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=3,
+            timeout_keep_alive=65,  # longer than clients keep idle connections: no reuse race
+        )
     )
+    if companion is None:
+        server.run()
+    else:
+        asyncio.run(_serve_with(server, companion, admin_token))
+
+
+async def _serve_with(server: uvicorn.Server, companion: Companion, token: str | None) -> None:
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            await serving
+            return
+        await asyncio.sleep(0.05)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    stop = asyncio.Event()
+    beside = asyncio.create_task(companion(f"http://{host}:{port}", token, stop))
+    try:
+        await asyncio.wait([serving, beside], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(beside), 5.0)
+        if not serving.done():
+            server.should_exit = True
+        await serving
+        if beside.done() and not beside.cancelled():
+            beside.result()  # an agent that failed says why

@@ -7,7 +7,16 @@
 
 from .base import Store, StoreError
 from .memory import MemoryStore
-from .records import Batch, Event, LeaseRecord, Snapshot, TokenRecord, WorkerRecord
+from .records import (
+    Batch,
+    Event,
+    LeaseRecord,
+    OperationRecord,
+    OperationStep,
+    Snapshot,
+    TokenRecord,
+    WorkerRecord,
+)
 from .sqlite import SqliteStore
 
 __all__ = [
@@ -15,6 +24,8 @@ __all__ = [
     "Event",
     "LeaseRecord",
     "MemoryStore",
+    "OperationRecord",
+    "OperationStep",
     "Snapshot",
     "SqliteStore",
     "Store",

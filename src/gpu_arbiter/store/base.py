@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .records import Batch, Event, LeaseRecord, Snapshot, TokenRecord
+from .records import Batch, Event, LeaseRecord, OperationRecord, Snapshot, TokenRecord
 
 __all__ = ["Store", "StoreError"]
 
@@ -37,6 +37,10 @@ class Store(Protocol):
 
     def events_after(self, seq: int, limit: int) -> list[Event]:
         """Retained events with a sequence number above ``seq``, oldest first."""
+        ...
+
+    def operation(self, operation_id: str) -> OperationRecord | None:
+        """An operation record (an update), running or ended."""
         ...
 
     def put_token(self, token: TokenRecord) -> None: ...

@@ -6,13 +6,15 @@ import math
 from typing import Any
 
 from ..core import Constraints, Gpu, GpuId, Lease, LeaseState, Request, WorkerStatus
-from .records import Event, LeaseRecord, WorkerRecord
+from .records import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
 
 __all__ = [
     "event_from_doc",
     "event_to_doc",
     "lease_from_doc",
     "lease_to_doc",
+    "operation_from_doc",
+    "operation_to_doc",
     "worker_from_doc",
     "worker_to_doc",
 ]
@@ -212,4 +214,34 @@ def event_from_doc(doc: dict[str, Any]) -> Event:
         lease_id=doc["lease_id"],
         worker=doc["worker"],
         data=doc["data"],
+    )
+
+
+def operation_to_doc(op: OperationRecord) -> dict[str, Any]:
+    return {
+        "id": op.id,
+        "kind": op.kind,
+        "worker": op.worker,
+        "state": op.state,
+        "created_at": op.created_at,
+        "steps": [
+            {"name": s.name, "outcome": s.outcome, "at": s.at, "detail": s.detail} for s in op.steps
+        ],
+        "reason": op.reason,
+        "from_version": op.from_version,
+        "to_version": op.to_version,
+    }
+
+
+def operation_from_doc(doc: dict[str, Any]) -> OperationRecord:
+    return OperationRecord(
+        id=doc["id"],
+        kind=doc["kind"],
+        worker=doc["worker"],
+        state=doc["state"],
+        created_at=doc["created_at"],
+        steps=tuple(OperationStep(**step) for step in doc.get("steps", [])),
+        reason=doc.get("reason"),
+        from_version=doc.get("from_version", ""),
+        to_version=doc.get("to_version"),
     )

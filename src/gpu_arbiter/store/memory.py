@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import bisect
 
-from .records import Batch, Event, LeaseRecord, Snapshot, TokenRecord, WorkerRecord
+from .records import (
+    Batch,
+    Event,
+    LeaseRecord,
+    OperationRecord,
+    Snapshot,
+    TokenRecord,
+    WorkerRecord,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -18,6 +26,7 @@ class MemoryStore:
         self._events: list[Event] = []
         self._meta: dict[str, int] = {}
         self._tokens: dict[str, TokenRecord] = {}
+        self._operations: dict[str, OperationRecord] = {}
 
     def load(self) -> Snapshot:
         live = tuple(r for r in self._leases.values() if not r.state.is_final)
@@ -26,6 +35,7 @@ class MemoryStore:
             leases=live,
             meta=dict(self._meta),
             last_event_seq=self._events[-1].seq if self._events else 0,
+            operations=tuple(op for op in self._operations.values() if op.running),
         )
 
     def commit(self, batch: Batch) -> None:
@@ -40,6 +50,10 @@ class MemoryStore:
         if len(self._events) > 2 * self._event_history:  # trim now and then, not every time
             del self._events[: len(self._events) - self._event_history]
         self._meta.update(batch.meta)
+        self._operations.update(batch.operations)
+
+    def operation(self, operation_id: str) -> OperationRecord | None:
+        return self._operations.get(operation_id)
 
     def lease(self, lease_id: str) -> LeaseRecord | None:
         return self._leases.get(lease_id)

@@ -12,7 +12,16 @@ from typing import Any
 
 from ..core import Gpu, Lease, LeaseState, Request, WorkerStatus
 
-__all__ = ["Batch", "Event", "LeaseRecord", "Snapshot", "TokenRecord", "WorkerRecord"]
+__all__ = [
+    "Batch",
+    "Event",
+    "LeaseRecord",
+    "OperationRecord",
+    "OperationStep",
+    "Snapshot",
+    "TokenRecord",
+    "WorkerRecord",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +83,41 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True)
+class OperationStep:
+    """One step of an operation: what (``drain``, ``update_command``, ...), its outcome
+    (``started``, ``ok``, ``failed``), when, and a word on it."""
+
+    name: str
+    outcome: str
+    at: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OperationRecord:
+    """An admin operation on a worker carried out in steps (an update), with each step's
+    time and outcome. ``state``: ``running``, ``succeeded`` or ``failed`` (``reason``)."""
+
+    id: str
+    kind: str
+    worker: str
+    state: str
+    created_at: float
+    steps: tuple[OperationStep, ...] = ()
+    reason: str | None = None
+    from_version: str = ""
+    to_version: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def step(self, name: str) -> OperationStep | None:
+        """The latest record of step ``name``."""
+        return next((s for s in reversed(self.steps) if s.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
 class TokenRecord:
     """A bearer token, kept only as its SHA-256 digest."""
 
@@ -93,9 +137,17 @@ class Batch:
     removed_workers: set[str] = field(default_factory=set)
     events: list[Event] = field(default_factory=list)
     meta: dict[str, int] = field(default_factory=dict)
+    operations: dict[str, OperationRecord] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.leases or self.workers or self.removed_workers or self.events or self.meta)
+        return bool(
+            self.leases
+            or self.workers
+            or self.removed_workers
+            or self.events
+            or self.meta
+            or self.operations
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +158,4 @@ class Snapshot:
     leases: tuple[LeaseRecord, ...] = ()
     meta: Mapping[str, int] = field(default_factory=dict)
     last_event_seq: int = 0
+    operations: tuple[OperationRecord, ...] = ()  # the running ones

@@ -20,10 +20,12 @@ from .codec import (
     event_to_doc,
     lease_from_doc,
     lease_to_doc,
+    operation_from_doc,
+    operation_to_doc,
     worker_from_doc,
     worker_to_doc,
 )
-from .records import Batch, Event, LeaseRecord, Snapshot, TokenRecord
+from .records import Batch, Event, LeaseRecord, OperationRecord, Snapshot, TokenRecord
 
 __all__ = ["SqliteStore"]
 
@@ -48,6 +50,11 @@ CREATE TABLE IF NOT EXISTS tokens (
     worker TEXT,
     created_at DOUBLE PRECISION NOT NULL
 );
+CREATE TABLE IF NOT EXISTS operations (
+    id TEXT PRIMARY KEY,
+    running INTEGER NOT NULL,
+    doc TEXT NOT NULL
+);
 """
 
 _UPSERT_LEASE = (
@@ -58,6 +65,10 @@ _UPSERT_LEASE = (
 _UPSERT_WORKER = (
     "INSERT INTO workers (name, doc) VALUES (?, ?) "
     "ON CONFLICT (name) DO UPDATE SET doc = excluded.doc"
+)
+_UPSERT_OPERATION = (
+    "INSERT INTO operations (id, running, doc) VALUES (?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET running = excluded.running, doc = excluded.doc"
 )
 _UPSERT_META = (
     "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = "
@@ -102,9 +113,19 @@ class SqliteStore:
             )
             meta = {key: int(value) for key, value in db.execute("SELECT key, value FROM meta")}
             (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()
+            operations = tuple(
+                operation_from_doc(json.loads(doc))
+                for (doc,) in db.execute("SELECT doc FROM operations WHERE running = 1")
+            )
         except sqlite3.Error as error:
             raise StoreError(f"cannot load {self.path}: {error}") from error
-        return Snapshot(workers=workers, leases=leases, meta=meta, last_event_seq=int(last))
+        return Snapshot(
+            workers=workers,
+            leases=leases,
+            meta=meta,
+            last_event_seq=int(last),
+            operations=operations,
+        )
 
     def commit(self, batch: Batch) -> None:
         db = self._db
@@ -156,6 +177,18 @@ class SqliteStore:
                 db.execute("DELETE FROM events WHERE seq <= ?", (last - self._event_history,))
         if batch.meta:
             db.executemany(_UPSERT_META, list(batch.meta.items()))
+        if batch.operations:
+            db.executemany(
+                _UPSERT_OPERATION,
+                [
+                    (op.id, int(op.running), _dumps(operation_to_doc(op)))
+                    for op in batch.operations.values()
+                ],
+            )
+
+    def operation(self, operation_id: str) -> OperationRecord | None:
+        row = self._one("SELECT doc FROM operations WHERE id = ?", (operation_id,))
+        return None if row is None else operation_from_doc(json.loads(row[0]))
 
     def lease(self, lease_id: str) -> LeaseRecord | None:
         row = self._one("SELECT doc FROM leases WHERE id = ?", (lease_id,))

@@ -1,0 +1,505 @@
+"""``gpu-arbiter run --vram 8G -- CMD ARGS...``: hold a lease for the life of a command.
+
+::
+
+    ask --pending--> wait (live reason) --granted--> start CMD in its own group
+                                                      | renew every ttl/3
+                                                      | ready: --ready-url / --ready-after /
+                                                      |        GPU memory stopped growing
+            revoked or lost: SIGTERM group, SIGKILL after --grace-s
+                                                      v
+                                   CMD exited -> group gone -> release -> exit
+
+Exit codes: the command's own (128+N when a signal N ended it); 75 when the lease
+was revoked or lost (preempted, drained); 124 when ``--max-wait`` passed before a
+grant; 65 when the request can never be granted (rejected); 69 when no controller
+answered; 127/126 when the command cannot be found/run; 130 when interrupted while
+waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from ..agent.local import agent_request, local_workers
+from ..client import ApiError, ArbiterClient, ControllerUnreachable
+from ..core import ArbiterError, parse_mb
+
+EXIT_PREEMPTED = 75
+EXIT_MAX_WAIT = 124
+EXIT_REJECTED = 65
+EXIT_UNREACHABLE = 69
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+EXIT_INTERRUPTED = 130
+VISIBLE_DEVICES = (
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STABLE_S = 3.0
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    command: list[str]
+    request: Json
+    controller: str | None = None
+    token: str | None = None
+    ready_url: str | None = None
+    ready_after_s: float | None = None
+    ready_timeout_s: float = 120.0
+    grace_s: float = 10.0
+
+
+def say(text: str) -> None:
+    print(f"gpu-arbiter run: {text}", file=sys.stderr, flush=True)
+
+
+class Interrupted(Exception):
+    """A signal arrived while the request was still waiting."""
+
+
+class Runner:
+    def __init__(self, options: RunOptions, client: ArbiterClient) -> None:
+        self.options = options
+        self.client = client
+        self.lease: Json = {}
+        self.revoked: str | None = None  # why the lease was taken back or lost
+        self.child: asyncio.subprocess.Process | None = None
+        self._stopping: asyncio.Task[None] | None = None
+        self._signals: list[int] = []
+
+    # ------------------------------------------------------------------ waiting
+
+    async def acquire(self) -> int | None:
+        """The lease granted (None), or the exit code saying why not."""
+        try:
+            self.lease = await self.client.create_lease(**self.options.request)
+        except ApiError as error:
+            say(f"request refused ({error.code}): {error}")
+            return EXIT_REJECTED if error.status in (409, 422) else EXIT_UNREACHABLE
+        if self.lease["state"] == "pending":
+            try:
+                await self._wait()
+            except (Interrupted, asyncio.CancelledError):
+                with contextlib.suppress(ArbiterError):
+                    await self.client.release(self.lease["id"])
+                say("interrupted while waiting; the request was cancelled")
+                return EXIT_INTERRUPTED
+        state = self.lease["state"]
+        if state in ("loading", "active"):
+            return None
+        reason = self.lease.get("end_reason") or state
+        say(f"lease {self.lease['id']} was not granted: {state} ({reason})")
+        return EXIT_MAX_WAIT if state == "timed_out" else EXIT_REJECTED
+
+    async def _wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        waiting = asyncio.current_task()
+        for signum in FORWARDED:
+            loop.add_signal_handler(signum, lambda: waiting and waiting.cancel())
+        started = time.monotonic()
+        live = sys.stderr.isatty()
+        console = Console(stderr=True)
+        try:
+            if not live:
+                say(f"waiting for lease {self.lease['id']}: {_reason(self.lease)}")
+                await self._poll(30.0)
+                return
+            with Live(_waiting(self.lease, 0.0), console=console, transient=True) as view:
+                while self.lease["state"] == "pending":
+                    await self._poll(1.0)
+                    view.update(_waiting(self.lease, time.monotonic() - started))
+        finally:
+            for signum in FORWARDED:
+                loop.remove_signal_handler(signum)
+
+    async def _poll(self, wait_s: float) -> None:
+        """Long-polls until the request leaves ``pending`` (or ``wait_s`` for the view)."""
+        backoff = 0.5
+        once = wait_s < 30.0
+        while self.lease["state"] == "pending":
+            try:
+                self.lease = await self.client.lease(
+                    self.lease["id"], wait_s=wait_s, state="pending"
+                )
+                backoff = 0.5
+            except ControllerUnreachable:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            if once:
+                return
+
+    # ------------------------------------------------------------------ running
+
+    async def execute(self) -> int:
+        lease = self.lease
+        worker = str(lease["worker"])
+        indexes = ",".join(g.rpartition(":")[2] for g in lease["gpus"])
+        env = dict(os.environ)
+        local = await agent_request(worker, {"op": "env"})
+        if local and local.get("ok"):
+            env.update({str(k): str(v) for k, v in (local.get("env") or {}).items()})
+        env.update({name: indexes for name in VISIBLE_DEVICES})
+        env["GPU_ARBITER_LEASE"] = str(lease["id"])
+        env["GPU_ARBITER_FENCING_TOKEN"] = str(lease["token"])
+        try:
+            self.child = await asyncio.create_subprocess_exec(
+                *self.options.command, env=env, process_group=0
+            )
+        except FileNotFoundError:
+            say(f"command not found: {self.options.command[0]}")
+            await self._release()
+            return EXIT_NOT_FOUND
+        except PermissionError:
+            say(f"command not executable: {self.options.command[0]}")
+            await self._release()
+            return EXIT_NOT_EXECUTABLE
+        await self._attach(worker)
+        loop = asyncio.get_running_loop()
+        for signum in FORWARDED:
+            loop.add_signal_handler(signum, self._forward, signum)
+        try:
+            code = await self._supervise(worker)
+        finally:
+            for signum in FORWARDED:
+                loop.remove_signal_handler(signum)
+        await self._reap_group()
+        await self._release()
+        if self.revoked is not None:
+            say(f"the command was stopped: lease {lease['id']} {self.revoked} (exit {code})")
+            return EXIT_PREEMPTED
+        return code
+
+    async def _supervise(self, worker: str) -> int:
+        assert self.child is not None
+        helpers = [
+            asyncio.create_task(self._renew(worker)),
+            asyncio.create_task(self._watch()),
+            asyncio.create_task(self._ready(worker)),
+        ]
+        try:
+            returncode = await self.child.wait()
+        finally:
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            if self._stopping is not None:
+                await self._stopping
+        return 128 - returncode if returncode < 0 else returncode
+
+    def _forward(self, signum: int) -> None:
+        if self.child is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signum)
+
+    async def _attach(self, worker: str) -> bool:
+        assert self.child is not None
+        pid = self.child.pid
+        body = {"op": "attach", "lease": self.lease["id"], "pid": pid, "pgid": pid}
+        answer = await agent_request(worker, body)
+        return bool(answer and answer.get("ok"))
+
+    async def _renew(self, worker: str) -> None:
+        ttl_s = float(self.lease.get("ttl_s") or 30.0)
+        while True:
+            await asyncio.sleep(max(0.2, ttl_s / 3))
+            try:
+                self.lease = await self.client.renew(self.lease["id"])
+            except ControllerUnreachable:
+                continue  # the lease is not lost until the controller says so
+            except ApiError as error:
+                if error.status in (404, 409):
+                    self._take_back(f"was lost ({error})")
+                    return
+                continue
+            await self._attach(worker)  # a restarted agent learns the process again
+
+    async def _watch(self) -> None:
+        state = str(self.lease["state"])
+        backoff = 0.5
+        while True:
+            try:
+                lease = await self.client.lease(self.lease["id"], wait_s=30.0, state=state)
+                backoff = 0.5
+            except ControllerUnreachable:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            state = str(lease["state"])
+            if state == "revoking" or lease.get("ended_at") is not None:
+                reason = lease.get("revoke_reason") or lease.get("end_reason") or state
+                self._take_back(f"was revoked ({reason})" if state == "revoking" else state)
+                return
+
+    def _take_back(self, why: str) -> None:
+        if self.revoked is None:
+            self.revoked = why
+            say(
+                f"lease {self.lease['id']} {why}: stopping the command "
+                f"(SIGTERM, SIGKILL after {self.options.grace_s:g}s)"
+            )
+            self._stopping = asyncio.create_task(self._stop_child())
+
+    async def _stop_child(self) -> None:
+        assert self.child is not None
+        pgid = self.child.pid
+        _killpg(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.child.wait(), self.options.grace_s)
+        except TimeoutError:
+            say(f"the command ignored SIGTERM for {self.options.grace_s:g}s: SIGKILL")
+            _killpg(pgid, signal.SIGKILL)
+
+    async def _reap_group(self) -> None:
+        """What the command left in its group is ended too: the lease covers the group."""
+        assert self.child is not None
+        pgid = self.child.pid
+        if not _group_alive(pgid):
+            return
+        _killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.grace_s
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        while _group_alive(pgid):
+            _killpg(pgid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+
+    async def _ready(self, worker: str) -> None:
+        if self.lease.get("state") != "loading":
+            return
+        options = self.options
+        if options.ready_after_s is not None:
+            await asyncio.sleep(options.ready_after_s)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._loaded(worker), options.ready_timeout_s)
+        backoff = 0.5
+        while True:
+            try:
+                self.lease = await self.client.ready(self.lease["id"])
+                return
+            except ControllerUnreachable:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except ApiError:
+                return  # no longer held: the watcher handles it
+
+    async def _loaded(self, worker: str) -> None:
+        """Returns once ``--ready-url`` answers 2xx, or else once the process's GPU memory
+        (as the local agent's probe sees it) is above zero and stopped growing."""
+        if self.options.ready_url is not None:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await http.get(self.options.ready_url)).is_success:
+                            return
+                    await asyncio.sleep(0.5)
+        last, since = -1, time.monotonic()
+        while True:
+            answer = await agent_request(worker, {"op": "usage", "lease": self.lease["id"]})
+            used = answer.get("used_mb") if answer else None
+            now = time.monotonic()
+            if not isinstance(used, int) or used != last:
+                last, since = used if isinstance(used, int) else -1, now
+            elif used > 0 and now - since >= STABLE_S:
+                return
+            await asyncio.sleep(0.5)
+
+    async def _release(self) -> None:
+        for _ in range(20):
+            try:
+                await self.client.release(self.lease["id"])
+                return
+            except ControllerUnreachable:
+                await asyncio.sleep(1.0)
+            except ApiError:
+                return
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _group_has_live_member(pgid)
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """A group whose members are all zombies holds no memory (the driver freed it)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _reason(lease: Json) -> str:
+    reason = lease.get("reason") or {}
+    text = str(reason.get("message") or reason.get("code") or "waiting")
+    position = lease.get("position")
+    return text if position is None else f"position {position}: {text}"
+
+
+def _waiting(lease: Json, waited_s: float) -> Text:
+    line = Text()
+    line.append("waiting ", style="bold yellow")
+    line.append(f"{waited_s:5.0f}s ", style="bold")
+    line.append(f"for {lease['vram_mb']} MiB x {lease['gpu_count']} GPU ({lease['id']}) - ")
+    line.append(_reason(lease))
+    return line
+
+
+async def _local_worker(request: Json) -> None:
+    """Without ``--worker``, the lease is asked on this host's worker when exactly one agent
+    runs here: the command runs here, so its GPUs must be here."""
+    constraints = request["constraints"]
+    if "worker" in constraints:
+        return
+    here = await local_workers()
+    if len(here) == 1:
+        constraints["worker"] = here[0]
+    elif not here:
+        say("no agent runs on this host: the granted GPUs may be on another machine")
+
+
+async def _main(options: RunOptions) -> int:
+    await _local_worker(options.request)
+    async with ArbiterClient(options.controller, token=options.token) as client:
+        runner = Runner(options, client)
+        try:
+            refused = await runner.acquire()
+        except ControllerUnreachable as error:
+            say(str(error))
+            return EXIT_UNREACHABLE
+        if refused is not None:
+            return refused
+        say(f"lease {runner.lease['id']} granted on {', '.join(runner.lease['gpus'])}")
+        return await runner.execute()
+
+
+def build_request(
+    *,
+    vram: str,
+    gpus: int,
+    priority: str,
+    arch: list[str] | None,
+    min_cc: str | None,
+    worker: str | None,
+    ttl_s: float,
+    max_wait_s: float | None,
+    holder: str | None,
+    command: list[str],
+) -> Json:
+    constraints: Json = {}
+    if arch:
+        constraints["gpu_arch"] = arch
+    if min_cc is not None:
+        constraints["min_compute_capability"] = min_cc
+    if worker is not None:
+        constraints["worker"] = worker
+    return {
+        "vram_mb": parse_mb(vram, "--vram"),
+        "gpus": gpus,
+        "priority": int(priority) if priority.isdigit() else priority,
+        "constraints": constraints,
+        "holder": holder or f"run@{socket.gethostname()}: {shlex.join(command)}"[:256],
+        "metadata": {"host": socket.gethostname()[:200], "run_pid": os.getpid()},
+        "ttl_s": ttl_s,
+        "max_wait_s": max_wait_s,
+    }
+
+
+def _opt(text: str, *names: str, envvar: str | None = None, **more: Any) -> Any:
+    return typer.Option(*names, envvar=envvar, help=text, show_default=False, **more)
+
+
+def run(
+    command: Annotated[list[str], typer.Argument(help="The command, after --.")],
+    vram: Annotated[str, _opt("VRAM per GPU: 8G, 512M, 24000 (MiB).")] = "1G",
+    gpus: Annotated[int, _opt("Number of GPUs (all on one worker).", min=1, max=64)] = 1,
+    priority: Annotated[
+        str, _opt("0..1000 or batch, background, normal, interactive, critical.")
+    ] = "normal",
+    arch: Annotated[list[str] | None, _opt("Accepted GPU architecture (repeat): sm_86.")] = None,
+    min_cc: Annotated[str | None, _opt("Minimum compute capability, e.g. 8.0.")] = None,
+    worker: Annotated[str | None, _opt("Only this worker.")] = None,
+    ttl: Annotated[float, _opt("Lease TTL in seconds (renewed every ttl/3).", min=1)] = 30.0,
+    max_wait: Annotated[float | None, _opt("Give up after waiting this long (s).", min=0)] = None,
+    ready_url: Annotated[str | None, _opt("Ready once this URL answers 2xx.")] = None,
+    ready_after: Annotated[float | None, _opt("Ready this many seconds after start.")] = None,
+    ready_timeout: Annotated[
+        float, _opt("Ready at the latest after this many seconds.", min=0)
+    ] = 120.0,
+    grace_s: Annotated[float, _opt("Seconds between SIGTERM and SIGKILL.", min=0)] = 10.0,
+    holder: Annotated[str | None, _opt("Who holds the lease (shown in the queue).")] = None,
+    controller: Annotated[
+        str | None, _opt("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
+    ] = None,
+    token: Annotated[str | None, _opt("Bearer token.", envvar="GPU_ARBITER_TOKEN")] = None,
+) -> None:
+    """Run a command holding a lease of VRAM for its whole life."""
+    if ready_url is not None and ready_after is not None:
+        raise typer.BadParameter("give --ready-url or --ready-after, not both")
+    try:
+        request = build_request(
+            vram=vram,
+            gpus=gpus,
+            priority=priority,
+            arch=arch,
+            min_cc=min_cc,
+            worker=worker,
+            ttl_s=ttl,
+            max_wait_s=max_wait,
+            holder=holder,
+            command=command,
+        )
+    except ArbiterError as error:
+        raise typer.BadParameter(str(error)) from error
+    options = RunOptions(
+        command=command,
+        request=request,
+        controller=controller,
+        token=token,
+        ready_url=ready_url,
+        ready_after_s=ready_after,
+        ready_timeout_s=ready_timeout,
+        grace_s=grace_s,
+    )
+    raise typer.Exit(asyncio.run(_main(options)))

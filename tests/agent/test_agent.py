@@ -1,0 +1,179 @@
+"""The agent against a stand-in controller (an httpx mock transport): what it registers
+and heartbeats, how it stops a revoked lease's process and reports it, what it keeps
+across a restart, and what its local endpoint accepts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpu_arbiter.agent.agent import Agent, AgentConfig
+from gpu_arbiter.agent.local import RUNTIME_DIR_ENV, agent_request
+from gpu_arbiter.agent.probes import FakeProbe, report_usage
+from gpu_arbiter.client import ArbiterClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Controller:
+    """Answers register and heartbeat; ``revoking`` is what the next answers revoke."""
+
+    def __init__(self) -> None:
+        self.heartbeats: list[dict[str, Any]] = []
+        self.registered: list[dict[str, Any]] = []
+        self.held: set[str] = set()
+        self.revoking: set[str] = set()
+        self.changed = asyncio.Event()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        if request.url.path == "/v1/workers":
+            self.registered.append(body)
+            return httpx.Response(201, json={"name": body["name"]})
+        self.heartbeats.append(body)
+        self.held -= set(body["stopped"])  # the controller releases what stopped
+        self.changed.set()
+        answer = {"name": "box", "state": "online", "leases": sorted(self.held)}
+        return httpx.Response(200, json={**answer, "revoking": sorted(self.revoking & self.held)})
+
+    async def until(self, predicate: Any) -> dict[str, Any]:
+        async with asyncio.timeout(20):
+            while True:
+                if self.heartbeats and predicate(self.heartbeats[-1]):
+                    return self.heartbeats[-1]
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _agent(runtime: Path, controller: Controller) -> Agent:
+    usage = runtime / "usage"
+    usage.mkdir(exist_ok=True)
+    client = ArbiterClient("http://ctl", transport=httpx.MockTransport(controller))
+    probe = FakeProbe.from_spec("2x24G:sm_86", usage_dir=usage)
+    config = AgentConfig(name="box", heartbeat_s=0.1, grace_s=0.5, headroom_mb=0)
+    return Agent(config, probe, client=client)
+
+
+async def test_a_revoked_lease_is_stopped_then_reported_and_forgotten(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    controller = Controller()
+    agent = _agent(runtime, controller)
+    stop = asyncio.Event()
+    running = asyncio.create_task(agent.run(stop))
+    try:
+        await controller.until(lambda hb: True)
+        assert controller.registered[0]["gpus"][0]["total_mb"] == 24576
+        env = await agent_request("box", {"op": "env"})
+        assert env is not None
+        assert env["env"]["GPU_ARBITER_FAKE_USAGE_DIR"] == str(runtime / "usage")
+
+        attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+        assert await agent_request("box", attach) == {"ok": True}
+        controller.held.add("lease-1")
+        report_usage({1: 3000}, pid=child.pid, usage_dir=runtime / "usage")
+        agent_probe = agent.probe
+        assert isinstance(agent_probe, FakeProbe)
+        agent_probe.fail(0)
+        beat = await controller.until(lambda hb: hb["stale"] == [0])
+        assert [g["index"] for g in beat["gpus"]] == [1]  # no reading for a stale GPU
+        agent_probe.recover(0)
+        beat = await controller.until(lambda hb: not hb["stale"] and hb["gpus"][1].get("processes"))
+        assert beat["stale"] == []
+        assert beat["gpus"][1]["processes"] == [
+            {"pid": child.pid, "used_mb": 3000, "lease": "lease-1"}
+        ]
+        assert beat["leases"] == ["lease-1"]
+        usage = await agent_request("box", {"op": "usage", "lease": "lease-1"})
+        assert usage == {"ok": True, "used_mb": 3000}
+
+        controller.revoking.add("lease-1")
+        beat = await controller.until(lambda hb: hb["stopped"] == ["lease-1"])
+        assert child.poll() is not None  # stopped before it was reported
+        assert beat["leases"] == []
+        await controller.until(lambda hb: hb["stopped"] == [])  # released: forgotten
+        assert json.loads((runtime / "agent-box.leases.json").read_text()) == {}
+    finally:
+        stop.set()
+        await running
+
+
+async def test_a_restarted_agent_supervises_the_same_processes_again(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    (runtime / "agent-box.leases.json").write_text(
+        json.dumps(
+            {
+                "alive": [child.pid, child.pid, _start_time(child.pid)],
+                "reused": [os.getpid(), os.getpid(), 1],  # same pid, another process
+            }
+        )
+    )
+    controller = Controller()
+    controller.held |= {"alive", "reused"}
+    agent = _agent(runtime, controller)
+    stop = asyncio.Event()
+    running = asyncio.create_task(agent.run(stop))
+    try:
+        beat = await controller.until(lambda hb: True)
+        assert beat["leases"] == ["alive"]
+        assert beat["stopped"] == ["reused"]  # never signalled: reported as ended
+    finally:
+        stop.set()
+        await running
+
+
+async def test_attach_refuses_a_process_of_another_user(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    agent = _agent(runtime, Controller())
+    other_uid = os.stat(f"/proc/{child.pid}").st_uid + 1
+    request = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+    answer = await agent._local(request, other_uid)
+    assert answer["ok"] is False
+    assert "another user" in answer["error"]
+    assert agent.supervisor.get("lease-1") is None
+    bad = await agent._local({"op": "attach", "lease": "lease-1", "pid": 1, "pgid": 1}, 0)
+    assert bad["ok"] is False
+
+
+async def test_a_second_agent_of_the_same_name_refuses_to_start(runtime: Path) -> None:
+    controller = Controller()
+    first = _agent(runtime, controller)
+    stop = asyncio.Event()
+    running = asyncio.create_task(first.run(stop))
+    try:
+        await controller.until(lambda hb: True)
+        with pytest.raises(RuntimeError, match="another agent"):
+            await _agent(runtime, controller).run(asyncio.Event())
+    finally:
+        stop.set()
+        await running
+
+
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return int(stat.read().rsplit(b")", 1)[1].split()[19])
