@@ -609,3 +609,17 @@ def test_a_lease_is_not_granted_and_revoked_in_the_same_cycle() -> None:
     sched.resume()
     decisions = sched.decide(100.0)  # aged_batch is ahead: 100 + 10 x 50 = 600 > 500
     assert not set(granted_ids(decisions)) & set(revoked_ids(decisions))
+
+
+def test_a_preemption_whose_worker_is_removed_is_forgotten() -> None:
+    sched = scheduler(gpu(0), gpu(0, worker="w2"))
+    on_w2 = Constraints.build(worker="w2")
+    grant_now(sched, req("victim", 20000, priority="batch", constraints=on_w2), 0.0)
+    sched.submit(req("preemptor", 16000, priority="interactive", constraints=on_w2), 1.0)
+    assert revoked_ids(sched.decide(1.0)) == ["victim"]
+    sched.release("victim", 2.0)
+    sched.set_offline("w2", 2.0)
+    sched.remove_worker("w2")
+    decisions = sched.decide(3.0)  # the nomination's GPU is gone: no crash, nothing granted
+    assert granted_ids(decisions) == []
+    assert "preemptor" in sched.queue

@@ -506,8 +506,10 @@ class Scheduler:
         one that aging has moved ahead of it, until the preemptor is granted or finds it still
         does not fit there (then it plans again): else a stream of aged lower-priority
         requests could take the memory, and the preemption would repeat."""
-        for request_id, nomination in self._nominations.items():
-            if request_id in self.queue:
+        for request_id, nomination in list(self._nominations.items()):
+            if not all(g in self._ledger for g in nomination.gpus):  # its worker was removed
+                del self._nominations[request_id]
+            elif request_id in self.queue:
                 request = self.queue.get(request_id)
                 self._hold(cycle, request, nomination.gpus)
                 cycle.preheld[request_id] = nomination.gpus
