@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -137,10 +138,27 @@ def test_events_follows_the_stream(server: Server, admin: httpx.Client) -> None:
     assert len(line.splitlines()) == 1
 
 
+def test_events_stops_cleanly_on_ctrl_c(server: Server) -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "GPU_ARBITER_URL": server.url}
+    env["GPU_ARBITER_TOKEN"] = server.admin_token
+    command = [sys.executable, "-m", "gpu_arbiter", "events", "--since", "0"]
+    follower = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert follower.stdout is not None
+        assert b"worker.registered" in follower.stdout.readline()  # it is following
+        follower.send_signal(signal.SIGINT)
+        _out, err = follower.communicate(timeout=20)
+    finally:
+        follower.kill()
+    assert follower.returncode == 130 and err == b"", err
+
+
 def test_errors_are_one_line_with_an_exit_code(server: Server) -> None:
     refused = cli(server, "status", token="not-a-token")
     assert refused.returncode == 1
     assert refused.stderr.startswith("error: 401 ") and len(refused.stderr.splitlines()) == 1
+    simulated = cli(server, "update", "local")  # no agent runs the update command
+    assert simulated.returncode == 1 and simulated.stderr.startswith("error: 409 conflict: ")
     missing = cli(server, "cancel-drain", "nowhere")
     assert missing.returncode == 1 and missing.stderr.startswith("error: 404 ")
     client_token = server.token("client")
