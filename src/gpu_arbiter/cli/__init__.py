@@ -6,6 +6,7 @@ import typer
 
 from .agent import agent
 from .demo import demo
+from .ops import COMMANDS
 from .run import run
 from .serve import serve, token_app
 from .simulate import simulate
@@ -22,6 +23,8 @@ app.command()(serve)
 app.command()(agent)
 app.command()(run)
 app.add_typer(token_app, name="token")
+for _name, _command in COMMANDS.items():
+    app.command(_name)(_command)
 
 
 @app.callback()

@@ -1,0 +1,443 @@
+"""Operator commands: look at a controller (``status``, ``queue``, ``leases``, ``events``)
+and act on it (``drain``, ``cancel-drain``, ``update``, ``remove``, ``pause``, ``resume``,
+``release``). Arguments -> client -> rendering; the controller decides everything.
+
+Exit codes: 0 done; 1 the controller refused (one ``error:`` line on stderr); 2 bad
+arguments; 69 no controller answered; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..client import ApiError, ArbiterClient, ControllerUnreachable
+from ..core import ArbiterError, format_mb
+
+EXIT_API_ERROR = 1
+EXIT_UNREACHABLE = 69
+EXIT_INTERRUPTED = 130
+BAR_WIDTH = 30
+Json = dict[str, Any]
+T = TypeVar("T")
+
+
+class Output(StrEnum):
+    human = "human"
+    json = "json"
+
+
+def _opt(text: str, *names: str, envvar: str | None = None, **more: Any) -> Any:
+    return typer.Option(*names, envvar=envvar, help=text, show_default=False, **more)
+
+
+Controller = Annotated[
+    str | None, _opt("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
+]
+Token = Annotated[str | None, _opt("Bearer token.", envvar="GPU_ARBITER_TOKEN")]
+OutputOpt = Annotated[Output, _opt("human or json.", "--output", "-o")]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$", re.IGNORECASE)
+_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: str) -> float:
+    """``90s``, ``10m``, ``1h``, ``2d``, ``45`` (seconds) -> seconds."""
+    match = _DURATION.match(value)
+    if match is None:
+        raise typer.BadParameter(
+            f"{value!r} is not a duration: give a number with s, m, h or d, such as 90s or 10m"
+        )
+    return float(match.group(1)) * _SECONDS[(match.group(2) or "s").lower()]
+
+
+# ---------------------------------------------------------------- calling the controller
+
+
+def _call(
+    controller: str | None, token: str | None, action: Callable[[ArbiterClient], Awaitable[T]]
+) -> T:
+    """Runs ``action`` with a client; a refusal or no answer becomes one line and an exit."""
+
+    async def main() -> T:
+        async with ArbiterClient(controller, token=token) as client:
+            return await action(client)
+
+    try:
+        return asyncio.run(main())
+    except ApiError as error:
+        _fail(f"{error.status} {error.code}: {error}", EXIT_API_ERROR)
+    except ControllerUnreachable as error:
+        _fail(str(error), EXIT_UNREACHABLE)
+    except ArbiterError as error:  # a malformed --controller
+        _fail(str(error), 2)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise typer.Exit(code)
+
+
+def _json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _console() -> Console:
+    # Not a terminal (a pipe, a file): no wrapping at 80 columns.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def memory_bar(gpu: Json, width: int = BAR_WIDTH) -> Text:
+    """Committed (solid), observed use beyond it (shaded), free (dots), to scale."""
+    total = max(int(gpu["total_mb"]), 1)
+    committed = int(gpu["committed_mb"])
+    used = int(gpu["used_mb"] or 0)
+    solid = round(width * min(committed, total) / total)
+    shaded = max(0, round(width * min(max(used, committed), total) / total) - solid)
+    bar = Text("[")
+    bar.append("█" * solid, style="cyan")
+    bar.append("▒" * shaded, style="yellow")
+    bar.append("·" * (width - solid - shaded), style="dim")
+    bar.append("]")
+    return bar
+
+
+def _ago(at: float | None) -> str:
+    if at is None:
+        return "-"
+    seconds = max(0.0, time.time() - at)
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _mb(value: Any) -> str:
+    return "-" if value is None else format_mb(int(value))
+
+
+def render_status(workers: list[Json], status: Json) -> None:
+    console = _console()
+    totals = {"total_mb": 0, "committed_mb": 0, "used_mb": 0, "free_mb": 0}
+    for worker in workers:
+        seen = worker.get("last_heartbeat_at")
+        heartbeat = "no heartbeat" if seen is None else f"heartbeat {_ago(seen)} ago"
+        console.print(
+            Text.assemble(
+                (worker["name"], "bold"),
+                f"  {worker['state']}  {heartbeat}",
+                "  (simulated)" if worker.get("simulated") else "",
+            )
+        )
+        for gpu in worker["gpus"]:
+            for key in totals:
+                totals[key] += int(gpu[key] or 0)
+            line = Text(f"  {gpu['id']:<10} ")
+            line.append_text(memory_bar(gpu))
+            line.append(
+                f" committed {_mb(gpu['committed_mb'])}  used {_mb(gpu['used_mb'])}"
+                f"  free {_mb(gpu['free_mb'])} / {_mb(gpu['total_mb'])}"
+            )
+            if gpu["loading"]:
+                line.append(f"  loading {gpu['loading']}", style="yellow")
+            if gpu["stale"]:
+                line.append("  stale", style="red")
+            console.print(line)
+    if not workers:
+        console.print("no workers registered")
+    leases = status.get("leases_by_state", {})
+    held = ", ".join(f"{n} {state}" for state, n in sorted(leases.items())) or "none"
+    console.print(
+        f"total: {len(workers)} workers, "
+        f"{sum(len(w['gpus']) for w in workers)} GPUs; committed {_mb(totals['committed_mb'])}"
+        f", used {_mb(totals['used_mb'])}, free {_mb(totals['free_mb'])}"
+        f" of {_mb(totals['total_mb'])}"
+    )
+    console.print(f"leases: {held}; pending: {status.get('pending', 0)}")
+    if status.get("paused"):
+        console.print(Text("paused: nothing is granted until `gpu-arbiter resume`", "bold red"))
+
+
+def render_queue(pending: list[Json], verbose: bool) -> None:
+    console = _console()
+    if not pending:
+        console.print("the queue is empty")
+        return
+    table = Table("pos", "id", "holder", "vram", "gpus", "priority", "waiting", "reason")
+    for lease in pending:
+        reason = lease.get("reason") or {}
+        table.add_row(
+            str(lease.get("position", "-")),
+            lease["id"],
+            lease["holder"] or "-",
+            _mb(lease["vram_mb"]),
+            str(lease["gpu_count"]),
+            f"{lease['priority_name']} ({lease['priority']})",
+            _ago(lease["submitted_at"]),
+            reason.get("message", ""),
+        )
+    console.print(table)
+    if verbose:
+        for lease in pending:
+            verdicts = (lease.get("reason") or {}).get("gpus") or []
+            console.print(Text(f"{lease['id']}:", "bold"))
+            for v in verdicts:
+                console.print(
+                    f"  {v['gpu']:<10} {v['code']}: need {_mb(v['need_mb'])},"
+                    f" free {_mb(v['free_mb'])}, committed {_mb(v['committed_mb'])},"
+                    f" observed {_mb(v['observed_mb'])}"
+                )
+            if not verdicts:
+                console.print("  no per-GPU detail")
+
+
+def render_leases(leases: list[Json]) -> None:
+    console = _console()
+    if not leases:
+        console.print("no leases")
+        return
+    table = Table("id", "state", "holder", "worker", "gpus", "vram", "priority", "age")
+    for lease in leases:
+        table.add_row(
+            lease["id"],
+            lease["state"],
+            lease["holder"] or "-",
+            lease["worker"] or "-",
+            ",".join(lease["gpus"]) or "-",
+            _mb(lease["vram_mb"]),
+            lease["priority_name"],
+            _ago(lease["granted_at"] or lease["submitted_at"]),
+        )
+    console.print(table)
+
+
+def event_line(event: Json) -> str:
+    at = time.strftime("%H:%M:%S", time.localtime(event.get("at") or time.time()))
+    parts = [f"{at} #{event.get('seq')} {event.get('kind')}"]
+    if event.get("lease_id"):
+        parts.append(f"lease={event['lease_id']}")
+    if event.get("worker"):
+        parts.append(f"worker={event['worker']}")
+    parts += [f"{k}={v}" for k, v in sorted((event.get("data") or {}).items())]
+    return " ".join(parts)
+
+
+def render_answer(action: str, answer: Json) -> None:
+    """What an action did, from the controller's answer."""
+    if "previous_state" in answer:  # drain, cancel-drain, remove
+        print(
+            f"{action} {answer['worker']}: {answer['previous_state']} -> {answer['state']}; "
+            f"revoked {answer['revoked']}, already revoking {answer['already_revoking']}, "
+            f"already finished {answer['already_finished']}, leases left {answer['leases_left']}"
+        )
+    elif "paused" in answer:
+        print("paused: nothing is granted until resume" if answer["paused"] else "resumed")
+    elif "kind" in answer and "steps" in answer:  # an operation (update)
+        print(
+            f"{action} {answer['worker']}: operation {answer['id']} {answer['state']}; "
+            f"follow it with GET /v1/operations/{answer['id']}"
+        )
+    else:  # a lease (release)
+        reason = f" ({answer['end_reason']})" if answer.get("end_reason") else ""
+        print(f"{action} {answer['id']}: {answer['state']}{reason}")
+
+
+def _act(
+    name: str,
+    controller: str | None,
+    token: str | None,
+    output: Output,
+    action: Callable[[ArbiterClient], Awaitable[Json]],
+) -> None:
+    answer = _call(controller, token, action)
+    if output is Output.json:
+        _json(answer)
+    else:
+        render_answer(name, answer)
+
+
+# ---------------------------------------------------------------- commands: looking
+
+
+def status(
+    controller: Controller = None, token: Token = None, output: OutputOpt = Output.human
+) -> None:
+    """Every worker and GPU with a memory bar (committed, used, free), loads, totals."""
+
+    async def fetch(client: ArbiterClient) -> tuple[list[Json], Json]:
+        return await client.workers(), await client.status()
+
+    workers, figures = _call(controller, token, fetch)
+    if output is Output.json:
+        _json({"workers": workers, "status": figures})
+    else:
+        render_status(workers, figures)
+
+
+def queue(
+    verbose: Annotated[bool, _opt("Per-GPU verdicts for each request.", "--verbose", "-v")] = False,
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Pending requests in order: position, wait so far and why they wait."""
+    pending = _call(controller, token, lambda client: client.queue())
+    if output is Output.json:
+        _json(pending)
+    else:
+        render_queue(pending, verbose)
+
+
+def leases(
+    state: Annotated[str | None, _opt("Only leases in this state.")] = None,
+    worker: Annotated[str | None, _opt("Only leases on this worker.")] = None,
+    holder: Annotated[str | None, _opt("Only leases of this holder.")] = None,
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Leases, filtered by state, worker or holder."""
+    found = _call(controller, token, lambda c: c.leases(state=state, worker=worker, holder=holder))
+    if output is Output.json:
+        _json(found)
+    else:
+        render_leases(found)
+
+
+def events(
+    lease: Annotated[str | None, _opt("Only events of this lease.")] = None,
+    worker: Annotated[str | None, _opt("Only events of this worker.")] = None,
+    since: Annotated[
+        int | None, _opt("Start after this event number (default: new events only).", min=0)
+    ] = None,
+    count: Annotated[int | None, _opt("Stop after this many events.", min=1)] = None,
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Follow the event stream, one line per event, until Ctrl-C (or --count)."""
+
+    async def follow(client: ArbiterClient) -> None:
+        seen = 0
+        last = None if since is None else str(since)
+        stream = client.events(last_event_id=last, lease=lease, worker=worker)
+        async for event in stream:
+            data = event.data if isinstance(event.data, dict) else {"data": event.data}
+            print(json.dumps(data, sort_keys=True) if output is Output.json else event_line(data))
+            sys.stdout.flush()
+            seen += 1
+            if count is not None and seen >= count:
+                return
+
+    _call(controller, token, follow)
+
+
+# ---------------------------------------------------------------- commands: acting
+
+
+def drain(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The worker.")],
+    force: Annotated[bool, _opt("Revoke every lease now instead of waiting.")] = False,
+    deadline: Annotated[
+        str | None, _opt("Revoke what is left after this long: 90s, 10m, 1h.")
+    ] = None,
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Grant nothing more on a worker; let its leases end (or revoke them)."""
+    deadline_s = None if deadline is None else parse_duration(deadline)
+    _act(
+        "drain",
+        controller,
+        token,
+        output,
+        lambda c: c.drain(name, force=force, deadline_s=deadline_s),
+    )
+
+
+def cancel_drain(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The worker.")],
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Put a draining worker back online."""
+    _act("cancel-drain", controller, token, output, lambda c: c.cancel_drain(name))
+
+
+def update(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The worker.")],
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Update a worker's agent: drain, its own update command, restart, back online."""
+    _act("update", controller, token, output, lambda c: c.update(name))
+
+
+def remove(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The worker.")],
+    force: Annotated[bool, _opt("Remove it even while it holds leases (revoked).")] = False,
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Forget a worker."""
+    _act("remove", controller, token, output, lambda c: c.remove_worker(name, force=force))
+
+
+def pause(
+    controller: Controller = None, token: Token = None, output: OutputOpt = Output.human
+) -> None:
+    """Grant nothing until resume (held leases stay held)."""
+    _act("pause", controller, token, output, lambda c: c.pause())
+
+
+def resume(
+    controller: Controller = None, token: Token = None, output: OutputOpt = Output.human
+) -> None:
+    """Grant again after a pause."""
+    _act("resume", controller, token, output, lambda c: c.resume())
+
+
+def release(
+    lease_id: Annotated[str, typer.Argument(metavar="ID", help="The lease.")],
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """Release a held lease, or cancel a pending request."""
+    _act("release", controller, token, output, lambda c: c.release(lease_id))
+
+
+COMMANDS: dict[str, Callable[..., None]] = {
+    "status": status,
+    "queue": queue,
+    "leases": leases,
+    "events": events,
+    "drain": drain,
+    "cancel-drain": cancel_drain,
+    "update": update,
+    "remove": remove,
+    "pause": pause,
+    "resume": resume,
+    "release": release,
+}
