@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import SRC, wait_for
+from .conftest import SRC, ManagedProcess, wait_for
 
 CHILD = """
 import json, os, signal, sys, time
@@ -67,7 +67,7 @@ def env_for(runtime: Path) -> dict[str, str]:
     return env
 
 
-class AgentProcess:
+class AgentProcess(ManagedProcess):
     def __init__(
         self, url: str, token: str, name: str, runtime: Path, spec: str, *extra: str
     ) -> None:
@@ -95,21 +95,6 @@ class AgentProcess:
         except (OSError, ValueError):
             return {}
         return found
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=15)
 
 
 class RunProcess:

@@ -32,7 +32,28 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = 
         time.sleep(0.02)
 
 
-class Server:
+class ManagedProcess:
+    """A child process a test started: SIGKILL it, or stop it (SIGTERM, then SIGKILL)."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+
+
+class Server(ManagedProcess):
     def __init__(self, state_dir: Path, *args: str) -> None:
         self.state_dir = state_dir
         self.args = args
@@ -94,21 +115,6 @@ class Server:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=15)
 
 
 @pytest.fixture
