@@ -70,11 +70,11 @@ __all__ = [
     "Controller",
     "DrainOutcome",
     "GpuProbeReport",
+    "Histogram",
     "Limits",
     "PendingView",
     "ServiceUnavailable",
     "TooManyRequests",
-    "WaitTimes",
 ]
 
 log = logging.getLogger("gpu_arbiter.controller")
@@ -136,17 +136,25 @@ class GpuProbeReport:
     lease_used_mb: Mapping[str, int] | None = None
 
 
-@dataclass(slots=True)
-class WaitTimes:
-    """A histogram of how long granted requests waited, in seconds (since this start)."""
+WAIT_BOUNDS_S = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
+GRANT_LATENCY_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
-    bounds: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0)
-    counts: list[int] = field(default_factory=lambda: [0] * 9)
+
+@dataclass(slots=True)
+class Histogram:
+    """Counts of observed seconds by upper bound (the last count: above every bound),
+    since this start."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
     total_s: float = 0.0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.total_s += seconds
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, seconds: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += times
+        self.total_s += seconds * times
 
 
 @dataclass(slots=True)
@@ -158,6 +166,8 @@ class _Change:
     removed_workers: set[str] = field(default_factory=set)
     events: list[tuple[str, str | None, str | None, dict[str, Any]]] = field(default_factory=list)
     operations: dict[str, OperationRecord] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    grants: int = 0
 
     def event(
         self, kind: str, lease_id: str | None = None, worker: str | None = None, **data: Any
@@ -185,7 +195,8 @@ class Controller:
         self.scheduler = Scheduler(self.policy)
         self.broken: str | None = None
         self.started = False
-        self.wait_times = WaitTimes()
+        self.wait_times = Histogram(WAIT_BOUNDS_S)  # submitted -> granted
+        self.grant_latency = Histogram(GRANT_LATENCY_BOUNDS_S)  # change start -> grant stored
         self._records: dict[str, LeaseRecord] = {}
         self._recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._keys: dict[tuple[str, str], str] = {}
@@ -901,6 +912,8 @@ class Controller:
         self._offline_sweep(change)
         self._absorb(change, self.scheduler.decide(change.now))
         self._commit(change)
+        if change.grants:  # each grant of this cycle waited for the whole change to be stored
+            self.grant_latency.observe(time.perf_counter() - change.started, change.grants)
 
     def _commit(self, change: _Change) -> None:
         batch = self._batch(change)
@@ -952,6 +965,7 @@ class Controller:
         for lease in decisions.grants:
             change.leases.add(lease.id)
             self._pending_by_holder[self._holder_key(self._records[lease.id])] -= 1
+            change.grants += 1
             waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
             self.wait_times.observe(waited_s)
             change.event(

@@ -7,15 +7,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..controller import Controller
 from .auth import Authenticator
 from .errors import error_response, install_error_handlers
 from .limits import BodyLimit
-from .metrics import render
+from .metrics import metrics_registry, render
 from .routes import router
 
 __all__ = ["create_app"]
@@ -60,10 +61,12 @@ def create_app(
             return error_response(503, "unavailable", "the controller is not started")
         return JSONResponse({"status": "ready"})
 
+    registry = metrics_registry(controller)
+
     @app.get("/metrics", summary="Prometheus text exposition (any valid token)")
-    async def metrics(request: Request) -> PlainTextResponse:
+    async def metrics(request: Request) -> Response:
         auth.authenticate(request.headers.get("authorization"))
-        return PlainTextResponse(render(controller), media_type="text/plain; version=0.0.4")
+        return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", include_in_schema=False)
     async def dashboard() -> FileResponse:

@@ -1,108 +1,214 @@
-"""``GET /metrics``: Prometheus text exposition of the controller's figures.
+"""``GET /metrics``: the controller's figures in Prometheus text, through prometheus-client.
 
-Per GPU: total, capacity, used (when probed), committed, free MiB and loads in
-progress; queue depth by base priority; leases by state; workers by state; the
-scheduler's counters (grants, preemptions, expiries, ...) since this start; and
-a histogram of how long granted requests waited.
+Nothing is counted twice: a :class:`ControllerCollector` reads the controller at
+scrape time (its GPU figures, ``status()``, the scheduler's counters and the two
+histograms the controller keeps) and yields metric families. Each app has its own
+``CollectorRegistry``; the library's global registry is never used.
+
+Families (memory in bytes, times in seconds; counters since the process started)::
+
+    gpu_arbiter_gpu_memory_{total,capacity,committed,free,used}_bytes   per GPU
+    gpu_arbiter_gpu_loads_in_progress, gpu_arbiter_gpu_probe_stale       per GPU
+    gpu_arbiter_queue_depth{priority}          pending requests by base priority
+    gpu_arbiter_leases{state}                  held leases by state
+    gpu_arbiter_workers{state}                 workers by state
+    gpu_arbiter_paused, gpu_arbiter_ready, gpu_arbiter_build_info
+    gpu_arbiter_requests_{submitted,rejected,cancelled,timed_out}_total
+    gpu_arbiter_grants_total, gpu_arbiter_preemptions_total
+    gpu_arbiter_revocations_total{reason}
+    gpu_arbiter_leases_{released,expired}_total
+    gpu_arbiter_wait_seconds                   histogram: submitted -> granted
+    gpu_arbiter_grant_latency_seconds          histogram: see GRANT_LATENCY_HELP
+    process_*                                  the controller process (Linux)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
-from ..controller import Controller
-from ..core import GpuFigures
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
-__all__ = ["render"]
+from .. import __version__
+from ..controller import Controller, Histogram
+from ..core import GpuFigures, LeaseState, WorkerStatus
+from ..core.units import PRIORITY_NAMES, priority_name
+
+__all__ = ["GRANT_LATENCY_HELP", "ControllerCollector", "metrics_registry", "render"]
+
+MIB = 1024 * 1024
+
+GRANT_LATENCY_HELP = (
+    "Seconds from the start of the controller change that made a grant possible "
+    "(a request, release, heartbeat, drain or timer) to the grant being committed "
+    "to the store: the decide and commit cycle, not the HTTP handling around it"
+)
+
+#  Reasons the controller revokes for; each is exposed (0 until it happens) so
+#  that rate() has a series from the start. Others are added when seen.
+REVOKE_REASONS = ("preempted", "revoked_by_admin", "drain", "drain_deadline", "worker_removed")
+
+#  (suffix, scheduler counter, help) of the plain counters.
+COUNTERS = (
+    ("requests_submitted", "submitted", "Requests accepted into the queue"),
+    ("requests_rejected", "rejected", "Requests refused at submission: no GPU could ever fit"),
+    ("requests_cancelled", "cancelled", "Pending requests cancelled by their holder"),
+    ("requests_timed_out", "timed_out", "Pending requests that waited past their max_wait_s"),
+    ("grants", "granted", "Leases granted"),
+    ("preemptions", "preemptions", "Leases revoked to make room for a request"),
+    ("leases_released", "released", "Leases released by their holder"),
+    ("leases_expired", "expired", "Leases that lapsed: their TTL passed without a renewal"),
+)
+
+#  (name, help, figure) of the per-GPU memory gauges.
+_MEMORY: tuple[tuple[str, str, Callable[[GpuFigures], int]], ...] = (
+    ("total", "Memory on the GPU", lambda f: f.gpu.total_mb),
+    ("capacity", "Memory leases may use (total - headroom)", lambda f: f.gpu.capacity_mb),
+    ("committed", "Memory committed to leases", lambda f: f.committed_mb),
+    ("free", "Memory a new grant may use", lambda f: f.free_mb),
+)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class ControllerCollector(Collector):
+    """Reads ``controller`` on each scrape. Runs on the event loop, like every change."""
 
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
 
-def _sample(name: str, value: float, **labels: str) -> str:
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return f"{name}{{{inner}}} {value}" if inner else f"{name} {value}"
-
-
-def _family(name: str, kind: str, text: str, samples: Iterable[str]) -> list[str]:
-    return [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples]
-
-
-def _gpus(controller: Controller) -> list[str]:
-    lines: list[str] = []
-    figures = [f for w in controller.workers() for f in controller.gpu_figures(w.name)]
-    fields: tuple[tuple[str, str, Callable[[GpuFigures], int]], ...] = (
-        ("total_mb", "MiB of memory on the GPU", lambda f: f.gpu.total_mb),
-        ("capacity_mb", "MiB leases may use (total - headroom)", lambda f: f.gpu.capacity_mb),
-        ("committed_mb", "MiB committed to leases", lambda f: f.committed_mb),
-        ("free_mb", "MiB a new grant may use", lambda f: f.free_mb),
-        ("loading", "leases loading on the GPU", lambda f: f.loading),
-    )
-    for field, text, get in fields:
-        name = f"gpu_arbiter_gpu_{field}"
-        samples = (_sample(name, get(f), gpu=str(f.gpu.id), worker=f.gpu.worker) for f in figures)
-        lines += _family(name, "gauge", text, samples)
-    used = (
-        _sample("gpu_arbiter_gpu_used_mb", f.used_mb, gpu=str(f.gpu.id), worker=f.gpu.worker)
-        for f in figures
-        if f.used_mb is not None
-    )
-    lines += _family("gpu_arbiter_gpu_used_mb", "gauge", "MiB used, by the last probe", used)
-    return lines
-
-
-def _histogram(controller: Controller) -> list[str]:
-    waits = controller.wait_times
-    name = "gpu_arbiter_wait_seconds"
-    samples, running = [], 0
-    for bound, count in zip((*waits.bounds, float("inf")), waits.counts, strict=True):
-        running += count
-        samples.append(
-            _sample(f"{name}_bucket", running, le="+Inf" if bound == float("inf") else str(bound))
+    def collect(self) -> Iterator[Metric]:
+        status = self.controller.status()
+        figures = [
+            f
+            for worker in self.controller.workers()
+            for f in self.controller.gpu_figures(worker.name)
+        ]
+        yield from _gpus(figures)
+        yield _queue(status["pending_by_priority"])
+        yield _by_state("leases", "Held leases by state", status["leases_by_state"], _held_states())
+        yield _by_state(
+            "workers",
+            "Workers by state",
+            status["workers_by_state"],
+            [str(s) for s in WorkerStatus],
         )
-    samples += [_sample(f"{name}_sum", waits.total_s), _sample(f"{name}_count", running)]
-    return _family(name, "histogram", "How long granted requests waited", samples)
+        yield from self._controller_state(status)
+        yield from _counters(status["counters"])
+        yield _histogram(
+            "wait_seconds",
+            "Seconds a granted request waited in the queue, from submission to grant",
+            self.controller.wait_times,
+        )
+        yield _histogram("grant_latency_seconds", GRANT_LATENCY_HELP, self.controller.grant_latency)
+
+    def _controller_state(self, status: Mapping[str, Any]) -> Iterator[Metric]:
+        paused = GaugeMetricFamily("gpu_arbiter_paused", "1 while the arbiter is paused")
+        paused.add_metric([], int(status["paused"]))
+        yield paused
+        ready = self.controller.started and self.controller.broken is None
+        up = GaugeMetricFamily("gpu_arbiter_ready", "1 while the controller accepts changes")
+        up.add_metric([], int(ready))
+        yield up
+        info = InfoMetricFamily("gpu_arbiter_build", "The controller's version")
+        info.add_metric([], {"version": __version__})
+        yield info
 
 
-def render(controller: Controller) -> str:
-    status = controller.status()
-    lines = _gpus(controller)
-    lines += _family(
-        "gpu_arbiter_pending",
-        "gauge",
-        "Pending requests by base priority",
-        (
-            _sample("gpu_arbiter_pending", n, priority=p)
-            for p, n in status["pending_by_priority"].items()
-        ),
+def _gpu_labels(f: GpuFigures) -> list[str]:
+    return [f.gpu.worker, str(f.gpu.id), str(f.gpu.index), f.gpu.model]
+
+
+def _gpu_gauge(name: str, text: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        f"gpu_arbiter_gpu_{name}", text, labels=["worker", "gpu", "index", "model"]
     )
-    lines += _family(
-        "gpu_arbiter_leases",
-        "gauge",
-        "Held leases by state",
-        (_sample("gpu_arbiter_leases", n, state=s) for s, n in status["leases_by_state"].items()),
+
+
+def _gpus(figures: list[GpuFigures]) -> Iterator[Metric]:
+    for field, text, get in _MEMORY:
+        family = _gpu_gauge(f"memory_{field}_bytes", f"{text}, in bytes")
+        for f in figures:
+            family.add_metric(_gpu_labels(f), get(f) * MIB)
+        yield family
+    used = _gpu_gauge("memory_used_bytes", "Memory in use by the last probe, in bytes")
+    loads = _gpu_gauge("loads_in_progress", "Leases still loading on the GPU (the load gate)")
+    stale = _gpu_gauge("probe_stale", "1 while the GPU's last probe is too old to trust")
+    for f in figures:
+        if f.used_mb is not None:
+            used.add_metric(_gpu_labels(f), f.used_mb * MIB)
+        loads.add_metric(_gpu_labels(f), f.loading)
+        stale.add_metric(_gpu_labels(f), int(f.stale))
+    yield from (used, loads, stale)
+
+
+def _queue(pending_by_priority: Mapping[str, int]) -> Metric:
+    """Every named priority level is present (0 when empty), and any other level pending."""
+    levels = {p: 0 for p in PRIORITY_NAMES.values()}
+    levels.update({int(p): n for p, n in pending_by_priority.items()})
+    family = GaugeMetricFamily(
+        "gpu_arbiter_queue_depth",
+        "Pending requests by base priority (priority: the number; name: its name, if any)",
+        labels=["priority", "name"],
     )
-    lines += _family(
-        "gpu_arbiter_workers",
-        "gauge",
-        "Workers by state",
-        (_sample("gpu_arbiter_workers", n, state=s) for s, n in status["workers_by_state"].items()),
+    for priority, count in sorted(levels.items()):
+        family.add_metric([str(priority), priority_name(priority)], count)
+    return family
+
+
+def _held_states() -> list[str]:
+    return [str(s) for s in LeaseState if s.holds_memory]
+
+
+def _by_state(
+    name: str, text: str, counts: Mapping[str, int], states: list[str]
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"gpu_arbiter_{name}", text, labels=["state"])
+    for state in sorted({*states, *counts}):
+        family.add_metric([state], counts.get(state, 0))
+    return family
+
+
+def _counters(counters: Mapping[str, int]) -> Iterator[Metric]:
+    for name, key, text in COUNTERS:
+        family = CounterMetricFamily(f"gpu_arbiter_{name}", f"{text}, since the process started")
+        family.add_metric([], counters.get(key, 0))
+        yield family
+    revocations = CounterMetricFamily(
+        "gpu_arbiter_revocations",
+        "Leases revoked, by reason, since the process started",
+        labels=["reason"],
     )
-    lines += _family(
-        "gpu_arbiter_paused",
-        "gauge",
-        "1 while the arbiter is paused",
-        [_sample("gpu_arbiter_paused", int(status["paused"]))],
+    seen = {k.partition(":")[2] for k in counters if k.startswith("revoked:")}
+    for reason in sorted({*REVOKE_REASONS, *seen}):
+        revocations.add_metric([reason], counters.get(f"revoked:{reason}", 0))
+    yield revocations
+
+
+def _histogram(name: str, text: str, histogram: Histogram) -> Metric:
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip((*histogram.bounds, float("inf")), histogram.counts, strict=True):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    return HistogramMetricFamily(
+        f"gpu_arbiter_{name}", text, buckets=buckets, sum_value=histogram.total_s
     )
-    lines += _family(
-        "gpu_arbiter_scheduler_total",
-        "counter",
-        "Scheduler counters since this start (granted, preemptions, expired, ...)",
-        (
-            _sample("gpu_arbiter_scheduler_total", n, counter=c)
-            for c, n in sorted(status["counters"].items())
-        ),
-    )
-    lines += _histogram(controller)
-    return "\n".join(lines) + "\n"
+
+
+def metrics_registry(controller: Controller) -> CollectorRegistry:
+    """A registry of its own for one app: the controller's figures and the process's."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ControllerCollector(controller))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
