@@ -7,7 +7,6 @@ import contextlib
 import logging
 import signal
 import socket
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +16,8 @@ from ..agent.agent import Agent, AgentConfig
 from ..agent.local import runtime_dir
 from ..agent.probes import FakeProbe, Probe, detect
 from ..core import InvalidInput, validate_worker_name
+from ..logs import say as notice
+from ..logs import setup_logging
 
 ENV = "GPU_ARBITER_"
 
@@ -44,10 +45,8 @@ async def open_agent_probe(name: str, simulate: str | None, say: bool = True) ->
             return probe
         simulate = "1x24G"
         if say:
-            print(
-                "no GPU found (" + "; ".join(skipped) + f"): running on simulated GPUs {simulate}",
-                file=sys.stderr,
-                flush=True,
+            notice(
+                "no GPU found (" + "; ".join(skipped) + f"): running on simulated GPUs {simulate}"
             )
     runtime_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
     usage_dir = runtime_dir() / f"fake-{name}"
@@ -66,7 +65,7 @@ async def run_agent(config: AgentConfig, probe: Probe) -> None:
     try:
         await Agent(config, probe).run(stop)
     except RuntimeError as error:
-        print(f"gpu-arbiter agent: {error}", file=sys.stderr, flush=True)
+        logging.getLogger("gpu_arbiter.agent").error("gpu-arbiter agent: %s", error)
         raise SystemExit(1) from error
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -101,10 +100,14 @@ def agent(
         int, _opt(None, "MiB kept free per GPU for driver memory.", min=0)
     ] = 256,
     log_level: Annotated[str, _opt("LOG_LEVEL", "debug, info, warning or error.")] = "info",
+    log_format: Annotated[str, _opt("LOG_FORMAT", "text, or json: one object per line.")] = "text",
 ) -> None:
     """Run the worker agent: register this host's GPUs, heartbeat, stop revoked processes."""
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        redactor = setup_logging(log_format, log_level)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    redactor.hide(token)
     worker = worker_name(name)
     config = AgentConfig(
         name=worker,
@@ -119,7 +122,7 @@ def agent(
 
     async def main() -> None:
         probe = await open_agent_probe(worker, simulate)
-        print(f"agent {worker}: probe {probe.name}", file=sys.stderr, flush=True)
+        notice(f"agent {worker}: probe {probe.name}")
         await run_agent(config, probe)
 
     asyncio.run(main())

@@ -6,8 +6,6 @@ The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`
 from __future__ import annotations
 
 import asyncio
-import logging
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -16,6 +14,7 @@ import typer
 from ..agent.agent import Agent, AgentConfig
 from ..agent.probes import FakeProbe, parse_fake_spec
 from ..core import InvalidInput, validate_worker_name
+from ..logs import say
 from .agent import open_agent_probe, worker_name
 
 if TYPE_CHECKING:
@@ -63,6 +62,9 @@ def serve(
     log_level: Annotated[
         str | None, _opt("LOG_LEVEL", "debug, info, warning or error (default info).")
     ] = None,
+    log_format: Annotated[
+        str | None, _opt("LOG_FORMAT", "text, or json: one object per line (default text).")
+    ] = None,
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
     ] = None,
@@ -86,6 +88,7 @@ def serve(
         "sync": sync,
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "log_level": log_level,
+        "log_format": log_format,
     }
     from ..server.config import ServeConfig
     from ..server.serve import serve as run_server
@@ -115,7 +118,6 @@ def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
         name = "local"
 
     async def companion(url: str, token: str | None, stop: asyncio.Event) -> None:
-        logging.getLogger("httpx").setLevel(logging.WARNING)
         probe = await open_agent_probe(name, simulate)
         simulated = isinstance(probe, FakeProbe)
         if simulate is not None:
@@ -132,10 +134,6 @@ def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
         await Agent(settings, probe).run(stop)
 
     return companion
-
-
-def say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 @token_app.command("create")

@@ -3,7 +3,8 @@
 The config file is TOML (``--config`` or ``GPU_ARBITER_CONFIG``), keys as the
 options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``auth``, ``store``, ``heartbeat_timeout_s``, ``sync``, ``max_body_bytes``,
-``max_pending``, ``max_pending_per_holder``), optionally under ``[serve]``.
+``max_pending``, ``max_pending_per_holder``, ``log_level``, ``log_format``), optionally
+under ``[serve]``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core import Gpu, InvalidInput, parse_mb
+from ..logs import LOG_FORMATS, LOG_LEVELS
 
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
 
@@ -42,6 +44,7 @@ class ServeConfig:
     max_pending: int = 10_000
     max_pending_per_holder: int = 1_000
     log_level: str = "info"
+    log_format: str = "text"
 
     @classmethod
     def resolve(cls, given: dict[str, Any], config_file: Path | None) -> ServeConfig:
@@ -59,6 +62,10 @@ class ServeConfig:
         if merged.get("state_dir") is not None:
             merged["state_dir"] = Path(merged["state_dir"]).expanduser()
         config = cls(**merged)
+        if config.log_format not in LOG_FORMATS:
+            raise InvalidInput("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
+        if config.log_level.lower() not in LOG_LEVELS:
+            raise InvalidInput("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if config.simulate:
             parse_simulate(config.simulate)
         return config

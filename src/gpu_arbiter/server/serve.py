@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import uvicorn
 
 from ..controller import Controller, Limits
+from ..logs import say, setup_logging
 from ..store import MemoryStore, SqliteStore, Store
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
@@ -41,7 +40,7 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             f"refusing to listen on {config.host} without authentication; "
             "use a loopback address or enable auth"
         )
-    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    redactor = setup_logging(config.log_format, config.log_level)
     store = open_store(config)
     admin_token = None
     if config.auth:
@@ -49,9 +48,8 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path, created = ensure_admin_token(state_dir, store)
         admin_token = path.read_text(encoding="utf-8").strip()
-        print(
-            f"admin token {'created in' if created else 'in'} {path}", file=sys.stderr, flush=True
-        )
+        redactor.hide(admin_token)
+        say(f"admin token {'created in' if created else 'in'} {path}")
     controller = Controller(
         store,
         limits=Limits(
@@ -68,7 +66,8 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             app,
             host=config.host,
             port=config.port,
-            log_level=config.log_level,
+            log_level=config.log_level.lower(),
+            log_config=None,  # uvicorn's loggers go to the one handler of setup_logging
             access_log=False,
             timeout_graceful_shutdown=3,
             timeout_keep_alive=65,  # longer than clients keep idle connections: no reuse race
