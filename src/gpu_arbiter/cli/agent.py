@@ -16,8 +16,8 @@ from ..agent.agent import Agent, AgentConfig
 from ..agent.local import runtime_dir
 from ..agent.probes import FakeProbe, Probe, detect
 from ..core import InvalidInput, validate_worker_name
+from ..logs import LOG_FORMATS, LOG_LEVELS, setup_logging
 from ..logs import say as notice
-from ..logs import setup_logging
 
 ENV = "GPU_ARBITER_"
 
@@ -103,10 +103,15 @@ def agent(
     log_format: Annotated[str, _opt("LOG_FORMAT", "text, or json: one object per line.")] = "text",
 ) -> None:
     """Run the worker agent: register this host's GPUs, heartbeat, stop revoked processes."""
-    try:
-        redactor = setup_logging(log_format, log_level)
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from error
+    if log_format not in LOG_FORMATS:
+        raise typer.BadParameter(
+            f"must be one of {', '.join(LOG_FORMATS)}", param_hint="--log-format"
+        )
+    if log_level.lower() not in LOG_LEVELS:
+        raise typer.BadParameter(
+            f"must be one of {', '.join(LOG_LEVELS)}", param_hint="--log-level"
+        )
+    redactor = setup_logging(log_format, log_level)
     redactor.hide(token)
     worker = worker_name(name)
     config = AgentConfig(
