@@ -72,6 +72,7 @@ def test_json_logs_carry_no_token(
         text = path.read_text()
         assert admin_token not in text, path
         assert worker_token not in text, path
+        assert "gat_" not in text, path  # nothing shaped like a token either
 
 
 def test_bad_log_format_is_refused_by_name(tmp_path: Path) -> None:
