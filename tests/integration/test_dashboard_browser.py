@@ -302,6 +302,6 @@ async def test_a_phone_width_screen_needs_no_horizontal_scrolling(
     reason = page.locator(f'#queue tr[data-id="{waiting["id"]}"] td.reason')
     await expect(reason).to_contain_text("GPUs fit")
     box = await reason.bounding_box()
-    assert box is not None and 0 <= box["x"] and box["x"] + box["width"] <= inner
+    assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= inner
     await dashboard.screenshot("dashboard-phone.png")
     dashboard.assert_clean()
