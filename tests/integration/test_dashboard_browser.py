@@ -210,7 +210,7 @@ async def test_a_lease_appears_without_a_reload_and_goes_when_released(
     dashboard.assert_clean()
 
 
-async def test_drain_and_cancel_drain_from_the_page_with_the_admin_token(
+async def test_drain_cancel_drain_and_release_from_the_page_with_the_admin_token(
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:
     await dashboard.open(server.admin_token)
@@ -227,6 +227,16 @@ async def test_drain_and_cancel_drain_from_the_page_with_the_admin_token(
     await eventually(lambda: worker_state(admin, "local") == "online", "the worker to be back")
     await expect(state).to_have_text("online")
     await expect(dashboard.worker_button("local", "drain")).to_be_visible()
+
+    held = lease(admin, "4G")
+    release = page.locator(f'#leases tr[data-id="{held["id"]}"] button[data-action=release]')
+    page.once("dialog", lambda dialog: dialog.accept())  # "Release lease ...?"
+    await release.click()
+    await eventually(
+        lambda: admin.get(f"/v1/leases/{held['id']}").json()["state"] == "released",
+        "the release",
+    )
+    await expect(release).to_have_count(0)
     dashboard.assert_clean()
 
 

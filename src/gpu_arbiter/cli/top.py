@@ -115,7 +115,7 @@ async def follow(client: ArbiterClient, frame: Frame, changed: asyncio.Event) ->
                 if isinstance(event.data, dict) and "kind" in event.data:
                     frame.events.append(event.data)
                 changed.set()
-        except (httpx.HTTPError, ArbiterError) as error:
+        except (httpx.HTTPError, ArbiterError, ValueError) as error:  # ValueError: bad JSON
             frame.problem = f"event stream: {error}".strip()
         frame.live = False
         changed.set()
