@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import pty
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 from typing import Any
 
 import httpx
@@ -177,3 +184,96 @@ def test_errors_are_one_line_with_an_exit_code(server: Server) -> None:
 def test_help(command: str) -> None:
     done = cli(None, command, "--help")
     assert done.returncode == 0 and "--controller" in done.stdout and "--output" in done.stdout
+
+
+# ---------------------------------------------------------------- top
+
+
+def test_top_once_shows_gpus_leases_and_the_queue_with_reasons(
+    server: Server, admin: httpx.Client
+) -> None:
+    held = [ask(admin, "20G"), ask(admin, "20G")]
+    waiting = ask(admin, "20G", holder="bob")
+    assert waiting["state"] == "pending"
+    text = ok(server, "top", "--once")
+    assert "local:0" in text and "local:1" in text and "committed 20.0 GiB" in text
+    for lease in held:
+        assert lease["id"] in text
+    queued = next(line for line in text.splitlines() if waiting["id"] in line)
+    assert "bob" in queued and "0/2 GPUs fit: 2 insufficient_vram" in queued
+    assert "lease.requested" in text  # the latest events
+    assert "\x1b[" not in text  # not a terminal: no screen control
+
+
+class Terminal:
+    """``gpu-arbiter top`` in a real pseudo-terminal of 200x60."""
+
+    def __init__(self, server: Server, *args: str) -> None:
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
+        env = {**os.environ, "PYTHONPATH": str(SRC), "GPU_ARBITER_URL": server.url}
+        env.update(GPU_ARBITER_TOKEN=server.admin_token, TERM="xterm-256color")
+        for name in ("COLUMNS", "LINES", "GPU_ARBITER_CONFIG"):
+            env.pop(name, None)
+        command = [sys.executable, "-m", "gpu_arbiter", "top", *args]
+        self.proc = subprocess.Popen(
+            command, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True
+        )
+        os.close(slave)
+        self.screen = b""
+
+    def read_until(self, text: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text.encode() not in self.screen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} never appeared; the screen so far: {self.screen[-2000:]!r}"
+            if select.select([self.master], [], [], left)[0]:
+                try:
+                    self.screen += os.read(self.master, 65536)
+                except OSError:  # the process closed the terminal
+                    assert self.proc.poll() is not None
+                    raise AssertionError(f"top exited: {self.screen[-2000:]!r}") from None
+
+    def finish(self) -> int:
+        code = self.proc.wait(timeout=20)
+        with contextlib.suppress(OSError):
+            while select.select([self.master], [], [], 0.5)[0]:
+                chunk = os.read(self.master, 65536)
+                if not chunk:
+                    break
+                self.screen += chunk
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=20)
+        os.close(self.master)
+
+
+def test_top_redraws_when_a_lease_is_created_and_stops_on_ctrl_c(
+    server: Server, admin: httpx.Client
+) -> None:
+    terminal = Terminal(server, "--interval", "600")  # only events can redraw it in time
+    try:
+        terminal.read_until("local:1")
+        terminal.read_until("live")
+        assert b"\x1b[?1049h" in terminal.screen  # the alternate (full) screen
+        lease = ask(admin, "8G")
+        terminal.read_until(lease["id"])
+        terminal.read_until("committed 8.0 GiB")
+        terminal.proc.send_signal(signal.SIGINT)
+        assert terminal.finish() == 130
+        assert b"\x1b[?1049l" in terminal.screen  # the terminal was given back
+    finally:
+        terminal.close()
+
+
+def test_top_quits_on_q(server: Server) -> None:
+    terminal = Terminal(server, "--interval", "600")
+    try:
+        terminal.read_until("local:0")
+        os.write(terminal.master, b"q")
+        assert terminal.finish() == 0
+    finally:
+        terminal.close()

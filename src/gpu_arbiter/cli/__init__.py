@@ -10,6 +10,7 @@ from .ops import COMMANDS
 from .run import run
 from .serve import serve, token_app
 from .simulate import simulate
+from .top import top
 
 app = typer.Typer(
     name="gpu-arbiter",
@@ -25,6 +26,7 @@ app.command()(run)
 app.add_typer(token_app, name="token")
 for _name, _command in COMMANDS.items():
     app.command(_name)(_command)
+app.command()(top)
 
 
 @app.callback()

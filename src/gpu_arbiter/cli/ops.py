@@ -18,7 +18,7 @@ from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -133,13 +133,14 @@ def _mb(value: Any) -> str:
     return "-" if value is None else format_mb(int(value))
 
 
-def render_status(workers: list[Json], status: Json) -> None:
-    console = _console()
+def status_view(workers: list[Json], status: Json) -> Group:
+    """Every worker and GPU with its memory bar, then the totals."""
+    lines: list[RenderableType] = []
     totals = {"total_mb": 0, "committed_mb": 0, "used_mb": 0, "free_mb": 0}
     for worker in workers:
         seen = worker.get("last_heartbeat_at")
         heartbeat = "no heartbeat" if seen is None else f"heartbeat {_ago(seen)} ago"
-        console.print(
+        lines.append(
             Text.assemble(
                 (worker["name"], "bold"),
                 f"  {worker['state']}  {heartbeat}",
@@ -149,37 +150,43 @@ def render_status(workers: list[Json], status: Json) -> None:
         for gpu in worker["gpus"]:
             for key in totals:
                 totals[key] += int(gpu[key] or 0)
-            line = Text(f"  {gpu['id']:<10} ")
-            line.append_text(memory_bar(gpu))
-            line.append(
-                f" committed {_mb(gpu['committed_mb'])}  used {_mb(gpu['used_mb'])}"
-                f"  free {_mb(gpu['free_mb'])} / {_mb(gpu['total_mb'])}"
-            )
-            if gpu["loading"]:
-                line.append(f"  loading {gpu['loading']}", style="yellow")
-            if gpu["stale"]:
-                line.append("  stale", style="red")
-            console.print(line)
+            lines.append(_gpu_line(gpu))
     if not workers:
-        console.print("no workers registered")
+        lines.append(Text("no workers registered"))
     leases = status.get("leases_by_state", {})
     held = ", ".join(f"{n} {state}" for state, n in sorted(leases.items())) or "none"
-    console.print(
-        f"total: {len(workers)} workers, "
-        f"{sum(len(w['gpus']) for w in workers)} GPUs; committed {_mb(totals['committed_mb'])}"
-        f", used {_mb(totals['used_mb'])}, free {_mb(totals['free_mb'])}"
-        f" of {_mb(totals['total_mb'])}"
+    lines.append(
+        Text(
+            f"total: {len(workers)} workers, "
+            f"{sum(len(w['gpus']) for w in workers)} GPUs; committed {_mb(totals['committed_mb'])}"
+            f", used {_mb(totals['used_mb'])}, free {_mb(totals['free_mb'])}"
+            f" of {_mb(totals['total_mb'])}"
+        )
     )
-    console.print(f"leases: {held}; pending: {status.get('pending', 0)}")
+    lines.append(Text(f"leases: {held}; pending: {status.get('pending', 0)}"))
     if status.get("paused"):
-        console.print(Text("paused: nothing is granted until `gpu-arbiter resume`", "bold red"))
+        lines.append(Text("paused: nothing is granted until `gpu-arbiter resume`", "bold red"))
+    return Group(*lines)
 
 
-def render_queue(pending: list[Json], verbose: bool) -> None:
-    console = _console()
+def _gpu_line(gpu: Json) -> Text:
+    line = Text(f"  {gpu['id']:<10} ")
+    line.append_text(memory_bar(gpu))
+    line.append(
+        f" committed {_mb(gpu['committed_mb'])}  used {_mb(gpu['used_mb'])}"
+        f"  free {_mb(gpu['free_mb'])} / {_mb(gpu['total_mb'])}"
+    )
+    if gpu["loading"]:
+        line.append(f"  loading {gpu['loading']}", style="yellow")
+    if gpu["stale"]:
+        line.append("  stale", style="red")
+    return line
+
+
+def queue_view(pending: list[Json], verbose: bool = False) -> RenderableType:
+    """Pending requests in order with why they wait; with ``verbose``, each GPU's verdict."""
     if not pending:
-        console.print("the queue is empty")
-        return
+        return Text("the queue is empty")
     table = Table("pos", "id", "holder", "vram", "gpus", "priority", "waiting", "reason")
     for lease in pending:
         reason = lease.get("reason") or {}
@@ -193,26 +200,28 @@ def render_queue(pending: list[Json], verbose: bool) -> None:
             _ago(lease["submitted_at"]),
             reason.get("message", ""),
         )
-    console.print(table)
-    if verbose:
-        for lease in pending:
-            verdicts = (lease.get("reason") or {}).get("gpus") or []
-            console.print(Text(f"{lease['id']}:", "bold"))
-            for v in verdicts:
-                console.print(
+    if not verbose:
+        return table
+    parts: list[RenderableType] = [table]
+    for lease in pending:
+        verdicts = (lease.get("reason") or {}).get("gpus") or []
+        parts.append(Text(f"{lease['id']}:", "bold"))
+        for v in verdicts:
+            parts.append(
+                Text(
                     f"  {v['gpu']:<10} {v['code']}: need {_mb(v['need_mb'])},"
                     f" free {_mb(v['free_mb'])}, committed {_mb(v['committed_mb'])},"
                     f" observed {_mb(v['observed_mb'])}"
                 )
-            if not verdicts:
-                console.print("  no per-GPU detail")
+            )
+        if not verdicts:
+            parts.append(Text("  no per-GPU detail"))
+    return Group(*parts)
 
 
-def render_leases(leases: list[Json]) -> None:
-    console = _console()
+def leases_view(leases: list[Json]) -> RenderableType:
     if not leases:
-        console.print("no leases")
-        return
+        return Text("no leases")
     table = Table("id", "state", "holder", "worker", "gpus", "vram", "priority", "age")
     for lease in leases:
         table.add_row(
@@ -225,7 +234,7 @@ def render_leases(leases: list[Json]) -> None:
             lease["priority_name"],
             _ago(lease["granted_at"] or lease["submitted_at"]),
         )
-    console.print(table)
+    return table
 
 
 def event_line(event: Json) -> str:
@@ -288,7 +297,7 @@ def status(
     if output is Output.json:
         _json({"workers": workers, "status": figures})
     else:
-        render_status(workers, figures)
+        _console().print(status_view(workers, figures))
 
 
 def queue(
@@ -302,7 +311,7 @@ def queue(
     if output is Output.json:
         _json(pending)
     else:
-        render_queue(pending, verbose)
+        _console().print(queue_view(pending, verbose))
 
 
 def leases(
@@ -318,7 +327,7 @@ def leases(
     if output is Output.json:
         _json(found)
     else:
-        render_leases(found)
+        _console().print(leases_view(found))
 
 
 def events(
