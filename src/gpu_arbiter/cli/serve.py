@@ -63,6 +63,21 @@ def serve(
     log_level: Annotated[
         str | None, _opt("LOG_LEVEL", "debug, info, warning or error (default info).")
     ] = None,
+    advertise_url: Annotated[
+        str | None,
+        _opt(
+            "ADVERTISE_URL",
+            "With a shared PostgreSQL store: the URL standbys send clients to while this "
+            "controller leads (default: the address it listens on).",
+        ),
+    ] = None,
+    leader_ttl_s: Annotated[
+        float | None,
+        _opt(
+            "LEADER_TTL_S",
+            "With a shared PostgreSQL store: a leader silent this long is replaced (default 3).",
+        ),
+    ] = None,
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
     ] = None,
@@ -86,6 +101,8 @@ def serve(
         "sync": sync,
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "log_level": log_level,
+        "advertise_url": advertise_url,
+        "leader_ttl_s": leader_ttl_s,
     }
     from ..server.config import ServeConfig
     from ..server.serve import serve as run_server

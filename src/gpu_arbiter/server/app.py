@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -24,17 +24,30 @@ DASHBOARD = Path(__file__).with_name("dashboard")
 
 
 def create_app(
-    controller: Controller, auth: Authenticator, *, max_body_bytes: int = 64 * 1024
+    controller: Controller,
+    auth: Authenticator,
+    *,
+    max_body_bytes: int = 64 * 1024,
+    standby: bool = False,
+    on_close: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The controller is started in the app's lifespan and closed (with its store) after."""
+    """The controller is started in the app's lifespan and closed (with its store) after.
+    With ``standby``, it starts as a standby (a shared store's leader is elected beside
+    the server: see ``ha.py``). ``on_close`` runs between the two (a leader ends its term
+    there, so that a standby takes over at once)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        controller.start()
+        if standby:
+            controller.mirror()
+        else:
+            controller.start()
         try:
             yield
         finally:
             controller.close()
+            if on_close is not None:
+                on_close()
             controller.store.close()
 
     app = FastAPI(
@@ -52,8 +65,11 @@ def create_app(
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", summary="The controller accepts changes")
+    @app.get("/readyz", summary="The controller accepts changes (a standby does not)")
     async def readyz() -> JSONResponse:
+        if controller.standby:
+            leader = {"leader": controller.leader_url} if controller.leader_url else {}
+            return error_response(503, "not_leader", "this controller is a standby", leader)
         if controller.broken is not None:
             return error_response(503, "unavailable", controller.broken)
         if not controller.started:

@@ -3,7 +3,8 @@
 The config file is TOML (``--config`` or ``GPU_ARBITER_CONFIG``), keys as the
 options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``auth``, ``store``, ``heartbeat_timeout_s``, ``sync``, ``max_body_bytes``,
-``max_pending``, ``max_pending_per_holder``), optionally under ``[serve]``.
+``max_pending``, ``max_pending_per_holder``, ``advertise_url``, ``leader_ttl_s``),
+optionally under ``[serve]``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class ServeConfig:
     max_pending: int = 10_000
     max_pending_per_holder: int = 1_000
     log_level: str = "info"
+    advertise_url: str | None = None
+    leader_ttl_s: float = 3.0
 
     @classmethod
     def resolve(cls, given: dict[str, Any], config_file: Path | None) -> ServeConfig:
@@ -61,6 +64,12 @@ class ServeConfig:
         config = cls(**merged)
         if config.simulate:
             parse_simulate(config.simulate)
+        if config.advertise_url is not None and not re.fullmatch(
+            r"https?://[^\s/]+(:\d+)?/?", config.advertise_url
+        ):
+            raise InvalidInput("advertise_url", "must be like http://host:7070")
+        if not 0.5 <= config.leader_ttl_s <= 600:
+            raise InvalidInput("leader_ttl_s", "must be between 0.5 and 600 seconds")
         return config
 
     @property

@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 
 from ..controller import Controller, Limits
-from ..store import MemoryStore, SqliteStore, Store
+from ..store import MemoryStore, SqliteStore, Store, StoreError
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
+from .ha import Coordinator, LeaderStore, can_lead
 
 __all__ = ["Companion", "open_store", "serve"]
 
@@ -60,8 +62,13 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         simulated=parse_simulate(config.simulate) if config.simulate else (),
     )
+    shared = can_lead(store)
     app = create_app(
-        controller, Authenticator(store, enabled=config.auth), max_body_bytes=config.max_body_bytes
+        controller,
+        Authenticator(store, enabled=config.auth),
+        max_body_bytes=config.max_body_bytes,
+        standby=shared,
+        on_close=_stepping_down(store) if shared else None,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -74,13 +81,39 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             timeout_keep_alive=65,  # longer than clients keep idle connections: no reuse race
         )
     )
-    if companion is None:
+    companions = [] if companion is None else [companion]
+    if shared:
+        companions.insert(0, _coordinate(controller, store, config))
+    if not companions:
         server.run()
     else:
-        asyncio.run(_serve_with(server, companion, admin_token))
+        asyncio.run(_serve_with(server, companions, admin_token))
 
 
-async def _serve_with(server: uvicorn.Server, companion: Companion, token: str | None) -> None:
+def _stepping_down(store: Store) -> Callable[[], None]:
+    def step_down() -> None:
+        with contextlib.suppress(StoreError):
+            cast(LeaderStore, store).step_down()
+
+    return step_down
+
+
+def _coordinate(controller: Controller, store: Store, config: ServeConfig) -> Companion:
+    """Leader election beside the server (a shared store: several controllers)."""
+
+    async def coordinate(url: str, token: str | None, stop: asyncio.Event) -> None:
+        advertised = (config.advertise_url or url).rstrip("/")
+        coordinator = Coordinator(
+            controller, cast(LeaderStore, store), url=advertised, ttl_s=config.leader_ttl_s
+        )
+        await coordinator.run(stop)
+
+    return coordinate
+
+
+async def _serve_with(
+    server: uvicorn.Server, companions: list[Companion], token: str | None
+) -> None:
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():
@@ -88,10 +121,16 @@ async def _serve_with(server: uvicorn.Server, companion: Companion, token: str |
             return
         await asyncio.sleep(0.05)
     host, port = server.servers[0].sockets[0].getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = socket.getfqdn()
     stop = asyncio.Event()
-    beside = asyncio.create_task(companion(f"http://{host}:{port}", token, stop))
+    url = f"http://{host}:{port}"
+    beside: asyncio.Future[list[None]] = asyncio.ensure_future(
+        asyncio.gather(*(companion(url, token, stop) for companion in companions))
+    )
     try:
-        await asyncio.wait([serving, beside], return_when=asyncio.FIRST_COMPLETED)
+        running: list[asyncio.Future[Any]] = [serving, beside]
+        await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.set()
         with contextlib.suppress(TimeoutError):
