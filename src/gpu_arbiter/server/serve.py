@@ -28,6 +28,7 @@ Companion = Callable[[str, str | None, asyncio.Event], Coroutine[Any, Any, None]
 def open_store(config: ServeConfig) -> Store:
     if config.store == "memory":
         return MemoryStore()
+
     state_dir = config.state_path
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     return SqliteStore(
