@@ -36,8 +36,12 @@ def open_store(postgres_dsn: str) -> Iterator[OpenStore]:
     """``open_store(dsn=None, **options)``: a store on the test's database, closed after."""
     opened: list[PostgresStore] = []
 
-    def make(dsn: str | None = None, timeout_s: float = 10.0) -> PostgresStore:
-        store = PostgresStore(dsn or postgres_dsn, timeout_s=timeout_s)
+    def make(
+        dsn: str | None = None, timeout_s: float = 10.0, step_down_on_close: bool = False
+    ) -> PostgresStore:
+        store = PostgresStore(
+            dsn or postgres_dsn, timeout_s=timeout_s, step_down_on_close=step_down_on_close
+        )
         opened.append(store)
         return store
 
@@ -184,6 +188,13 @@ def test_step_down_hands_over_at_once(open_store: OpenStore) -> None:
         first.commit(_batch("l-1"))
     assert not lost.is_set()  # stepping down is not a loss
     first.step_down()  # not leading: nothing to do
+
+
+def test_a_store_closed_cleanly_can_hand_over_at_once(open_store: OpenStore) -> None:
+    first, second = open_store(step_down_on_close=True), open_store()
+    assert first.try_lead("a", None, 60.0) == 1
+    first.close()
+    assert second.try_lead("b", None, 60.0) == 2
 
 
 def test_a_store_that_never_led_cannot_commit_but_may_add_tokens(open_store: OpenStore) -> None:

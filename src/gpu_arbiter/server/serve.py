@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -12,20 +14,30 @@ from typing import Any
 import uvicorn
 
 from ..controller import Controller, Limits
-from ..store import MemoryStore, SqliteStore, Store
+from ..store import MemoryStore, PostgresStore, SqliteStore, Store, StoreError, is_postgres_url
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
 
-__all__ = ["Companion", "open_store", "serve"]
+__all__ = ["LEADER_TTL_S", "Companion", "open_store", "serve"]
+
+log = logging.getLogger(__name__)
+
+LEADER_TTL_S = 5.0
+"""A controller's term of leadership on a shared (PostgreSQL) store, renewed every third."""
 
 Companion = Callable[[str, str | None, asyncio.Event], Coroutine[Any, Any, None]]
 """Runs beside the server once it listens: ``companion(url, admin_token, stop)``."""
 
 
 def open_store(config: ServeConfig) -> Store:
+    """The store ``config.store`` names (``sqlite``: ``state.db`` in the state directory).
+    A PostgreSQL store is opened as a standby: it reads, but commits only once it leads;
+    closing it ends its term, so that a standby takes over at once."""
     if config.store == "memory":
         return MemoryStore()
+    if is_postgres_url(config.store):
+        return PostgresStore(config.store, step_down_on_close=True)
     state_dir = config.state_path
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     return SqliteStore(
@@ -43,6 +55,8 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         )
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
     store = open_store(config)
+    if isinstance(store, PostgresStore):
+        _lead(store, config)
     admin_token = None
     if config.auth:
         state_dir = config.state_path
@@ -78,6 +92,21 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         server.run()
     else:
         asyncio.run(_serve_with(server, companion, admin_token))
+
+
+def _lead(store: PostgresStore, config: ServeConfig) -> None:
+    """Takes the leadership of the shared store, or refuses to start (closing it) while
+    another controller holds it."""
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    url = f"http://{config.host}:{config.port}"
+
+    def lost() -> None:
+        log.error("this controller no longer leads the store; changes are refused")
+
+    if store.try_lead(holder, url, LEADER_TTL_S, on_lost=lost) is None:
+        leader = store.leader()
+        store.close()
+        raise StoreError(f"another controller leads this database: {leader.holder} at {leader.url}")
 
 
 async def _serve_with(server: uvicorn.Server, companion: Companion, token: str | None) -> None:
