@@ -16,6 +16,7 @@ from gpu_arbiter.core import LeaseState, Request
 from gpu_arbiter.store import (
     MIGRATIONS,
     Batch,
+    Event,
     Fenced,
     Leader,
     LeaseRecord,
@@ -205,6 +206,22 @@ def test_a_store_that_never_led_cannot_commit_but_may_add_tokens(open_store: Ope
     token = TokenRecord(id="t1", digest="ab" * 32, role="client", created_at=1.0)
     store.put_token(token)
     assert store.token(token.digest) == token
+
+
+def test_a_failed_batch_writes_nothing_and_the_leader_goes_on(open_store: OpenStore) -> None:
+    store = open_store()
+    assert store.try_lead("a", None, 60.0) == 1
+    store.commit(Batch(events=[Event(1, 1.0, "x")]))
+    version = store.version()
+    duplicate = Batch(leases=_batch("l-1").leases, events=[Event(1, 1.0, "x")])
+    with pytest.raises(StoreError, match="cannot write") as failed:
+        store.commit(duplicate)
+    assert not isinstance(failed.value, Fenced)
+    assert store.lease("l-1") is None
+    assert store.version() == version
+    assert store.epoch == 1
+    store.commit(_batch("l-1"))
+    assert store.lease("l-1") is not None
 
 
 def test_version_grows_with_every_commit(open_store: OpenStore) -> None:
