@@ -173,11 +173,12 @@ def _where(dsn: str) -> str:
     """The DSN without user or password, to name the database in messages."""
     try:
         parts = urlsplit(dsn)
-        host = parts.hostname or "localhost"
-        port = f":{parts.port}" if parts.port else ""
+        query = parse_qs(parts.query)
+        host = parts.hostname or query.get("host", ["localhost"])[0]
+        port = parts.port or query.get("port", [""])[0]
     except ValueError:
         return "the PostgreSQL database"
-    return f"postgresql://{host}{port}{parts.path}"
+    return f"postgresql://{host}{f':{port}' if port else ''}{parts.path}"
 
 
 def _secrets(dsn: str) -> tuple[str, ...]:
