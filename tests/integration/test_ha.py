@@ -4,6 +4,7 @@ take over; nothing acknowledged is lost or granted twice (I1, I9)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -137,7 +138,9 @@ async def _steps(
     while True:
         try:
             if lease is None:
-                lease = await client.create_lease(vram_mb=256, holder=f"h{index}", idempotency_key=key)
+                lease = await client.create_lease(
+                    vram_mb=256, holder=f"h{index}", idempotency_key=key
+                )
             elif lease["state"] == "pending":
                 lease = await client.lease(lease["id"], wait_s=5, state="pending")
             elif lease["state"] == "loading":
@@ -245,19 +248,15 @@ class Cut:
             pass
         finally:
             for end in (source, sink):
-                try:
+                with contextlib.suppress(OSError):
                     end.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def sever(self) -> None:
         self.cut = True
         with self.lock:
             for end in self.sockets:
-                try:
+                with contextlib.suppress(OSError):
                     end.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 end.close()
             self.sockets.clear()
 
@@ -308,4 +307,3 @@ def test_a_stopped_leader_hands_over_without_waiting_for_its_term(
     wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
     first.stop()  # SIGTERM: it ends its term; the standby need not wait 120 s for it to lapse
     assert leader_of(second, timeout_s=30) is second
-

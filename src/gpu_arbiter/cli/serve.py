@@ -47,7 +47,12 @@ def serve(
         bool | None, _opt("AUTH", "Require bearer tokens (default on).", "--auth/--no-auth")
     ] = None,
     store: Annotated[
-        str | None, _opt("STORE", "sqlite (durable) or memory (lost on exit) (default sqlite).")
+        str | None,
+        _opt(
+            "STORE",
+            "sqlite (durable), memory (lost on exit) or a postgresql:// URL (a database "
+            "several controllers share) (default sqlite).",
+        ),
     ] = None,
     sync: Annotated[
         str | None,
@@ -106,6 +111,7 @@ def serve(
     }
     from ..server.config import ServeConfig
     from ..server.serve import serve as run_server
+    from ..store import StoreError
 
     spec = given.pop("simulate") if local else None  # --local: the local agent's GPUs
     try:
@@ -116,7 +122,10 @@ def serve(
     if local:
         token_file = settings.state_path / "admin.token" if settings.auth else None
         companion = local_agent(spec, token_file)
-    run_server(settings, companion)
+    try:
+        run_server(settings, companion)
+    except StoreError as error:  # at start: once serving, the store's failures are 503s
+        raise SystemExit(f"gpu-arbiter serve: {error}") from error
 
 
 def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
@@ -164,23 +173,34 @@ def token_create(
     state_dir: Annotated[
         Path | None, _opt("STATE_DIR", "The controller's state directory.")
     ] = None,
+    store: Annotated[
+        str | None, _opt("STORE", "The controller's store: sqlite or a postgresql:// URL.")
+    ] = None,
 ) -> None:
     """Issue a token: printed once; only its digest is kept."""
     from ..server.auth import create_token
     from ..server.config import ServeConfig
     from ..server.serve import open_store
+    from ..store import StoreError
 
     if role not in ("client", "worker"):
         raise typer.BadParameter("--role must be client or worker")
     try:
         name = validate_worker_name(worker) if worker is not None else None
-        store = open_store(ServeConfig.resolve({"state_dir": state_dir}, None))
+        settings = ServeConfig.resolve({"state_dir": state_dir, "store": store}, None)
+        if settings.store == "memory":
+            raise InvalidInput("store", "a memory store keeps no tokens")
+        opened = open_store(settings)
     except InvalidInput as error:
         raise typer.BadParameter(str(error)) from error
+    except StoreError as error:
+        raise SystemExit(f"gpu-arbiter token create: {error}") from error
     try:
-        token, _ = create_token(store, role, name)
+        token, _ = create_token(opened, role, name)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
+    except StoreError as error:
+        raise SystemExit(f"gpu-arbiter token create: {error}") from error
     finally:
-        store.close()
+        opened.close()
     typer.echo(token)

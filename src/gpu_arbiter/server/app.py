@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -29,12 +29,10 @@ def create_app(
     *,
     max_body_bytes: int = 64 * 1024,
     standby: bool = False,
-    on_close: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The controller is started in the app's lifespan and closed (with its store) after.
     With ``standby``, it starts as a standby (a shared store's leader is elected beside
-    the server: see ``ha.py``). ``on_close`` runs between the two (a leader ends its term
-    there, so that a standby takes over at once)."""
+    the server: see ``ha.py``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,8 +44,6 @@ def create_app(
             yield
         finally:
             controller.close()
-            if on_close is not None:
-                on_close()
             controller.store.close()
 
     app = FastAPI(

@@ -5,6 +5,9 @@ options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``auth``, ``store``, ``heartbeat_timeout_s``, ``sync``, ``max_body_bytes``,
 ``max_pending``, ``max_pending_per_holder``, ``advertise_url``, ``leader_ttl_s``),
 optionally under ``[serve]``.
+
+``store``: ``sqlite`` (the state directory's ``state.db``), ``memory``, or a
+``postgresql://`` URL (a database several controllers share: one leads, see ``ha.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core import Gpu, InvalidInput, parse_mb
+from ..store import is_postgres_url
 
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
 
@@ -36,7 +40,7 @@ class ServeConfig:
     state_dir: Path | None = None
     simulate: str | None = None
     auth: bool = True
-    store: Literal["sqlite", "memory"] = "sqlite"
+    store: str = "sqlite"
     sync: Literal["normal", "full"] = "normal"
     heartbeat_timeout_s: float = 15.0
     max_body_bytes: int = 64 * 1024
@@ -45,6 +49,14 @@ class ServeConfig:
     log_level: str = "info"
     advertise_url: str | None = None
     leader_ttl_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.store not in ("sqlite", "memory") and not is_postgres_url(self.store):
+            scheme, sep, _ = self.store.partition("://")  # the rest may hold a password
+            shown = f"{scheme}://..." if sep else self.store
+            raise InvalidInput(
+                "store", f"must be sqlite, memory or a postgresql:// URL, not {shown!r}"
+            )
 
     @classmethod
     def resolve(cls, given: dict[str, Any], config_file: Path | None) -> ServeConfig:

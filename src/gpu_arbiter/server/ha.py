@@ -65,11 +65,6 @@ class LeaderStore(Protocol):
     def version(self) -> int: ...
 
 
-def can_lead(store: object) -> bool:
-    """Whether ``store`` elects leaders (several controllers may share it)."""
-    return all(hasattr(store, name) for name in ("try_lead", "step_down", "leader", "version"))
-
-
 class Coordinator:
     """Runs beside the HTTP server: takes the leadership when it is free, keeps a
     standby's copy fresh, and steps down when the term is lost."""

@@ -8,16 +8,16 @@ import logging
 import socket
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Any
 
 import uvicorn
 
 from ..controller import Controller, Limits
-from ..store import MemoryStore, SqliteStore, Store, StoreError
+from ..store import MemoryStore, PostgresStore, SqliteStore, Store, is_postgres_url
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
-from .ha import Coordinator, LeaderStore, can_lead
+from .ha import Coordinator, LeaderStore
 
 __all__ = ["Companion", "open_store", "serve"]
 
@@ -26,9 +26,13 @@ Companion = Callable[[str, str | None, asyncio.Event], Coroutine[Any, Any, None]
 
 
 def open_store(config: ServeConfig) -> Store:
+    """The store ``config.store`` names (``sqlite``: ``state.db`` in the state directory).
+    A PostgreSQL store is opened as a standby: it reads, but commits only once it leads;
+    closing it ends its term, so that a standby takes over at once."""
     if config.store == "memory":
         return MemoryStore()
-
+    if is_postgres_url(config.store):
+        return PostgresStore(config.store, step_down_on_close=True)
     state_dir = config.state_path
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     return SqliteStore(
@@ -63,13 +67,12 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         simulated=parse_simulate(config.simulate) if config.simulate else (),
     )
-    shared = can_lead(store)
+    shared = isinstance(store, PostgresStore)  # several controllers: one leads
     app = create_app(
         controller,
         Authenticator(store, enabled=config.auth),
         max_body_bytes=config.max_body_bytes,
         standby=shared,
-        on_close=_stepping_down(store) if shared else None,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -83,7 +86,7 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         )
     )
     companions = [] if companion is None else [companion]
-    if shared:
+    if isinstance(store, PostgresStore):
         companions.insert(0, _coordinate(controller, store, config))
     if not companions:
         server.run()
@@ -91,22 +94,12 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         asyncio.run(_serve_with(server, companions, admin_token))
 
 
-def _stepping_down(store: Store) -> Callable[[], None]:
-    def step_down() -> None:
-        with contextlib.suppress(StoreError):
-            cast(LeaderStore, store).step_down()
-
-    return step_down
-
-
-def _coordinate(controller: Controller, store: Store, config: ServeConfig) -> Companion:
+def _coordinate(controller: Controller, store: LeaderStore, config: ServeConfig) -> Companion:
     """Leader election beside the server (a shared store: several controllers)."""
 
     async def coordinate(url: str, token: str | None, stop: asyncio.Event) -> None:
         advertised = (config.advertise_url or url).rstrip("/")
-        coordinator = Coordinator(
-            controller, cast(LeaderStore, store), url=advertised, ttl_s=config.leader_ttl_s
-        )
+        coordinator = Coordinator(controller, store, url=advertised, ttl_s=config.leader_ttl_s)
         await coordinator.run(stop)
 
     return coordinate

@@ -173,11 +173,12 @@ def _where(dsn: str) -> str:
     """The DSN without user or password, to name the database in messages."""
     try:
         parts = urlsplit(dsn)
-        host = parts.hostname or "localhost"
-        port = f":{parts.port}" if parts.port else ""
+        query = parse_qs(parts.query)
+        host = parts.hostname or query.get("host", ["localhost"])[0]
+        port = parts.port or query.get("port", [""])[0]
     except ValueError:
         return "the PostgreSQL database"
-    return f"postgresql://{host}{port}{parts.path}"
+    return f"postgresql://{host}{f':{port}' if port else ''}{parts.path}"
 
 
 def _secrets(dsn: str) -> tuple[str, ...]:
@@ -194,7 +195,9 @@ class PostgresStore:
     """The :class:`~.base.Store` on PostgreSQL, with the leadership of controllers.
 
     ``dsn``: ``postgresql://user@host:port/database`` (a password is better kept in
-    ``PGPASSWORD`` or ``~/.pgpass`` than in the URL). ``timeout_s`` bounds every call."""
+    ``PGPASSWORD`` or ``~/.pgpass`` than in the URL). ``timeout_s`` bounds every call.
+    ``step_down_on_close``: :meth:`close` ends a term this store leads, so that a standby
+    takes over at once (a controller shutting down cleanly); otherwise the term lapses."""
 
     def __init__(
         self,
@@ -203,11 +206,13 @@ class PostgresStore:
         event_history: int = 10_000,
         timeout_s: float = 10.0,
         pool_size: int = 4,
+        step_down_on_close: bool = False,
     ) -> None:
         self._where = _where(dsn)
         self._secrets = _secrets(dsn)
         self._event_history = event_history
         self._timeout_s = timeout_s
+        self._step_down_on_close = step_down_on_close
         self._event_commits = 0
         self._epoch: int | None = None
         self._on_lost: Callable[[], None] | None = None
@@ -265,9 +270,8 @@ class PostgresStore:
         return TokenRecord(*rows[0]) if rows else None
 
     def close(self) -> None:
-        """Closes the pool and stops the thread. A leader stops renewing but does not
-        end its term: a standby takes over when it lapses (use :meth:`step_down` first
-        to hand over at once)."""
+        """Closes the pool and stops the thread. A leader stops renewing; its term ends
+        now with ``step_down_on_close``, else a standby takes over when it lapses."""
         if self._closed:
             return
         try:
@@ -374,6 +378,11 @@ class PostgresStore:
         return pool
 
     async def _shutdown(self) -> None:
+        if self._step_down_on_close:
+            try:
+                await self._step_down()
+            except _FAILURES as error:
+                log.warning("cannot end the term: %s", self._scrub(str(error)))
         await self._stop_renewal()
         try:
             await asyncio.wait_for(self._pool.close(), self._timeout_s / 2)
