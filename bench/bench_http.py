@@ -3,7 +3,8 @@
 1. Lease create+release round trips per second over HTTP with 1, 10 and 50
    concurrent clients, median and p99 latency of one round trip (POST + DELETE),
    with the SQLite store and with the memory store: the ratio is the cost of
-   durability.
+   durability. ``--store postgresql://...`` also measures the PostgreSQL store (on
+   that database; a controller leads it for the run).
 2. Heartbeats: 1,000 simulated workers of 8 GPUs each. The most heartbeats per
    second the controller sustains, and the controller's CPU while the 1,000
    workers heartbeat every 5 seconds (200 per second).
@@ -143,32 +144,38 @@ async def round_trips(server: Server, clients: int, seconds: float) -> dict[str,
     }
 
 
-def bench_round_trips(seconds: float, gpus: int) -> None:
+def bench_round_trips(seconds: float, gpus: int, postgres: str | None) -> None:
     print(
         f"lease create+release round trips over HTTP (one round trip = POST + DELETE), "
         f"one simulated worker of {gpus} GPUs"
     )
-    print(f"{'store':>7} {'clients':>7} {'trips/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'granted':>8}")
+    print(f"{'store':>8} {'clients':>7} {'trips/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'granted':>8}")
+    stores = {"sqlite": "sqlite", "memory": "memory"}
+    if postgres is not None:
+        stores["postgres"] = postgres
     results: dict[tuple[str, int], dict[str, float]] = {}
-    for store in ("sqlite", "memory"):
+    for name, store in stores.items():
         server = Server("--simulate", f"{gpus}x80G", "--store", store)
         try:
             asyncio.run(round_trips(server, 4, 0.5))  # warm up
             for clients in (1, 10, 50):
                 r = asyncio.run(round_trips(server, clients, seconds))
-                results[(store, clients)] = r
+                results[(name, clients)] = r
                 print(
-                    f"{store:>7} {clients:>7} {r['rps']:>9.0f} {r['p50_ms']:>8.2f} "
+                    f"{name:>8} {clients:>7} {r['rps']:>9.0f} {r['p50_ms']:>8.2f} "
                     f"{r['p99_ms']:>8.2f} {r['granted']:>8.0%}"
                 )
         finally:
             server.stop()
-    for clients in (1, 10, 50):
-        sqlite, memory = results[("sqlite", clients)], results[("memory", clients)]
-        print(
-            f"  {clients:>2} clients: sqlite/memory throughput "
-            f"{sqlite['rps'] / memory['rps']:.2f}, p99 {sqlite['p99_ms'] / memory['p99_ms']:.2f}x"
-        )
+    for name, base in [("sqlite", "memory"), ("postgres", "sqlite")]:
+        if name not in stores:
+            continue
+        for clients in (1, 10, 50):
+            ours, theirs = results[(name, clients)], results[(base, clients)]
+            print(
+                f"  {clients:>2} clients: {name}/{base} throughput "
+                f"{ours['rps'] / theirs['rps']:.2f}, p99 {ours['p99_ms'] / theirs['p99_ms']:.2f}x"
+            )
 
 
 def _heartbeat(i: int, beat: int) -> dict[str, Any]:
@@ -245,9 +252,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     parser.add_argument("--only", choices=["trips", "heartbeats"], default=None)
     parser.add_argument("--gpus", type=int, default=64, help="GPUs of the simulated worker")
+    parser.add_argument(
+        "--store",
+        metavar="URL",
+        default=None,
+        help="also measure round trips with the PostgreSQL store on this database "
+        "(postgresql://...)",
+    )
     args = parser.parse_args()
+    if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
+        parser.error("--store: a postgresql:// URL")
     if args.only in (None, "trips"):
-        bench_round_trips(args.seconds, args.gpus)
+        bench_round_trips(args.seconds, args.gpus, args.store)
     if args.only in (None, "heartbeats"):
         bench_heartbeats(args.seconds)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,9 +110,14 @@ class ArbiterClient:
         """One call, failing over across the controller URLs; the decoded JSON body."""
         clean = {k: v for k, v in (params or {}).items() if v is not None}
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
-        errors = []
-        for attempt in range(len(self.urls)):
-            url = self.urls[(self._current + attempt) % len(self.urls)]
+        errors: list[str] = []
+        tried: set[str] = set()
+        order = [self.urls[(self._current + i) % len(self.urls)] for i in range(len(self.urls))]
+        while order:
+            url = order.pop(0)
+            if url in tried:
+                continue
+            tried.add(url)
             try:
                 response = await self._http.request(
                     method, url + path, json=json_body, params=clean, timeout=timeout
@@ -119,10 +125,17 @@ class ArbiterClient:
             except httpx.TransportError as exc:
                 errors.append(f"{url}: {exc.__class__.__name__} {exc}".strip())
                 continue
-            if response.status_code == 503 and len(self.urls) > 1:
-                errors.append(f"{url}: 503 not ready or not the leader")
+            leader = _leader_of(response)
+            if leader is not None:  # a standby: its leader first, then the others
+                errors.append(f"{url}: a standby (the leader is {leader or 'not known'})")
+                if leader and leader not in tried:
+                    order.insert(0, leader)
                 continue
-            self._current = (self._current + attempt) % len(self.urls)
+            if response.status_code == 503 and len(self.urls) > 1:
+                errors.append(f"{url}: 503 not ready")
+                continue
+            if url in self.urls:
+                self._current = self.urls.index(url)
             return _decode(response)
         raise ControllerUnreachable(
             "no controller answered (" + "; ".join(errors) + "). Start one with "
@@ -134,6 +147,8 @@ class ArbiterClient:
     async def create_lease(self, **request: Any) -> Json:
         """POST /v1/leases: 201 granted at once, 202 pending (with position and reason)."""
         body = {k: v for k, v in request.items() if v is not None}
+        # A retry on another controller (failover) must not queue the request twice.
+        body.setdefault("idempotency_key", f"auto-{uuid.uuid4().hex}")
         result: Json = await self.request("POST", "/v1/leases", json_body=body)
         return result
 
@@ -268,6 +283,21 @@ class ArbiterClient:
     async def _post(self, path: str, body: Json | None = None) -> Json:
         result: Json = await self.request("POST", path, json_body=body)
         return result
+
+
+def _leader_of(response: httpx.Response) -> str | None:
+    """For a standby's answer (307 to the leader, or 503 ``not_leader``): the leader's
+    base URL, ``""`` when the standby does not know it; None for any other answer."""
+    if response.status_code == 307 and response.headers.get("x-gpu-arbiter-leader"):
+        return response.headers["x-gpu-arbiter-leader"].rstrip("/")
+    if response.status_code == 503:
+        try:
+            error = response.json().get("error", {})
+        except (ValueError, AttributeError):
+            return None
+        if isinstance(error, dict) and error.get("code") == "not_leader":
+            return str((error.get("details") or {}).get("leader") or "").rstrip("/")
+    return None
 
 
 def _decode(response: httpx.Response) -> Any:

@@ -18,6 +18,19 @@ heartbeat deadline: nothing polls.
 If the store fails, the controller stops accepting changes (503) until it is
 restarted: the core may hold a change the store does not, and the restart
 reloads what was acknowledged.
+
+Roles, when several controllers share one store (PostgreSQL)::
+
+    standby ──start()──▶ leader ──demote()──▶ standby
+       ▲ │                 (its term ended,     │
+       └─┘ mirror()         or it was fenced)   ▼
+     (reload what the leader committed)      mirror()
+
+A *standby* holds a read-only copy of what the leader committed (``mirror()``
+reloads it): reads are answered from it, every change raises
+:class:`NotLeader`, and no timer runs. ``start()`` makes a controller the
+leader: it reloads the acknowledged state, so a new leader continues the fencing
+tokens and leases of the old one exactly where its last commit left them.
 """
 
 from __future__ import annotations
@@ -61,6 +74,7 @@ from .store import (
     LeaseRecord,
     OperationRecord,
     OperationStep,
+    Snapshot,
     Store,
     StoreError,
     WorkerRecord,
@@ -72,6 +86,7 @@ __all__ = [
     "GpuProbeReport",
     "Histogram",
     "Limits",
+    "NotLeader",
     "PendingView",
     "ServiceUnavailable",
     "TooManyRequests",
@@ -92,6 +107,12 @@ class ServiceUnavailable(ArbiterError):
     """The controller cannot accept changes (its store failed, or it is stopping)."""
 
     code = "unavailable"
+
+
+class NotLeader(ServiceUnavailable):
+    """This controller is a standby: changes go to the leader (``leader``, when known)."""
+
+    code = "not_leader"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +216,8 @@ class Controller:
         self.scheduler = Scheduler(self.policy)
         self.broken: str | None = None
         self.started = False
+        self.standby = False
+        self.leader_url: str | None = None
         self.wait_times = Histogram(WAIT_BOUNDS_S)  # submitted -> granted
         self.grant_latency = Histogram(GRANT_LATENCY_BOUNDS_S)  # change start -> grant stored
         self._records: dict[str, LeaseRecord] = {}
@@ -218,37 +241,93 @@ class Controller:
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        """Loads the acknowledged state and starts the timer. Call on the running loop."""
+        """Loads the acknowledged state and starts the timer: this controller leads.
+        Call on the running loop."""
         self._loop = asyncio.get_running_loop()
         snapshot = self.store.load()
-        now = self._clock()
-        meta = dict(snapshot.meta)
-        self.scheduler = Scheduler(
-            self.policy, next_token=meta.get("next_token", 1), next_seq=meta.get("next_seq", 1)
-        )
-        self._meta = meta
-        self._event_seq = snapshot.last_event_seq
-        self._events.extend(self.store.events_after(max(0, self._event_seq - 1000), 1000))
-        if meta.get("paused"):
-            self.scheduler.pause()
-        self._operations = {op.id: op for op in snapshot.operations}
+        self._rebuild(snapshot)
+        self.standby = False
+        self.leader_url = None
+        self.broken = None
         with self._change() as change:
-            for worker in snapshot.workers:
-                self._restore_worker(worker, now)
             self._restore_leases(snapshot.leases, change)
             if self._simulated:
                 self._put_simulated(change)
             change.event("controller.started", leases=len(self.scheduler.leases))
         self.started = True
 
+    def mirror(self, leader_url: str | None = None) -> None:
+        """Standby: reloads what the leader committed, for reads; changes raise
+        :class:`NotLeader` (naming ``leader_url``). Commits nothing, runs no timer."""
+        self._loop = asyncio.get_running_loop()
+        self._stop_timer()
+        self.started = False
+        self.standby = True
+        self.leader_url = leader_url
+        snapshot = self.store.load()  # a StoreError leaves the last copy: still a standby
+        self.broken = None  # what was not committed is gone with the reload
+        before = self._event_seq
+        self._rebuild(snapshot)
+        self._restore_leases(snapshot.leases, _Change(self._clock()))  # nothing is written
+        self._wake_waiters(events=self._event_seq != before)
+
+    def demote(self, leader_url: str | None = None) -> None:
+        """The leader's term is over (or it was fenced): it becomes a standby at once
+        (changes raise :class:`NotLeader`), then reloads what was committed; what it
+        held in memory but could not commit is dropped."""
+        log.warning("no longer the leader; continuing as a standby")
+        self._stop_timer()
+        self.started = False
+        self.standby = True
+        self.leader_url = leader_url
+        self._wake_waiters(events=True)
+        self.mirror(leader_url)
+
     def close(self) -> None:
         self.stopping.set()
-        self._events_changed.set()  # event streams and long-polls answer now
-        for waiter in self._lease_changed.values():
-            waiter.set()
+        self._wake_waiters(events=True)  # event streams and long-polls answer now
+        self._stop_timer()
+        self.started = False
+
+    def _rebuild(self, snapshot: Snapshot) -> None:
+        """Replaces the in-memory state by ``snapshot``'s workers and counters (leases
+        are restored by the caller, which decides whether that is a change)."""
+        now = self._clock()
+        meta = dict(snapshot.meta)
+        self.scheduler = Scheduler(
+            self.policy, next_token=meta.get("next_token", 1), next_seq=meta.get("next_seq", 1)
+        )
+        self._records.clear()
+        self._recent.clear()
+        self._keys.clear()
+        self._pending_by_holder.clear()
+        self._workers.clear()
+        self._seen.clear()
+        self._offline_heap.clear()
+        self._meta = meta
+        if self._event_seq != snapshot.last_event_seq or not self._events:
+            self._event_seq = snapshot.last_event_seq
+            self._events.clear()
+            self._events.extend(self.store.events_after(max(0, self._event_seq - 1000), 1000))
+        if meta.get("paused"):
+            self.scheduler.pause()
+        self._operations = {op.id: op for op in snapshot.operations}
+        for worker in snapshot.workers:
+            self._restore_worker(worker, now)
+
+    def _stop_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self.started = False
+        self._timer = None
+        self._timer_at = None
+
+    def _wake_waiters(self, *, events: bool) -> None:
+        for waiter in self._lease_changed.values():
+            waiter.set()
+        self._lease_changed.clear()
+        if events:
+            self._events_changed.set()
+            self._events_changed = asyncio.Event()
 
     def _restore_worker(self, record: WorkerRecord, now: float) -> None:
         name = record.name
@@ -845,6 +924,8 @@ class Controller:
             "counters": dict(self.scheduler.counters),
             "next_token": self.scheduler.next_token,
             "last_event": self._event_seq,
+            "role": "standby" if self.standby else "leader",
+            "leader": self.leader_url,
         }
 
     # ------------------------------------------------------------------ waiting
@@ -889,6 +970,9 @@ class Controller:
     # ------------------------------------------------------------------ the change
 
     def _check_available(self) -> None:
+        if self.standby:
+            where = f"; the leader is {self.leader_url}" if self.leader_url else ""
+            raise NotLeader(f"this controller is a standby{where}", leader=self.leader_url or "")
         if self.broken is not None:
             raise ServiceUnavailable(f"the controller is not accepting changes: {self.broken}")
         if not self.started and self._loop is not None:
@@ -1094,7 +1178,7 @@ class Controller:
         return min((d for d in deadlines if d is not None), default=None)
 
     def _arm_timer(self) -> None:
-        if self._loop is None or self.stopping.is_set():
+        if self._loop is None or self.stopping.is_set() or self.standby:
             return
         at = self._next_wakeup()
         if at == self._timer_at:
@@ -1109,7 +1193,7 @@ class Controller:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        if self.broken is not None or self.stopping.is_set():
+        if self.broken is not None or self.stopping.is_set() or self.standby:
             return
         try:
             with self._change():

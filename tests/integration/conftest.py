@@ -62,7 +62,9 @@ class Server(ManagedProcess):
         self.log = state_dir / "server.log"
         self._log_from = 0
 
-    def start(self, timeout_s: float = 30.0) -> Server:
+    def start(self, timeout_s: float = 30.0, *, ready: bool = True) -> Server:
+        """Starts the process and waits until it listens and, with ``ready``, until it
+        accepts changes (a standby never does: it waits for ``/healthz`` then)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(SRC)}
         env.pop("GPU_ARBITER_CONFIG", None)
@@ -73,7 +75,7 @@ class Server(ManagedProcess):
             self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
         port = wait_for(self._port, timeout_s, "the server to listen")
         self.url = f"http://127.0.0.1:{port}"
-        wait_for(self._ready, timeout_s, "the server to be ready")
+        wait_for(lambda: self._answers("/readyz" if ready else "/healthz"), timeout_s, "ready")
         return self
 
     def _port(self) -> str | None:
@@ -83,9 +85,9 @@ class Server(ManagedProcess):
         found = _LISTENING.findall(self.log.read_bytes()[self._log_from :].decode())
         return found[-1] if found else None
 
-    def _ready(self) -> bool:
+    def _answers(self, path: str) -> bool:
         try:
-            return httpx.get(self.url + "/readyz", timeout=2).status_code == 200
+            return httpx.get(self.url + path, timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 

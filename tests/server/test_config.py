@@ -64,3 +64,12 @@ def test_tokens_authenticate_by_digest_only() -> None:
         create_token(store, "worker")
     with pytest.raises(ValueError, match="role"):
         create_token(store, "root")
+
+
+def test_store_is_sqlite_memory_or_a_postgresql_url() -> None:
+    for store in ("sqlite", "memory", "postgresql://db/x", "postgres://u@db:5433/x"):
+        assert ServeConfig.resolve({"store": store}, None).store == store
+    for bad in ("mysql", "postgresq://user:secret@db/x", ""):
+        with pytest.raises(InvalidInput, match="store: must be sqlite, memory or a post") as error:
+            ServeConfig.resolve({"store": bad}, None)
+        assert "secret" not in str(error.value)

@@ -17,6 +17,7 @@ from gpu_arbiter.store import (
     MemoryStore,
     OperationRecord,
     OperationStep,
+    PostgresStore,
     SqliteStore,
     Store,
     TokenRecord,
@@ -24,13 +25,19 @@ from gpu_arbiter.store import (
 )
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+def _open(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    if kind == "memory":
+        return MemoryStore(event_history=20)
+    if kind == "sqlite":
+        return SqliteStore(tmp_path / "state.db", event_history=20)
+    shared = PostgresStore(request.getfixturevalue("postgres_dsn"), event_history=20)
+    assert shared.try_lead("contract", None, ttl_s=60) == 1  # only a leader commits
+    return shared
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    made: Store = (
-        MemoryStore(event_history=20)
-        if request.param == "memory"
-        else SqliteStore(tmp_path / "state.db", event_history=20)
-    )
+    made = _open(request.param, request, tmp_path)
     yield made
     made.close()
 

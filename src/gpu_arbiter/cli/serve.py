@@ -46,7 +46,12 @@ def serve(
         bool | None, _opt("AUTH", "Require bearer tokens (default on).", "--auth/--no-auth")
     ] = None,
     store: Annotated[
-        str | None, _opt("STORE", "sqlite (durable) or memory (lost on exit) (default sqlite).")
+        str | None,
+        _opt(
+            "STORE",
+            "sqlite (durable), memory (lost on exit) or a postgresql:// URL (a database "
+            "several controllers share) (default sqlite).",
+        ),
     ] = None,
     sync: Annotated[
         str | None,
@@ -64,6 +69,21 @@ def serve(
     ] = None,
     log_format: Annotated[
         str | None, _opt("LOG_FORMAT", "text, or json: one object per line (default text).")
+    ] = None,
+    advertise_url: Annotated[
+        str | None,
+        _opt(
+            "ADVERTISE_URL",
+            "With a shared PostgreSQL store: the URL standbys send clients to while this "
+            "controller leads (default: the address it listens on).",
+        ),
+    ] = None,
+    leader_ttl_s: Annotated[
+        float | None,
+        _opt(
+            "LEADER_TTL_S",
+            "With a shared PostgreSQL store: a leader silent this long is replaced (default 3).",
+        ),
     ] = None,
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
@@ -89,9 +109,12 @@ def serve(
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "log_level": log_level,
         "log_format": log_format,
+        "advertise_url": advertise_url,
+        "leader_ttl_s": leader_ttl_s,
     }
     from ..server.config import ServeConfig
     from ..server.serve import serve as run_server
+    from ..store import StoreError
 
     spec = given.pop("simulate") if local else None  # --local: the local agent's GPUs
     try:
@@ -102,7 +125,10 @@ def serve(
     if local:
         token_file = settings.state_path / "admin.token" if settings.auth else None
         companion = local_agent(spec, token_file)
-    run_server(settings, companion)
+    try:
+        run_server(settings, companion)
+    except StoreError as error:  # at start: once serving, the store's failures are 503s
+        raise SystemExit(f"gpu-arbiter serve: {error}") from error
 
 
 def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
@@ -145,23 +171,34 @@ def token_create(
     state_dir: Annotated[
         Path | None, _opt("STATE_DIR", "The controller's state directory.")
     ] = None,
+    store: Annotated[
+        str | None, _opt("STORE", "The controller's store: sqlite or a postgresql:// URL.")
+    ] = None,
 ) -> None:
     """Issue a token: printed once; only its digest is kept."""
     from ..server.auth import create_token
     from ..server.config import ServeConfig
     from ..server.serve import open_store
+    from ..store import StoreError
 
     if role not in ("client", "worker"):
         raise typer.BadParameter("--role must be client or worker")
     try:
         name = validate_worker_name(worker) if worker is not None else None
-        store = open_store(ServeConfig.resolve({"state_dir": state_dir}, None))
+        settings = ServeConfig.resolve({"state_dir": state_dir, "store": store}, None)
+        if settings.store == "memory":
+            raise InvalidInput("store", "a memory store keeps no tokens")
+        opened = open_store(settings)
     except InvalidInput as error:
         raise typer.BadParameter(str(error)) from error
+    except StoreError as error:
+        raise SystemExit(f"gpu-arbiter token create: {error}") from error
     try:
-        token, _ = create_token(store, role, name)
+        token, _ = create_token(opened, role, name)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
+    except StoreError as error:
+        raise SystemExit(f"gpu-arbiter token create: {error}") from error
     finally:
-        store.close()
+        opened.close()
     typer.echo(token)

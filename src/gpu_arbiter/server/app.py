@@ -25,13 +25,22 @@ DASHBOARD = Path(__file__).with_name("dashboard")
 
 
 def create_app(
-    controller: Controller, auth: Authenticator, *, max_body_bytes: int = 64 * 1024
+    controller: Controller,
+    auth: Authenticator,
+    *,
+    max_body_bytes: int = 64 * 1024,
+    standby: bool = False,
 ) -> FastAPI:
-    """The controller is started in the app's lifespan and closed (with its store) after."""
+    """The controller is started in the app's lifespan and closed (with its store) after.
+    With ``standby``, it starts as a standby (a shared store's leader is elected beside
+    the server: see ``ha.py``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        controller.start()
+        if standby:
+            controller.mirror()
+        else:
+            controller.start()
         try:
             yield
         finally:
@@ -53,8 +62,11 @@ def create_app(
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", summary="The controller accepts changes")
+    @app.get("/readyz", summary="The controller accepts changes (a standby does not)")
     async def readyz() -> JSONResponse:
+        if controller.standby:
+            leader = {"leader": controller.leader_url} if controller.leader_url else {}
+            return error_response(503, "not_leader", "this controller is a standby", leader)
         if controller.broken is not None:
             return error_response(503, "unavailable", controller.broken)
         if not controller.started:

@@ -3,8 +3,11 @@
 The config file is TOML (``--config`` or ``GPU_ARBITER_CONFIG``), keys as the
 options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``auth``, ``store``, ``heartbeat_timeout_s``, ``sync``, ``max_body_bytes``,
-``max_pending``, ``max_pending_per_holder``, ``log_level``, ``log_format``), optionally
-under ``[serve]``.
+``max_pending``, ``max_pending_per_holder``, ``log_level``, ``log_format``,
+``advertise_url``, ``leader_ttl_s``), optionally under ``[serve]``.
+
+``store``: ``sqlite`` (the state directory's ``state.db``), ``memory``, or a
+``postgresql://`` URL (a database several controllers share: one leads, see ``ha.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Literal
 
 from ..core import Gpu, InvalidInput, parse_mb
 from ..logs import LOG_FORMATS, LOG_LEVELS
+from ..store import is_postgres_url
 
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
 
@@ -37,7 +41,7 @@ class ServeConfig:
     state_dir: Path | None = None
     simulate: str | None = None
     auth: bool = True
-    store: Literal["sqlite", "memory"] = "sqlite"
+    store: str = "sqlite"
     sync: Literal["normal", "full"] = "normal"
     heartbeat_timeout_s: float = 15.0
     max_body_bytes: int = 64 * 1024
@@ -45,6 +49,16 @@ class ServeConfig:
     max_pending_per_holder: int = 1_000
     log_level: str = "info"
     log_format: str = "text"
+    advertise_url: str | None = None
+    leader_ttl_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.store not in ("sqlite", "memory") and not is_postgres_url(self.store):
+            scheme, sep, _ = self.store.partition("://")  # the rest may hold a password
+            shown = f"{scheme}://..." if sep else self.store
+            raise InvalidInput(
+                "store", f"must be sqlite, memory or a postgresql:// URL, not {shown!r}"
+            )
 
     @classmethod
     def resolve(cls, given: dict[str, Any], config_file: Path | None) -> ServeConfig:
@@ -68,6 +82,12 @@ class ServeConfig:
             raise InvalidInput("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if config.simulate:
             parse_simulate(config.simulate)
+        if config.advertise_url is not None and not re.fullmatch(
+            r"https?://[^\s/]+(:\d+)?/?", config.advertise_url
+        ):
+            raise InvalidInput("advertise_url", "must be like http://host:7070")
+        if not 0.5 <= config.leader_ttl_s <= 600:
+            raise InvalidInput("leader_ttl_s", "must be between 0.5 and 600 seconds")
         return config
 
     @property

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..controller import ServiceUnavailable, TooManyRequests
+from ..controller import NotLeader, ServiceUnavailable, TooManyRequests
 from ..core import (
     ArbiterError,
     Conflict,
@@ -62,8 +62,21 @@ def _details(error: ArbiterError) -> dict[str, Any]:
 
 async def _arbiter_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, ArbiterError)
+    if isinstance(error, NotLeader) and error.details.get("leader"):
+        return _to_leader(request, error)
     status = next((s for kind, s in _STATUS if isinstance(error, kind)), 400)
     return error_response(status, error.code, error.message, _details(error))
+
+
+def _to_leader(request: Request, error: NotLeader) -> JSONResponse:
+    """A standby redirects a change to the leader: 307 keeps the method and the body,
+    so ``curl -L`` and any HTTP client that follows redirects just work."""
+    leader = str(error.details["leader"]).rstrip("/")
+    target = leader + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    response = error_response(307, error.code, error.message, _details(error))
+    response.headers["Location"] = target
+    response.headers["X-GPU-Arbiter-Leader"] = leader
+    return response
 
 
 async def _validation_error(request: Request, error: Exception) -> JSONResponse:

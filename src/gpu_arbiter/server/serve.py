@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -11,10 +12,11 @@ import uvicorn
 
 from ..controller import Controller, Limits
 from ..logs import say, setup_logging
-from ..store import MemoryStore, SqliteStore, Store
+from ..store import MemoryStore, PostgresStore, SqliteStore, Store, is_postgres_url
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
+from .ha import Coordinator, LeaderStore
 
 __all__ = ["Companion", "open_store", "serve"]
 
@@ -23,8 +25,13 @@ Companion = Callable[[str, str | None, asyncio.Event], Coroutine[Any, Any, None]
 
 
 def open_store(config: ServeConfig) -> Store:
+    """The store ``config.store`` names (``sqlite``: ``state.db`` in the state directory).
+    A PostgreSQL store is opened as a standby: it reads, but commits only once it leads;
+    closing it ends its term, so that a standby takes over at once."""
     if config.store == "memory":
         return MemoryStore()
+    if is_postgres_url(config.store):
+        return PostgresStore(config.store, step_down_on_close=True)
     state_dir = config.state_path
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     return SqliteStore(
@@ -58,8 +65,12 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         simulated=parse_simulate(config.simulate) if config.simulate else (),
     )
+    shared = isinstance(store, PostgresStore)  # several controllers: one leads
     app = create_app(
-        controller, Authenticator(store, enabled=config.auth), max_body_bytes=config.max_body_bytes
+        controller,
+        Authenticator(store, enabled=config.auth),
+        max_body_bytes=config.max_body_bytes,
+        standby=shared,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -73,13 +84,29 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             timeout_keep_alive=65,  # longer than clients keep idle connections: no reuse race
         )
     )
-    if companion is None:
+    companions = [] if companion is None else [companion]
+    if isinstance(store, PostgresStore):
+        companions.insert(0, _coordinate(controller, store, config))
+    if not companions:
         server.run()
     else:
-        asyncio.run(_serve_with(server, companion, admin_token))
+        asyncio.run(_serve_with(server, companions, admin_token))
 
 
-async def _serve_with(server: uvicorn.Server, companion: Companion, token: str | None) -> None:
+def _coordinate(controller: Controller, store: LeaderStore, config: ServeConfig) -> Companion:
+    """Leader election beside the server (a shared store: several controllers)."""
+
+    async def coordinate(url: str, token: str | None, stop: asyncio.Event) -> None:
+        advertised = (config.advertise_url or url).rstrip("/")
+        coordinator = Coordinator(controller, store, url=advertised, ttl_s=config.leader_ttl_s)
+        await coordinator.run(stop)
+
+    return coordinate
+
+
+async def _serve_with(
+    server: uvicorn.Server, companions: list[Companion], token: str | None
+) -> None:
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():
@@ -87,10 +114,16 @@ async def _serve_with(server: uvicorn.Server, companion: Companion, token: str |
             return
         await asyncio.sleep(0.05)
     host, port = server.servers[0].sockets[0].getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = socket.getfqdn()
     stop = asyncio.Event()
-    beside = asyncio.create_task(companion(f"http://{host}:{port}", token, stop))
+    url = f"http://{host}:{port}"
+    beside: asyncio.Future[list[None]] = asyncio.ensure_future(
+        asyncio.gather(*(companion(url, token, stop) for companion in companions))
+    )
     try:
-        await asyncio.wait([serving, beside], return_when=asyncio.FIRST_COMPLETED)
+        running: list[asyncio.Future[Any]] = [serving, beside]
+        await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.set()
         with contextlib.suppress(TimeoutError):

@@ -5,6 +5,11 @@ final), counters (``next_token``, ``next_seq``, ``paused``), the bounded event
 history and the token digests. :meth:`Store.commit` writes one :class:`Batch` in
 one transaction: when it returns, the change is durable; when it raises, none
 of it was written.
+
+Errors::
+
+    StoreError          the store could not read or write
+    └── Fenced          a write by a controller that no longer leads (shared stores)
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ from typing import Protocol
 
 from .records import Batch, Event, LeaseRecord, OperationRecord, Snapshot, TokenRecord
 
-__all__ = ["Store", "StoreError"]
+__all__ = ["Fenced", "Store", "StoreError"]
 
 
 class StoreError(Exception):
     """The store could not read or write (disk full, database locked, ...)."""
+
+
+class Fenced(StoreError):
+    """A write refused because its controller no longer leads the shared store: its
+    term (epoch) is over, or it never led. Nothing of the write was stored."""
 
 
 class Store(Protocol):

@@ -1,0 +1,309 @@
+"""Several controllers on one PostgreSQL database: one leads, the others stand by and
+take over; nothing acknowledged is lost or granted twice (I1, I9)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpu_arbiter.client import ApiError, ArbiterClient, ControllerUnreachable
+
+from .conftest import Server, wait_for
+from .test_concurrency import HELD, check_i1
+
+TTL = "1.5"
+
+
+class Controllers:
+    """Controller processes sharing one database, each with its own state directory."""
+
+    def __init__(self, root: Path, dsn: str) -> None:
+        self.root = root
+        self.dsn = dsn
+        self.started: list[Server] = []
+
+    def start(self, name: str, dsn: str | None = None, ttl: str = TTL) -> Server:
+        args = ("--store", dsn or self.dsn, "--leader-ttl-s", ttl, "--simulate", "2x24G:sm_86")
+        server = Server(self.root / name, *args)
+        server.start(ready=False)
+        self.started.append(server)
+        return server
+
+    def stop(self) -> None:
+        for server in self.started:
+            server.stop()
+
+
+@pytest.fixture
+def controllers(tmp_path: Path, postgres_dsn: str) -> Iterator[Controllers]:
+    made = Controllers(tmp_path, postgres_dsn)
+    yield made
+    made.stop()
+
+
+def role(server: Server) -> str | None:
+    try:
+        answer = httpx.get(server.url + "/readyz", timeout=2)
+    except httpx.HTTPError:
+        return None
+    if answer.status_code == 200:
+        return "leader"
+    code = answer.json()["error"]["code"]
+    return "standby" if code == "not_leader" else None
+
+
+def leader_of(*servers: Server, timeout_s: float = 20.0) -> Server:
+    """The one server that leads, once exactly one does."""
+
+    def one() -> Server | None:
+        leading = [s for s in servers if role(s) == "leader"]
+        return leading[0] if len(leading) == 1 else None
+
+    found: Server = wait_for(one, timeout_s, "exactly one leader")
+    return found
+
+
+def test_one_leads_the_other_redirects_changes_and_answers_reads(
+    controllers: Controllers,
+) -> None:
+    first = controllers.start("a")
+    assert leader_of(first) is first
+    second = controllers.start("b")
+    wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+    assert leader_of(first, second) is first
+
+    with first.client() as admin:  # its admin token is in the shared database
+        made = admin.post("/v1/leases", json={"vram_mb": 1024, "holder": "chat"})
+        assert made.status_code == 201, made.text
+        lease = made.json()
+    with second.client(token=first.admin_token) as standby:
+        status = wait_for(
+            lambda: (s := standby.get("/v1/status").json())["leader"] == first.url and s,
+            10,
+            "the standby to know the leader",
+        )
+        assert status["role"] == "standby"
+        seen = wait_for(
+            lambda: (r := standby.get(f"/v1/leases/{lease['id']}")).status_code == 200 and r,
+            10,
+            "the standby to have the lease",
+        )
+        assert seen.json()["token"] == lease["token"]
+        redirected = standby.post("/v1/leases", json={"vram_mb": 1024})
+        assert redirected.status_code == 307
+        assert redirected.headers["location"] == first.url + "/v1/leases"
+        assert redirected.json()["error"]["code"] == "not_leader"
+        # 307 keeps the method and the body; HTTP clients drop the token when they follow
+        # a redirect to another origin, so the client sends it again to the leader.
+        followed = standby.post(redirected.headers["location"], json={"vram_mb": 1024})
+        assert followed.status_code == 201, followed.text
+        assert followed.json()["token"] > lease["token"]
+
+    async def through_the_client() -> dict[str, Any]:
+        async with ArbiterClient([second.url], token=first.admin_token) as client:
+            made: dict[str, Any] = await client.create_lease(vram_mb=512, holder="via-standby")
+            return made
+
+    via = asyncio.run(through_the_client())
+    assert via["state"] == "pending"  # both GPUs are loading already: loads never overlap
+    with first.client() as admin:
+        assert admin.get(f"/v1/leases/{via['id']}").json()["holder"] == "via-standby"
+
+
+async def _operate(
+    urls: list[str], token: str, index: int, acked: dict[str, dict[str, Any]], released: set[str]
+) -> None:
+    """One holder's life: create (the same idempotency key on every retry, so the request
+    is queued once), wait for the grant, ready, and release again for odd indices. Every
+    step is retried through a failover."""
+    async with ArbiterClient(urls, token=token, timeout_s=10) as client:
+        await _steps(client, index, acked, released)
+
+
+async def _steps(
+    client: ArbiterClient, index: int, acked: dict[str, dict[str, Any]], released: set[str]
+) -> None:
+    key = f"op-{index}"
+    deadline = time.monotonic() + 90
+    lease: dict[str, Any] | None = None
+    while True:
+        try:
+            if lease is None:
+                lease = await client.create_lease(
+                    vram_mb=256, holder=f"h{index}", idempotency_key=key
+                )
+            elif lease["state"] == "pending":
+                lease = await client.lease(lease["id"], wait_s=5, state="pending")
+            elif lease["state"] == "loading":
+                lease = await client.ready(lease["id"])
+            elif index % 2 and lease["id"] not in released:
+                await client.release(lease["id"])
+                released.add(lease["id"])
+            else:
+                return
+            acked[lease["id"]] = lease
+        except (ControllerUnreachable, ApiError) as error:
+            if isinstance(error, ApiError) and error.status != 503:
+                raise
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+def test_kill_9_the_leader_during_200_operations(controllers: Controllers) -> None:
+    first = controllers.start("a")
+    leader_of(first)
+    second = controllers.start("b")
+    wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+    acked: dict[str, dict[str, Any]] = {}
+    released: set[str] = set()
+
+    async def churn() -> int:
+        urls = [first.url, second.url]
+        tasks = [
+            asyncio.create_task(_operate(urls, first.admin_token, index, acked, released))
+            for index in range(200)
+        ]
+        while len(acked) < 60 and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.005)
+        in_flight = sum(not t.done() for t in tasks)
+        first.kill9()  # the leader dies in the middle of the operations
+        await asyncio.wait_for(asyncio.gather(*tasks), 100)
+        return in_flight
+
+    in_flight = asyncio.run(churn())
+    assert in_flight > 0
+    assert len(acked) == 200 and len(released) == 100
+    assert leader_of(second) is second
+
+    with second.client(token=first.admin_token) as admin:
+        listed = admin.get("/v1/leases").json()
+        live = [lease for lease in listed if lease["state"] in HELD | {"pending"}]
+        ids = [lease["id"] for lease in listed]
+        assert len(ids) == len(set(ids))
+        keys = [lease["idempotency_key"] for lease in listed]
+        assert len(keys) == len(set(keys))  # no operation was queued twice
+        for lease_id, seen in acked.items():
+            now = admin.get(f"/v1/leases/{lease_id}").json()
+            assert now["token"] == seen["token"] and now["gpus"] == seen["gpus"], now
+            assert now["state"] == ("released" if lease_id in released else "active"), now
+        assert sorted(lease["id"] for lease in live) == sorted(set(acked) - released)
+        by_grant = sorted(acked.values(), key=lambda lease: lease["granted_at"])
+        tokens = [lease["token"] for lease in by_grant]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+        check_i1(admin.get("/v1/workers").json(), live)
+        fresh = admin.post("/v1/leases", json={"vram_mb": 1, "holder": "after"}).json()
+        assert fresh["token"] > max(tokens)
+
+    restarted = Server(first.state_dir, *first.args)
+    restarted.start(ready=False)
+    controllers.started.append(restarted)
+    wait_for(lambda: role(restarted) == "standby", 20, "the old leader to come back as a standby")
+    assert leader_of(restarted, second) is second
+
+
+class Cut:
+    """A TCP relay to the database that can cut every connection and refuse new ones:
+    the controller behind it is partitioned from the database."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut = False
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut:
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def sever(self) -> None:
+        self.cut = True
+        with self.lock:
+            for end in self.sockets:
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                end.close()
+            self.sockets.clear()
+
+    def close(self) -> None:
+        self.sever()
+        self.listener.close()
+
+
+def test_a_leader_cut_off_from_the_database_stops_granting(
+    controllers: Controllers, postgres_dsn: str
+) -> None:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(postgres_dsn)
+    cut = Cut((parts.hostname or "127.0.0.1", parts.port or 5432))
+    try:
+        behind = parts._replace(netloc=f"{parts.username}@127.0.0.1:{cut.port}").geturl()
+        first = controllers.start("a", dsn=behind)
+        leader_of(first)
+        second = controllers.start("b")
+        wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+        with first.client() as admin:
+            before = admin.post("/v1/leases", json={"vram_mb": 1024, "holder": "before"})
+            assert before.status_code == 201
+        cut.sever()
+        with first.client() as admin:
+            refused = admin.post("/v1/leases", json={"vram_mb": 1024, "holder": "cut-off"})
+            assert refused.status_code in (307, 503), refused.text  # never granted there
+        new = leader_of(first, second, timeout_s=30)
+        assert new is second
+        with second.client(token=first.admin_token) as admin:
+            live = {lease["holder"]: lease for lease in admin.get("/v1/leases").json()}
+            assert "cut-off" not in live
+            assert live["before"]["token"] == before.json()["token"]
+            after = admin.post("/v1/leases", json={"vram_mb": 1024, "holder": "after"}).json()
+            assert after["token"] > before.json()["token"]
+        assert role(first) != "leader"
+    finally:
+        cut.close()
+
+
+def test_a_stopped_leader_hands_over_without_waiting_for_its_term(
+    controllers: Controllers,
+) -> None:
+    first = controllers.start("a", ttl="120")
+    leader_of(first)
+    second = controllers.start("b", ttl="120")
+    wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+    first.stop()  # SIGTERM: it ends its term; the standby need not wait 120 s for it to lapse
+    assert leader_of(second, timeout_s=30) is second

@@ -1,0 +1,148 @@
+"""A throwaway PostgreSQL cluster for the tests, and a fresh database per test.
+
+``postgres_server`` (session): the base DSN of a server. ``GPU_ARBITER_TEST_POSTGRES``
+names one to use as it is; otherwise a cluster is created with ``initdb`` in a
+temporary folder, started on a free loopback port and stopped at the end. As root,
+the PostgreSQL programs run as the ``postgres`` user (they refuse root).
+
+``postgres_dsn`` (function): the DSN of a new, empty database, dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+ENV = "GPU_ARBITER_TEST_POSTGRES"
+
+
+def _bin_dir() -> Path | None:
+    """Where ``initdb`` and ``pg_ctl`` are: on PATH, else Debian's newest version."""
+    initdb = shutil.which("initdb")
+    if initdb is not None and shutil.which("pg_ctl") is not None:
+        return Path(initdb).parent
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
+    return Path(found[-1]).parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Cluster:
+    """A PostgreSQL cluster in a temporary folder; ``start()`` and ``stop()``."""
+
+    def __init__(self, bin_dir: Path) -> None:
+        self.bin_dir = bin_dir
+        self.as_root = os.geteuid() == 0
+        # Under /tmp, not pytest's 0700 folder: the postgres user must reach it.
+        self.base = Path(tempfile.mkdtemp(prefix="gpu-arbiter-pg-", dir="/tmp"))
+        self.base.chmod(0o755)
+        if self.as_root:
+            shutil.chown(self.base, "postgres", "postgres")
+        self.data = self.base / "data"
+        self.log = self.base / "server.log"
+        self.port = _free_port()
+
+    def _run(self, program: str, *args: str) -> None:
+        command = [str(self.bin_dir / program), *args]
+        if self.as_root:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        done = subprocess.run(
+            command, cwd=self.base, capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode != 0:
+            log = self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+            raise RuntimeError(f"{program} failed ({done.returncode}): {done.stderr}\n{log}")
+
+    def start(self) -> str:
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        settings = (
+            f"-c listen_addresses=127.0.0.1 -c port={self.port} "
+            f"-c unix_socket_directories={self.base} -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off"
+        )
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", settings, "-w", "start"
+        )
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        try:
+            if (self.data / "postmaster.pid").exists():
+                self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        finally:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """The base DSN (database ``postgres``) of a server the tests may create databases on."""
+    given = os.environ.get(ENV)
+    if given:
+        yield given
+        return
+    bin_dir = _bin_dir()
+    if bin_dir is None:
+        pytest.fail(
+            "PostgreSQL is not installed (no initdb on PATH or in /usr/lib/postgresql/*/bin): "
+            f"install Debian's 'postgresql' package, or set {ENV} to a server's DSN"
+        )
+    cluster = Cluster(bin_dir)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+def with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + database))
+
+
+def admin_sql(dsn: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    """Runs one statement on its own connection (on a private event loop) and returns
+    its rows."""
+
+    async def run() -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(dsn, timeout=30)
+        try:
+            rows: list[asyncpg.Record] = await conn.fetch(sql, *args)
+            return rows
+        finally:
+            await conn.close()
+
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
+
+
+@pytest.fixture
+def postgres_dsn(postgres_server: str) -> Iterator[str]:
+    """The DSN of a new empty database, dropped after the test."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    admin_sql(postgres_server, f'CREATE DATABASE "{name}"')
+    try:
+        yield with_database(postgres_server, name)
+    finally:
+        admin_sql(postgres_server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
