@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +90,12 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit((self.dir / "server.log").read_text())
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+            try:  # ready: it accepts changes (a PostgreSQL store's leader is elected first)
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=1):
                     return
-            except OSError:
+            except OSError:  # not listening yet, or 503 (urllib's HTTPError is an OSError)
                 time.sleep(0.05)
-        raise SystemExit("the server did not start")
+        raise SystemExit("the server did not become ready")
 
     def cpu_s(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
