@@ -14,9 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_arbiter.client import ApiError, ArbiterClient, ControllerUnreachable
 
+from .agents import AgentProcess, RunProcess, lease_of, worker_state
 from .conftest import Server, wait_for
 from .test_concurrency import HELD, check_i1
 
@@ -72,6 +74,13 @@ def leader_of(*servers: Server, timeout_s: float = 20.0) -> Server:
     return found
 
 
+def _gauge(client: httpx.Client, name: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == name:
+            return float(family.samples[0].value)
+    raise AssertionError(f"no {name} in /metrics")
+
+
 def test_one_leads_the_other_redirects_changes_and_answers_reads(
     controllers: Controllers,
 ) -> None:
@@ -82,6 +91,7 @@ def test_one_leads_the_other_redirects_changes_and_answers_reads(
     assert leader_of(first, second) is first
 
     with first.client() as admin:  # its admin token is in the shared database
+        assert _gauge(admin, "gpu_arbiter_leader") == 1
         made = admin.post("/v1/leases", json={"vram_mb": 1024, "holder": "chat"})
         assert made.status_code == 201, made.text
         lease = made.json()
@@ -92,6 +102,8 @@ def test_one_leads_the_other_redirects_changes_and_answers_reads(
             "the standby to know the leader",
         )
         assert status["role"] == "standby"
+        assert _gauge(standby, "gpu_arbiter_leader") == 0
+        assert _gauge(standby, "gpu_arbiter_ready") == 0
         seen = wait_for(
             lambda: (r := standby.get(f"/v1/leases/{lease['id']}")).status_code == 200 and r,
             10,
@@ -307,3 +319,53 @@ def test_a_stopped_leader_hands_over_without_waiting_for_its_term(
     wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
     first.stop()  # SIGTERM: it ends its term; the standby need not wait 120 s for it to lapse
     assert leader_of(second, timeout_s=30) is second
+
+
+def test_an_agent_and_a_run_wrapper_follow_the_new_leader(
+    controllers: Controllers, tmp_path: Path
+) -> None:
+    first = controllers.start("a")
+    leader_of(first)
+    second = controllers.start("b")
+    wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+    both = f"{first.url},{second.url}"
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    agent = AgentProcess(both, first.admin_token, "box-a", runtime, "1x24G:sm_86")
+    run = RunProcess(both, first.admin_token, runtime, "job", "--vram", "4G", "--ttl", "20")
+    try:
+        agent.start()
+        with first.client() as admin:
+            wait_for(lambda: worker_state(admin, "box-a") == "online", what="box-a online")
+        run.start()
+        run.wait_child()
+        with first.client() as admin:
+            wait_for(lambda: (lease_of(admin, "job") or {}).get("state") == "active", what="ready")
+            lease = lease_of(admin, "job")
+            assert lease is not None
+
+        first.kill9()
+        killed_at = time.time()
+        assert leader_of(second, timeout_s=30) is second
+        with second.client(token=first.admin_token) as admin:
+            wait_for(
+                lambda: (
+                    (admin.get("/v1/workers/box-a").json()["last_heartbeat_at"] or 0) > killed_at
+                ),
+                20,
+                "the agent's heartbeats to reach the new leader",
+            )
+            assert worker_state(admin, "box-a") == "online"
+            renewed = admin.get(f"/v1/leases/{lease['id']}").json()["expires_at"]
+            wait_for(
+                lambda: admin.get(f"/v1/leases/{lease['id']}").json()["expires_at"] > renewed,
+                30,
+                "the run wrapper to renew on the new leader",
+            )
+            run.go()
+            assert run.wait() == 0
+            ended = admin.get(f"/v1/leases/{lease['id']}").json()
+            assert (ended["state"], ended["token"]) == ("released", lease["token"])
+    finally:
+        run.kill()
+        agent.stop()

@@ -12,7 +12,7 @@ Families (memory in bytes, times in seconds; counters since the process started)
     gpu_arbiter_queue_depth{priority}          pending requests by base priority
     gpu_arbiter_leases{state}                  held leases by state
     gpu_arbiter_workers{state}                 workers by state
-    gpu_arbiter_paused, gpu_arbiter_ready, gpu_arbiter_build_info
+    gpu_arbiter_paused, gpu_arbiter_ready, gpu_arbiter_leader, gpu_arbiter_build_info
     gpu_arbiter_requests_{submitted,rejected,cancelled,timed_out}_total
     gpu_arbiter_grants_total, gpu_arbiter_preemptions_total
     gpu_arbiter_revocations_total{reason}
@@ -116,6 +116,12 @@ class ControllerCollector(Collector):
         up = GaugeMetricFamily("gpu_arbiter_ready", "1 while the controller accepts changes")
         up.add_metric([], int(ready))
         yield up
+        leader = GaugeMetricFamily(
+            "gpu_arbiter_leader",
+            "1 while this controller leads (0: a standby of a shared PostgreSQL store)",
+        )
+        leader.add_metric([], int(not self.controller.standby))
+        yield leader
         info = InfoMetricFamily("gpu_arbiter_build", "The controller's version")
         info.add_metric([], {"version": __version__})
         yield info
