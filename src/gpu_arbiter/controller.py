@@ -255,6 +255,7 @@ class Controller:
                 self._put_simulated(change)
             change.event("controller.started", leases=len(self.scheduler.leases))
         self.started = True
+        self._wake_waiters(events=False)  # long-polls a standby held ask again, now of a leader
 
     def mirror(self, leader_url: str | None = None) -> None:
         """Standby: reloads what the leader committed, for reads; changes raise
