@@ -24,7 +24,16 @@ import sys
 from datetime import UTC, datetime
 from typing import TextIO
 
-__all__ = ["LOG_FORMATS", "REDACTED", "JsonFormatter", "Redactor", "TextFormatter", "say"]
+__all__ = [
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "REDACTED",
+    "JsonFormatter",
+    "Redactor",
+    "TextFormatter",
+    "say",
+    "setup_logging",
+]
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")

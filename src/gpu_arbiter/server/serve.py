@@ -7,6 +7,7 @@ import contextlib
 import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -48,6 +49,9 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             "use a loopback address or enable auth"
         )
     redactor = setup_logging(config.log_format, config.log_level)
+    if is_postgres_url(config.store):
+        with contextlib.suppress(ValueError):
+            redactor.hide(urlsplit(config.store).password)  # the database's, if in the URL
     store = open_store(config)
     admin_token = None
     if config.auth:
