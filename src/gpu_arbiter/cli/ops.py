@@ -38,15 +38,15 @@ class Output(StrEnum):
     json = "json"
 
 
-def _opt(text: str, *names: str, envvar: str | None = None, **more: Any) -> Any:
+def option(text: str, *names: str, envvar: str | None = None, **more: Any) -> Any:
     return typer.Option(*names, envvar=envvar, help=text, show_default=False, **more)
 
 
 Controller = Annotated[
-    str | None, _opt("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
+    str | None, option("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
 ]
-Token = Annotated[str | None, _opt("Bearer token.", envvar="GPU_ARBITER_TOKEN")]
-OutputOpt = Annotated[Output, _opt("human or json.", "--output", "-o")]
+Token = Annotated[str | None, option("Bearer token.", envvar="GPU_ARBITER_TOKEN")]
+OutputOpt = Annotated[Output, option("human or json.", "--output", "-o")]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$", re.IGNORECASE)
 _SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -65,7 +65,7 @@ def parse_duration(value: str) -> float:
 # ---------------------------------------------------------------- calling the controller
 
 
-def _call(
+def call_controller(
     controller: str | None, token: str | None, action: Callable[[ArbiterClient], Awaitable[T]]
 ) -> T:
     """Runs ``action`` with a client; a refusal or no answer becomes one line and an exit."""
@@ -95,7 +95,7 @@ def _json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
-def _console() -> Console:
+def stdout_console() -> Console:
     # Not a terminal (a pipe, a file): no wrapping at 80 columns.
     return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
@@ -275,7 +275,7 @@ def _act(
     output: Output,
     action: Callable[[ArbiterClient], Awaitable[Json]],
 ) -> None:
-    answer = _call(controller, token, action)
+    answer = call_controller(controller, token, action)
     if output is Output.json:
         _json(answer)
     else:
@@ -293,50 +293,54 @@ def status(
     async def fetch(client: ArbiterClient) -> tuple[list[Json], Json]:
         return await client.workers(), await client.status()
 
-    workers, figures = _call(controller, token, fetch)
+    workers, figures = call_controller(controller, token, fetch)
     if output is Output.json:
         _json({"workers": workers, "status": figures})
     else:
-        _console().print(status_view(workers, figures))
+        stdout_console().print(status_view(workers, figures))
 
 
 def queue(
-    verbose: Annotated[bool, _opt("Per-GPU verdicts for each request.", "--verbose", "-v")] = False,
+    verbose: Annotated[
+        bool, option("Per-GPU verdicts for each request.", "--verbose", "-v")
+    ] = False,
     controller: Controller = None,
     token: Token = None,
     output: OutputOpt = Output.human,
 ) -> None:
     """Pending requests in order: position, wait so far and why they wait."""
-    pending = _call(controller, token, lambda client: client.queue())
+    pending = call_controller(controller, token, lambda client: client.queue())
     if output is Output.json:
         _json(pending)
     else:
-        _console().print(queue_view(pending, verbose))
+        stdout_console().print(queue_view(pending, verbose))
 
 
 def leases(
-    state: Annotated[str | None, _opt("Only leases in this state.")] = None,
-    worker: Annotated[str | None, _opt("Only leases on this worker.")] = None,
-    holder: Annotated[str | None, _opt("Only leases of this holder.")] = None,
+    state: Annotated[str | None, option("Only leases in this state.")] = None,
+    worker: Annotated[str | None, option("Only leases on this worker.")] = None,
+    holder: Annotated[str | None, option("Only leases of this holder.")] = None,
     controller: Controller = None,
     token: Token = None,
     output: OutputOpt = Output.human,
 ) -> None:
     """Leases, filtered by state, worker or holder."""
-    found = _call(controller, token, lambda c: c.leases(state=state, worker=worker, holder=holder))
+    found = call_controller(
+        controller, token, lambda c: c.leases(state=state, worker=worker, holder=holder)
+    )
     if output is Output.json:
         _json(found)
     else:
-        _console().print(leases_view(found))
+        stdout_console().print(leases_view(found))
 
 
 def events(
-    lease: Annotated[str | None, _opt("Only events of this lease.")] = None,
-    worker: Annotated[str | None, _opt("Only events of this worker.")] = None,
+    lease: Annotated[str | None, option("Only events of this lease.")] = None,
+    worker: Annotated[str | None, option("Only events of this worker.")] = None,
     since: Annotated[
-        int | None, _opt("Start after this event number (default: new events only).", min=0)
+        int | None, option("Start after this event number (default: new events only).", min=0)
     ] = None,
-    count: Annotated[int | None, _opt("Stop after this many events.", min=1)] = None,
+    count: Annotated[int | None, option("Stop after this many events.", min=1)] = None,
     controller: Controller = None,
     token: Token = None,
     output: OutputOpt = Output.human,
@@ -355,7 +359,7 @@ def events(
             if count is not None and seen >= count:
                 return
 
-    _call(controller, token, follow)
+    call_controller(controller, token, follow)
 
 
 # ---------------------------------------------------------------- commands: acting
@@ -363,9 +367,9 @@ def events(
 
 def drain(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The worker.")],
-    force: Annotated[bool, _opt("Revoke every lease now instead of waiting.")] = False,
+    force: Annotated[bool, option("Revoke every lease now instead of waiting.")] = False,
     deadline: Annotated[
-        str | None, _opt("Revoke what is left after this long: 90s, 10m, 1h.")
+        str | None, option("Revoke what is left after this long: 90s, 10m, 1h.")
     ] = None,
     controller: Controller = None,
     token: Token = None,
@@ -404,7 +408,7 @@ def update(
 
 def remove(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The worker.")],
-    force: Annotated[bool, _opt("Remove it even while it holds leases (revoked).")] = False,
+    force: Annotated[bool, option("Remove it even while it holds leases (revoked).")] = False,
     controller: Controller = None,
     token: Token = None,
     output: OutputOpt = Output.human,

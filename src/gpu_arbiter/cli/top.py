@@ -33,13 +33,13 @@ from .ops import (
     Controller,
     Json,
     Token,
-    _call,
-    _console,
-    _opt,
+    call_controller,
     event_line,
     leases_view,
+    option,
     queue_view,
     status_view,
+    stdout_console,
 )
 
 __all__ = ["top"]
@@ -151,7 +151,7 @@ async def watch(client: ArbiterClient, interval_s: float) -> None:
     frame = Frame(client.url)
     await fetch(client, frame)  # a refused token or no controller: one error line, an exit
     changed, quit_requested = asyncio.Event(), asyncio.Event()
-    console = _console()
+    console = stdout_console()
     with keys(quit_requested), Live(console=console, screen=True, auto_refresh=False) as live:
         async with asyncio.TaskGroup() as group:
             stream = group.create_task(follow(client, frame, changed))
@@ -187,9 +187,9 @@ async def _next_change(
 
 def top(
     interval: Annotated[
-        float, _opt("Redraw at least every this many seconds.", min=0.25, max=3600)
+        float, option("Redraw at least every this many seconds.", min=0.25, max=3600)
     ] = 5.0,
-    once: Annotated[bool, _opt("Print one frame to stdout and exit.")] = False,
+    once: Annotated[bool, option("Print one frame to stdout and exit.")] = False,
     controller: Controller = None,
     token: Token = None,
 ) -> None:
@@ -199,11 +199,11 @@ def top(
         if once:
             frame = Frame(client.url)
             await asyncio.gather(fetch(client, frame), _recent_events(client, frame))
-            _console().print(render(frame, interactive=False))
+            stdout_console().print(render(frame, interactive=False))
         else:
             await watch(client, interval)
 
-    _call(controller, token, main)
+    call_controller(controller, token, main)
 
 
 async def _recent_events(client: ArbiterClient, frame: Frame) -> None:
