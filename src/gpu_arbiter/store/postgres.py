@@ -21,11 +21,13 @@ Every time comparison uses the database's clock, never a controller's::
                  renewal finds the epoch moved on, or the database unreachable
                  until the term would have expired --> standby (on_lost())
 
-A leader renews its term every ``ttl_s / 3``. :meth:`PostgresStore.commit` begins by
-counting the commit against the leader's epoch *and* an unexpired term, in the same
-transaction, so a deposed or partitioned leader can never commit anything (it gets
-:class:`Fenced`); the row stays locked until the commit ends, so a standby takes over
-only after the last commit of the old term is durable.
+A leader renews its term every ``ttl_s / 3``. :meth:`PostgresStore.commit` is one
+statement (one round trip) that counts the commit against the leader's epoch *and* an
+unexpired term and writes the batch only if they hold, so a deposed or partitioned
+leader can never commit anything (it gets :class:`Fenced`); the row stays locked until
+the commit ends, so a standby takes over only after the last commit of the old term is
+durable. Pooled connections skip asyncpg's reset query on release (another round trip):
+the store keeps no session state.
 """
 
 from __future__ import annotations
@@ -120,31 +122,32 @@ WITH fence AS (
     UPDATE leadership SET commits = commits + 1
     WHERE id = 1 AND epoch = $1 AND expires_at > clock_timestamp()
     RETURNING commits
-), removed AS (
+), delete_workers AS (
     DELETE FROM workers
     WHERE name = ANY($2::text[]) AND NOT name = ANY($3::text[])
         AND EXISTS (SELECT 1 FROM fence)
-), workers AS (
+), put_workers AS (
     INSERT INTO workers (name, doc)
     SELECT * FROM unnest($3::text[], $4::text[]) WHERE EXISTS (SELECT 1 FROM fence)
     ON CONFLICT (name) DO UPDATE SET doc = excluded.doc
-), leases AS (
+), put_leases AS (
     INSERT INTO leases (id, state, final, owner, idempotency_key, doc)
     SELECT * FROM unnest($5::text[], $6::text[], $7::boolean[], $8::text[], $9::text[],
         $10::text[])
     WHERE EXISTS (SELECT 1 FROM fence)
     ON CONFLICT (id) DO UPDATE SET state = excluded.state, final = excluded.final,
         doc = excluded.doc
-), events AS (
+), put_events AS (
     INSERT INTO events (seq, doc)
     SELECT * FROM unnest($11::bigint[], $12::text[]) WHERE EXISTS (SELECT 1 FROM fence)
-), trimmed AS (
-    DELETE FROM events WHERE seq <= $13::bigint AND EXISTS (SELECT 1 FROM fence)
-), meta AS (
+), trim_events AS (
+    DELETE FROM events
+    WHERE $13::bigint IS NOT NULL AND seq <= $13 AND EXISTS (SELECT 1 FROM fence)
+), put_meta AS (
     INSERT INTO meta (key, value)
     SELECT * FROM unnest($14::text[], $15::bigint[]) WHERE EXISTS (SELECT 1 FROM fence)
     ON CONFLICT (key) DO UPDATE SET value = excluded.value
-), operations AS (
+), put_operations AS (
     INSERT INTO operations (id, running, doc)
     SELECT * FROM unnest($16::text[], $17::boolean[], $18::text[])
     WHERE EXISTS (SELECT 1 FROM fence)
@@ -158,7 +161,9 @@ row until the statement commits; every write happens only if it matched, so a fe
 leader writes nothing and gets no row. The sub-statements see one snapshot, so a
 worker both removed and written in one batch is not deleted but written (what the
 SQLite store's delete-then-upsert leaves). ``$13``: trim the events up to this seq
-(NULL: not this time); the trim does not see the events the same statement inserts."""
+(NULL: not this time, and the test of it, on a parameter alone, is planned as a one-time
+filter, so the table is not scanned); the trim does not see the events the same
+statement inserts."""
 
 # What a broken or unreachable database raises (asyncpg: server errors, a closed or
 # misused connection; the OS: refused, reset; asyncio: no answer in time).
