@@ -200,8 +200,9 @@ def test_a_deposed_leader_writes_nothing_of_a_batch_touching_every_table(
     assert second.try_lead("b", None, 60.0) == 2
     before = _tables(postgres_dsn)
     operation = OperationRecord("op-1", "update", "box-1", "running", 1.0)
+    cancelled = replace(_pending("l-1"), state=LeaseState.CANCELLED)
     stale = Batch(
-        leases={**_batch("l-2").leases, "l-1": replace(_pending("l-1"), state=LeaseState.CANCELLED)},
+        leases={**_batch("l-2").leases, "l-1": cancelled},
         workers={"box-1": _worker("box-1", zone="b"), "box-3": _worker("box-3")},
         removed_workers={"box-2"},
         events=[Event(2, 2.0, "lease.created", "l-2")],
@@ -348,6 +349,8 @@ def test_a_cut_connection_fails_the_call_and_the_store_reconnects(
     with _leadership_row_locked(postgres_dsn), ThreadPoolExecutor(1) as pool:
         committing = pool.submit(store.commit, _batch("l-1"))
         waiters = wait_for(lambda: _lock_waiters(postgres_dsn), 30, "the commit to wait")
+        assert store.lease("l-1") is None  # reads go on while a commit waits
+        assert store.version() == 0
         cut = "SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) pid"
         admin_sql(postgres_dsn, cut, waiters)
         with pytest.raises(StoreError, match="cannot write postgresql://") as failed:

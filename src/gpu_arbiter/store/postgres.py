@@ -245,6 +245,9 @@ class PostgresStore:
         self._on_lost: Callable[[], None] | None = None
         self._renewal: asyncio.Task[None] | None = None
         self._closed = False
+        self._dsn = dsn
+        self._writer: Any = None  # the connection commits use; (re)made by _writer_connection
+        self._writing = asyncio.Lock()  # one statement at a time on it
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="gpu-arbiter-postgres", daemon=True
@@ -370,7 +373,7 @@ class PostgresStore:
             coro.close()
             raise RuntimeError("PostgresStore called from its own thread (in on_lost?)")
         timeout_s = self._timeout_s
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self._loop)
+        future = asyncio.run_coroutine_threadsafe(_within(coro, timeout_s), self._loop)
         try:
             return future.result(timeout_s + 5.0)
         except StoreError:
@@ -412,6 +415,12 @@ class PostgresStore:
             except _FAILURES as error:
                 log.warning("cannot end the term: %s", self._scrub(str(error)))
         await self._stop_renewal()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:  # after the cancel of a timed-out commit, if one is due
+                await asyncio.wait_for(writer.close(), self._timeout_s / 2)
+            except _FAILURES:
+                writer.terminate()
         try:
             await asyncio.wait_for(self._pool.close(), self._timeout_s / 2)
         except TimeoutError:
@@ -450,9 +459,27 @@ class PostgresStore:
         if epoch is None:
             raise Fenced("not the leader (this controller does not lead)")
         args = self._commit_args(epoch, batch)
-        if await self._pool.fetchval(_COMMIT, *args) is None:
+        async with self._writing:
+            writer = await self._writer_connection()
+            try:
+                commits = await writer.fetchval(_COMMIT, *args)
+            except (asyncpg.InterfaceError, asyncpg.InternalClientError, OSError):
+                writer.terminate()  # a broken connection: the next commit makes a new one
+                raise
+        if commits is None:
             self._lose(epoch)
             raise Fenced(f"not the leader (epoch {epoch} is over)")
+
+    async def _writer_connection(self) -> Any:
+        """The connection commits use, outside the pool (no acquire or release on every
+        commit): made on the first commit and again after it broke. A timed-out commit
+        leaves it open: asyncpg cancels the statement and waits for that before the next."""
+        if self._writer is None or self._writer.is_closed():
+            self._writer = None
+            self._writer = await asyncpg.connect(
+                self._dsn, timeout=self._timeout_s, command_timeout=self._timeout_s
+            )
+        return self._writer
 
     def _commit_args(self, epoch: int, batch: Batch) -> tuple[Any, ...]:
         """The parameters of :data:`_COMMIT` for ``batch`` (a column is an array)."""
@@ -559,6 +586,13 @@ class PostgresStore:
         self._thread.join(10.0)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+async def _within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """``coro``, cancelled after ``timeout_s`` (TimeoutError); unlike ``asyncio.wait_for``,
+    without a task of its own."""
+    async with asyncio.timeout(timeout_s):
+        return await coro
 
 
 async def _keep_session(conn: Any) -> None:
