@@ -26,8 +26,9 @@ statement (one round trip) that counts the commit against the leader's epoch *an
 unexpired term and writes the batch only if they hold, so a deposed or partitioned
 leader can never commit anything (it gets :class:`Fenced`); the row stays locked until
 the commit ends, so a standby takes over only after the last commit of the old term is
-durable. Pooled connections skip asyncpg's reset query on release (another round trip):
-the store keeps no session state.
+durable. Commits use a connection of their own, beside the pool of the reads, the
+renewals and the tokens; pooled connections skip asyncpg's reset query on release
+(another round trip): the store keeps no session state.
 """
 
 from __future__ import annotations
