@@ -7,12 +7,13 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
-from gpu_arbiter.core import LeaseState, Request
+from gpu_arbiter.core import Gpu, LeaseState, Request, WorkerStatus
 from gpu_arbiter.store import (
     MIGRATIONS,
     Batch,
@@ -20,9 +21,11 @@ from gpu_arbiter.store import (
     Fenced,
     Leader,
     LeaseRecord,
+    OperationRecord,
     PostgresStore,
     StoreError,
     TokenRecord,
+    WorkerRecord,
 )
 from tests.integration.conftest import wait_for
 from tests.postgres import admin_sql, with_database
@@ -58,6 +61,23 @@ def _pending(rid: str) -> LeaseRecord:
 def _batch(rid: str, next_token: int = 1) -> Batch:
     record = _pending(rid)
     return Batch(leases={record.id: record}, meta={"next_token": next_token})
+
+
+def _worker(name: str, zone: str = "a") -> WorkerRecord:
+    gpus = (Gpu(index=0, total_mb=24576, arch="sm_86", worker=name),)
+    return WorkerRecord(name=name, status=WorkerStatus.ONLINE, gpus=gpus, labels={"zone": zone})
+
+
+def _tables(dsn: str) -> dict[str, list[tuple[object, ...]]]:
+    """Every row of every table the store writes (the leadership row aside)."""
+    tables = {
+        "workers": "SELECT name, doc FROM workers ORDER BY name",
+        "leases": "SELECT id, state, final, owner, idempotency_key, doc FROM leases ORDER BY id",
+        "events": "SELECT seq, doc FROM events ORDER BY seq",
+        "meta": "SELECT key, value FROM meta ORDER BY key",
+        "operations": "SELECT id, running, doc FROM operations ORDER BY id",
+    }
+    return {name: [tuple(row) for row in admin_sql(dsn, sql)] for name, sql in tables.items()}
 
 
 def _with_password(dsn: str, password: str) -> str:
@@ -161,6 +181,48 @@ def test_a_deposed_leader_commits_nothing(postgres_dsn: str, open_store: OpenSto
     assert second.version() == version
     assert first.epoch is None
     assert lost.is_set()
+
+
+def test_a_deposed_leader_writes_nothing_of_a_batch_touching_every_table(
+    postgres_dsn: str, open_store: OpenStore
+) -> None:
+    first, second = open_store(), open_store()
+    assert first.try_lead("a", None, 60.0) == 1
+    first.commit(
+        Batch(
+            leases=_batch("l-1").leases,
+            workers={"box-1": _worker("box-1"), "box-2": _worker("box-2")},
+            events=[Event(1, 1.0, "lease.created", "l-1")],
+            meta={"next_token": 1},
+        )
+    )
+    admin_sql(postgres_dsn, "UPDATE leadership SET expires_at = now() WHERE id = 1")
+    assert second.try_lead("b", None, 60.0) == 2
+    before = _tables(postgres_dsn)
+    operation = OperationRecord("op-1", "update", "box-1", "running", 1.0)
+    cancelled = replace(_pending("l-1"), state=LeaseState.CANCELLED)
+    stale = Batch(
+        leases={**_batch("l-2").leases, "l-1": cancelled},
+        workers={"box-1": _worker("box-1", zone="b"), "box-3": _worker("box-3")},
+        removed_workers={"box-2"},
+        events=[Event(2, 2.0, "lease.created", "l-2")],
+        meta={"next_token": 99, "paused": 1},
+        operations={operation.id: operation},
+    )
+    with pytest.raises(Fenced, match=r"epoch 1 is over"):
+        first.commit(stale)
+    assert _tables(postgres_dsn) == before
+
+
+def test_a_worker_removed_and_written_in_one_batch_is_kept_as_written(
+    open_store: OpenStore,
+) -> None:
+    store = open_store()
+    assert store.try_lead("a", None, 60.0) == 1
+    store.commit(Batch(workers={"box-1": _worker("box-1"), "box-2": _worker("box-2")}))
+    rewritten = _worker("box-1", zone="b")
+    store.commit(Batch(workers={"box-1": rewritten}, removed_workers={"box-1", "box-2"}))
+    assert store.load().workers == (rewritten,)  # as SQLite: deleted, then written
 
 
 def test_a_leader_that_sees_the_epoch_move_on_stops_leading(
@@ -287,6 +349,8 @@ def test_a_cut_connection_fails_the_call_and_the_store_reconnects(
     with _leadership_row_locked(postgres_dsn), ThreadPoolExecutor(1) as pool:
         committing = pool.submit(store.commit, _batch("l-1"))
         waiters = wait_for(lambda: _lock_waiters(postgres_dsn), 30, "the commit to wait")
+        assert store.lease("l-1") is None  # reads go on while a commit waits
+        assert store.version() == 0
         cut = "SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) pid"
         admin_sql(postgres_dsn, cut, waiters)
         with pytest.raises(StoreError, match="cannot write postgresql://") as failed:

@@ -21,11 +21,14 @@ Every time comparison uses the database's clock, never a controller's::
                  renewal finds the epoch moved on, or the database unreachable
                  until the term would have expired --> standby (on_lost())
 
-A leader renews its term every ``ttl_s / 3``. :meth:`PostgresStore.commit` begins by
-counting the commit against the leader's epoch *and* an unexpired term, in the same
-transaction, so a deposed or partitioned leader can never commit anything (it gets
-:class:`Fenced`); the row stays locked until the commit ends, so a standby takes over
-only after the last commit of the old term is durable.
+A leader renews its term every ``ttl_s / 3``. :meth:`PostgresStore.commit` is one
+statement (one round trip) that counts the commit against the leader's epoch *and* an
+unexpired term and writes the batch only if they hold, so a deposed or partitioned
+leader can never commit anything (it gets :class:`Fenced`); the row stays locked until
+the commit ends, so a standby takes over only after the last commit of the old term is
+durable. Commits use a connection of their own, beside the pool of the reads, the
+renewals and the tokens; pooled connections skip asyncpg's reset query on release
+(another round trip): the store keeps no session state.
 """
 
 from __future__ import annotations
@@ -115,28 +118,53 @@ _END_TERM = (
     "UPDATE leadership SET expires_at = clock_timestamp() "
     "WHERE id = 1 AND epoch = $1 AND expires_at > clock_timestamp()"
 )
-_FENCE = (
-    "UPDATE leadership SET commits = commits + 1 "
-    "WHERE id = 1 AND epoch = $1 AND expires_at > clock_timestamp() RETURNING commits"
+_COMMIT = """
+WITH fence AS (
+    UPDATE leadership SET commits = commits + 1
+    WHERE id = 1 AND epoch = $1 AND expires_at > clock_timestamp()
+    RETURNING commits
+), delete_workers AS (
+    DELETE FROM workers
+    WHERE name = ANY($2::text[]) AND NOT name = ANY($3::text[])
+        AND EXISTS (SELECT 1 FROM fence)
+), put_workers AS (
+    INSERT INTO workers (name, doc)
+    SELECT * FROM unnest($3::text[], $4::text[]) WHERE EXISTS (SELECT 1 FROM fence)
+    ON CONFLICT (name) DO UPDATE SET doc = excluded.doc
+), put_leases AS (
+    INSERT INTO leases (id, state, final, owner, idempotency_key, doc)
+    SELECT * FROM unnest($5::text[], $6::text[], $7::boolean[], $8::text[], $9::text[],
+        $10::text[])
+    WHERE EXISTS (SELECT 1 FROM fence)
+    ON CONFLICT (id) DO UPDATE SET state = excluded.state, final = excluded.final,
+        doc = excluded.doc
+), put_events AS (
+    INSERT INTO events (seq, doc)
+    SELECT * FROM unnest($11::bigint[], $12::text[]) WHERE EXISTS (SELECT 1 FROM fence)
+), trim_events AS (
+    DELETE FROM events
+    WHERE $13::bigint IS NOT NULL AND seq <= $13 AND EXISTS (SELECT 1 FROM fence)
+), put_meta AS (
+    INSERT INTO meta (key, value)
+    SELECT * FROM unnest($14::text[], $15::bigint[]) WHERE EXISTS (SELECT 1 FROM fence)
+    ON CONFLICT (key) DO UPDATE SET value = excluded.value
+), put_operations AS (
+    INSERT INTO operations (id, running, doc)
+    SELECT * FROM unnest($16::text[], $17::boolean[], $18::text[])
+    WHERE EXISTS (SELECT 1 FROM fence)
+    ON CONFLICT (id) DO UPDATE SET running = excluded.running, doc = excluded.doc
 )
-_UPSERT_LEASE = (
-    "INSERT INTO leases (id, state, final, owner, idempotency_key, doc) "
-    "VALUES ($1, $2, $3, $4, $5, $6) "
-    "ON CONFLICT (id) DO UPDATE SET state = excluded.state, final = excluded.final, "
-    "doc = excluded.doc"
-)
-_UPSERT_WORKER = (
-    "INSERT INTO workers (name, doc) VALUES ($1, $2) "
-    "ON CONFLICT (name) DO UPDATE SET doc = excluded.doc"
-)
-_UPSERT_OPERATION = (
-    "INSERT INTO operations (id, running, doc) VALUES ($1, $2, $3) "
-    "ON CONFLICT (id) DO UPDATE SET running = excluded.running, doc = excluded.doc"
-)
-_UPSERT_META = (
-    "INSERT INTO meta (key, value) VALUES ($1, $2) "
-    "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
-)
+SELECT commits FROM fence
+"""
+"""One commit, one statement (so one round trip, atomic on its own): ``fence`` counts
+the commit against the leader's epoch and an unexpired term and locks the leadership
+row until the statement commits; every write happens only if it matched, so a fenced
+leader writes nothing and gets no row. The sub-statements see one snapshot, so a
+worker both removed and written in one batch is not deleted but written (what the
+SQLite store's delete-then-upsert leaves). ``$13``: trim the events up to this seq
+(NULL: not this time, and the test of it, on a parameter alone, is planned as a one-time
+filter, so the table is not scanned); the trim does not see the events the same
+statement inserts."""
 
 # What a broken or unreachable database raises (asyncpg: server errors, a closed or
 # misused connection; the OS: refused, reset; asyncio: no answer in time).
@@ -218,6 +246,9 @@ class PostgresStore:
         self._on_lost: Callable[[], None] | None = None
         self._renewal: asyncio.Task[None] | None = None
         self._closed = False
+        self._dsn = dsn
+        self._writer: Any = None  # the connection commits use; (re)made by _writer_connection
+        self._writing = asyncio.Lock()  # one statement at a time on it
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="gpu-arbiter-postgres", daemon=True
@@ -343,7 +374,7 @@ class PostgresStore:
             coro.close()
             raise RuntimeError("PostgresStore called from its own thread (in on_lost?)")
         timeout_s = self._timeout_s
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self._loop)
+        future = asyncio.run_coroutine_threadsafe(_within(coro, timeout_s), self._loop)
         try:
             return future.result(timeout_s + 5.0)
         except StoreError:
@@ -368,6 +399,7 @@ class PostgresStore:
             max_size=pool_size,
             timeout=self._timeout_s,
             command_timeout=self._timeout_s,
+            reset=_keep_session,
         )
         try:
             async with pool.acquire() as conn:
@@ -384,6 +416,12 @@ class PostgresStore:
             except _FAILURES as error:
                 log.warning("cannot end the term: %s", self._scrub(str(error)))
         await self._stop_renewal()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:  # after the cancel of a timed-out commit, if one is due
+                await asyncio.wait_for(writer.close(), self._timeout_s / 2)
+            except _FAILURES:
+                writer.terminate()
         try:
             await asyncio.wait_for(self._pool.close(), self._timeout_s / 2)
         except TimeoutError:
@@ -421,58 +459,58 @@ class PostgresStore:
         epoch = self._epoch
         if epoch is None:
             raise Fenced("not the leader (this controller does not lead)")
-        try:
-            async with self._pool.acquire() as conn, conn.transaction():
-                if await conn.fetchval(_FENCE, epoch) is None:
-                    raise Fenced(f"not the leader (epoch {epoch} is over)")
-                await self._write(conn, batch)
-        except Fenced:
+        args = self._commit_args(epoch, batch)
+        async with self._writing:
+            writer = await self._writer_connection()
+            try:
+                commits = await writer.fetchval(_COMMIT, *args)
+            except (asyncpg.InterfaceError, asyncpg.InternalClientError, OSError):
+                writer.terminate()  # a broken connection: the next commit makes a new one
+                raise
+        if commits is None:
             self._lose(epoch)
-            raise
+            raise Fenced(f"not the leader (epoch {epoch} is over)")
 
-    async def _write(self, conn: Any, batch: Batch) -> None:
-        if batch.removed_workers:
-            await conn.executemany(
-                "DELETE FROM workers WHERE name = $1", [(n,) for n in batch.removed_workers]
+    async def _writer_connection(self) -> Any:
+        """The connection commits use, outside the pool (no acquire or release on every
+        commit): made on the first commit and again after it broke. A timed-out commit
+        leaves it open: asyncpg cancels the statement and waits for that before the next."""
+        if self._writer is None or self._writer.is_closed():
+            self._writer = None
+            self._writer = await asyncpg.connect(
+                self._dsn, timeout=self._timeout_s, command_timeout=self._timeout_s
             )
-        if batch.workers:
-            await conn.executemany(
-                _UPSERT_WORKER, [(n, _dumps(worker_to_doc(w))) for n, w in batch.workers.items()]
-            )
-        if batch.leases:
-            await conn.executemany(
-                _UPSERT_LEASE,
-                [
-                    (
-                        r.id,
-                        str(r.state),
-                        r.state.is_final,
-                        r.owner or "",
-                        r.request.idempotency_key,
-                        _dumps(lease_to_doc(r)),
-                    )
-                    for r in batch.leases.values()
-                ],
-            )
+        return self._writer
+
+    def _commit_args(self, epoch: int, batch: Batch) -> tuple[Any, ...]:
+        """The parameters of :data:`_COMMIT` for ``batch`` (a column is an array)."""
+        leases = list(batch.leases.values())
+        operations = list(batch.operations.values())
+        trim_to = None
         if batch.events:
-            await conn.executemany(
-                "INSERT INTO events (seq, doc) VALUES ($1, $2)",
-                [(e.seq, _dumps(event_to_doc(e))) for e in batch.events],
-            )
             self._event_commits += 1
             if self._event_commits % 256 == 0:  # trim now and then, not every time
-                last = batch.events[-1].seq
-                await conn.execute("DELETE FROM events WHERE seq <= $1", last - self._event_history)
-        if batch.meta:
-            await conn.executemany(_UPSERT_META, list(batch.meta.items()))
-        if batch.operations:
-            await conn.executemany(
-                _UPSERT_OPERATION,
-                [
-                    (op.id, op.running, _dumps(operation_to_doc(op)))
-                    for op in batch.operations.values()
-                ],
-            )
+                trim_to = batch.events[-1].seq - self._event_history
+        return (
+            epoch,
+            list(batch.removed_workers),
+            list(batch.workers),
+            [_dumps(worker_to_doc(w)) for w in batch.workers.values()],
+            [r.id for r in leases],
+            [str(r.state) for r in leases],
+            [r.state.is_final for r in leases],
+            [r.owner or "" for r in leases],
+            [r.request.idempotency_key for r in leases],
+            [_dumps(lease_to_doc(r)) for r in leases],
+            [e.seq for e in batch.events],
+            [_dumps(event_to_doc(e)) for e in batch.events],
+            trim_to,
+            list(batch.meta),
+            list(batch.meta.values()),
+            [op.id for op in operations],
+            [op.running for op in operations],
+            [_dumps(operation_to_doc(op)) for op in operations],
+        )
 
     async def _try_lead(
         self, holder: str, url: str | None, ttl_s: float, on_lost: Callable[[], None] | None
@@ -549,6 +587,19 @@ class PostgresStore:
         self._thread.join(10.0)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+async def _within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """``coro``, cancelled after ``timeout_s`` (TimeoutError); unlike ``asyncio.wait_for``,
+    without a task of its own."""
+    async with asyncio.timeout(timeout_s):
+        return await coro
+
+
+async def _keep_session(conn: Any) -> None:
+    """A connection back in the pool needs no reset query (a round trip on every
+    release): the store leaves no session state behind (no SET, LISTEN, cursor or
+    session-level advisory lock), and asyncpg rolls back a transaction left open."""
 
 
 async def _migrate(conn: Any) -> None:
