@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpu_arbiter.client import ApiError, ArbiterClient, ControllerUnreachable
 
 from .agents import AgentProcess, RunProcess, lease_of, worker_state
-from .conftest import Server, wait_for
+from .conftest import SRC, Server, wait_for
 from .test_concurrency import HELD, check_i1
 
 TTL = "1.5"
@@ -321,6 +324,13 @@ def test_a_stopped_leader_hands_over_without_waiting_for_its_term(
     assert leader_of(second, timeout_s=30) is second
 
 
+def _cli(urls: str, token: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "GPU_ARBITER_URL": urls}
+    env["GPU_ARBITER_TOKEN"] = token
+    command = [sys.executable, "-m", "gpu_arbiter", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+
 def test_an_agent_and_a_run_wrapper_follow_the_new_leader(
     controllers: Controllers, tmp_path: Path
 ) -> None:
@@ -366,6 +376,11 @@ def test_an_agent_and_a_run_wrapper_follow_the_new_leader(
             assert run.wait() == 0
             ended = admin.get(f"/v1/leases/{lease['id']}").json()
             assert (ended["state"], ended["token"]) == ("released", lease["token"])
+
+            # the CLI too: the dead controller first in the list, the new leader next
+            paused = _cli(both, first.admin_token, "pause")
+            assert paused.returncode == 0, paused.stderr
+            assert admin.get("/v1/status").json()["paused"] is True
     finally:
         run.kill()
         agent.stop()
