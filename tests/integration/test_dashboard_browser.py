@@ -21,7 +21,8 @@ import pytest
 from playwright.async_api import BrowserContext, Page, Request, async_playwright, expect
 
 from gpu_arbiter.core import format_mb
-from tests.integration.conftest import Server, register
+from tests.integration.conftest import Server, register, wait_for
+from tests.integration.test_ha import Controllers, leader_of, role
 
 CHROMIUM = Path(os.environ.get("GPU_ARBITER_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
@@ -315,3 +316,33 @@ async def test_a_phone_width_screen_needs_no_horizontal_scrolling(
     assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= inner
     await dashboard.screenshot("dashboard-phone.png")
     dashboard.assert_clean()
+
+
+async def test_a_standby_says_so_and_links_to_the_leader(
+    browser: BrowserContext, tmp_path: Path, postgres_dsn: str
+) -> None:
+    controllers = Controllers(tmp_path, postgres_dsn)
+    try:
+        first = controllers.start("a")
+        leader_of(first)
+        second = controllers.start("b")
+        wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+        with first.client() as admin:
+            lease(admin, "2G", holder="on-the-leader")
+
+        dashboard = Dashboard(await browser.new_page(), second)
+        await dashboard.open(first.admin_token)  # the tokens are in the shared database
+        await dashboard.loaded()
+        page = dashboard.page
+        await expect(page.locator("#standby")).to_be_visible()
+        await expect(page.locator("#leader")).to_have_attribute("href", first.url + "/")
+        await expect(page.locator("#leases")).to_contain_text("on-the-leader")
+        dashboard.assert_clean()
+
+        leader = Dashboard(await browser.new_page(), first)
+        await leader.open(first.admin_token)
+        await leader.loaded()
+        await expect(leader.page.locator("#standby")).to_be_hidden()
+        leader.assert_clean()
+    finally:
+        controllers.stop()

@@ -185,6 +185,12 @@ function renderLeases(leases) {
 
 function renderSummary(status) {
   $("paused").hidden = !status.paused;
+  $("standby").hidden = status.role !== "standby";
+  $("leader-at").hidden = !status.leader;
+  if (status.leader) {
+    $("leader").href = `${status.leader}/`;
+    $("leader").textContent = status.leader;
+  }
   const counters = status.counters || {};
   const parts = [`${status.pending || 0} pending`];
   for (const [state, n] of Object.entries(status.leases_by_state || {})) {
@@ -200,6 +206,7 @@ function clearViews() {
     $(id).replaceChildren();
   }
   $("paused").hidden = true;
+  $("standby").hidden = true;
   delete document.body.dataset.loaded;
 }
 
