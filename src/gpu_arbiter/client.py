@@ -2,8 +2,11 @@
 
 The CLI, the ``run`` wrapper and the agent talk to the controller only through
 this module. It accepts several controller URLs (``http://a:7070,http://b:7070``)
-and moves on to the next one when a controller cannot be reached or answers
-that it is not the leader (HTTP 503), so a standby taking over is transparent.
+and moves on to the next one when a controller cannot be reached or is a standby
+(307 to its leader, or 503 ``not_leader``): straight to the leader the standby
+names when that is one of the URLs given (the token is sent nowhere else). So a
+standby taking over is transparent. ``create_lease`` always sends an idempotency
+key, so that a retry on another controller never queues a request twice.
 
 Errors::
 
@@ -127,8 +130,14 @@ class ArbiterClient:
                 continue
             leader = _leader_of(response)
             if leader is not None:  # a standby: its leader first, then the others
-                errors.append(f"{url}: a standby (the leader is {leader or 'not known'})")
-                if leader and leader not in tried:
+                if leader and leader not in self.urls:  # the token goes to given URLs only
+                    errors.append(
+                        f"{url}: a standby; its leader {leader} is not among the controller "
+                        "URLs given (add it to GPU_ARBITER_URL / --controller)"
+                    )
+                else:
+                    errors.append(f"{url}: a standby (the leader is {leader or 'not known'})")
+                if leader in self.urls and leader not in tried:
                     order.insert(0, leader)
                 continue
             if response.status_code == 503 and len(self.urls) > 1:

@@ -123,12 +123,15 @@ def test_one_leads_the_other_redirects_changes_and_answers_reads(
         assert followed.status_code == 201, followed.text
         assert followed.json()["token"] > lease["token"]
 
-    async def through_the_client() -> dict[str, Any]:
-        async with ArbiterClient([second.url], token=first.admin_token) as client:
+    async def through_the_client(urls: list[str]) -> dict[str, Any]:
+        async with ArbiterClient(urls, token=first.admin_token) as client:
             made: dict[str, Any] = await client.create_lease(vram_mb=512, holder="via-standby")
             return made
 
-    via = asyncio.run(through_the_client())
+    # the client sends its token to the controllers it was given, never elsewhere
+    with pytest.raises(ControllerUnreachable, match="is not among the controller URLs"):
+        asyncio.run(through_the_client([second.url]))
+    via = asyncio.run(through_the_client([second.url, first.url]))
     assert via["state"] == "pending"  # both GPUs are loading already: loads never overlap
     with first.client() as admin:
         assert admin.get(f"/v1/leases/{via['id']}").json()["holder"] == "via-standby"
