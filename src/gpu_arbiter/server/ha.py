@@ -118,13 +118,15 @@ class Coordinator:
                 waiting.cancel()
 
     def _campaign(self, on_lost: Callable[[], None]) -> None:
+        # A loss reported late, for a term already given up, means nothing now (and left
+        # set, it would wake the loop at once, again and again).
+        self._lost.clear()
         try:
             epoch = self.store.try_lead(self.holder, self.url, self.ttl_s, on_lost)
         except StoreError as error:
             log.warning("cannot reach the store to elect a leader: %s", error)
             return
         if epoch is not None:
-            self._lost.clear()
             try:
                 self.controller.start()
             except (StoreError, ServiceUnavailable) as error:  # give the term back
