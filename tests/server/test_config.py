@@ -73,3 +73,18 @@ def test_store_is_sqlite_memory_or_a_postgresql_url() -> None:
         with pytest.raises(InvalidInput, match="store: must be sqlite, memory or a post") as error:
             ServeConfig.resolve({"store": bad}, None)
         assert "secret" not in str(error.value)
+
+
+def test_standby_settings_are_checked() -> None:
+    settings = ServeConfig.resolve(
+        {"advertise_url": "http://ctl-a:7070", "leader_ttl_s": 1.5}, None
+    )
+    assert (settings.advertise_url, settings.leader_ttl_s) == ("http://ctl-a:7070", 1.5)
+    for field, bad in (
+        ("advertise_url", "ctl-a:7070"),
+        ("advertise_url", "http://ctl-a:7070/v1"),
+        ("leader_ttl_s", 0.1),
+        ("leader_ttl_s", 1e9),
+    ):
+        with pytest.raises(InvalidInput, match=field):
+            ServeConfig.resolve({field: bad}, None)
