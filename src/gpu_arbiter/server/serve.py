@@ -69,12 +69,11 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         simulated=parse_simulate(config.simulate) if config.simulate else (),
     )
-    shared = isinstance(store, PostgresStore)  # several controllers: one leads
     app = create_app(
         controller,
         Authenticator(store, enabled=config.auth),
         max_body_bytes=config.max_body_bytes,
-        standby=shared,
+        standby=isinstance(store, PostgresStore),  # shared: a leader is elected beside
     )
     server = uvicorn.Server(
         uvicorn.Config(
