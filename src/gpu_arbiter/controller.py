@@ -251,6 +251,7 @@ class Controller:
         self.broken = None
         with self._change() as change:
             self._restore_leases(snapshot.leases, change)
+            self._renew_restored(change)
             if self._simulated:
                 self._put_simulated(change)
             change.event("controller.started", leases=len(self.scheduler.leases))
@@ -277,12 +278,8 @@ class Controller:
         (changes raise :class:`NotLeader`), then reloads what was committed; what it
         held in memory but could not commit is dropped."""
         log.warning("no longer the leader; continuing as a standby")
-        self._stop_timer()
-        self.started = False
-        self.standby = True
-        self.leader_url = leader_url
         self._wake_waiters(events=True)
-        self.mirror(leader_url)
+        self.mirror(leader_url)  # a standby before it loads: a failed load leaves one
 
     def close(self) -> None:
         self.stopping.set()
@@ -361,6 +358,16 @@ class Controller:
                 continue
             self._remember(record)
             self._pending_by_holder[self._holder_key(record)] += 1
+
+    def _renew_restored(self, change: _Change) -> None:
+        """No holder could renew while no controller led (a restart, a failover): each
+        restored lease gets at least its TTL from now, so that none lapses for the outage
+        and frees memory its holder still uses (I4). A dead holder's lapses one TTL later."""
+        for lease in list(self.scheduler.leases.values()):
+            ttl = lease.request.ttl_s
+            if ttl is not None and lease.expires_at < change.now + ttl:
+                self.scheduler.renew(lease.id, change.now)
+                change.leases.add(lease.id)
 
     def _put_simulated(self, change: _Change) -> None:
         name = self._simulated[0].worker

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from gpu_arbiter.controller import Controller, GpuProbeReport, NotLeader
-from gpu_arbiter.core import LeaseState
+from gpu_arbiter.core import Conflict, LeaseState
 from gpu_arbiter.store import MemoryStore
 
 from .test_controller import Clock, ask, gpus, start
@@ -88,3 +88,23 @@ async def test_a_long_poll_on_a_demoted_leader_answers_from_the_new_leaders_comm
     answered = await asyncio.wait_for(poll, 5)
     assert answered.state is LeaseState.LOADING
     assert answered.token == new.lease(waiting.id).token
+
+
+async def test_a_lease_does_not_lapse_for_the_time_no_controller_led() -> None:
+    store, clock = MemoryStore(), Clock()
+    leader = start(store, clock)
+    leader.register("box-1", gpus("box-1"))
+    held = leader.lease(ask(leader, 1_000, ttl_s=10))
+    leader.close()  # the leader dies; its holder cannot renew with nobody leading
+
+    clock.now += 60  # far past the lease's TTL
+    successor = start(store, clock)
+    kept = successor.lease(held.id)
+    assert kept.state is LeaseState.LOADING  # its memory stays committed
+    assert kept.lease is not None and kept.lease.expires_at == clock.now + 10
+    assert store.lease(held.id).lease.expires_at == clock.now + 10  # type: ignore[union-attr]
+
+    clock.now += 11  # a holder that is gone lapses one TTL after the take-over
+    with pytest.raises(Conflict, match="expired"):
+        successor.renew(held.id)
+    assert successor.lease(held.id).state is LeaseState.EXPIRED
