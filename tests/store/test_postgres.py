@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -362,13 +365,41 @@ def test_a_cut_connection_fails_the_call_and_the_store_reconnects(
     assert store.epoch == 1
 
 
-def test_a_call_that_gets_no_answer_times_out(postgres_dsn: str, open_store: OpenStore) -> None:
+def test_a_commit_that_runs_too_long_is_cancelled_by_the_database(
+    postgres_dsn: str, open_store: OpenStore
+) -> None:
     store = open_store(timeout_s=1.0)
     assert store.try_lead("a", None, 60.0) == 1
-    with _leadership_row_locked(postgres_dsn), pytest.raises(StoreError, match="within 1 s"):
+    with (
+        _leadership_row_locked(postgres_dsn),
+        pytest.raises(StoreError, match=r"not done within 1 s.*nothing of it was written"),
+    ):
         store.commit(_batch("l-1"))
+    # the lock is gone now: a commit the caller had merely stopped waiting for would land
+    time.sleep(0.5)
     assert store.lease("l-1") is None
     store.commit(_batch("l-2"))
+    assert store.lease("l-2") is not None
+
+
+def test_a_commit_that_gets_no_answer_is_reported_as_unknown(
+    postgres_dsn: str, open_store: OpenStore
+) -> None:
+    store = open_store(timeout_s=1.0)
+    assert store.try_lead("a", None, 60.0) == 1
+    with _leadership_row_locked(postgres_dsn), ThreadPoolExecutor(1) as pool:
+        committing = pool.submit(store.commit, _batch("l-1"))
+        (backend,) = wait_for(lambda: _lock_waiters(postgres_dsn), 30, "the commit to wait")
+        try:
+            os.kill(backend, signal.SIGSTOP)  # the database stops answering
+        except (PermissionError, ProcessLookupError):
+            pytest.skip("the database's processes are not this test's to signal")
+        try:
+            with pytest.raises(StoreError, match="no answer within 3 s; whether it was written"):
+                committing.result(timeout=30)
+        finally:
+            os.kill(backend, signal.SIGCONT)
+    store.commit(_batch("l-2"))  # the store goes on, on the same or a new connection
     assert store.lease("l-2") is not None
 
 

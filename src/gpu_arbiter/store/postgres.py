@@ -168,6 +168,9 @@ statement inserts."""
 
 # What a broken or unreachable database raises (asyncpg: server errors, a closed or
 # misused connection; the OS: refused, reset; asyncio: no answer in time).
+_COMMIT_GRACE_S = 2.0
+"""How much longer than ``timeout_s`` a commit waits for the database's own answer."""
+
 _FAILURES: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
@@ -266,7 +269,10 @@ class PostgresStore:
         return self._call("load", self._load())
 
     def commit(self, batch: Batch) -> None:
-        self._call("write", self._commit(batch))
+        # The database cancels a commit that runs past timeout_s (statement_timeout on
+        # the writer connection) and answers: a definite failure, nothing written. Only
+        # if that answer does not come either is the outcome unknown to this side.
+        self._call("write", self._commit(batch), wait_s=self._timeout_s + _COMMIT_GRACE_S)
 
     def lease(self, lease_id: str) -> LeaseRecord | None:
         doc = self._call("read", self._fetchval("SELECT doc FROM leases WHERE id = $1", lease_id))
@@ -365,15 +371,17 @@ class PostgresStore:
         what: str,
         coro: Coroutine[Any, Any, T],
         failures: tuple[type[BaseException], ...] = (),
+        wait_s: float | None = None,
     ) -> T:
-        """Runs ``coro`` on the store's loop; a failure is a StoreError naming ``what``."""
+        """Runs ``coro`` on the store's loop, at most ``wait_s`` (``timeout_s`` unless
+        given); a failure is a StoreError naming ``what``."""
         if self._closed:
             coro.close()
             raise StoreError(f"cannot {what} {self._where}: the store is closed")
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("PostgresStore called from its own thread (in on_lost?)")
-        timeout_s = self._timeout_s
+        timeout_s = self._timeout_s if wait_s is None else wait_s
         future = asyncio.run_coroutine_threadsafe(_within(coro, timeout_s), self._loop)
         try:
             return future.result(timeout_s + 5.0)
@@ -381,8 +389,9 @@ class PostgresStore:
             raise
         except TimeoutError:
             future.cancel()
+            unknown = "; whether it was written is unknown" if what == "write" else ""
             raise StoreError(
-                f"cannot {what} {self._where}: no answer within {timeout_s:g} s"
+                f"cannot {what} {self._where}: no answer within {timeout_s:g} s{unknown}"
             ) from None
         except (*_FAILURES, *failures) as error:
             raise StoreError(self._scrub(f"cannot {what} {self._where}: {error}")) from error
@@ -464,6 +473,11 @@ class PostgresStore:
             writer = await self._writer_connection()
             try:
                 commits = await writer.fetchval(_COMMIT, *args)
+            except asyncpg.QueryCanceledError:
+                raise StoreError(
+                    f"cannot write {self._where}: not done within {self._timeout_s:g} s, "
+                    "so the database cancelled it; nothing of it was written"
+                ) from None
             except (asyncpg.InterfaceError, asyncpg.InternalClientError, OSError):
                 writer.terminate()  # a broken connection: the next commit makes a new one
                 raise
@@ -474,11 +488,16 @@ class PostgresStore:
     async def _writer_connection(self) -> Any:
         """The connection commits use, outside the pool (no acquire or release on every
         commit): made on the first commit and again after it broke. A timed-out commit
-        leaves it open: asyncpg cancels the statement and waits for that before the next."""
+        leaves it open: asyncpg cancels the statement and waits for that before the next.
+        The database itself ends a commit that runs past ``timeout_s`` (rolled back), so
+        a slow commit fails for certain instead of perhaps landing after the caller gave
+        up; the caller's own wait is longer, for that answer to come back."""
         if self._writer is None or self._writer.is_closed():
             self._writer = None
             self._writer = await asyncpg.connect(
-                self._dsn, timeout=self._timeout_s, command_timeout=self._timeout_s
+                self._dsn,
+                timeout=self._timeout_s,
+                server_settings={"statement_timeout": str(max(1, round(self._timeout_s * 1000)))},
             )
         return self._writer
 
