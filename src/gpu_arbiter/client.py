@@ -234,8 +234,15 @@ class ArbiterClient:
         )
         return result
 
-    async def update(self, name: str) -> Json:
-        return await self._post(f"/v1/workers/{name}/update")
+    async def update(
+        self, name: str, *, timeout_s: float | None = None, drain_deadline_s: float | None = None
+    ) -> Json:
+        body: Json = {}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        if drain_deadline_s is not None:
+            body["drain_deadline_s"] = drain_deadline_s
+        return await self._post(f"/v1/workers/{name}/update", body)
 
     async def operation(self, operation_id: str) -> Json:
         result: Json = await self.request("GET", f"/v1/operations/{operation_id}")

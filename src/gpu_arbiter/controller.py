@@ -157,6 +157,9 @@ class GpuProbeReport:
     lease_used_mb: Mapping[str, int] | None = None
 
 
+UPDATE_TIMEOUT_S = 3600.0
+"""How long an update may take, drain included, unless the admin says otherwise."""
+
 WAIT_BOUNDS_S = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
 GRANT_LATENCY_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -645,7 +648,7 @@ class Controller:
                 "worker.registered", worker=name, gpus=len(gpus), agent_version=agent_version
             )
             self._seen_now(name, change)
-        self._update_restarted(name, agent_version)
+            self._update_restarted(change, name, agent_version)
         return self.worker(name), existing is None
 
     def heartbeat(
@@ -716,55 +719,76 @@ class Controller:
         self, name: str, *, force: bool = False, deadline_s: float | None = None
     ) -> DrainOutcome:
         self._check_available()
-        record = self.worker(name)
-        with self._change() as change:
-            before = set(self.scheduler.worker_lease_ids(name))
-            self._absorb(change, self.scheduler.decide(change.now))
-            still = self.scheduler.worker_lease_ids(name)
-            revoking = {
-                lid for lid in still if self.scheduler.leases[lid].state is LeaseState.REVOKING
-            }
-            revoked = self.scheduler.drain(name, change.now, force=force, deadline_s=deadline_s)
-            fresh = [lease for lease in revoked if lease.id not in revoking]
-            self._revoked(change, fresh)
-            deadline = None if deadline_s is None else change.now + deadline_s
-            self._workers[name] = replace(self._workers[name], drain_deadline=deadline)
-            change.workers.add(name)
-            outcome = DrainOutcome(
-                worker=name,
-                previous_state=str(record.status),
-                state=str(self.scheduler.workers[name].status),
-                revoked=len(fresh),
-                already_revoking=len(revoking) if force else 0,
-                already_finished=len(before - still),
-                leases_left=len(still),
-            )
-            change.event(
-                "worker.draining",
-                worker=name,
-                mode="force" if force else "graceful",
-                deadline_s=deadline_s,
-                previous=outcome.previous_state,
-                revoked=outcome.revoked,
-                already_revoking=outcome.already_revoking,
-                already_finished=outcome.already_finished,
-            )
-        return replace(outcome, state=str(self.scheduler.workers[name].status))
-
-    def cancel_drain(self, name: str) -> DrainOutcome:
-        self._check_available()
         self.worker(name)
         with self._change() as change:
-            previous = self.scheduler.cancel_drain(name)
-            self._workers[name] = replace(self._workers[name], drain_deadline=None)
-            change.workers.add(name)
-            change.event("worker.online", worker=name, previous=str(previous), state="online")
+            outcome = self._drain(change, name, force=force, deadline_s=deadline_s)
+        return replace(outcome, state=str(self.scheduler.workers[name].status))
+
+    def _drain(
+        self, change: _Change, name: str, *, force: bool, deadline_s: float | None
+    ) -> DrainOutcome:
+        record = self._worker_now(name)
+        before = set(self.scheduler.worker_lease_ids(name))
+        self._absorb(change, self.scheduler.decide(change.now))
+        still = self.scheduler.worker_lease_ids(name)
+        revoking = {lid for lid in still if self.scheduler.leases[lid].state is LeaseState.REVOKING}
+        revoked = self.scheduler.drain(name, change.now, force=force, deadline_s=deadline_s)
+        fresh = [lease for lease in revoked if lease.id not in revoking]
+        self._revoked(change, fresh)
+        deadline = None if deadline_s is None else change.now + deadline_s
+        self._workers[name] = replace(self._workers[name], drain_deadline=deadline)
+        change.workers.add(name)
+        outcome = DrainOutcome(
+            worker=name,
+            previous_state=str(record.status),
+            state=str(self.scheduler.workers[name].status),
+            revoked=len(fresh),
+            already_revoking=len(revoking) if force else 0,
+            already_finished=len(before - still),
+            leases_left=len(still),
+        )
+        change.event(
+            "worker.draining",
+            worker=name,
+            mode="force" if force else "graceful",
+            deadline_s=deadline_s,
+            previous=outcome.previous_state,
+            revoked=outcome.revoked,
+            already_revoking=outcome.already_revoking,
+            already_finished=outcome.already_finished,
+        )
+        return outcome
+
+    def cancel_drain(self, name: str) -> DrainOutcome:
+        """Back online, leases kept. It ends an update of the worker that has not yet run
+        its command (failed: cancelled); while the command runs it is refused."""
+        self._check_available()
+        self.worker(name)
+        update = self._running_update(name)
+        command = None if update is None else update.step("update_command")
+        if update is not None and command is not None and update.step("restart") is None:
+            raise Conflict(
+                f"worker {name} is running its update command (operation {update.id}); "
+                "wait for its outcome",
+                operation=update.id,
+            )
+        with self._change() as change:
+            previous = self._cancel_drain(change, name)
+            if update is not None:
+                self._fail_update(change, update, "cancelled by cancel-drain")
         return DrainOutcome(
             worker=name,
             previous_state=str(previous),
             state=str(self.scheduler.workers[name].status),
             leases_left=len(self.scheduler.worker_lease_ids(name)),
         )
+
+    def _cancel_drain(self, change: _Change, name: str) -> WorkerStatus:
+        previous = self.scheduler.cancel_drain(name)
+        self._workers[name] = replace(self._workers[name], drain_deadline=None)
+        change.workers.add(name)
+        change.event("worker.online", worker=name, previous=str(previous), state="online")
+        return previous
 
     def remove(self, name: str, *, force: bool = False) -> DrainOutcome:
         """Forgets a worker. Refused while it holds leases, unless ``force``: then its leases
@@ -789,6 +813,9 @@ class Controller:
                     "worker_removed",
                     replace(ended, revoke_reason=revoked.revoke_reason),
                 )
+            update = self._running_update(name)
+            if update is not None:
+                self._fail_update(change, update, "the worker was removed")
             self.scheduler.remove_worker(name)
             del self._workers[name]
             self._seen.pop(name, None)
@@ -800,10 +827,18 @@ class Controller:
 
     # ------------------------------------------------------------------ update
 
-    def start_update(self, name: str) -> OperationRecord:
+    def start_update(
+        self,
+        name: str,
+        *,
+        timeout_s: float = UPDATE_TIMEOUT_S,
+        drain_deadline_s: float | None = None,
+    ) -> OperationRecord:
         """An update of a worker's agent: drain -> the agent runs its own update command ->
         it restarts and registers its new version -> the drain is cancelled. Each step is
-        recorded in the operation, with its time and outcome."""
+        recorded in the operation, with its time and outcome. The drain and the record are
+        one transaction. Not done within ``timeout_s``, it fails and the worker stays
+        drained; ``drain_deadline_s`` revokes what still runs there by then."""
         self._check_available()
         record = self.worker(name)
         if record.simulated:
@@ -811,22 +846,31 @@ class Controller:
         running = self._running_update(name)
         if running is not None:
             raise Conflict(f"worker {name} is already being updated", operation=running.id)
-        status = self.scheduler.workers[name].status
-        if status not in (WorkerStatus.DRAINING, WorkerStatus.DRAINED):
-            self.drain(name)
-        now = self._clock()
-        operation = OperationRecord(
-            id=f"op-{secrets.token_hex(8)}",
-            kind="update",
-            worker=name,
-            state="running",
-            created_at=now,
-            steps=(OperationStep("drain", "started", now, f"graceful drain (was {status})"),),
-            from_version=record.agent_version,
-        )
-        self._save_operation(operation)
-        if self.scheduler.workers[name].status is WorkerStatus.DRAINED:
-            operation = self._step(operation, "drain", "ok", "no lease left on the worker")
+        with self._change() as change:
+            status = self.scheduler.workers[name].status
+            if status is not WorkerStatus.DRAINED and (
+                status is not WorkerStatus.DRAINING or drain_deadline_s is not None
+            ):
+                self._drain(change, name, force=False, deadline_s=drain_deadline_s)
+                self._absorb(change, self.scheduler.decide(change.now))  # drained already?
+            how = "" if drain_deadline_s is None else f", deadline {drain_deadline_s:g} s"
+            operation = OperationRecord(
+                id=f"op-{secrets.token_hex(8)}",
+                kind="update",
+                worker=name,
+                state="running",
+                created_at=change.now,
+                steps=(
+                    OperationStep(
+                        "drain", "started", change.now, f"graceful drain{how} (was {status})"
+                    ),
+                ),
+                from_version=record.agent_version,
+                deadline=change.now + timeout_s,
+            )
+            if self.scheduler.workers[name].status is WorkerStatus.DRAINED:
+                operation = _with_step(operation, "drain", "ok", change.now, "no lease left")
+            self._put_operation(change, operation)
         return operation
 
     def operation(self, operation_id: str) -> OperationRecord:
@@ -861,19 +905,40 @@ class Controller:
         if outcome == "failed":
             failed = replace(operation, state="failed", reason=f"{step} failed: {detail}")
             return self._step(failed, step, outcome, detail)
-        operation = self._step(operation, step, outcome, detail)
         if outcome == "ok":
-            operation = self._step(operation, "restart", "started", "the agent restarts")
-        return operation
+            now = self._clock()
+            operation = _with_step(operation, step, outcome, now, detail)
+            return self._step(operation, "restart", "started", "the agent restarts")
+        return self._step(operation, step, outcome, detail)
 
-    def _update_restarted(self, name: str, version: str) -> None:
+    def _update_restarted(self, change: _Change, name: str, version: str) -> None:
+        """In a registration: an agent back from its update ends the operation and its
+        drain, in the same transaction."""
         operation = self._running_update(name)
         if operation is None or operation.step("restart") is None:
             return
         detail = f"registered with version {version} (was {operation.from_version})"
-        operation = self._step(replace(operation, to_version=version), "restart", "ok", detail)
-        self.cancel_drain(name)
-        self._step(replace(operation, state="succeeded"), "cancel_drain", "ok", "back online")
+        operation = _with_step(operation, "restart", "ok", change.now, detail)
+        if self.scheduler.workers[name].status in (WorkerStatus.DRAINING, WorkerStatus.DRAINED):
+            self._cancel_drain(change, name)
+        operation = replace(operation, state="succeeded", to_version=version)
+        self._put_operation(
+            change, _with_step(operation, "cancel_drain", "ok", change.now, "back online")
+        )
+
+    def _fail_update(self, change: _Change, operation: OperationRecord, why: str) -> None:
+        """Ends a running update as failed at the step it was waiting on."""
+        step = _waiting_on(operation)
+        failed = replace(operation, state="failed", reason=f"{step} failed: {why}")
+        self._put_operation(change, _with_step(failed, step, "failed", change.now, why))
+
+    def _operation_sweep(self, change: _Change) -> None:
+        """Updates past their deadline fail; the worker stays as it is (drained)."""
+        for operation in list(self._operations.values()):
+            if operation.deadline is not None and operation.deadline <= change.now:
+                limit = operation.deadline - operation.created_at
+                why = f"{_WAITING_FOR[_waiting_on(operation)]} within {limit:g} s"
+                self._fail_update(change, operation, why)
 
     def _running_update(self, name: str) -> OperationRecord | None:
         return next(
@@ -881,21 +946,25 @@ class Controller:
         )
 
     def _step(self, op: OperationRecord, name: str, outcome: str, detail: str) -> OperationRecord:
-        step = OperationStep(name, outcome, self._clock(), detail)
-        operation = replace(op, steps=(*op.steps, step))
-        self._save_operation(operation)
+        operation = _with_step(op, name, outcome, self._clock(), detail)
+        with self._change() as change:
+            self._put_operation(change, operation)
         return operation
 
-    def _save_operation(self, operation: OperationRecord) -> None:
-        with self._change() as change:
-            change.operations[operation.id] = operation
-            last = operation.steps[-1]
+    def _put_operation(self, change: _Change, operation: OperationRecord) -> None:
+        """Stores ``operation`` in ``change``, with an event for each step it gained (the
+        last one ``operation.<state>`` when it ended)."""
+        before = change.operations.get(operation.id) or self._operations.get(operation.id)
+        change.operations[operation.id] = operation
+        new = operation.steps[len(before.steps) if before is not None else 0 :]
+        for i, step in enumerate(new, 1):
+            ended = i == len(new) and not operation.running
             change.event(
-                f"operation.{operation.state}" if not operation.running else "operation.step",
+                f"operation.{operation.state}" if ended else "operation.step",
                 worker=operation.worker,
                 operation=operation.id,
-                step=last.name,
-                outcome=last.outcome,
+                step=step.name,
+                outcome=step.outcome,
             )
         if operation.running:
             self._operations[operation.id] = operation
@@ -1002,6 +1071,7 @@ class Controller:
                 self._commit(change)  # what was applied before the error is kept
             raise
         self._offline_sweep(change)
+        self._operation_sweep(change)
         self._absorb(change, self.scheduler.decide(change.now))
         self._commit(change)
         if change.grants:  # each grant of this cycle waited for the whole change to be stored
@@ -1182,7 +1252,11 @@ class Controller:
             if seen is not None and seen + self.heartbeat_timeout_s == at:
                 break
             heapq.heappop(heap)
-        deadlines = [d for d in (self.scheduler.next_deadline(), heap[0][0] if heap else None)]
+        deadlines = [
+            self.scheduler.next_deadline(),
+            heap[0][0] if heap else None,
+            *(op.deadline for op in self._operations.values()),
+        ]
         return min((d for d in deadlines if d is not None), default=None)
 
     def _arm_timer(self) -> None:
@@ -1211,3 +1285,26 @@ class Controller:
         except Exception:  # a bug must not stop the timer for good
             log.exception("timer cycle failed")
             self._arm_timer()
+
+
+_WAITING_FOR = {
+    "drain": "the worker was not drained",
+    "update_command": "the update command was not run to its end",
+    "restart": "the agent did not register again",
+}
+
+
+def _waiting_on(operation: OperationRecord) -> str:
+    """The step a running update waits on."""
+    if operation.step("restart") is not None:
+        return "restart"
+    drain = operation.step("drain")
+    if operation.step("update_command") is not None or (drain and drain.outcome == "ok"):
+        return "update_command"
+    return "drain"
+
+
+def _with_step(
+    operation: OperationRecord, name: str, outcome: str, at: float, detail: str
+) -> OperationRecord:
+    return replace(operation, steps=(*operation.steps, OperationStep(name, outcome, at, detail)))

@@ -236,6 +236,162 @@ async def test_a_failed_update_leaves_the_worker_drained() -> None:
     assert store.operation(operation.id) == controller.operation(operation.id)
 
 
+def _steps(controller: Controller, operation_id: str) -> list[tuple[str, str]]:
+    return [(s.name, s.outcome) for s in controller.operation(operation_id).steps]
+
+
+@pytest.mark.parametrize(
+    ("reached", "reason"),
+    [
+        ("nothing", "drain failed: the worker was not drained within 10 s"),
+        ("drained", "update_command failed: the update command was not run to its end within 10 s"),
+        ("started", "update_command failed: the update command was not run to its end within 10 s"),
+        ("restarting", "restart failed: the agent did not register again within 10 s"),
+    ],
+)
+async def test_an_update_not_done_in_time_fails_at_the_step_it_waited_on(
+    reached: str, reason: str
+) -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"), agent_version="1.0")
+    held = ask(controller, 1_000, ttl_s=300)
+    operation = controller.start_update("box-1", timeout_s=10)
+    assert operation.deadline == clock.now + 10
+    if reached != "nothing":
+        controller.release(held)
+        assert controller.update_for("box-1") == {"operation": operation.id, "run": True}
+    if reached in ("started", "restarting"):
+        controller.report_operation(operation.id, "update_command", "started", "running")
+    if reached == "restarting":
+        controller.report_operation(operation.id, "update_command", "ok", "")
+    clock.now += 9
+    controller.pause()  # a change before the deadline leaves it running
+    assert controller.operation(operation.id).running
+    clock.now += 1
+    controller.resume()  # any change runs what is due (the timer does it when idle)
+    failed = controller.operation(operation.id)
+    assert (failed.state, failed.reason) == ("failed", reason)
+    assert failed.steps[-1].outcome == "failed"
+    assert store.operation(operation.id) == failed
+    status = controller.worker("box-1").status
+    assert status is (WorkerStatus.DRAINING if reached == "nothing" else WorkerStatus.DRAINED)
+    assert controller.update_for("box-1") is None  # the agent is told nothing more
+    with pytest.raises(Conflict, match="is failed"):
+        controller.report_operation(operation.id, "update_command", "ok", "")
+    assert [e.kind for e in controller.events_after(0, 1000)].count("operation.failed") == 1
+    controller.start_update("box-1")  # another may be started
+
+
+async def test_an_update_past_its_deadline_at_a_restart_fails_at_once() -> None:
+    store, clock = MemoryStore(), Clock()
+    first = start(store, clock)
+    first.register("box-1", gpus("box-1"))
+    operation = first.start_update("box-1", timeout_s=30)
+    first.close()
+    clock.now += 31
+    second = start(store, clock)
+    assert second.operation(operation.id).state == "failed"
+
+
+async def test_an_update_with_a_drain_deadline_revokes_what_is_left() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    held = ask(controller, 1_000, ttl_s=300)
+    operation = controller.start_update("box-1", drain_deadline_s=10)
+    assert "deadline 10 s" in operation.steps[0].detail
+    clock.now += 10
+    controller.pause()
+    revoked = controller.lease(held).lease
+    assert revoked is not None
+    assert (revoked.state, revoked.revoke_reason) == (LeaseState.REVOKING, "drain_deadline")
+
+
+async def test_cancel_drain_ends_an_update_that_has_not_run_its_command() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    ask(controller, 1_000, ttl_s=300)
+    operation = controller.start_update("box-1")
+    controller.cancel_drain("box-1")
+    cancelled = controller.operation(operation.id)
+    assert (cancelled.state, cancelled.reason) == (
+        "failed",
+        "drain failed: cancelled by cancel-drain",
+    )
+    assert controller.worker("box-1").status is WorkerStatus.ONLINE
+    assert controller.update_for("box-1") is None
+
+
+async def test_cancel_drain_waits_for_an_update_command_that_runs() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    operation = controller.start_update("box-1")
+    controller.report_operation(operation.id, "update_command", "started", "running")
+    with pytest.raises(Conflict, match="running its update command"):
+        controller.cancel_drain("box-1")
+    assert controller.operation(operation.id).running
+    assert controller.worker("box-1").status is WorkerStatus.DRAINED
+
+
+async def test_removing_a_worker_ends_its_update() -> None:
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    operation = controller.start_update("box-1")
+    controller.remove("box-1")
+    removed = controller.operation(operation.id)
+    assert (removed.state, removed.reason) == (
+        "failed",
+        "update_command failed: the worker was removed",
+    )
+    controller.register("box-1", gpus("box-1"))  # the name again: no update of old
+    assert controller.update_for("box-1") is None
+
+
+async def test_each_update_step_is_one_transaction_with_the_worker_state() -> None:
+    """The drain and the operation record, and the return of the agent with the end of
+    the drain and of the operation: each all or nothing."""
+
+    class FailingStore(MemoryStore):
+        fail = False
+
+        def commit(self, batch: Batch) -> None:
+            if self.fail:
+                raise StoreError("disk full")
+            super().commit(batch)
+
+    store, clock = FailingStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"), agent_version="1.0")
+    store.fail = True
+    with pytest.raises(ServiceUnavailable):
+        controller.start_update("box-1")
+    store.fail = False
+    restarted = start(store, clock)
+    assert restarted.worker("box-1").status is WorkerStatus.ONLINE  # no drain without its record
+    assert restarted.update_for("box-1") is None
+
+    operation = restarted.start_update("box-1")
+    restarted.report_operation(operation.id, "update_command", "started", "running")
+    restarted.report_operation(operation.id, "update_command", "ok", "")
+    store.fail = True
+    with pytest.raises(ServiceUnavailable):
+        restarted.register("box-1", gpus("box-1"), agent_version="2.0")
+    store.fail = False
+    again = start(store, clock)
+    assert again.worker("box-1").status is WorkerStatus.DRAINED
+    assert again.operation(operation.id).step("restart").outcome == "started"
+    again.register("box-1", gpus("box-1"), agent_version="2.0")
+    done = again.operation(operation.id)
+    assert (done.state, done.to_version) == ("succeeded", "2.0")
+    assert again.worker("box-1").status is WorkerStatus.ONLINE
+    kinds = [e.kind for e in again.events_after(0, 1000) if e.kind.startswith("operation.")]
+    assert kinds.count("operation.succeeded") == 1
+
+
 async def test_a_gpu_the_probe_cannot_read_gets_no_grants_until_it_reads_again() -> None:
     store, clock = MemoryStore(), Clock()
     controller = start(store, clock)

@@ -127,3 +127,51 @@ def test_a_failing_update_leaves_the_worker_drained_and_says_why(
         assert answer.status_code == 403
     finally:
         agent.stop()
+
+
+def test_an_update_whose_command_hangs_fails_at_its_timeout(
+    admin: tuple[Server, httpx.Client], tmp_path: Path
+) -> None:
+    server, client = admin
+    marks = tmp_path / "runs"
+    marks.mkdir()
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "open(os.path.join(sys.argv[1], str(time.time_ns())), 'w').close()\n"
+        "time.sleep(20)\n"
+    )
+    agent = _agent(server, tmp_path, f"{sys.executable} {script} {marks}")
+    agent.start()
+    try:
+        wait_for(lambda: worker_state(client, "box-a") == "online", what="box-a online")
+        started = client.post("/v1/workers/box-a/update", json={"timeout_s": 3})
+        assert started.status_code == 202, started.text
+        operation_id = started.json()["id"]
+        wait_for(lambda: _operation(client, operation_id)["state"] != "running", what="update")
+        failed = _operation(client, operation_id)
+        assert failed["reason"] == (
+            "update_command failed: the update command was not run to its end within 3 s"
+        )
+        assert [(s["name"], s["outcome"]) for s in failed["steps"]][-2:] == [
+            ("update_command", "started"),
+            ("update_command", "failed"),
+        ]
+        assert len(list(marks.iterdir())) == 1  # it did run
+        assert worker_state(client, "box-a") == "drained"  # and stays so, still heartbeating
+        assert client.get("/v1/workers/box-a").json()["agent_version"] == "1.0"
+
+        again = client.post("/v1/workers/box-a/update", json={"timeout_s": 600})
+        assert again.status_code == 202, again.text
+
+        # while the first command still runs, the agent starts no second one beside it
+        def beat() -> float:
+            return float(client.get("/v1/workers/box-a").json()["last_heartbeat_at"])
+
+        first_beat = beat()
+        wait_for(lambda: beat() > first_beat + 1.0, what="heartbeats answered with the update")
+        assert _operation(client, again.json()["id"])["state"] == "running"
+        assert len(list(marks.iterdir())) == 1
+        assert agent.proc is not None and agent.proc.poll() is None
+    finally:
+        agent.stop()

@@ -159,6 +159,22 @@ def test_bad_drain(admin: httpx.Client, body: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"timeout_s": "soon"}, "timeout_s"),
+        ({"timeout_s": 1e12}, "timeout_s"),
+        ({"drain_deadline_s": -1}, "drain_deadline_s"),
+        ({"wait": True}, "wait"),
+    ],
+)
+def test_bad_update(admin: httpx.Client, body: Any, field: str) -> None:
+    answer = admin.post("/v1/workers/box-1/update", json=body)  # the fixture: nothing changed
+    _assert_error(answer, 422)
+    assert field in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
     "text", [b"{", b'{"vram_mb": }', b"\xff\xfe", b'{"vram_mb": NaN}', b"{'vram_mb': 1}"]
 )
 def test_malformed_json(admin: httpx.Client, text: bytes) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import SRC, Server
+from .conftest import SRC, Server, register
 
 OPERATOR_COMMANDS = [
     "status",
@@ -29,6 +29,7 @@ OPERATOR_COMMANDS = [
     "drain",
     "cancel-drain",
     "update",
+    "operation",
     "remove",
     "pause",
     "resume",
@@ -134,6 +135,34 @@ def test_actions_change_the_state_seen_through_the_api(server: Server, admin: ht
     assert admin.get("/v1/workers/local").status_code == 404
 
 
+def test_an_update_is_followed_step_by_step_until_it_ends(
+    server: Server, admin: httpx.Client
+) -> None:
+    register(admin, "box-1")  # no agent: the update waits for its command
+    started = ok_json(server, "update", "box-1", "--timeout", "1h", "--drain-deadline", "10m")
+    assert (started["worker"], started["state"]) == ("box-1", "running")
+    assert started["deadline"] - started["created_at"] == 3600.0
+    assert "deadline 600 s" in started["steps"][0]["detail"]
+    text = ok(server, "operation", started["id"])
+    assert f"update of box-1, operation {started['id']}: running" in text
+    assert "drain" in text and "started" in text
+
+    ok(server, "cancel-drain", "box-1")  # its command has not run: the update ends
+    waited = cli(server, "operation", started["id"], "--wait", "-o", "json")
+    assert waited.returncode == 1  # it failed
+    cancelled = json.loads(waited.stdout)
+    assert cancelled == admin.get(f"/v1/operations/{started['id']}").json()
+    assert cancelled["reason"] == "update_command failed: cancelled by cancel-drain"
+    assert admin.get("/v1/workers/box-1").json()["state"] == "online"
+
+    timed_out = cli(server, "update", "box-1", "--timeout", "1s", "--wait")
+    assert timed_out.returncode == 1
+    assert ": failed: update_command failed: the update command was not run to its end " in (
+        timed_out.stdout.replace("\n", "")
+    )
+    assert admin.get("/v1/workers/box-1").json()["state"] == "drained"  # it stays drained
+
+
 def test_events_follows_the_stream(server: Server, admin: httpx.Client) -> None:
     since = admin.get("/v1/status").json()["last_event"]
     lease = ask(admin, "4G")
@@ -178,6 +207,12 @@ def test_errors_are_one_line_with_an_exit_code(server: Server) -> None:
 
     bad = cli(server, "drain", "local", "--deadline", "soon")
     assert bad.returncode == 2 and "not a duration" in bad.stderr
+    bad = cli(server, "update", "local", "--timeout", "soon")
+    assert bad.returncode == 2 and "not a duration" in bad.stderr
+    zero = cli(server, "update", "local", "--timeout", "0s")
+    assert zero.returncode == 1 and "timeout_s" in zero.stderr
+    unknown = cli(server, "operation", "op-nothing")
+    assert unknown.returncode == 1 and unknown.stderr.startswith("error: 404 ")
 
 
 @pytest.mark.parametrize("command", OPERATOR_COMMANDS)

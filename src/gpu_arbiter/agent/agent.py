@@ -149,7 +149,8 @@ class Agent:
         update = answer.get("update")
         if isinstance(update, dict) and update.get("run"):
             operation_id = str(update["operation"])
-            if self._updating != operation_id:  # in the background: heartbeats go on
+            busy = self._update_task is not None and not self._update_task.done()
+            if self._updating != operation_id and not busy:  # in the background
                 self._updating = operation_id
                 self._update_task = asyncio.create_task(self._update(operation_id))
 
@@ -308,8 +309,9 @@ class Agent:
         if not command:
             await self._report(operation_id, "failed", "no --update-command is configured here")
             return
+        if not await self._report(operation_id, "started", f"running: {command}"):
+            return  # the controller ended it meanwhile (timed out, cancelled): run nothing
         log.info("operation %s: running the update command: %s", operation_id, command)
-        await self._report(operation_id, "started", f"running: {command}")
         code, output = await _run_command(command)
         if code != 0:
             tail = output[-OUTPUT_TAIL:]
@@ -322,14 +324,20 @@ class Agent:
         await self.client.aclose()
         self._reexec()
 
-    async def _report(self, operation_id: str, outcome: str, detail: str) -> None:
+    async def _report(self, operation_id: str, outcome: str, detail: str) -> bool:
+        """False if the controller refused the report (the operation is over); an
+        unreachable controller is not a refusal."""
         body = {"step": "update_command", "outcome": outcome, "detail": detail[:4000]}
         try:
             await self.client.request(
                 "POST", f"/v1/operations/{operation_id}/report", json_body=body
             )
-        except (ApiError, ControllerUnreachable) as error:
+        except ApiError as error:
+            log.warning("operation %s: %s refused: %s", operation_id, outcome, error)
+            return False
+        except ControllerUnreachable as error:
             log.warning("operation %s: could not report %s: %s", operation_id, outcome, error)
+        return True
 
 
 async def _run_command(command: str) -> tuple[int, str]:

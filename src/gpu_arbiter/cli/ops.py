@@ -237,6 +237,19 @@ def leases_view(leases: list[Json]) -> RenderableType:
     return table
 
 
+def operation_view(operation: Json) -> RenderableType:
+    reason = f": {operation['reason']}" if operation.get("reason") else ""
+    head = Text(
+        f"{operation['kind']} of {operation['worker']}, operation {operation['id']}: "
+        f"{operation['state']}{reason}"
+    )
+    table = Table("step", "outcome", "at", "detail")
+    for step in operation["steps"]:
+        at = time.strftime("%H:%M:%S", time.localtime(step["at"]))
+        table.add_row(step["name"], step["outcome"], at, step["detail"])
+    return Group(head, table)
+
+
 def event_line(event: Json) -> str:
     at = time.strftime("%H:%M:%S", time.localtime(event.get("at") or time.time()))
     parts = [f"{at} #{event.get('seq')} {event.get('kind')}"]
@@ -398,12 +411,67 @@ def cancel_drain(
 
 def update(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The worker.")],
+    timeout: Annotated[
+        str | None,
+        option("Fail the update if not done (drain included) after this long; default 1h."),
+    ] = None,
+    drain_deadline: Annotated[
+        str | None, option("Revoke the leases still on the worker after this long: 10m.")
+    ] = None,
+    wait: Annotated[
+        bool, option("Follow it until it ends, step by step; exit 1 if it failed.")
+    ] = False,
     controller: Controller = None,
     token: Token = None,
     output: OutputOpt = Output.human,
 ) -> None:
     """Update a worker's agent: drain, its own update command, restart, back online."""
-    _act("update", controller, token, output, lambda c: c.update(name))
+    timeout_s = None if timeout is None else parse_duration(timeout)
+    deadline_s = None if drain_deadline is None else parse_duration(drain_deadline)
+
+    async def start(client: ArbiterClient) -> Json:
+        started = await client.update(name, timeout_s=timeout_s, drain_deadline_s=deadline_s)
+        return await _until_done(client, started) if wait else started
+
+    answer = call_controller(controller, token, start)
+    if wait:
+        _show_operation(answer, output)
+    elif output is Output.json:
+        _json(answer)
+    else:
+        render_answer("update", answer)
+
+
+def operation(
+    operation_id: Annotated[str, typer.Argument(metavar="ID", help="The operation.")],
+    wait: Annotated[bool, option("Wait until it ends; exit 1 if it failed.")] = False,
+    controller: Controller = None,
+    token: Token = None,
+    output: OutputOpt = Output.human,
+) -> None:
+    """An operation (an update) step by step, with each step's time and outcome."""
+
+    async def fetch(client: ArbiterClient) -> Json:
+        found = await client.operation(operation_id)
+        return await _until_done(client, found) if wait else found
+
+    _show_operation(call_controller(controller, token, fetch), output, fail=wait)
+
+
+async def _until_done(client: ArbiterClient, operation: Json, poll_s: float = 1.0) -> Json:
+    while operation["state"] == "running":
+        await asyncio.sleep(poll_s)
+        operation = await client.operation(operation["id"])
+    return operation
+
+
+def _show_operation(operation: Json, output: Output, *, fail: bool = True) -> None:
+    if output is Output.json:
+        _json(operation)
+    else:
+        stdout_console().print(operation_view(operation))
+    if fail and operation["state"] == "failed":
+        raise typer.Exit(EXIT_API_ERROR)
 
 
 def remove(
@@ -449,6 +517,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "drain": drain,
     "cancel-drain": cancel_drain,
     "update": update,
+    "operation": operation,
     "remove": remove,
     "pause": pause,
     "resume": resume,

@@ -246,12 +246,19 @@ async def remove_worker(name: WorkerName, request: Request, force: bool = False)
     status_code=202,
     summary="Update a worker's agent: drain, its own update command, restart, back online",
 )
-async def update_worker(name: WorkerName, request: Request) -> JSONResponse:
+async def update_worker(
+    name: WorkerName, request: Request, body: s.UpdateIn | None = None
+) -> JSONResponse:
     """The agent runs the update command configured on its own host (never one sent over
     the network). Follow the steps in ``GET /v1/operations/{id}``."""
     ctl, who = _context(request)
     _admin(who)
-    operation = ctl.start_update(validate_worker_name(name))
+    body = body or s.UpdateIn()
+    operation = ctl.start_update(
+        validate_worker_name(name),
+        timeout_s=float(body.timeout_s),
+        drain_deadline_s=None if body.drain_deadline_s is None else float(body.drain_deadline_s),
+    )
     return JSONResponse(s.operation_out(operation), status_code=202)
 
 

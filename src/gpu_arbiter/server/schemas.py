@@ -129,6 +129,14 @@ class DrainIn(_In):
     deadline_s: Annotated[Seconds, Field(ge=0, le=366 * 86400)] | None = None
 
 
+class UpdateIn(_In):
+    """``timeout_s``: the whole update (drain, command, restart) fails if not done by then;
+    ``drain_deadline_s``: leases still on the worker after it are revoked."""
+
+    timeout_s: Annotated[Seconds, Field(gt=0, le=366 * 86400)] = 3600.0
+    drain_deadline_s: Annotated[Seconds, Field(ge=0, le=366 * 86400)] | None = None
+
+
 # ---------------------------------------------------------------- outputs (documentation)
 
 
@@ -228,6 +236,7 @@ class OperationOut(BaseModel):
     reason: str | None
     from_version: str
     to_version: str | None
+    deadline: float | None
 
 
 class DrainOut(BaseModel):
@@ -344,6 +353,7 @@ def operation_out(op: OperationRecord) -> dict[str, Any]:
         "reason": op.reason,
         "from_version": op.from_version,
         "to_version": op.to_version,
+        "deadline": op.deadline,
     }
 
 

@@ -230,6 +230,7 @@ def operation_to_doc(op: OperationRecord) -> dict[str, Any]:
         "reason": op.reason,
         "from_version": op.from_version,
         "to_version": op.to_version,
+        "deadline": op.deadline,
     }
 
 
@@ -244,4 +245,5 @@ def operation_from_doc(doc: dict[str, Any]) -> OperationRecord:
         reason=doc.get("reason"),
         from_version=doc.get("from_version", ""),
         to_version=doc.get("to_version"),
+        deadline=doc.get("deadline"),
     )

@@ -96,7 +96,8 @@ class OperationStep:
 @dataclass(frozen=True, slots=True)
 class OperationRecord:
     """An admin operation on a worker carried out in steps (an update), with each step's
-    time and outcome. ``state``: ``running``, ``succeeded`` or ``failed`` (``reason``)."""
+    time and outcome. ``state``: ``running``, ``succeeded`` or ``failed`` (``reason``).
+    ``deadline``: when a still running operation fails (controller clock), if ever."""
 
     id: str
     kind: str
@@ -107,6 +108,7 @@ class OperationRecord:
     reason: str | None = None
     from_version: str = ""
     to_version: str | None = None
+    deadline: float | None = None
 
     @property
     def running(self) -> bool:
