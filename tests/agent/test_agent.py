@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,9 @@ async def test_a_revoked_lease_is_stopped_then_reported_and_forgotten(
         assert env is not None
         assert env["env"]["GPU_ARBITER_FAKE_USAGE_DIR"] == str(runtime / "usage")
 
+        controller.held.add("lease-1")  # granted before the holder attaches its process
         attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
         assert await agent_request("box", attach) == {"ok": True}
-        controller.held.add("lease-1")
         report_usage({1: 3000}, pid=child.pid, usage_dir=runtime / "usage")
         agent_probe = agent.probe
         assert isinstance(agent_probe, FakeProbe)
@@ -144,6 +145,45 @@ async def test_a_restarted_agent_supervises_the_same_processes_again(
     finally:
         stop.set()
         await running
+
+
+async def test_a_process_whose_lease_the_controller_no_longer_holds_is_stopped(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    """A lease that lapsed (its ``run`` was killed, nobody renewed) leaves its process on
+    no lease: the agent stops it, reports it stopped, and forgets it."""
+    controller = Controller()
+    agent = _agent(runtime, controller)
+    stop = asyncio.Event()
+    running = asyncio.create_task(agent.run(stop))
+    try:
+        await controller.until(lambda hb: True)
+        attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+        assert await agent_request("box", attach) == {"ok": True}  # the controller: no lease
+        beat = await controller.until(lambda hb: hb["stopped"] == ["lease-1"])
+        assert child.poll() is not None  # stopped, then reported
+        assert beat["leases"] == []
+        await controller.until(lambda hb: hb["stopped"] == [])  # forgotten
+    finally:
+        stop.set()
+        await running
+
+
+async def test_an_answer_older_than_an_attachment_does_not_judge_it(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    agent = _agent(runtime, Controller())
+    sent_at = time.monotonic()  # a heartbeat leaves; the lease is granted, then attached
+    attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+    assert await agent._local(attach, 0) == {"ok": True}
+    agent._act({"leases": [], "revoking": []}, sent_at)  # its answer cannot know the lease
+    await asyncio.sleep(0.3)
+    assert child.poll() is None
+    agent._act({"leases": [], "revoking": []}, time.monotonic())  # a later one can
+    async with asyncio.timeout(20):
+        while child.poll() is None:
+            await asyncio.sleep(0.05)
+    await agent.supervisor.close()
 
 
 async def test_attach_refuses_a_process_of_another_user(

@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpu_arbiter.agent.supervisor import process_alive
+
 from .agents import (
     AgentProcess,
     ExitWatch,
@@ -170,8 +172,15 @@ def test_agent_killed_goes_offline_once_keeps_leases_and_reconciles(
     wait_for(lambda: lease_of(admin, "short")["state"] == "expired", what="short TTL lapses")  # type: ignore[index]
     assert lease_of(admin, "long")["state"] in ("loading", "active")  # type: ignore[index]
 
-    cleanup.append(agent.start())  # restarted: supervises the orphan again
+    cleanup.append(agent.start())  # restarted: supervises the orphans again
     wait_for(lambda: worker_state(admin, "box-a") == "online", what="box-a back")
+    # the orphan whose lease lapsed meanwhile runs on no lease: the agent stops it
+    short_pid = short.info["pid"]  # type: ignore[index]
+    wait_for(lambda: not process_alive(short_pid), what="the orphan without a lease stopped")
+    assert (runtime / "short.term").exists()
+    wait_for(lambda: lease_of(admin, "short")["id"] not in agent.attachments, what="forgotten")  # type: ignore[index]
+    assert lease_of(admin, "short")["state"] == "expired"  # type: ignore[index]
+    assert not (runtime / "long.term").exists()  # the one with a lease runs on
     long_id = lease_of(admin, "long")["id"]  # type: ignore[index]
     assert admin.post(f"/v1/leases/{long_id}/revoke").status_code == 200
     wait_for(lambda: lease_of(admin, "long")["state"] == "released", what="agent stops it")  # type: ignore[index]

@@ -28,6 +28,7 @@ import logging
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,8 +145,9 @@ class Agent:
         self._snapshot = snapshot
         if not self._registered:
             await self._register(snapshot)
+        sent_at = time.monotonic()
         answer = await self.client.heartbeat(self.config.name, self._heartbeat_body(snapshot))
-        self._act(answer)
+        self._act(answer, sent_at)
         update = answer.get("update")
         if isinstance(update, dict) and update.get("run"):
             operation_id = str(update["operation"])
@@ -205,15 +207,27 @@ class Agent:
             "stale": [i for i in snapshot.stale_indices if i in self._registered_gpus],
         }
 
-    def _act(self, answer: Json) -> None:
-        """Stops revoked processes; forgets those the controller is done with."""
+    def _act(self, answer: Json, sent_at: float) -> None:
+        """Stops revoked processes, and those whose lease the controller no longer holds
+        (it lapsed, or ended while this agent was away): no process runs on a GPU without
+        a lease. Forgets those the controller is done with. ``sent_at``: when the
+        heartbeat left; a process attached since may not be in the answer yet."""
         held = set(answer.get("leases") or ())
-        for lease_id in answer.get("revoking") or ():
-            entry = self.supervisor.get(lease_id)
-            if entry is not None and not entry.stopped:
-                task = self.supervisor.stop(lease_id, self.config.grace_s)
-                if task is not None:
-                    task.add_done_callback(lambda _t: self._kick.set())
+        revoking = set(answer.get("revoking") or ())
+        for entry in self.supervisor.leases():
+            if entry.stopped or entry.stopping:
+                continue
+            if entry.lease_id not in revoking:
+                if entry.lease_id in held or entry.attached_at >= sent_at:
+                    continue
+                log.warning(
+                    "lease %s has ended at the controller but pid %d still runs: stopping it",
+                    entry.lease_id,
+                    entry.pid,
+                )
+            task = self.supervisor.stop(entry.lease_id, self.config.grace_s)
+            if task is not None:
+                task.add_done_callback(lambda _t: self._kick.set())
         done = [e for e in self.supervisor.leases() if e.lease_id not in held and e.stopped]
         for entry in done:
             self.supervisor.forget(entry.lease_id)  # released, or confirmed stopped

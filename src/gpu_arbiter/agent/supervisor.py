@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class Supervised:
     stopped: bool = False
     killed: bool = False
     returncode: int | None = None  # known when the process was our child
+    attached_at: float = field(default_factory=time.monotonic)
     on_stop: list[Callable[[Supervised], None]] = field(default_factory=list)
 
 
