@@ -5,12 +5,13 @@ across a restart, and what its local endpoint accepts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,23 @@ def _agent(runtime: Path, controller: Controller) -> Agent:
     return Agent(config, probe, client=client)
 
 
+@contextlib.asynccontextmanager
+async def _running(agent: Agent) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    running = asyncio.create_task(agent.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await running
+
+
 async def test_a_revoked_lease_is_stopped_then_reported_and_forgotten(
     runtime: Path, child: subprocess.Popen[bytes]
 ) -> None:
     controller = Controller()
     agent = _agent(runtime, controller)
-    stop = asyncio.Event()
-    running = asyncio.create_task(agent.run(stop))
-    try:
+    async with _running(agent):
         await controller.until(lambda hb: True)
         assert controller.registered[0]["gpus"][0]["total_mb"] == 24576
         env = await agent_request("box", {"op": "env"})
@@ -117,9 +127,6 @@ async def test_a_revoked_lease_is_stopped_then_reported_and_forgotten(
         assert beat["leases"] == []
         await controller.until(lambda hb: hb["stopped"] == [])  # released: forgotten
         assert json.loads((runtime / "agent-box.leases.json").read_text()) == {}
-    finally:
-        stop.set()
-        await running
 
 
 async def test_a_restarted_agent_supervises_the_same_processes_again(
@@ -136,15 +143,10 @@ async def test_a_restarted_agent_supervises_the_same_processes_again(
     controller = Controller()
     controller.held |= {"alive", "reused"}
     agent = _agent(runtime, controller)
-    stop = asyncio.Event()
-    running = asyncio.create_task(agent.run(stop))
-    try:
+    async with _running(agent):
         beat = await controller.until(lambda hb: True)
         assert beat["leases"] == ["alive"]
         assert beat["stopped"] == ["reused"]  # never signalled: reported as ended
-    finally:
-        stop.set()
-        await running
 
 
 async def test_a_process_whose_lease_the_controller_no_longer_holds_is_stopped(
@@ -154,9 +156,7 @@ async def test_a_process_whose_lease_the_controller_no_longer_holds_is_stopped(
     no lease: the agent stops it, reports it stopped, and forgets it."""
     controller = Controller()
     agent = _agent(runtime, controller)
-    stop = asyncio.Event()
-    running = asyncio.create_task(agent.run(stop))
-    try:
+    async with _running(agent):
         await controller.until(lambda hb: True)
         attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
         assert await agent_request("box", attach) == {"ok": True}  # the controller: no lease
@@ -164,9 +164,6 @@ async def test_a_process_whose_lease_the_controller_no_longer_holds_is_stopped(
         assert child.poll() is not None  # stopped, then reported
         assert beat["leases"] == []
         await controller.until(lambda hb: hb["stopped"] == [])  # forgotten
-    finally:
-        stop.set()
-        await running
 
 
 async def test_an_answer_older_than_an_attachment_does_not_judge_it(
@@ -202,16 +199,10 @@ async def test_attach_refuses_a_process_of_another_user(
 
 async def test_a_second_agent_of_the_same_name_refuses_to_start(runtime: Path) -> None:
     controller = Controller()
-    first = _agent(runtime, controller)
-    stop = asyncio.Event()
-    running = asyncio.create_task(first.run(stop))
-    try:
+    async with _running(_agent(runtime, controller)):
         await controller.until(lambda hb: True)
         with pytest.raises(RuntimeError, match="another agent"):
             await _agent(runtime, controller).run(asyncio.Event())
-    finally:
-        stop.set()
-        await running
 
 
 def _start_time(pid: int) -> int:

@@ -23,6 +23,17 @@ def gpus(name: str, count: int = 2, total_mb: int = 24576) -> list[Gpu]:
     return [Gpu(index=i, total_mb=total_mb, worker=name, arch="sm_86") for i in range(count)]
 
 
+class FailingStore(MemoryStore):
+    """Fails every commit while ``fail`` is set."""
+
+    fail = False
+
+    def commit(self, batch: Batch) -> None:
+        if self.fail:
+            raise StoreError("disk full")
+        super().commit(batch)
+
+
 def start(store: MemoryStore, clock: Clock, **kwargs: Any) -> Controller:
     controller = Controller(store, clock=clock, heartbeat_timeout_s=15.0, **kwargs)
     controller.start()
@@ -86,14 +97,6 @@ async def test_heartbeat_without_news_writes_nothing() -> None:
 
 
 async def test_a_failed_store_refuses_every_change_and_keeps_the_answer_honest() -> None:
-    class FailingStore(MemoryStore):
-        fail = False
-
-        def commit(self, batch: Batch) -> None:
-            if self.fail:
-                raise StoreError("disk full")
-            super().commit(batch)
-
     store, clock = FailingStore(), Clock()
     controller = start(store, clock)
     controller.register("box-1", gpus("box-1"))
@@ -354,14 +357,6 @@ async def test_removing_a_worker_ends_its_update() -> None:
 async def test_each_update_step_is_one_transaction_with_the_worker_state() -> None:
     """The drain and the operation record, and the return of the agent with the end of
     the drain and of the operation: each all or nothing."""
-
-    class FailingStore(MemoryStore):
-        fail = False
-
-        def commit(self, batch: Batch) -> None:
-            if self.fail:
-                raise StoreError("disk full")
-            super().commit(batch)
 
     store, clock = FailingStore(), Clock()
     controller = start(store, clock)
