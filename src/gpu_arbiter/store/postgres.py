@@ -166,11 +166,11 @@ SQLite store's delete-then-upsert leaves). ``$13``: trim the events up to this s
 filter, so the table is not scanned); the trim does not see the events the same
 statement inserts."""
 
-# What a broken or unreachable database raises (asyncpg: server errors, a closed or
-# misused connection; the OS: refused, reset; asyncio: no answer in time).
 _COMMIT_GRACE_S = 2.0
 """How much longer than ``timeout_s`` a commit waits for the database's own answer."""
 
+# What a broken or unreachable database raises (asyncpg: server errors, a closed or
+# misused connection; the OS: refused, reset; asyncio: no answer in time).
 _FAILURES: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
@@ -473,10 +473,12 @@ class PostgresStore:
             writer = await self._writer_connection()
             try:
                 commits = await writer.fetchval(_COMMIT, *args)
-            except asyncpg.QueryCanceledError:
+            except asyncpg.QueryCanceledError as error:  # rolled back: a definite failure
+                late = "statement timeout" in str(error)
+                why = f"not done within {self._timeout_s:g} s" if late else str(error)
                 raise StoreError(
-                    f"cannot write {self._where}: not done within {self._timeout_s:g} s, "
-                    "so the database cancelled it; nothing of it was written"
+                    f"cannot write {self._where}: {why}; the database cancelled it, "
+                    "nothing of it was written"
                 ) from None
             except (asyncpg.InterfaceError, asyncpg.InternalClientError, OSError):
                 writer.terminate()  # a broken connection: the next commit makes a new one
