@@ -105,6 +105,10 @@ def test_one_leads_the_other_redirects_changes_and_answers_reads(
             "the standby to know the leader",
         )
         assert status["role"] == "standby"
+        shown = _cli(second.url, first.admin_token, "status")
+        assert shown.returncode == 0, shown.stderr
+        assert f"read from a standby controller (leader: {first.url})" in shown.stdout
+        assert "standby" not in _cli(first.url, first.admin_token, "status").stdout
         assert _gauge(standby, "gpu_arbiter_leader") == 0
         assert _gauge(standby, "gpu_arbiter_ready") == 0
         seen = wait_for(

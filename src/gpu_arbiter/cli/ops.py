@@ -166,6 +166,9 @@ def status_view(workers: list[Json], status: Json) -> Group:
     lines.append(Text(f"leases: {held}; pending: {status.get('pending', 0)}"))
     if status.get("paused"):
         lines.append(Text("paused: nothing is granted until `gpu-arbiter resume`", "bold red"))
+    if status.get("role") == "standby":
+        leader = status.get("leader") or "none elected yet"
+        lines.append(Text(f"read from a standby controller (leader: {leader})", "yellow"))
     return Group(*lines)
 
 
