@@ -6,17 +6,20 @@ temporary folder, started on a free loopback port and stopped at the end. As roo
 the PostgreSQL programs run as the ``postgres`` user (they refuse root).
 
 ``postgres_dsn`` (function): the DSN of a new, empty database, dropped afterwards.
+``Relay``: a TCP relay in front of a database, to partition a client from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,3 +149,85 @@ def postgres_dsn(postgres_server: str) -> Iterator[str]:
         yield with_database(postgres_server, name)
     finally:
         admin_sql(postgres_server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Relay:
+    """A TCP relay to the database of ``dsn``; connect through :attr:`dsn`.
+
+    ``sever`` cuts every connection and refuses new ones. ``freeze`` holds every byte of
+    the open connections, both ways, without closing them (a partition neither end
+    notices) and refuses new ones, until ``thaw`` delivers what it held, late. (Refused,
+    a client's cancel request cannot arrive with the statement it was meant to cancel.)
+    """
+
+    def __init__(self, dsn: str) -> None:
+        parts = urlsplit(dsn)
+        self.target = (parts.hostname or "127.0.0.1", parts.port or 5432)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        port = self.listener.getsockname()[1]
+        self.dsn = urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{port}"))
+        self.cut = False
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.held = 0  # chunks received and not yet passed on
+        self.upstream: list[socket.socket] = []
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def upstream_ports(self) -> list[int]:
+        """The client ports the database sees for the connections made so far."""
+        with self.lock:
+            return [end.getsockname()[1] for end in self.upstream]
+
+    def freeze(self) -> None:
+        self.flowing.clear()
+
+    def thaw(self) -> None:
+        self.flowing.set()
+
+    def sever(self) -> None:
+        self.cut = True
+        self.flowing.set()
+        with self.lock:
+            for end in self.sockets:
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                end.close()
+            self.sockets.clear()
+
+    def close(self) -> None:
+        self.sever()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut or not self.flowing.is_set():
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.sockets += [client, upstream]
+                self.upstream.append(upstream)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                with self.lock:
+                    self.held += 1
+                self.flowing.wait()
+                with self.lock:
+                    self.held -= 1
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)

@@ -4,12 +4,9 @@ take over; nothing acknowledged is lost or granted twice (I1, I9)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_arbiter.client import ApiError, ArbiterClient, ControllerUnreachable
 
+from ..postgres import Relay
 from .agents import AgentProcess, RunProcess, lease_of, worker_state
 from .conftest import SRC, Server, wait_for
 from .test_concurrency import HELD, check_i1
@@ -233,70 +231,12 @@ def test_kill_9_the_leader_during_200_operations(controllers: Controllers) -> No
     assert leader_of(restarted, second) is second
 
 
-class Cut:
-    """A TCP relay to the database that can cut every connection and refuse new ones:
-    the controller behind it is partitioned from the database."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.cut = False
-        self.sockets: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.cut:
-                client.close()
-                continue
-            upstream = socket.create_connection(self.target)
-            with self.lock:
-                self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                with contextlib.suppress(OSError):
-                    end.shutdown(socket.SHUT_RDWR)
-
-    def sever(self) -> None:
-        self.cut = True
-        with self.lock:
-            for end in self.sockets:
-                with contextlib.suppress(OSError):
-                    end.shutdown(socket.SHUT_RDWR)
-                end.close()
-            self.sockets.clear()
-
-    def close(self) -> None:
-        self.sever()
-        self.listener.close()
-
-
 def test_a_leader_cut_off_from_the_database_stops_granting(
     controllers: Controllers, postgres_dsn: str
 ) -> None:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(postgres_dsn)
-    cut = Cut((parts.hostname or "127.0.0.1", parts.port or 5432))
+    cut = Relay(postgres_dsn)
     try:
-        behind = parts._replace(netloc=f"{parts.username}@127.0.0.1:{cut.port}").geturl()
-        first = controllers.start("a", dsn=behind)
+        first = controllers.start("a", dsn=cut.dsn)
         leader_of(first)
         second = controllers.start("b")
         wait_for(lambda: role(second) == "standby", 20, "the second to stand by")

@@ -31,7 +31,7 @@ from gpu_arbiter.store import (
     WorkerRecord,
 )
 from tests.integration.conftest import wait_for
-from tests.postgres import admin_sql, with_database
+from tests.postgres import Relay, admin_sql, with_database
 
 TTL_S = 2.0  # short enough for a quick takeover, long enough for a busy machine to renew
 SECRET = "pw-Zq8-not-to-be-shown"
@@ -363,6 +363,43 @@ def test_a_cut_connection_fails_the_call_and_the_store_reconnects(
     store.commit(_batch("l-2"))
     assert store.lease("l-2") is not None
     assert store.epoch == 1
+
+
+def test_a_commit_delivered_late_after_a_take_over_writes_nothing(
+    postgres_dsn: str, open_store: OpenStore
+) -> None:
+    """The partition neither end notices: the leader's commit is held in the network, the
+    leader gives up on it, a standby takes over, and then the commit reaches the
+    database, under the old epoch. The fence makes it write nothing (I9)."""
+    relay = Relay(postgres_dsn)
+    try:
+        old = open_store(relay.dsn, timeout_s=1.0)
+        assert old.try_lead("old", None, TTL_S) == 1
+        old.commit(_batch("l-1"))
+        relay.freeze()
+        with pytest.raises(StoreError, match="whether it was written is unknown"):
+            old.commit(_batch("l-2", next_token=2))
+        new = open_store()
+        assert wait_for(lambda: new.try_lead("new", None, 60.0), 30, "the old term to lapse") == 2
+        ports = relay.upstream_ports()
+        relay.thaw()  # the held commit reaches the database now
+        old.close()  # its connections end once the database has read what they carried
+        wait_for(lambda: not _backends(postgres_dsn, ports), 30, "the old connections to end")
+        assert new.lease("l-1") is not None
+        assert new.lease("l-2") is None
+        new.commit(_batch("l-3", next_token=3))
+        assert new.lease("l-3") is not None
+    finally:
+        relay.close()
+
+
+def _backends(dsn: str, client_ports: list[int]) -> list[int]:
+    rows = admin_sql(
+        dsn,
+        "SELECT pid FROM pg_stat_activity WHERE client_port = ANY($1::int[])",
+        client_ports,
+    )
+    return [row["pid"] for row in rows]
 
 
 def test_a_commit_that_runs_too_long_is_cancelled_by_the_database(
