@@ -764,7 +764,7 @@ class Controller:
         its command (failed: cancelled); while the command runs it is refused."""
         self._check_available()
         self.worker(name)
-        update = self._running_update(name)
+        update = self.running_update(name)
         command = None if update is None else update.step("update_command")
         if update is not None and command is not None and update.step("restart") is None:
             raise Conflict(
@@ -813,7 +813,7 @@ class Controller:
                     "worker_removed",
                     replace(ended, revoke_reason=revoked.revoke_reason),
                 )
-            update = self._running_update(name)
+            update = self.running_update(name)
             if update is not None:
                 self._fail_update(change, update, "the worker was removed")
             self.scheduler.remove_worker(name)
@@ -843,7 +843,7 @@ class Controller:
         record = self.worker(name)
         if record.simulated:
             raise Conflict(f"worker {name} is simulated by this controller; it has no agent")
-        running = self._running_update(name)
+        running = self.running_update(name)
         if running is not None:
             raise Conflict(f"worker {name} is already being updated", operation=running.id)
         with self._change() as change:
@@ -882,7 +882,7 @@ class Controller:
     def update_for(self, name: str) -> dict[str, Any] | None:
         """What a heartbeat answer tells the agent of an update: its operation, and whether
         to run the update command now (the worker is drained and it has not run yet)."""
-        operation = self._running_update(name)
+        operation = self.running_update(name)
         if operation is None:
             return None
         drained = self.scheduler.workers[name].status is WorkerStatus.DRAINED
@@ -914,7 +914,7 @@ class Controller:
     def _update_restarted(self, change: _Change, name: str, version: str) -> None:
         """In a registration: an agent back from its update ends the operation and its
         drain, in the same transaction."""
-        operation = self._running_update(name)
+        operation = self.running_update(name)
         if operation is None or operation.step("restart") is None:
             return
         detail = f"registered with version {version} (was {operation.from_version})"
@@ -928,7 +928,7 @@ class Controller:
 
     def _fail_update(self, change: _Change, operation: OperationRecord, why: str) -> None:
         """Ends a running update as failed at the step it was waiting on."""
-        step = _waiting_on(operation)
+        step = operation.waiting_on
         failed = replace(operation, state="failed", reason=f"{step} failed: {why}")
         self._put_operation(change, _with_step(failed, step, "failed", change.now, why))
 
@@ -937,10 +937,11 @@ class Controller:
         for operation in list(self._operations.values()):
             if operation.deadline is not None and operation.deadline <= change.now:
                 limit = operation.deadline - operation.created_at
-                why = f"{_WAITING_FOR[_waiting_on(operation)]} within {limit:g} s"
+                why = f"{_WAITING_FOR[operation.waiting_on]} within {limit:g} s"
                 self._fail_update(change, operation, why)
 
-    def _running_update(self, name: str) -> OperationRecord | None:
+    def running_update(self, name: str) -> OperationRecord | None:
+        """The update of worker ``name`` under way, if any."""
         return next(
             (op for op in self._operations.values() if op.worker == name and op.running), None
         )
@@ -1292,16 +1293,6 @@ _WAITING_FOR = {
     "update_command": "the update command was not run to its end",
     "restart": "the agent did not register again",
 }
-
-
-def _waiting_on(operation: OperationRecord) -> str:
-    """The step a running update waits on."""
-    if operation.step("restart") is not None:
-        return "restart"
-    drain = operation.step("drain")
-    if operation.step("update_command") is not None or (drain and drain.outcome == "ok"):
-        return "update_command"
-    return "drain"
 
 
 def _with_step(

@@ -146,6 +146,13 @@ def test_an_update_is_followed_step_by_step_until_it_ends(
     text = ok(server, "operation", started["id"])
     assert f"update of box-1, operation {started['id']}: running" in text
     assert "drain" in text and "started" in text
+    (box,) = [w for w in ok_json(server, "status")["workers"] if w["name"] == "box-1"]
+    assert box["update"] == {
+        "operation": started["id"],
+        "waiting_on": "update_command",  # drained at once: no lease there
+        "deadline": started["deadline"],
+    }
+    assert f"updating: {started['id']} waits on update_command" in ok(server, "status")
 
     ok(server, "cancel-drain", "box-1")  # its command has not run: the update ends
     waited = cli(server, "operation", started["id"], "--wait", "-o", "json")
@@ -154,6 +161,7 @@ def test_an_update_is_followed_step_by_step_until_it_ends(
     assert cancelled == admin.get(f"/v1/operations/{started['id']}").json()
     assert cancelled["reason"] == "update_command failed: cancelled by cancel-drain"
     assert admin.get("/v1/workers/box-1").json()["state"] == "online"
+    assert admin.get("/v1/workers/box-1").json()["update"] is None
 
     timed_out = cli(server, "update", "box-1", "--timeout", "1s", "--wait")
     assert timed_out.returncode == 1

@@ -292,6 +292,23 @@ async def test_pause_and_resume_from_the_page(
     dashboard.assert_clean()
 
 
+async def test_a_worker_being_updated_says_so_until_the_update_ends(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    register(admin, "edge", gpus=1, total_mb=16384)
+    await dashboard.open(server.admin_token)
+    await dashboard.loaded()
+    badge = dashboard.page.locator('.worker[data-worker="edge"] .updating')
+    await expect(badge).to_have_count(0)
+    started = admin.post("/v1/workers/edge/update")
+    assert started.status_code == 202, started.text
+    await expect(badge).to_have_text("updating: waits on update_command")  # no reload
+    await expect(badge).to_have_attribute("data-operation", started.json()["id"])
+    assert admin.post("/v1/workers/edge/cancel-drain").status_code == 200
+    await expect(badge).to_have_count(0)
+    dashboard.assert_clean()
+
+
 async def test_a_phone_width_screen_needs_no_horizontal_scrolling(
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:

@@ -140,11 +140,17 @@ def status_view(workers: list[Json], status: Json) -> Group:
     for worker in workers:
         seen = worker.get("last_heartbeat_at")
         heartbeat = "no heartbeat" if seen is None else f"heartbeat {_ago(seen)} ago"
+        update = worker.get("update")
         lines.append(
             Text.assemble(
                 (worker["name"], "bold"),
                 f"  {worker['state']}  {heartbeat}",
                 "  (simulated)" if worker.get("simulated") else "",
+                (
+                    (f"  updating: {update['operation']} waits on {update['waiting_on']}", "cyan")
+                    if update
+                    else ""
+                ),
             )
         )
         for gpu in worker["gpus"]:

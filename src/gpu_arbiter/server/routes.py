@@ -64,7 +64,9 @@ def _lease_json(ctl: Controller, record: LeaseRecord, status: int = 200) -> JSON
 
 def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
     record = ctl.worker(name)
-    body = s.worker_out(record, ctl.gpu_figures(name), ctl.last_seen(name))
+    body = s.worker_out(
+        record, ctl.gpu_figures(name), ctl.last_seen(name), ctl.running_update(name)
+    )
     return JSONResponse(body, status_code=status)
 
 
@@ -204,7 +206,12 @@ async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JS
 async def list_workers(request: Request) -> JSONResponse:
     ctl, _who = _context(request)
     return JSONResponse(
-        [s.worker_out(w, ctl.gpu_figures(w.name), ctl.last_seen(w.name)) for w in ctl.workers()]
+        [
+            s.worker_out(
+                w, ctl.gpu_figures(w.name), ctl.last_seen(w.name), ctl.running_update(w.name)
+            )
+            for w in ctl.workers()
+        ]
     )
 
 

@@ -198,6 +198,12 @@ class GpuOut(BaseModel):
     leases: list[str]
 
 
+class WorkerUpdateOut(BaseModel):
+    operation: str
+    waiting_on: str
+    deadline: float | None
+
+
 class WorkerOut(BaseModel):
     name: str
     state: str
@@ -208,6 +214,7 @@ class WorkerOut(BaseModel):
     registered_at: float
     last_heartbeat_at: float | None
     drain_deadline: float | None
+    update: WorkerUpdateOut | None
     gpus: list[GpuOut]
 
 
@@ -310,7 +317,10 @@ def lease_out(
 
 
 def worker_out(
-    record: WorkerRecord, figures: list[GpuFigures], last_seen: float | None
+    record: WorkerRecord,
+    figures: list[GpuFigures],
+    last_seen: float | None,
+    update: OperationRecord | None = None,
 ) -> dict[str, Any]:
     return {
         "name": record.name,
@@ -322,6 +332,9 @@ def worker_out(
         "registered_at": record.registered_at,
         "last_heartbeat_at": last_seen,
         "drain_deadline": record.drain_deadline,
+        "update": None
+        if update is None
+        else {"operation": update.id, "waiting_on": update.waiting_on, "deadline": update.deadline},
         "gpus": [gpu_out(f) for f in figures],
     }
 

@@ -118,6 +118,16 @@ class OperationRecord:
         """The latest record of step ``name``."""
         return next((s for s in reversed(self.steps) if s.name == name), None)
 
+    @property
+    def waiting_on(self) -> str:
+        """The step an update waits on: ``drain``, ``update_command`` or ``restart``."""
+        if self.step("restart") is not None:
+            return "restart"
+        drain = self.step("drain")
+        if self.step("update_command") is not None or (drain and drain.outcome == "ok"):
+            return "update_command"
+        return "drain"
+
 
 @dataclass(frozen=True, slots=True)
 class TokenRecord:

@@ -138,6 +138,8 @@ function renderWorkers(workers) {
       el("span", { class: "state " + worker.state, "data-state": worker.state }, worker.state),
       worker.simulated ? el("span", { class: "count" }, "simulated") : null,
       worker.agent_version ? el("span", { class: "count" }, "agent " + worker.agent_version) : null,
+      worker.update ? el("span", { class: "count updating", "data-operation": worker.update.operation },
+        `updating: waits on ${worker.update.waiting_on}`) : null,
       el("span", { class: "count" }, worker.last_heartbeat_at ? `heartbeat ${ago(worker.last_heartbeat_at)} ago` : ""),
       el("span", { class: "admin" },
         draining ? null : el("button", { "data-action": "drain", "data-worker": worker.name }, "Drain"),
