@@ -17,6 +17,7 @@ Errors::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
@@ -259,6 +260,22 @@ class ArbiterClient:
     async def status(self) -> Json:
         result: Json = await self.request("GET", "/v1/status")
         return result
+
+    async def controllers(self, timeout_s: float = 3.0) -> list[Json]:
+        """Each controller URL given, asked on its own (no failover): ``url``, ``role``
+        (``leader``, ``standby`` or ``unreachable``), ``leader``, or ``error``."""
+
+        async def one(url: str) -> Json:
+            try:
+                answer = await self._http.get(url + "/v1/status", timeout=timeout_s)
+                body = answer.json()
+            except (httpx.HTTPError, ValueError) as error:
+                return {"url": url, "role": "unreachable", "error": str(error) or repr(error)}
+            if answer.status_code != 200 or not isinstance(body, dict):
+                return {"url": url, "role": "unreachable", "error": f"HTTP {answer.status_code}"}
+            return {"url": url, "role": body.get("role", "leader"), "leader": body.get("leader")}
+
+        return list(await asyncio.gather(*(one(url) for url in self.urls)))
 
     async def queue(self) -> list[Json]:
         result: list[Json] = await self.request("GET", "/v1/queue")

@@ -4,6 +4,7 @@ take over; nothing acknowledged is lost or granted twice (I1, I9)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -107,6 +108,16 @@ def test_one_leads_the_other_redirects_changes_and_answers_reads(
         assert shown.returncode == 0, shown.stderr
         assert f"read from a standby controller (leader: {first.url})" in shown.stdout
         assert "standby" not in _cli(first.url, first.admin_token, "status").stdout
+        every = f"{second.url},{first.url},http://127.0.0.1:1"
+        listed = json.loads(_cli(every, first.admin_token, "status", "-o", "json").stdout)
+        assert [(c["url"], c["role"]) for c in listed["controllers"]] == [
+            (second.url, "standby"),
+            (first.url, "leader"),
+            ("http://127.0.0.1:1", "unreachable"),
+        ]
+        assert listed["controllers"][0]["leader"] == first.url
+        line = f"controllers: {second.url} standby, {first.url} leader, http://127.0.0.1:1"
+        assert line in _cli(every, first.admin_token, "status").stdout
         assert _gauge(standby, "gpu_arbiter_leader") == 0
         assert _gauge(standby, "gpu_arbiter_ready") == 0
         seen = wait_for(

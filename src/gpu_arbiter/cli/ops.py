@@ -13,7 +13,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -133,7 +133,7 @@ def _mb(value: Any) -> str:
     return "-" if value is None else format_mb(int(value))
 
 
-def status_view(workers: list[Json], status: Json) -> Group:
+def status_view(workers: list[Json], status: Json, controllers: Sequence[Json] = ()) -> Group:
     """Every worker and GPU with its memory bar, then the totals."""
     lines: list[RenderableType] = []
     totals = {"total_mb": 0, "committed_mb": 0, "used_mb": 0, "free_mb": 0}
@@ -175,6 +175,9 @@ def status_view(workers: list[Json], status: Json) -> Group:
     if status.get("role") == "standby":
         leader = status.get("leader") or "none elected yet"
         lines.append(Text(f"read from a standby controller (leader: {leader})", "yellow"))
+    if len(controllers) > 1:
+        roles = ", ".join(f"{c['url']} {c['role']}" for c in controllers)
+        lines.append(Text(f"controllers: {roles}"))
     return Group(*lines)
 
 
@@ -312,14 +315,16 @@ def status(
 ) -> None:
     """Every worker and GPU with a memory bar (committed, used, free), loads, totals."""
 
-    async def fetch(client: ArbiterClient) -> tuple[list[Json], Json]:
-        return await client.workers(), await client.status()
+    async def fetch(client: ArbiterClient) -> tuple[list[Json], Json, list[Json]]:
+        workers, figures = await client.workers(), await client.status()
+        controllers = await client.controllers() if len(client.urls) > 1 else []
+        return workers, figures, controllers
 
-    workers, figures = call_controller(controller, token, fetch)
+    workers, figures, controllers = call_controller(controller, token, fetch)
     if output is Output.json:
-        _json({"workers": workers, "status": figures})
+        _json({"workers": workers, "status": figures, "controllers": controllers})
     else:
-        stdout_console().print(status_view(workers, figures))
+        stdout_console().print(status_view(workers, figures, controllers))
 
 
 def queue(
