@@ -165,6 +165,18 @@ def test_per_gpu_figures_agree_with_workers(busy: Server) -> None:
     assert committed == (20 + 20 + 4) * 1024 * MIB  # the preemptor, the last grant, w2's
 
 
+def test_a_running_update_shows_until_it_ends(admin: httpx.Client) -> None:
+    register(admin, "w3")
+    assert by_label(scrape(admin), "gpu_arbiter_worker_updating", "worker") == {
+        "local": 0,
+        "w3": 0,
+    }
+    assert admin.post("/v1/workers/w3/update").status_code == 202
+    assert one(scrape(admin), "gpu_arbiter_worker_updating", worker="w3") == 1
+    assert admin.post("/v1/workers/w3/cancel-drain").status_code == 200  # ends the update
+    assert one(scrape(admin), "gpu_arbiter_worker_updating", worker="w3") == 0
+
+
 def test_pause_shows(admin: httpx.Client) -> None:
     assert one(scrape(admin), "gpu_arbiter_paused") == 0
     assert admin.post("/v1/pause").status_code == 200

@@ -12,6 +12,7 @@ Families (memory in bytes, times in seconds; counters since the process started)
     gpu_arbiter_queue_depth{priority}          pending requests by base priority
     gpu_arbiter_leases{state}                  held leases by state
     gpu_arbiter_workers{state}                 workers by state
+    gpu_arbiter_worker_updating{worker}        1 while an update of the worker runs
     gpu_arbiter_paused, gpu_arbiter_ready, gpu_arbiter_leader, gpu_arbiter_build_info
     gpu_arbiter_requests_{submitted,rejected,cancelled,timed_out}_total
     gpu_arbiter_grants_total, gpu_arbiter_preemptions_total
@@ -85,12 +86,18 @@ class ControllerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         status = self.controller.status()
-        figures = [
-            f
-            for worker in self.controller.workers()
-            for f in self.controller.gpu_figures(worker.name)
-        ]
+        workers = self.controller.workers()
+        figures = [f for worker in workers for f in self.controller.gpu_figures(worker.name)]
         yield from _gpus(figures)
+        updating = GaugeMetricFamily(
+            "gpu_arbiter_worker_updating",
+            "1 while an update of the worker runs (drain, update command, restart)",
+            labels=["worker"],
+        )
+        for worker in workers:
+            running = self.controller.running_update(worker.name) is not None
+            updating.add_metric([worker.name], int(running))
+        yield updating
         yield _queue(status["pending_by_priority"])
         yield _by_state("leases", "Held leases by state", status["leases_by_state"], _held_states())
         yield _by_state(
