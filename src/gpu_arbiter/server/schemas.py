@@ -322,6 +322,13 @@ def worker_out(
     last_seen: float | None,
     update: OperationRecord | None = None,
 ) -> dict[str, Any]:
+    running = None
+    if update is not None:
+        running = {
+            "operation": update.id,
+            "waiting_on": update.waiting_on,
+            "deadline": update.deadline,
+        }
     return {
         "name": record.name,
         "state": str(record.status),
@@ -332,9 +339,7 @@ def worker_out(
         "registered_at": record.registered_at,
         "last_heartbeat_at": last_seen,
         "drain_deadline": record.drain_deadline,
-        "update": None
-        if update is None
-        else {"operation": update.id, "waiting_on": update.waiting_on, "deadline": update.deadline},
+        "update": running,
         "gpus": [gpu_out(f) for f in figures],
     }
 
