@@ -174,6 +174,7 @@ async def test_an_answer_older_than_an_attachment_does_not_judge_it(
     attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
     assert await agent._local(attach, 0) == {"ok": True}
     agent._act({"leases": [], "revoking": []}, sent_at)  # its answer cannot know the lease
+    agent._act({"revoking": []}, time.monotonic())  # an answer without the list says nothing
     await asyncio.sleep(0.3)
     assert child.poll() is None
     agent._act({"leases": [], "revoking": []}, time.monotonic())  # a later one can

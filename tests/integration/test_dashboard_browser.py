@@ -71,14 +71,12 @@ class Dashboard:
     def _record(self, request: Request) -> None:
         self.requests.append(request.url)
 
-    async def open(self, token: str | None) -> None:
+    async def open(self, token: str) -> None:
+        """Signs in with ``token`` and waits until the page shows live data."""
         await self.page.goto(self.server.url + "/")
         await expect(self.page.locator("#notice")).to_contain_text("Enter a token")
-        if token is not None:
-            await self.page.fill("#token", token)
-            await self.page.click("#login button[type=submit]")
-
-    async def loaded(self) -> None:
+        await self.page.fill("#token", token)
+        await self.page.click("#login button[type=submit]")
         await expect(self.page.locator("body[data-loaded=true]")).to_have_count(1)
         await expect(self.page.locator("#conn")).to_have_text("live")
 
@@ -148,7 +146,6 @@ async def test_the_page_shows_every_gpu_of_the_controller(
     register(admin, "edge", gpus=1, total_mb=16384)
     lease(admin, "10G")
     await dashboard.open(server.admin_token)
-    await dashboard.loaded()
 
     workers = admin.get("/v1/workers").json()
     gpus = [gpu for worker in workers for gpu in worker["gpus"]]
@@ -178,7 +175,6 @@ async def test_a_lease_appears_without_a_reload_and_goes_when_released(
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:
     await dashboard.open(server.admin_token)
-    await dashboard.loaded()
     page = dashboard.page
     await page.evaluate("window.sameDocument = true")
     await expect(page.locator("#leases")).to_contain_text("No lease is held.")
@@ -215,7 +211,6 @@ async def test_drain_cancel_drain_and_release_from_the_page_with_the_admin_token
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:
     await dashboard.open(server.admin_token)
-    await dashboard.loaded()
     await dashboard.worker_button("local", "drain").click()
     await eventually(lambda: worker_state(admin, "local") != "online", "the worker to drain")
     assert worker_state(admin, "local") in ("draining", "drained")
@@ -249,7 +244,6 @@ async def test_actions_are_refused_without_the_admin_token(
 
     # A valid token of another role reads everything, and may not drain or pause.
     await dashboard.open(server.token("client"))
-    await dashboard.loaded()
     await dashboard.worker_button("local", "drain").click()
     await expect(toast).to_be_visible()
     await expect(toast).to_contain_text("drain local refused: 403 forbidden")
@@ -281,7 +275,6 @@ async def test_pause_and_resume_from_the_page(
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:
     await dashboard.open(server.admin_token)
-    await dashboard.loaded()
     page = dashboard.page
     await page.click("#pause")
     await eventually(lambda: admin.get("/v1/status").json()["paused"], "the pause")
@@ -297,7 +290,6 @@ async def test_a_worker_being_updated_says_so_until_the_update_ends(
 ) -> None:
     register(admin, "edge", gpus=1, total_mb=16384)
     await dashboard.open(server.admin_token)
-    await dashboard.loaded()
     badge = dashboard.page.locator('.worker[data-worker="edge"] .updating')
     await expect(badge).to_have_count(0)
     started = admin.post("/v1/workers/edge/update")
@@ -318,7 +310,6 @@ async def test_a_phone_width_screen_needs_no_horizontal_scrolling(
     assert waiting["state"] == "pending"
     await dashboard.page.set_viewport_size(PHONE)
     await dashboard.open(server.admin_token)
-    await dashboard.loaded()
     page = dashboard.page
     await expect(page.locator(f'#queue tr[data-id="{waiting["id"]}"]')).to_be_visible()
     await expect(page.locator("#leases tbody tr")).to_have_count(2)
@@ -349,7 +340,6 @@ async def test_a_standby_says_so_and_links_to_the_leader(
 
         dashboard = Dashboard(await browser.new_page(), second)
         await dashboard.open(first.admin_token)  # the tokens are in the shared database
-        await dashboard.loaded()
         page = dashboard.page
         await expect(page.locator("#standby")).to_be_visible()
         await expect(page.locator("#leader")).to_have_attribute("href", first.url + "/")
@@ -358,7 +348,6 @@ async def test_a_standby_says_so_and_links_to_the_leader(
 
         leader = Dashboard(await browser.new_page(), first)
         await leader.open(first.admin_token)
-        await leader.loaded()
         await expect(leader.page.locator("#standby")).to_be_hidden()
         leader.assert_clean()
     finally:

@@ -43,7 +43,7 @@ __all__ = ["Agent", "AgentConfig", "read_version"]
 
 log = logging.getLogger("gpu_arbiter.agent")
 Json = dict[str, Any]
-UPDATE_TIMEOUT_S = 900.0
+COMMAND_TIMEOUT_S = 900.0
 OUTPUT_TAIL = 2000
 
 
@@ -214,11 +214,12 @@ class Agent:
         heartbeat left; a process attached since may not be in the answer yet."""
         held = set(answer.get("leases") or ())
         revoking = set(answer.get("revoking") or ())
+        knows_held = isinstance(answer.get("leases"), list)  # absent: it says nothing of them
         for entry in self.supervisor.leases():
             if entry.stopped or entry.stopping:
                 continue
             if entry.lease_id not in revoking:
-                if entry.lease_id in held or entry.attached_at >= sent_at:
+                if not knows_held or entry.lease_id in held or entry.attached_at >= sent_at:
                     continue
                 log.warning(
                     "lease %s has ended at the controller but pid %d still runs: stopping it",
@@ -365,11 +366,11 @@ async def _run_command(command: str) -> tuple[int, str]:
     except OSError as error:
         return 127, f"cannot start it: {error}"
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), UPDATE_TIMEOUT_S)
+        out, _ = await asyncio.wait_for(proc.communicate(), COMMAND_TIMEOUT_S)
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return -9, f"timed out after {UPDATE_TIMEOUT_S:.0f}s"
+        return -9, f"timed out after {COMMAND_TIMEOUT_S:.0f}s"
     return proc.returncode or 0, out.decode(errors="replace").strip()
 
 

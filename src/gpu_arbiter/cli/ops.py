@@ -443,11 +443,13 @@ def update(
     timeout_s = None if timeout is None else parse_duration(timeout)
     deadline_s = None if drain_deadline is None else parse_duration(drain_deadline)
 
-    async def start(client: ArbiterClient) -> Json:
-        started = await client.update(name, timeout_s=timeout_s, drain_deadline_s=deadline_s)
-        return await _until_done(client, started) if wait else started
-
-    answer = call_controller(controller, token, start)
+    answer = call_controller(
+        controller,
+        token,
+        lambda c: _follow(
+            c, c.update(name, timeout_s=timeout_s, drain_deadline_s=deadline_s), wait
+        ),
+    )
     if wait:
         _show_operation(answer, output)
     elif output is Output.json:
@@ -465,15 +467,18 @@ def operation(
 ) -> None:
     """An operation (an update) step by step, with each step's time and outcome."""
 
-    async def fetch(client: ArbiterClient) -> Json:
-        found = await client.operation(operation_id)
-        return await _until_done(client, found) if wait else found
+    answer = call_controller(
+        controller, token, lambda c: _follow(c, c.operation(operation_id), wait)
+    )
+    _show_operation(answer, output, fail=wait)
 
-    _show_operation(call_controller(controller, token, fetch), output, fail=wait)
 
-
-async def _until_done(client: ArbiterClient, operation: Json, poll_s: float = 1.0) -> Json:
-    while operation["state"] == "running":
+async def _follow(
+    client: ArbiterClient, first: Awaitable[Json], wait: bool, poll_s: float = 1.0
+) -> Json:
+    """The operation ``first`` answers; with ``wait``, as it is once it has ended."""
+    operation = await first
+    while wait and operation["state"] == "running":
         await asyncio.sleep(poll_s)
         operation = await client.operation(operation["id"])
     return operation

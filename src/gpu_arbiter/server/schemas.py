@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ..controller import DrainOutcome, PendingView
+from ..controller import UPDATE_TIMEOUT_S, DrainOutcome, PendingView
 from ..core import GpuFigures, Lease, LeaseState, priority_name
 from ..store import Event, LeaseRecord, OperationRecord, WorkerRecord
 
@@ -133,7 +133,7 @@ class UpdateIn(_In):
     """``timeout_s``: the whole update (drain, command, restart) fails if not done by then;
     ``drain_deadline_s``: leases still on the worker after it are revoked."""
 
-    timeout_s: Annotated[Seconds, Field(gt=0, le=366 * 86400)] = 3600.0
+    timeout_s: Annotated[Seconds, Field(gt=0, le=366 * 86400)] = UPDATE_TIMEOUT_S
     drain_deadline_s: Annotated[Seconds, Field(ge=0, le=366 * 86400)] | None = None
 
 
