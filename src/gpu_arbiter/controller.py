@@ -644,14 +644,11 @@ class Controller:
             )
             self._workers[name] = record
             change.workers.add(name)
-            over: dict[str, Any] = self._overcommitted(name)
-            change.event(
-                "worker.registered",
-                worker=name,
-                gpus=len(gpus),
-                agent_version=agent_version,
-                **({"overcommitted_mb": over} if over else {}),
-            )
+            data: dict[str, Any] = {"gpus": len(gpus), "agent_version": agent_version}
+            over = self._overcommitted(name)
+            if over:
+                data["overcommitted_mb"] = over
+            change.event("worker.registered", worker=name, **data)
             self._seen_now(name, change)
             self._update_restarted(change, name, agent_version)
         return self.worker(name), existing is None
