@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -12,6 +14,7 @@ from gpu_arbiter import (
     Arbiter,
     ArbiterEvent,
     ArbiterStopped,
+    Conflict,
     Gpu,
     GpuId,
     GpuProbe,
@@ -788,3 +791,72 @@ async def test_release_is_idempotent_and_stats_do_not_disturb(arbiter: Arbiter) 
     await lease.release()
     await arbiter.release("no-such-lease")
     await (await blocked).release()
+
+
+# ---------------------------------------------------------------- holders that ignore revocation
+
+
+async def test_a_victim_that_swallows_its_cancellation_is_made_visible(
+    recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It cannot be killed, so its preemptor waits; past the grace, the preemptor's reason
+    names it and how long it has ignored its revocation, a warning is logged, an event is
+    emitted and the stats show it."""
+    policy = Policy(grace_s=0.2)
+    async with _arbiter(policy=policy, hooks=[recorder]) as arbiter:
+        let_go = asyncio.Event()
+
+        async def stubborn() -> None:
+            async with arbiter.lease(20000, priority="batch", holder="stubborn") as lease:
+                await lease.ready()
+                while not let_go.is_set():
+                    with contextlib.suppress(asyncio.CancelledError):  # swallowed
+                        await let_go.wait()
+
+        stubborn_task = asyncio.create_task(stubborn())
+        try:
+            await recorder.wait("granted")
+            (victim,) = held_by(arbiter, "stubborn")
+            preemptor = asyncio.create_task(arbiter.acquire(16000, priority="interactive"))
+            await recorder.wait("revoked", victim.id)
+            assert arbiter.stats().overdue_revocations == {}
+            with caplog.at_level(logging.WARNING, logger="gpu_arbiter.engine"):
+                event = await recorder.wait("revocation_ignored", victim.id)
+            assert event.detail is not None and event.detail["ignored_s"] >= 0.2
+            assert f"lease {victim.id} (holder 'stubborn') was revoked (preempted)" in caplog.text
+            (info,) = arbiter.pending()
+            assert info.reason.code == "preempting"
+            assert info.reason.blocked_by == victim.id
+            assert f"lease {victim.id} has ignored its revocation for" in info.reason.message
+            stats = arbiter.stats()
+            assert list(stats.overdue_revocations) == [victim.id]
+            assert stats.overdue_revocations[victim.id] >= 0.2
+            assert stats.counters["revocations_ignored"] == 1
+            assert not preemptor.done()
+            let_go.set()
+            await stubborn_task
+            granted = await asyncio.wait_for(preemptor, GUARD_S)
+            assert arbiter.stats().overdue_revocations == {}
+            await granted.release()
+        finally:
+            let_go.set()
+
+
+async def test_a_revoked_acquired_lease_that_keeps_renewing_lapses_after_grace_plus_ttl(
+    recorder: Recorder,
+) -> None:
+    async with _arbiter(policy=Policy(grace_s=0.3), hooks=[recorder]) as arbiter:
+        victim = await arbiter.acquire(20000, priority="batch", ttl_s=0.5)
+        preemptor = asyncio.create_task(arbiter.acquire(16000, priority="interactive"))
+        await recorder.wait("revoked", victim.id)
+        refused = False
+        async with asyncio.timeout(GUARD_S):
+            while not preemptor.done():
+                try:
+                    await victim.renew()
+                except Conflict:
+                    refused = True  # past its grace
+                await asyncio.sleep(0.05)
+        assert refused
+        assert recorder.kinds(victim.id)[-1] == "expired"
+        await (await preemptor).release()

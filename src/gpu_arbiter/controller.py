@@ -369,7 +369,7 @@ class Controller:
         for lease in list(self.scheduler.leases.values()):
             ttl = lease.request.ttl_s
             if ttl is not None and lease.expires_at < change.now + ttl:
-                self.scheduler.renew(lease.id, change.now)
+                self.scheduler.extend(lease.id, change.now + ttl)  # a revoked one too
                 change.leases.add(lease.id)
 
     def _put_simulated(self, change: _Change) -> None:
@@ -644,12 +644,30 @@ class Controller:
             )
             self._workers[name] = record
             change.workers.add(name)
-            change.event(
-                "worker.registered", worker=name, gpus=len(gpus), agent_version=agent_version
-            )
+            data: dict[str, Any] = {"gpus": len(gpus), "agent_version": agent_version}
+            over = self._overcommitted(name)
+            if over:
+                data["overcommitted_mb"] = over
+            change.event("worker.registered", worker=name, **data)
             self._seen_now(name, change)
             self._update_restarted(change, name, agent_version)
         return self.worker(name), existing is None
+
+    def _overcommitted(self, name: str) -> dict[str, int]:
+        """GPUs registered smaller than their leases (accepted, so that the worker can come
+        back, e.g. after a driver change; they get no grant until back under capacity)."""
+        over = {}
+        for figures in self.gpu_figures(name):
+            if figures.overcommitted_mb:
+                over[str(figures.gpu.id)] = figures.overcommitted_mb
+                log.warning(
+                    "GPU %s registered with %d MiB of capacity under %d MiB of leases: "
+                    "over-committed; no grant there until its leases fit",
+                    figures.gpu.id,
+                    figures.gpu.capacity_mb,
+                    figures.committed_mb,
+                )
+        return over
 
     def heartbeat(
         self,
@@ -658,9 +676,15 @@ class Controller:
         *,
         stopped: Sequence[str] = (),
         stale: Sequence[int] = (),
+        supervised: Sequence[str] | None = None,
     ) -> WorkerRecord:
         """A worker's probe snapshot, the leases whose processes it saw stop, and the GPUs
-        its probe could not read (``stale``: no grants there until they read again)."""
+        its probe could not read (``stale``: no grants there until they read again).
+
+        ``supervised``: the leases whose running processes the agent watches (None: it
+        says nothing of them). Such a lease is not freed when its TTL lapses but revoked,
+        and its memory stays committed until the agent reports its process stopped (I4);
+        a lease the agent no longer lists falls back to its TTL."""
         self._check_available()
         record = self.worker(name)
         if record.simulated:
@@ -678,18 +702,36 @@ class Controller:
             self.scheduler.set_probe(GpuId(name, index), None)
         changed = changed and len(self.scheduler.queue) > 0
         offline = self.scheduler.workers[name].status is WorkerStatus.OFFLINE
-        if not (changed or ending or offline):  # a new reading only matters to pending work
+        watched = self._supervision_changes(name, supervised, ending)
+        if not (changed or ending or offline or watched):  # a reading matters to pending work
             self._seen[name] = self._clock()  # nothing to decide, nothing to persist
             self._push_offline_deadline(name, self._seen[name])
             return record
         with self._change() as change:
             self._seen_now(name, change)
+            for lease_id, watched_now in watched.items():
+                self.scheduler.set_supervised(lease_id, watched_now, change.now)
+                change.leases.add(lease_id)
             for lease_id in ending:
                 ended = self.scheduler.release(lease_id, change.now)
                 self._end(
                     change, self._records[lease_id], LeaseState.RELEASED, "holder_stopped", ended
                 )
         return self.worker(name)
+
+    def _supervision_changes(
+        self, name: str, supervised: Sequence[str] | None, ending: Sequence[str]
+    ) -> dict[str, bool]:
+        """The worker's leases whose ``supervised`` flag the heartbeat changes."""
+        if supervised is None:
+            return {}
+        watched = set(supervised) - set(ending)
+        changes = {}
+        for lease_id in self.scheduler.worker_lease_ids(name):
+            now_watched = lease_id in watched
+            if self.scheduler.leases[lease_id].supervised != now_watched:
+                changes[lease_id] = now_watched
+        return changes
 
     def _apply_probes(self, name: str, probes: Sequence[GpuProbeReport]) -> bool:
         changed = False
@@ -1145,6 +1187,9 @@ class Controller:
             self._end(change, self._records[lease.id], LeaseState.EXPIRED, "expired", lease)
         for request in decisions.timed_out:
             self._end(change, self._records[request.id], LeaseState.TIMED_OUT, "max_wait")
+        for request, why in decisions.rejected:  # the cluster shrank under it
+            record = self._records[request.id]
+            self._end(change, record, LeaseState.REJECTED, why.code, message=why.message)
         for lease in decisions.loaded:
             change.leases.add(lease.id)
             change.event("lease.loaded", lease.id, lease.worker, reason="load_timeout")
@@ -1170,8 +1215,11 @@ class Controller:
         state: LeaseState,
         reason: str,
         lease: Lease | None = None,
+        *,
+        message: str | None = None,
     ) -> None:
-        """A record reaches a final state: it leaves the live set, kept as recent."""
+        """A record reaches a final state: it leaves the live set, kept as recent.
+        ``message``: the reason in words, for the event."""
         if lease is None and record.lease is None and record.id in self._records:  # never granted
             self._pending_by_holder[self._holder_key(record)] -= 1
         ended = replace(
@@ -1189,7 +1237,8 @@ class Controller:
             self._recent.popitem(last=False)
         change.ended[record.id] = ended
         worker = None if ended.lease is None else ended.lease.worker
-        change.event(f"lease.{state}", record.id, worker, reason=reason)
+        more = {} if message is None else {"message": message}
+        change.event(f"lease.{state}", record.id, worker, reason=reason, **more)
 
     def _remember(self, record: LeaseRecord) -> None:
         self._records[record.id] = record

@@ -12,6 +12,15 @@ the block has been left, i.e. after the task's own cleanup ran (I4). The
 block then raises :class:`LeasePreempted` (a cancellation from elsewhere still
 propagates as a cancellation), the way ``asyncio.timeout()`` turns its own
 cancellation into ``TimeoutError``.
+
+A task that swallows its cancellation cannot be stopped from outside: its lease
+(which has no TTL) keeps its memory, and its preemptor waits, until the block is
+left. The arbiter cannot end that wait, but makes it visible once the revoked
+lease is held past ``policy.grace_s``: a warning in the log, a
+``revocation_ignored`` event, the preemptor's pending reason naming the lease
+and how long it has ignored its revocation, and ``stats().overdue_revocations``.
+A lease from :meth:`Arbiter.acquire` has a TTL: once revoked it can be renewed
+only within the grace, so it lapses at most grace + TTL after its revocation.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -42,6 +51,7 @@ from .core import (
     Policy,
     Request,
     Scheduler,
+    Unschedulable,
     WaitTimeout,
     Worker,
 )
@@ -57,7 +67,9 @@ Hook = Callable[["ArbiterEvent"], object]
 @dataclass(frozen=True, slots=True)
 class ArbiterEvent:
     """What happened: ``granted``, ``revoked``, ``released``, ``expired``, ``timed_out``,
-    ``cancelled``, ``loaded`` (load timed out and counts as done), ``paused``, ``resumed``."""
+    ``cancelled``, ``rejected``, ``loaded`` (load timed out and counts as done),
+    ``revocation_ignored`` (a revoked lease still held past its grace), ``paused``,
+    ``resumed``."""
 
     kind: str
     at: float
@@ -76,7 +88,9 @@ class PendingInfo:
 
 @dataclass(frozen=True, slots=True)
 class ArbiterStats:
-    """A frozen snapshot; taking it changes nothing."""
+    """A frozen snapshot; taking it changes nothing. ``overdue_revocations``: revoked
+    leases still held past ``policy.grace_s`` (their holders ignore the revocation), with
+    the seconds since it, longest first."""
 
     paused: bool
     pending: int
@@ -84,6 +98,7 @@ class ArbiterStats:
     leases_by_state: Mapping[str, int]
     gpus: tuple[GpuFigures, ...]
     counters: Mapping[str, int]
+    overdue_revocations: Mapping[str, float] = field(default_factory=dict)
 
 
 class LeaseHandle:
@@ -185,6 +200,7 @@ class Arbiter:
         self._handles: dict[str, LeaseHandle] = {}
         self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
+        self._grace_timers: dict[str, asyncio.TimerHandle] = {}
         self._probe_task: asyncio.Task[None] | None = None
         self._running = False
         self._stopped = False
@@ -220,6 +236,9 @@ class Arbiter:
         self._running = False
         if self._timer is not None:
             self._timer.cancel()
+        for grace_timer in self._grace_timers.values():
+            grace_timer.cancel()
+        self._grace_timers.clear()
         if self._probe_task is not None:
             self._probe_task.cancel()
             await asyncio.gather(self._probe_task, return_exceptions=True)
@@ -248,7 +267,13 @@ class Arbiter:
         """``async with arbiter.lease(6000, priority="interactive") as lease:`` — waits for a
         grant, holds it for the block, releases it on the way out. Constraints as keywords:
         ``vendor``, ``min_compute_capability``, ``gpu_arch``, ``gpu_model``, ``worker``,
-        ``labels``. The lease has no TTL: it lives exactly as long as the block."""
+        ``labels``. The lease has no TTL: it lives exactly as long as the block.
+
+        Revoked, the block's task is cancelled and its memory is freed when the block is
+        left. A task that catches the cancellation and carries on holds the memory, and
+        keeps its preemptor waiting, until it leaves the block: past ``policy.grace_s``
+        this is logged as a warning and shown in the preemptor's pending reason and in
+        ``stats().overdue_revocations``."""
         request = self._request(
             vram_mb,
             gpus=gpus,
@@ -278,7 +303,9 @@ class Arbiter:
         **constraints: Any,
     ) -> LeaseHandle:
         """A lease that outlives one block: renew it within ``ttl_s`` or it lapses; end it
-        with :meth:`release`. Revocation is signalled on the handle, not by cancellation."""
+        with :meth:`release`. Revocation is signalled on the handle, not by cancellation;
+        a revoked lease can be renewed only within ``policy.grace_s`` (then renewing
+        raises :class:`Conflict`) and lapses at most grace + TTL after its revocation."""
         request = self._request(
             vram_mb,
             gpus=gpus,
@@ -296,6 +323,9 @@ class Arbiter:
     async def release(self, lease_id: str) -> None:
         """Releases a held lease; releasing one that already ended does nothing (idempotent)."""
         self._handles.pop(lease_id, None)
+        grace_timer = self._grace_timers.pop(lease_id, None)
+        if grace_timer is not None:
+            grace_timer.cancel()
         if lease_id not in self._scheduler.leases:
             return
         lease = self._scheduler.release(lease_id, self._now())
@@ -353,6 +383,7 @@ class Arbiter:
             leases_by_state=states,
             gpus=tuple(self._scheduler.figures(g) for g in self._scheduler.gpu_ids()),
             counters=dict(self._scheduler.counters),
+            overdue_revocations=dict(self._scheduler.overdue_revocations(self._now())),
         )
 
     # ------------------------------------------------------------------ internals
@@ -444,6 +475,11 @@ class Arbiter:
                 handle._notify_revoked("expired")
         for lease in decisions.loaded:
             self._emit("loaded", lease.id, {"reason": "load_timeout"})
+        for request, why in decisions.rejected:
+            self._emit("rejected", request.id, {"reason": why.code})
+            future = self._waiters.pop(request.id, None)
+            if future is not None and not future.done():
+                future.set_exception(Unschedulable(why))
         for request in decisions.timed_out:
             self._emit("timed_out", request.id)
             future = self._waiters.pop(request.id, None)
@@ -464,6 +500,32 @@ class Arbiter:
             handle = self._handles.get(lease.id)
             if handle is not None:
                 handle._notify_revoked(lease.revoke_reason or "revoked")
+            if lease.revoked_at is not None and lease.id not in self._grace_timers:
+                self._grace_timers[lease.id] = asyncio.get_running_loop().call_at(
+                    lease.revoked_at + self.policy.grace_s, self._grace_over, lease.id
+                )
+
+    def _grace_over(self, lease_id: str) -> None:
+        """A revoked lease's grace ended: still held, its holder ignores the revocation."""
+        self._grace_timers.pop(lease_id, None)
+        lease = self._scheduler.leases.get(lease_id)
+        if lease is None or lease.revoked_at is None:
+            return
+        ignored_s = self._now() - lease.revoked_at
+        log.warning(
+            "lease %s (holder %r) was revoked (%s) %.1f s ago and still holds %d MiB on %s: "
+            "its holder ignores the revocation (a task that swallows its cancellation cannot "
+            "be stopped from outside); %s waits until it leaves its block",
+            lease_id,
+            lease.request.holder,
+            lease.revoke_reason,
+            ignored_s,
+            lease.vram_mb,
+            ",".join(map(str, lease.gpus)),
+            lease.preempted_for or "the memory",
+        )
+        self._emit("revocation_ignored", lease_id, {"ignored_s": round(ignored_s, 3)})
+        self._scheduler.counters["revocations_ignored"] += 1
 
     def _arm_timer(self) -> None:
         deadline = self._scheduler.next_deadline()

@@ -622,4 +622,6 @@ def test_a_preemption_whose_worker_is_removed_is_forgotten() -> None:
     sched.remove_worker("w2")
     decisions = sched.decide(3.0)  # the nomination's GPU is gone: no crash, nothing granted
     assert granted_ids(decisions) == []
-    assert "preemptor" in sched.queue
+    # only w2 could ever take it: it ends as a new request for w2 would
+    assert [(r.id, why.code) for r, why in decisions.rejected] == [("preemptor", "no_matching_gpu")]
+    assert "preemptor" not in sched.queue

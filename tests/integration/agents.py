@@ -26,13 +26,16 @@ import json, os, signal, sys, time
 from pathlib import Path
 from gpu_arbiter.agent.probes import report_usage
 
-info_path, go_path, mb, ignore_term, code = (
-    Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5]))
+info_path, go_path, mb, ignore_term, code, checkpoint_s = (
+    Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5]),
+    float(sys.argv[6]))
 terms = []
 def on_term(signum, frame):
     terms.append(time.time())
+    with info_path.with_suffix(".signals").open("a") as signals:  # every one it receives
+        signals.write(f"TERM {terms[-1]}\\n")
     info_path.with_suffix(".term").write_text(str(terms[0]))
-    if not ignore_term:
+    if not ignore_term and not checkpoint_s:
         sys.exit(143)
 signal.signal(signal.SIGTERM, on_term)
 visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -48,6 +51,8 @@ partial = info_path.with_suffix(".tmp")
 partial.write_text(json.dumps(info))
 os.replace(partial, info_path)
 while not go_path.exists():
+    if terms and not ignore_term and time.time() - terms[0] >= checkpoint_s:
+        sys.exit(143)  # stopped after writing its checkpoint
     time.sleep(0.05)
 sys.exit(code)
 """
@@ -110,7 +115,10 @@ class RunProcess:
         mb: int = 1000,
         ignore_term: bool = False,
         exit_code: int = 0,
+        checkpoint_s: float = 0.0,
     ) -> None:
+        """``checkpoint_s``: on SIGTERM the child takes this long to stop (0: at once),
+        recording every signal it receives meanwhile (see :attr:`signals`)."""
         self.holder = holder
         self.runtime = runtime
         self.info_path = runtime / f"{holder}.json"
@@ -121,7 +129,7 @@ class RunProcess:
         self.command = [sys.executable, "-m", "gpu_arbiter", "run", "--controller", url]
         self.command += ["--token", token, "--holder", holder, "--grace-s", "0.5", *options]
         self.command += ["--", sys.executable, str(child), str(self.info_path), str(self.go_path)]
-        self.command += [str(mb), "1" if ignore_term else "0", str(exit_code)]
+        self.command += [str(mb), "1" if ignore_term else "0", str(exit_code), str(checkpoint_s)]
         self.err = runtime / f"{holder}.err"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -144,6 +152,15 @@ class RunProcess:
         except (OSError, ValueError):
             return None
         return found
+
+    @property
+    def signals(self) -> list[str]:
+        """The signals the child received, in order (SIGKILL cannot be seen)."""
+        try:
+            lines = self.info_path.with_suffix(".signals").read_text().splitlines()
+        except OSError:
+            return []
+        return [line.split()[0] for line in lines]
 
     def wait_child(self, timeout_s: float = 30.0) -> dict[str, Any]:
         found: dict[str, Any] = wait_for(lambda: self.info, timeout_s, f"{self.holder} child")

@@ -169,17 +169,22 @@ def test_agent_killed_goes_offline_once_keeps_leases_and_reconciles(
     assert set().union(*(set(g["leases"]) for g in figures.values())) == held
     assert sum(g["committed_mb"] for g in figures.values()) == 4096  # memory still committed
 
-    wait_for(lambda: lease_of(admin, "short")["state"] == "expired", what="short TTL lapses")  # type: ignore[index]
+    # the lease of a supervised process is revoked when its TTL lapses, not freed: the
+    # orphan may still use the memory, and only its agent can say it stopped (I4)
+    wait_for(lambda: lease_of(admin, "short")["state"] == "revoking", what="short TTL lapses")  # type: ignore[index]
+    assert lease_of(admin, "short")["revoke_reason"] == "ttl_lapsed"  # type: ignore[index]
+    assert sum(g["committed_mb"] for g in gpu_figures(admin).values()) == 4096
     assert lease_of(admin, "long")["state"] in ("loading", "active")  # type: ignore[index]
 
     cleanup.append(agent.start())  # restarted: supervises the orphans again
     wait_for(lambda: worker_state(admin, "box-a") == "online", what="box-a back")
-    # the orphan whose lease lapsed meanwhile runs on no lease: the agent stops it
+    # the orphan whose lease was revoked meanwhile: the agent stops it, then reports it
     short_pid = short.info["pid"]  # type: ignore[index]
-    wait_for(lambda: not process_alive(short_pid), what="the orphan without a lease stopped")
+    wait_for(lambda: not process_alive(short_pid), what="the revoked orphan stopped")
     assert (runtime / "short.term").exists()
     wait_for(lambda: lease_of(admin, "short")["id"] not in agent.attachments, what="forgotten")  # type: ignore[index]
-    assert lease_of(admin, "short")["state"] == "expired"  # type: ignore[index]
+    ended = lease_of(admin, "short")
+    assert (ended["state"], ended["end_reason"]) == ("released", "holder_stopped")  # type: ignore[index]
     assert not (runtime / "long.term").exists()  # the one with a lease runs on
     long_id = lease_of(admin, "long")["id"]  # type: ignore[index]
     assert admin.post(f"/v1/leases/{long_id}/revoke").status_code == 200

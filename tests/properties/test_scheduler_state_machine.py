@@ -10,7 +10,8 @@ from collections import Counter
 from typing import Any
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpu_arbiter.core import (
@@ -59,6 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.held: dict[str, Lease] = {}  # as granted: id, size, GPUs
         self.ended: set[str] = set()
         self.revoking: set[str] = set()
+        self.revoked_at: dict[str, float] = {}
         self.probes: dict[GpuId, GpuProbe] = {}
         self.stale: set[GpuId] = set()
         self.last_token = 0
@@ -123,6 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert lease.id in self.held
             assert lease.id not in self.revoking, "a revocation reported twice"
             self.revoking.add(lease.id)
+            self.revoked_at[lease.id] = self.now
 
     def _pick(self, data: st.DataObject, ids: set[str] | list[str]) -> str:
         return data.draw(st.sampled_from(sorted(ids)))
@@ -214,12 +217,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_revocations(decisions, before, now)
         self._check_order(decisions, order, statuses, live, loading)
         self._check_preemptions_free_enough(decisions, order)
+        self._check_revoked_holders_bounded(now)
         for request in decisions.timed_out:
             assert request.max_wait_s is not None
             assert request.submitted_at + request.max_wait_s <= now
         for name, old, new in decisions.workers:
             assert (old, new) == (WorkerStatus.DRAINING, WorkerStatus.DRAINED)
             assert not any(lease.worker == name for lease in self.held.values())
+
+    def _check_revoked_holders_bounded(self, now: float) -> None:
+        """I4: a revoked holder, however often it renews, holds its memory at most grace + TTL
+        after its revocation (then its preemptor can have it)."""
+        for lease_id in self.revoking:
+            ttl = self.held[lease_id].request.ttl_s
+            if ttl is not None:
+                limit = self.revoked_at[lease_id] + self.policy.grace_s + ttl
+                assert now < limit, f"revoked {lease_id} still held at {now} (bound {limit})"
 
     def _holds_ahead(self, order: dict[str, int], position: int) -> Counter[GpuId]:
         """Memory held for still-pending requests ahead of ``position`` (their nominations)."""
@@ -387,7 +400,22 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def renew(self, data: st.DataObject) -> None:
-        self.sched.renew(self._pick(data, set(self.held)), self.now)
+        self._renew(self._pick(data, set(self.held)))
+
+    @precondition(lambda self: self.revoking)
+    @rule(data=st.data())
+    def revoked_holder_renews(self, data: st.DataObject) -> None:  # it ignores its revocation
+        self._renew(self._pick(data, self.revoking))
+
+    def _renew(self, lease_id: str) -> None:
+        if lease_id in self.revoking and self.now > self.revoked_at[lease_id] + self.policy.grace_s:
+            with pytest.raises(Conflict, match="grace"):
+                self.sched.renew(lease_id, self.now)
+            return
+        renewed = self.sched.renew(lease_id, self.now)
+        ttl = renewed.request.ttl_s
+        if lease_id in self.revoking and ttl is not None:
+            assert renewed.expires_at <= self.revoked_at[lease_id] + self.policy.grace_s + ttl
 
     @precondition(lambda self: len(self.sched.queue) > 0)
     @rule(data=st.data())
@@ -498,3 +526,42 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ttl_s=st.sampled_from([1.0, 5.0, 20.0, 60.0]),
+    grace_s=st.sampled_from([0.0, 3.0, 10.0]),
+    renew_every_s=st.floats(0.05, 10.0),
+    renewed_ahead_s=st.sampled_from([None, 600.0]),
+)
+def test_a_renewing_revoked_holder_never_keeps_a_preemptor_waiting_past_grace_plus_ttl(
+    ttl_s: float, grace_s: float, renew_every_s: float, renewed_ahead_s: float | None
+) -> None:
+    """I4/I8: a holder that ignores its revocation and keeps renewing (even one that renewed
+    far ahead before) is cut off: its preemptor is granted at grace + TTL after the
+    revocation at the latest, by the core's own timer."""
+    sched = Scheduler(Policy(grace_s=grace_s))
+    sched.put_worker(Worker("w1"), [Gpu(index=0, total_mb=24576, worker="w1")])
+    sched.submit(Request.build("victim", vram_mb=20000, priority="batch", ttl_s=ttl_s), 0.0)
+    assert [lease.id for lease in sched.decide(0.0).grants] == ["victim"]
+    sched.renew("victim", 0.9, renewed_ahead_s)  # renewed_ahead_s: far beyond its TTL
+    sched.submit(Request.build("preemptor", vram_mb=16000, priority="interactive"), 1.0)
+    assert [lease.id for lease in sched.decide(1.0).revocations] == ["victim"]
+    bound = 1.0 + grace_s + ttl_s
+    now, next_renewal, granted_at = 1.0, 1.0, None
+    while granted_at is None and now <= bound + 2 * renew_every_s:
+        if now >= next_renewal and "victim" in sched.leases:
+            next_renewal = now + renew_every_s
+            try:
+                renewed = sched.renew("victim", now)
+            except Conflict:
+                assert now > 1.0 + grace_s, "renewal refused within the grace"
+            else:
+                assert renewed.expires_at <= bound
+        if "preemptor" in {lease.id for lease in sched.decide(now).grants}:
+            granted_at = now
+        deadline = sched.next_deadline()
+        now = min(next_renewal, deadline if deadline is not None else next_renewal)
+    assert granted_at is not None, "the preemptor waited past grace + TTL"
+    assert granted_at <= bound

@@ -283,7 +283,24 @@ class Agent:
             return self._attach(lease_id, request, peer_uid)
         if op == "usage":
             return {"ok": True, "used_mb": self._usage(lease_id)}
+        if op == "stop":
+            return self._stop_for(lease_id, request.get("grace_s"), peer_uid)
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _stop_for(self, lease_id: str, grace_s: Any, peer_uid: int) -> Json:
+        """Stops a supervised lease's process for ``run``; a stop already under way (the
+        controller revoked the lease) goes on as it is: one SIGTERM, whoever asks."""
+        entry = self.supervisor.get(lease_id)
+        if entry is None or entry.stopped:
+            return {"ok": False, "error": f"lease {lease_id} has no process supervised here"}
+        if peer_uid != 0 and process_uid(entry.pid) != peer_uid:
+            return {"ok": False, "error": f"process {entry.pid} belongs to another user"}
+        valid = isinstance(grace_s, int | float) and not isinstance(grace_s, bool)
+        grace = float(grace_s) if valid and 0 <= grace_s <= 3600 else self.config.grace_s
+        task = self.supervisor.stop(lease_id, grace)
+        if task is not None:
+            task.add_done_callback(lambda _t: self._kick.set())
+        return {"ok": True}
 
     def _attach(self, lease_id: str, request: Json, peer_uid: int) -> Json:
         pid, pgid = request.get("pid"), request.get("pgid")

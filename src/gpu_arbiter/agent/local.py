@@ -7,11 +7,15 @@ The agent listens on a unix socket, ``<runtime dir>/agent-<worker>.sock`` (mode
     {"op": "env"}                                   -> {"ok": true, "env": {...}}
     {"op": "attach", "lease": ID, "pid": P, "pgid": G} -> {"ok": true}
     {"op": "usage", "lease": ID}                    -> {"ok": true, "used_mb": N | null}
+    {"op": "stop", "lease": ID, "grace_s": S}       -> {"ok": true} | {"ok": false, ...}
 
 ``env`` is what the child must inherit (the fake probe's usage directory);
 ``attach`` puts the process group under the agent's supervision for that lease
 (idempotent; ``run`` repeats it with every renewal, so a restarted agent learns
-its processes again); ``usage`` is the lease's GPU memory as the probe sees it.
+its processes again); ``usage`` is the lease's GPU memory as the probe sees it;
+``stop`` asks the agent to stop a supervised lease's process (SIGTERM, SIGKILL after
+``grace_s``) unless it already is: ``run`` leaves the signals to the agent, so that the
+process gets one SIGTERM however many supervisors see its lease revoked.
 
 Only the agent's own user (or root) can reach the socket, and the agent checks the
 caller's credentials (``SO_PEERCRED``): a process may only attach processes of its

@@ -5,6 +5,11 @@ uses it. On revocation it sends SIGTERM to the group, waits ``grace_s``, then
 sends SIGKILL, and reports the lease's process as stopped only once the
 process has really exited (I4: memory is freed only when it is free).
 
+Each process gets each signal once: a second SIGTERM is "quit now" to many
+programs (they would lose the checkpoint they are writing). A stop already
+under way is never started again, whoever asks (the controller's revocation
+in a heartbeat answer, or ``gpu-arbiter run`` through the local endpoint).
+
 Liveness is checked with ``os.kill(pid, 0)``/``waitpid`` for children of this
 process, and ``/proc/<pid>`` for others, so the supervisor also watches
 processes that another program (``gpu-arbiter run``) started.
@@ -145,8 +150,19 @@ class ProcessSupervisor:
 
     @staticmethod
     def _signal(entry: Supervised, signum: int) -> None:
+        """Sends ``signum`` once to each process of the lease: to its group, and to the
+        process itself only when it is not in that group (or the group is our own)."""
         if entry.pgid != os.getpgrp():  # never signal our own group
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(entry.pgid, signum)
+                if _pgid(entry.pid) == entry.pgid:
+                    return  # the group signal reached it
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(entry.pid, signum)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None

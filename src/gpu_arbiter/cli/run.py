@@ -6,7 +6,8 @@
                                                       | renew every ttl/3
                                                       | ready: --ready-url / --ready-after /
                                                       |        GPU memory stopped growing
-            revoked or lost: SIGTERM group, SIGKILL after --grace-s
+            revoked or lost: SIGTERM group once, SIGKILL after --grace-s
+                             (by the local agent when it supervises the command)
                                                       v
                                    CMD exited -> group gone -> release -> exit
 
@@ -55,6 +56,7 @@ VISIBLE_DEVICES = (
 )
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STABLE_S = 3.0
+AGENT_MARGIN_S = 5.0  # beyond the grace, before run kills what the agent did not
 Json = dict[str, Any]
 
 
@@ -87,6 +89,8 @@ class Runner:
         self.child: asyncio.subprocess.Process | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._signals: list[int] = []
+        self._worker = ""
+        self._group_termed_at: float | None = None  # when the group got its one SIGTERM
 
     # ------------------------------------------------------------------ waiting
 
@@ -153,7 +157,7 @@ class Runner:
 
     async def execute(self) -> int:
         lease = self.lease
-        worker = str(lease["worker"])
+        worker = self._worker = str(lease["worker"])
         indexes = ",".join(g.rpartition(":")[2] for g in lease["gpus"])
         env = dict(os.environ)
         local = await agent_request(worker, {"op": "env"})
@@ -261,23 +265,36 @@ class Runner:
             self._stopping = asyncio.create_task(self._stop_child())
 
     async def _stop_child(self) -> None:
+        """One SIGTERM to the group, SIGKILL after the grace. Where the local agent
+        supervises the command it sends both (it may have started already, seeing the
+        revocation first): ``run`` only steps in if the agent has not stopped it by
+        the grace and a margin."""
         assert self.child is not None
         pgid = self.child.pid
-        _killpg(pgid, signal.SIGTERM)
+        grace_s = self.options.grace_s
+        self._group_termed_at = time.monotonic()
+        body = {"op": "stop", "lease": self.lease["id"], "grace_s": grace_s}
+        answer = await agent_request(self._worker, body)
+        by_agent = bool(answer and answer.get("ok"))
+        if not by_agent:
+            _killpg(pgid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(self.child.wait(), self.options.grace_s)
+            await asyncio.wait_for(self.child.wait(), grace_s + (AGENT_MARGIN_S if by_agent else 0))
         except TimeoutError:
-            say(f"the command ignored SIGTERM for {self.options.grace_s:g}s: SIGKILL")
+            say(f"the command ignored SIGTERM for {grace_s:g}s: SIGKILL")
             _killpg(pgid, signal.SIGKILL)
 
     async def _reap_group(self) -> None:
-        """What the command left in its group is ended too: the lease covers the group."""
+        """What the command left in its group is ended too: the lease covers the group.
+        A group that already had its SIGTERM gets none again, only SIGKILL after the grace."""
         assert self.child is not None
         pgid = self.child.pid
         if not _group_alive(pgid):
             return
-        _killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.options.grace_s
+        if self._group_termed_at is None:
+            self._group_termed_at = time.monotonic()
+            _killpg(pgid, signal.SIGTERM)
+        deadline = self._group_termed_at + self.options.grace_s
         while _group_alive(pgid) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         while _group_alive(pgid):

@@ -26,7 +26,9 @@ __all__ = ["GpuFigures", "Ledger"]
 
 @dataclass(frozen=True, slots=True)
 class GpuFigures:
-    """A frozen snapshot of one GPU's accounting."""
+    """A frozen snapshot of one GPU's accounting. ``free_mb`` is never negative;
+    ``overcommitted_mb`` is how far the leases exceed the capacity (a GPU registered again
+    smaller than its leases): no grant goes there until they end."""
 
     gpu: Gpu
     committed_mb: int
@@ -35,6 +37,7 @@ class GpuFigures:
     loading: int
     stale: bool
     lease_ids: tuple[str, ...]
+    overcommitted_mb: int = 0
 
 
 class _Slot:
@@ -160,6 +163,8 @@ class Ledger:
         return self._slots[gpu_id].stale
 
     def free_mb(self, gpu_id: GpuId) -> int:
+        """Capacity less occupied memory: negative on an over-committed GPU (placement
+        compares it; what is shown goes through :meth:`figures`)."""
         slot = self._slots[gpu_id]
         return slot.gpu.capacity_mb - slot.occupied_mb
 
@@ -200,8 +205,9 @@ class Ledger:
             gpu=slot.gpu,
             committed_mb=slot.committed_mb,
             used_mb=None if slot.probe is None else slot.probe.used_mb,
-            free_mb=slot.gpu.capacity_mb - slot.occupied_mb,
+            free_mb=max(0, slot.gpu.capacity_mb - slot.occupied_mb),
             loading=slot.loading,
             stale=slot.stale,
             lease_ids=tuple(slot.reserved),
+            overcommitted_mb=max(0, slot.committed_mb - slot.gpu.capacity_mb),
         )

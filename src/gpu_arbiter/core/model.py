@@ -370,7 +370,11 @@ _FINAL = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A grant of ``vram_mb`` on each of ``gpus``, fenced by a strictly increasing ``token``."""
+    """A grant of ``vram_mb`` on each of ``gpus``, fenced by a strictly increasing ``token``.
+
+    ``revoked_at``: when its revocation started (None while not revoked). ``supervised``: an
+    agent watches the lease's process and will confirm when it exited; a lapsed TTL then
+    revokes the lease instead of freeing its memory (I4)."""
 
     request: Request
     gpus: tuple[GpuId, ...]
@@ -385,10 +389,16 @@ class Lease:
     revoke_reason: str | None = None
     preempted_for: str | None = None
     ended_at: float | None = None
+    revoked_at: float | None = None
+    supervised: bool = False
 
     @property
     def id(self) -> str:
         return self.request.id
+
+    def grace_ends_at(self, grace_s: float) -> float | None:
+        """When a revoked lease's grace ends: after it, the lease cannot be renewed."""
+        return None if self.revoked_at is None else self.revoked_at + grace_s
 
     @property
     def vram_mb(self) -> int:
@@ -416,7 +426,10 @@ class Policy:
     aging_cap             ... but never above ``aging_cap`` (below ``interactive``).
                           Aging orders the queue; it never gives preemption rights.
     preempt_exempt_s      a lease younger than this is not preempted unless idle.
-    grace_s               how long a revoked holder has to stop before it is killed.
+    grace_s               how long a revoked holder has to stop before it is killed;
+                          a revoked lease can be renewed only within it, and never
+                          past ``revoked_at + grace_s + ttl_s``: a holder that ignores
+                          its revocation keeps its memory at most grace + TTL (I4).
     """
 
     max_concurrent_loads: int = 1

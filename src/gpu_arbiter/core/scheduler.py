@@ -19,6 +19,17 @@ One cycle of ``decide(now)``:
      and no pending request could preempt anything.
   3. pending requests past ``max_wait_s`` time out; empty draining workers
      become drained.
+
+Before placement, after the cluster changed shape (a worker removed or
+re-registered with other GPUs or labels), pending requests that no registered
+GPU could ever satisfy any more are rejected, as a new one would be.
+
+A revoked lease can be renewed only within ``policy.grace_s`` of its revocation
+and its expiry never moves past ``revoked_at + grace_s + ttl_s``, so a holder
+that ignores its revocation keeps a preemptor waiting at most grace + TTL. A
+lease an agent supervises (``supervised``) is revoked when its TTL lapses, not
+expired: its memory stays committed until the agent confirms the process
+exited (I4).
 """
 
 from __future__ import annotations
@@ -64,10 +75,19 @@ class Decisions:
     timed_out: tuple[Request, ...] = ()
     loaded: tuple[Lease, ...] = ()
     workers: tuple[tuple[str, WorkerStatus, WorkerStatus], ...] = ()
+    rejected: tuple[tuple[Request, PendingReason], ...] = ()
 
     def __bool__(self) -> bool:
         return any(
-            (self.grants, self.revocations, self.expired, self.timed_out, self.loaded, self.workers)
+            (
+                self.grants,
+                self.revocations,
+                self.expired,
+                self.timed_out,
+                self.loaded,
+                self.workers,
+                self.rejected,
+            )
         )
 
 
@@ -120,6 +140,7 @@ class Scheduler:
         self._drain_check: set[str] = set()  # draining workers that may have become empty
         self._journal: list[tuple[str, tuple[GpuId, ...], int]] = []
         self._journal_at: dict[str, int] = {}
+        self._shrunk = False  # the cluster lost GPUs or changed them: recheck pending requests
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ workers and GPUs
@@ -127,12 +148,16 @@ class Scheduler:
     def put_worker(self, worker: Worker, gpus: Sequence[Gpu]) -> None:
         """Registers a worker or replaces its GPUs.
 
-        A GPU that vanished but still holds leases stays, stale, until they end."""
+        A GPU that vanished but still holds leases stays, stale, until they end. A GPU
+        registered smaller than its leases is accepted, over-committed: it gets no grant
+        until they are back under its capacity (refusing it would leave the worker unable
+        to come back, e.g. after a driver change)."""
         for gpu in gpus:
             if gpu.worker != worker.name:
                 raise InvalidInput("gpus", f"GPU {gpu.id} does not belong to worker {worker.name}")
         if len({gpu.index for gpu in gpus}) != len(gpus):
             raise InvalidInput("gpus", "GPU indexes must be unique")
+        self._shrunk |= self._reshaped(worker, gpus)
         self.workers[worker.name] = worker
         new_ids = [gpu.id for gpu in gpus]
         for old in self._worker_gpus.get(worker.name, []):
@@ -148,11 +173,21 @@ class Scheduler:
         self._worker_leases.setdefault(worker.name, set())
         self._match_cache.clear()
 
+    def _reshaped(self, worker: Worker, gpus: Sequence[Gpu]) -> bool:
+        """Whether re-registering ``worker`` changes its labels or GPUs (so pending requests
+        may no longer be satisfiable); a new worker only adds room."""
+        old = self.workers.get(worker.name)
+        if old is None:
+            return False
+        before = {self._ledger.gpu(g) for g in self._worker_gpus.get(worker.name, ())}
+        return dict(old.labels) != dict(worker.labels) or before != set(gpus)
+
     def remove_worker(self, name: str) -> None:
         """Forgets a worker and its GPUs. Its leases must have ended first."""
         self._worker(name)
         if self._worker_leases.get(name):
             raise Conflict(f"worker {name} still holds {len(self._worker_leases[name])} lease(s)")
+        self._shrunk = True
         for gpu_id in self._worker_gpus.pop(name, []):
             self._ledger.drop_gpu(gpu_id)
         del self.workers[name]
@@ -327,13 +362,56 @@ class Scheduler:
         return self._put(lease, evolve(lease, loading=False, state=state, last_used_at=now))
 
     def renew(self, lease_id: str, now: float, ttl_s: float | None = None) -> Lease:
+        """Moves the expiry to ``now + ttl``. A revoked lease: only within its grace, and
+        never past ``revoked_at + grace_s + ttl_s`` (else :class:`Conflict`)."""
         lease = self.lease(lease_id)
+        grace_end = lease.grace_ends_at(self.policy.grace_s)
+        if grace_end is not None and now > grace_end:
+            raise Conflict(
+                f"lease {lease_id} was revoked ({lease.revoke_reason}) "
+                f"{now - (lease.revoked_at or now):.1f} s ago and its grace of "
+                f"{self.policy.grace_s:g} s is over: it cannot be renewed; stop and release it",
+                lease_id=lease_id,
+                reason="revoked_past_grace",
+            )
         ttl = lease.request.ttl_s if ttl_s is None else ttl_s
         if ttl is None:
             return lease
-        renewed = self._put(lease, evolve(lease, expires_at=now + ttl))
+        expires_at = now + ttl
+        if grace_end is not None:
+            expires_at = min(expires_at, self._revoked_expiry_cap(lease))
+        renewed = self._put(lease, evolve(lease, expires_at=expires_at))
         self._push_timer(renewed.expires_at, "ttl", lease_id)
         return renewed
+
+    def _revoked_expiry_cap(self, lease: Lease) -> float:
+        """The latest expiry a revoked lease may have: grace + TTL after its revocation."""
+        ttl = lease.request.ttl_s
+        grace_end = lease.grace_ends_at(self.policy.grace_s)
+        if ttl is None or grace_end is None:
+            return math.inf
+        return grace_end + ttl
+
+    def extend(self, lease_id: str, until: float) -> Lease:
+        """Moves a lease's expiry to at least ``until``, whatever its state: for the
+        controller's restart, when no holder could renew (a revoked one included)."""
+        lease = self.lease(lease_id)
+        if lease.expires_at >= until:
+            return lease
+        extended = self._put(lease, evolve(lease, expires_at=until))
+        self._push_timer(until, "ttl", lease_id)
+        return extended
+
+    def set_supervised(self, lease_id: str, supervised: bool, now: float) -> Lease:
+        """Whether an agent supervises the lease's process (it will confirm its exit). No
+        longer supervised, a lease whose TTL has lapsed meanwhile expires at the next cycle."""
+        lease = self.lease(lease_id)
+        if lease.supervised == supervised:
+            return lease
+        changed = self._put(lease, evolve(lease, supervised=supervised))
+        if not supervised:
+            self._push_timer(changed.expires_at, "ttl", lease_id)
+        return changed
 
     def set_idle(self, lease_id: str, idle: bool, now: float) -> Lease:
         lease = self.lease(lease_id)
@@ -349,12 +427,18 @@ class Scheduler:
         if lease.state is LeaseState.REVOKING:
             return lease
         self.counters[f"revoked:{reason}"] += 1
-        return self._put(
+        revoked = evolve(
             lease,
-            evolve(
-                lease, state=LeaseState.REVOKING, revoke_reason=reason, preempted_for=for_request
-            ),
+            state=LeaseState.REVOKING,
+            revoke_reason=reason,
+            preempted_for=for_request,
+            revoked_at=now,
         )
+        cap = self._revoked_expiry_cap(revoked)
+        if lease.expires_at > cap:  # renewed far ahead before: grace + TTL from now at most
+            revoked = evolve(revoked, expires_at=cap)
+            self._push_timer(cap, "ttl", lease_id)
+        return self._put(lease, revoked)
 
     def pause(self) -> None:
         self.paused = True
@@ -376,6 +460,7 @@ class Scheduler:
         if not self.queue and not self._drain_check and not self._due(now):
             return _NOTHING
         expired, loaded, revocations, waits = self._run_timers(now)
+        rejected = self._reject_unplaceable(now) if self._shrunk else []
         cycle = _Cycle(now)
         if not self.paused:
             self._place(cycle)
@@ -390,7 +475,22 @@ class Scheduler:
             timed_out=tuple(timed_out),
             loaded=tuple(loaded),
             workers=tuple(workers),
+            rejected=tuple(rejected),
         )
+
+    def _reject_unplaceable(self, now: float) -> list[tuple[Request, PendingReason]]:
+        """After the cluster shrank: pending requests no registered GPU could ever satisfy
+        any more end as a new one would (while no worker is registered, they wait)."""
+        self._shrunk = False
+        rejected = []
+        for request in list(self.queue.ordered(self.policy, now)):
+            reason = self.rejection_for(request)
+            if reason is not None:
+                self.queue.remove(request.id)
+                self._nominations.pop(request.id, None)
+                self.counters["rejected"] += 1
+                rejected.append((request, reason))
+        return rejected
 
     def _due(self, now: float) -> bool:
         deadline = self.next_deadline()
@@ -414,7 +514,10 @@ class Scheduler:
             if not self._timer_live(entry):
                 continue
             _, _, kind, key = entry
-            if kind == "ttl":
+            if kind == "ttl" and self.leases[key].supervised:
+                if self.leases[key].state is not LeaseState.REVOKING:  # its agent stops it
+                    revoked.append(self.revoke(key, "ttl_lapsed", now))
+            elif kind == "ttl":
                 expired.append(self.release(key, now, LeaseState.EXPIRED))
             elif kind == "load":
                 loaded.append(self.ready(key, now))
@@ -790,11 +893,22 @@ class Scheduler:
         nomination = self._nominations.get(request_id)
         if nomination is not None and self._still_preempting(nomination):
             where = ", ".join(map(str, nomination.gpus))
+            stuck = self.overdue_revocations(now, among=nomination.victims)
+            message = (
+                f"waiting for {len(nomination.victims)} preempted lease(s) on {where} to stop "
+                "and the memory to show free"
+            )
+            if stuck:
+                lease_id, ignored_s = stuck[0]
+                message += (
+                    f"; lease {lease_id} has ignored its revocation for {ignored_s:.0f} s "
+                    f"(grace {self.policy.grace_s:g} s)"
+                )
             return PendingReason(
                 "preempting",
-                f"waiting for {len(nomination.victims)} preempted lease(s) on {where} to stop "
-                "and the memory to show free",
+                message,
                 nominated=nomination.gpus,
+                blocked_by=stuck[0][0] if stuck else None,
             )
         index = self._journal_at.get(request_id, len(self._journal))
         holds: dict[GpuId, int] = {}
@@ -810,7 +924,7 @@ class Scheduler:
     def _verdict(self, request: Request, gpu_id: GpuId, holds: dict[GpuId, int]) -> GpuVerdict:
         gpu = self._ledger.gpu(gpu_id)
         worker = self.workers[gpu_id.worker]
-        free = self._ledger.free_mb(gpu_id)
+        free = max(0, self._ledger.free_mb(gpu_id))
         common = {
             "need_mb": request.vram_mb,
             "free_mb": free,
@@ -865,6 +979,20 @@ class Scheduler:
         if codes & {"worker_draining", "worker_drained", "worker_offline", "probe_stale"}:
             return PendingReason("workers_draining", summary, verdicts, own)
         return PendingReason("no_matching_gpu", summary, verdicts, own)
+
+    def overdue_revocations(
+        self, now: float, among: Iterable[str] | None = None
+    ) -> list[tuple[str, float]]:
+        """Revoked leases still held past their grace, with the seconds since their
+        revocation, longest first: holders that ignore their revocation."""
+        ids = self.leases if among is None else among
+        overdue = []
+        for lease_id in ids:
+            lease = self.leases.get(lease_id)
+            grace_end = None if lease is None else lease.grace_ends_at(self.policy.grace_s)
+            if lease is not None and grace_end is not None and now > grace_end:
+                overdue.append((lease_id, now - (lease.revoked_at or now)))
+        return sorted(overdue, key=lambda item: (-item[1], item[0]))
 
     def pending(self, now: float) -> Iterator[tuple[int, Request, int]]:
         """(position from 1, request, effective priority) in queue order; changes nothing."""

@@ -75,6 +75,11 @@ _MEMORY: tuple[tuple[str, str, Callable[[GpuFigures], int]], ...] = (
     ("capacity", "Memory leases may use (total - headroom)", lambda f: f.gpu.capacity_mb),
     ("committed", "Memory committed to leases", lambda f: f.committed_mb),
     ("free", "Memory a new grant may use", lambda f: f.free_mb),
+    (
+        "overcommitted",
+        "Memory committed beyond the capacity (the GPU was registered again smaller)",
+        lambda f: f.overcommitted_mb,
+    ),
 )
 
 

@@ -197,7 +197,9 @@ async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JS
     name = validate_worker_name(name)
     _as_worker(who, name)
     probes = [GpuProbeReport(p.index, p.used_mb, p.per_lease()) for p in body.gpus]
-    record = ctl.heartbeat(name, probes, stopped=body.stopped, stale=body.stale)
+    record = ctl.heartbeat(
+        name, probes, stopped=body.stopped, stale=body.stale, supervised=body.leases
+    )
     update = ctl.update_for(name)
     return JSONResponse(s.heartbeat_out(record, ctl.worker_leases(name), update))
 

@@ -108,6 +108,9 @@ class GpuProbeIn(_In):
 
 
 class Heartbeat(_In):
+    """``leases``: the leases whose running processes the agent supervises (their TTL
+    lapsing revokes them; the memory stays until they are reported ``stopped``)."""
+
     gpus: Annotated[list[GpuProbeIn], Field(max_length=64)] = Field(default_factory=list)
     leases: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
     stopped: Annotated[list[Text], Field(max_length=1024)] = Field(default_factory=list)
@@ -172,6 +175,8 @@ class LeaseOut(BaseModel):
     end_reason: str | None
     revoke_reason: str | None
     preempted_for: str | None
+    revoked_at: float | None = None
+    supervised: bool = False
     idle: bool
     loading: bool
     idempotency_key: str | None
@@ -193,6 +198,7 @@ class GpuOut(BaseModel):
     used_mb: int | None
     committed_mb: int
     free_mb: int
+    overcommitted_mb: int = 0
     loading: int
     stale: bool
     leases: list[str]
@@ -303,6 +309,8 @@ def lease_out(
         "end_reason": record.end_reason,
         "revoke_reason": None if lease is None else lease.revoke_reason,
         "preempted_for": None if lease is None else lease.preempted_for,
+        "revoked_at": None if lease is None else lease.revoked_at,
+        "supervised": False if lease is None else lease.supervised,
         "idle": False if lease is None else lease.idle,
         "loading": False if lease is None else lease.loading and not record.state.is_final,
         "idempotency_key": request.idempotency_key,
@@ -390,6 +398,7 @@ def gpu_out(f: GpuFigures) -> dict[str, Any]:
         "used_mb": f.used_mb,
         "committed_mb": f.committed_mb,
         "free_mb": f.free_mb,
+        "overcommitted_mb": f.overcommitted_mb,
         "loading": f.loading,
         "stale": f.stale,
         "leases": list(f.lease_ids),

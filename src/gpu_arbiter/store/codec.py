@@ -101,6 +101,8 @@ def _grant_to_doc(lease: Lease) -> dict[str, Any]:
         "revoke_reason": lease.revoke_reason,
         "preempted_for": lease.preempted_for,
         "ended_at": lease.ended_at,
+        "revoked_at": lease.revoked_at,
+        "supervised": lease.supervised,
     }
 
 
@@ -120,6 +122,8 @@ def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
         revoke_reason=doc["revoke_reason"],
         preempted_for=doc["preempted_for"],
         ended_at=doc["ended_at"],
+        revoked_at=doc.get("revoked_at"),  # absent from leases stored by earlier versions
+        supervised=doc.get("supervised", False),
     )
 
 
