@@ -30,7 +30,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 MAX_WAIT_S = 60.0
 
-router = APIRouter(prefix="/v1", responses=_ERRORS)
+router = APIRouter(prefix="/v1", responses=_ERRORS, route_class=s.StrictJsonRoute)
 
 
 def _context(request: Request) -> tuple[Controller, Principal]:
