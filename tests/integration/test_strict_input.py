@@ -90,10 +90,12 @@ def test_input_that_is_not_strict_is_refused_naming_the_field_and_changes_nothin
     admin.close()
 
 
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
 def test_a_release_after_a_refused_request_survives_a_restart(
-    start_server: Callable[..., Server],
+    start_server: Callable[..., Server], request: pytest.FixtureRequest, store: str
 ) -> None:
-    server = start_server("--simulate", "2x24G")
+    where = () if store == "sqlite" else ("--store", request.getfixturevalue("postgres_dsn"))
+    server = start_server("--simulate", "2x24G", *where)
     with server.client() as admin:
         lease = admin.post("/v1/leases", json={"vram_mb": "8G", "holder": "keep"}).json()
         for body, _field in BODIES.values():

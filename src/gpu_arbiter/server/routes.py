@@ -90,7 +90,7 @@ _REPLAYED = {
     summary="Ask for a lease: 201 granted, 202 pending, 409 ended without a grant",
     responses={
         201: {
-            "description": "Granted: the lease is held (loading or active)",
+            "description": "Granted: the lease is held (loading, active; or revoking, on a replay)",
             "headers": _REPLAYED,
         },
         202: {
