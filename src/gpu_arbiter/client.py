@@ -12,6 +12,7 @@ Errors::
 
     ArbiterError
      ├── ApiError               the controller answered with an error body
+     │    └── NotGranted        409: the request ended without a grant (or its lease ended)
      └── ControllerUnreachable  no controller URL answered
 """
 
@@ -29,7 +30,14 @@ import httpx
 
 from .core import ArbiterError
 
-__all__ = ["ApiError", "ArbiterClient", "ControllerUnreachable", "SseEvent", "parse_urls"]
+__all__ = [
+    "ApiError",
+    "ArbiterClient",
+    "ControllerUnreachable",
+    "NotGranted",
+    "SseEvent",
+    "parse_urls",
+]
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 Json = dict[str, Any]
@@ -42,6 +50,25 @@ class ApiError(ArbiterError):
         super().__init__(message, **dict(details))
         self.status = status
         self.code = code
+
+
+class NotGranted(ApiError):
+    """``create_lease`` answered 409 ``not_granted`` (the request ended before it was granted:
+    ``state`` is ``timed_out`` when its ``max_wait_s`` passed) or ``lease_ended`` (a replay
+    of a lease that was granted and has ended since). No GPU may be used."""
+
+    @property
+    def lease_id(self) -> str:
+        return str(self.details.get("lease_id", ""))
+
+    @property
+    def state(self) -> str:
+        return str(self.details.get("state", ""))
+
+    @property
+    def reason(self) -> str | None:
+        reason = self.details.get("reason")
+        return None if reason is None else str(reason)
 
 
 class ControllerUnreachable(ArbiterError):
@@ -155,7 +182,9 @@ class ArbiterClient:
     # ------------------------------------------------------------------ leases
 
     async def create_lease(self, **request: Any) -> Json:
-        """POST /v1/leases: 201 granted at once, 202 pending (with position and reason)."""
+        """POST /v1/leases: the lease, granted (``state`` loading or active: HTTP 201) or
+        pending (HTTP 202, with position and reason). A request that ended before it was
+        granted (``max_wait_s`` passed, cancelled) raises :class:`NotGranted`."""
         body = {k: v for k, v in request.items() if v is not None}
         # A retry on another controller (failover) must not queue the request twice.
         body.setdefault("idempotency_key", f"auto-{uuid.uuid4().hex}")
@@ -342,10 +371,9 @@ def _decode(response: httpx.Response) -> Any:
         error = body.get("error") if isinstance(body, dict) else None
         if not isinstance(error, dict):
             error = {"code": "http_error", "message": response.text[:200] or response.reason_phrase}
-        raise ApiError(
-            response.status_code,
-            str(error.get("code", "error")),
-            str(error.get("message", "")),
-            error.get("details") or {},
+        code = str(error.get("code", "error"))
+        kind = NotGranted if code in ("not_granted", "lease_ended") else ApiError
+        raise kind(
+            response.status_code, code, str(error.get("message", "")), error.get("details") or {}
         )
     return body

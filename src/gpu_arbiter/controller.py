@@ -15,9 +15,19 @@ lease table and a worker status that disagree. The only timer is one
 ``call_at`` for the earliest of the core's next deadline and the next
 heartbeat deadline: nothing polls.
 
-If the store fails, the controller stops accepting changes (503) until it is
-restarted: the core may hold a change the store does not, and the restart
-reloads what was acknowledged.
+One rule for every failure: memory and store are never left apart. When a change
+cannot be encoded or stored — any exception, not only a :class:`StoreError` — or
+fails half-applied (a bug, an interruption), the controller drops what it held in
+memory and *reloads* what the store holds, as ``start()`` does (without a new
+term); the caller gets the error (503 ``unavailable`` for a store failure) and
+nothing was acknowledged. The event sequence advances only with a stored commit,
+so ``last_event_seq`` is never ahead of the events it can return. After a reload
+the controller keeps serving; GPUs of agents are unknown again (no grants there)
+until each agent's next heartbeat. If the store cannot be read either, the
+controller refuses every change (503, and ``/readyz`` says why) and retries the
+reload, backing off up to :data:`RELOAD_RETRY_MAX_S`, until it succeeds. A commit
+refused because another controller leads (:class:`~.store.Fenced`) reloads too,
+then refuses changes until this controller is demoted.
 
 Roles, when several controllers share one store (PostgreSQL)::
 
@@ -71,6 +81,7 @@ from .core import (
 from .store import (
     Batch,
     Event,
+    Fenced,
     LeaseRecord,
     OperationRecord,
     OperationStep,
@@ -157,6 +168,9 @@ class GpuProbeReport:
     lease_used_mb: Mapping[str, int] | None = None
 
 
+RELOAD_RETRY_MAX_S = 10.0
+"""The longest wait between two attempts to reload from a store that could not be read."""
+
 UPDATE_TIMEOUT_S = 3600.0
 """How long an update may take, drain included, unless the admin says otherwise."""
 
@@ -192,6 +206,7 @@ class _Change:
     operations: dict[str, OperationRecord] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     grants: int = 0
+    waited_s: list[float] = field(default_factory=list)  # of each grant, once stored
 
     def event(
         self, kind: str, lease_id: str | None = None, worker: str | None = None, **data: Any
@@ -238,6 +253,8 @@ class Controller:
         self._lease_changed: dict[str, asyncio.Event] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        self._reload_retry: asyncio.TimerHandle | None = None
+        self._reload_delay_s = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopping = asyncio.Event()
 
@@ -247,6 +264,7 @@ class Controller:
         """Loads the acknowledged state and starts the timer: this controller leads.
         Call on the running loop."""
         self._loop = asyncio.get_running_loop()
+        self._stop_timer()
         snapshot = self.store.load()
         self._rebuild(snapshot)
         self.standby = False
@@ -321,6 +339,9 @@ class Controller:
             self._timer.cancel()
         self._timer = None
         self._timer_at = None
+        if self._reload_retry is not None:
+            self._reload_retry.cancel()
+            self._reload_retry = None
 
     def _wake_waiters(self, *, events: bool) -> None:
         for waiter in self._lease_changed.values():
@@ -1100,46 +1121,61 @@ class Controller:
 
     @contextmanager
     def _change(self) -> Iterator[_Change]:
+        """One change: the caller applies it in the body; then the cycle runs, and all of
+        it is stored in one transaction. A refusal (:class:`ArbiterError`) in the body
+        stores what was applied before it; any other exception, in the body or in the
+        cycle, sends memory back to what the store holds."""
         change = _Change(self._clock())
         try:
             yield change
-        except BaseException:
-            if (
-                change.leases
-                or change.ended
-                or change.workers
-                or change.events
-                or change.operations
-            ):
-                self._commit(change)  # what was applied before the error is kept
+        except ArbiterError:
+            self._commit(change)
             raise
-        self._offline_sweep(change)
-        self._operation_sweep(change)
-        self._absorb(change, self.scheduler.decide(change.now))
+        except BaseException as error:
+            self._recover(error)
+            raise
+        try:
+            self._offline_sweep(change)
+            self._operation_sweep(change)
+            self._absorb(change, self.scheduler.decide(change.now))
+        except BaseException as error:
+            self._recover(error)
+            raise
         self._commit(change)
+        for waited_s in change.waited_s:
+            self.wait_times.observe(waited_s)
         if change.grants:  # each grant of this cycle waited for the whole change to be stored
             self.grant_latency.observe(time.perf_counter() - change.started, change.grants)
 
     def _commit(self, change: _Change) -> None:
-        batch = self._batch(change)
-        if batch:
-            try:
-                self.store.commit(batch)
-            except StoreError as error:
-                self.broken = str(error)
-                log.error("store failed; refusing changes until restarted: %s", error)
+        """Encodes and stores ``change``; only then is anyone told (waiters, streams). Any
+        exception on the way sends memory back to what the store holds."""
+        try:
+            self._store(self._batch(change))
+        except BaseException as error:
+            self._recover(error)
+            if isinstance(error, Exception):
                 raise ServiceUnavailable(f"the change could not be stored: {error}") from error
+            raise
+        self._arm_timer()
+
+    def _store(self, batch: Batch) -> None:
+        if batch:
+            self.store.commit(batch)
+        self._meta.update(batch.meta)
         for lease_id in batch.leases:
             waiter = self._lease_changed.pop(lease_id, None)
             if waiter is not None:
                 waiter.set()
         if batch.events:
+            self._event_seq = batch.events[-1].seq
             self._events.extend(batch.events)
             self._events_changed.set()
             self._events_changed = asyncio.Event()
-        self._arm_timer()
 
     def _batch(self, change: _Change) -> Batch:
+        """What ``change`` writes. Counters and the event sequence are not advanced here:
+        :meth:`_store` does, once the store has it."""
         batch = Batch()
         for lease_id in change.leases - change.ended.keys():
             if lease_id in self._records:
@@ -1153,17 +1189,60 @@ class Controller:
                 self._workers[name] = batch.workers[name]
         batch.removed_workers = set(change.removed_workers)
         batch.operations = dict(change.operations)
-        for kind, subject, worker, data in change.events:
-            self._event_seq += 1
-            batch.events.append(Event(self._event_seq, change.now, kind, subject, worker, data))
+        for seq, (kind, subject, worker, data) in enumerate(change.events, self._event_seq + 1):
+            batch.events.append(Event(seq, change.now, kind, subject, worker, data))
         meta = {
             "next_token": self.scheduler.next_token,
             "next_seq": self.scheduler.next_seq,
             "paused": int(self.scheduler.paused),
         }
         batch.meta = {k: v for k, v in meta.items() if self._meta.get(k) != v}
-        self._meta.update(batch.meta)
         return batch
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self, error: BaseException) -> None:
+        """A change failed before it was stored: memory goes back to what the store holds."""
+        if isinstance(error, StoreError):
+            log.error("a change could not be stored (%s); reloading what the store holds", error)
+        else:
+            log.error("a change failed (%r); reloading what the store holds", error, exc_info=error)
+        self._reload_or_refuse(fenced=isinstance(error, Fenced))
+
+    def _reload_or_refuse(self, *, fenced: bool = False) -> None:
+        """Reloads; if the store cannot be read, refuses changes and tries again later."""
+        self._stop_timer()
+        try:
+            self._reload()
+        except Exception as error:
+            self.broken = f"the store cannot be read, so changes are refused: {error}"
+            log.error("%s; trying again", self.broken)
+            self._retry_reload_later()
+        else:
+            self._reload_delay_s = 0.0
+            self.broken = "this controller no longer leads the store" if fenced else None
+            self._arm_timer()
+        finally:
+            self._wake_waiters(events=True)
+
+    def _reload(self) -> None:
+        """Memory becomes what the store holds (what was acknowledged), as at ``start()``."""
+        snapshot = self.store.load()
+        self._rebuild(snapshot)
+        change = _Change(self._clock())
+        self._restore_leases(snapshot.leases, change)  # ends what no GPU can hold any more
+        self._store(self._batch(change))
+
+    def _retry_reload_later(self) -> None:
+        if self._loop is None or self.stopping.is_set() or self.standby:
+            return
+        self._reload_delay_s = min(RELOAD_RETRY_MAX_S, max(0.1, 2 * self._reload_delay_s))
+        self._reload_retry = self._loop.call_later(self._reload_delay_s, self._reload_again)
+
+    def _reload_again(self) -> None:
+        self._reload_retry = None
+        if self.broken is not None and not self.standby and not self.stopping.is_set():
+            self._reload_or_refuse()
 
     def _absorb(self, change: _Change, decisions: Decisions) -> None:
         """Records what one cycle decided."""
@@ -1172,7 +1251,7 @@ class Controller:
             self._pending_by_holder[self._holder_key(self._records[lease.id])] -= 1
             change.grants += 1
             waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
-            self.wait_times.observe(waited_s)
+            change.waited_s.append(waited_s)
             change.event(
                 "lease.granted",
                 lease.id,

@@ -2,36 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
 from gpu_arbiter.controller import Controller, GpuProbeReport, ServiceUnavailable
 from gpu_arbiter.core import Conflict, Gpu, LeaseState, WorkerStatus
-from gpu_arbiter.store import Batch, MemoryStore, StoreError
+from gpu_arbiter.store import MemoryStore
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from .support import Clock, FailingStore
 
 
 def gpus(name: str, count: int = 2, total_mb: int = 24576) -> list[Gpu]:
     return [Gpu(index=i, total_mb=total_mb, worker=name, arch="sm_86") for i in range(count)]
-
-
-class FailingStore(MemoryStore):
-    """Fails every commit while ``fail`` is set."""
-
-    fail = False
-
-    def commit(self, batch: Batch) -> None:
-        if self.fail:
-            raise StoreError("disk full")
-        super().commit(batch)
 
 
 def start(store: MemoryStore, clock: Clock, **kwargs: Any) -> Controller:
@@ -96,19 +80,45 @@ async def test_heartbeat_without_news_writes_nothing() -> None:
     assert controller.last_event_seq == before
 
 
-async def test_a_failed_store_refuses_every_change_and_keeps_the_answer_honest() -> None:
+async def test_a_change_the_store_refuses_is_undone_and_the_controller_serves_on() -> None:
     store, clock = FailingStore(), Clock()
     controller = start(store, clock)
     controller.register("box-1", gpus("box-1"))
+    seq = controller.last_event_seq
     store.fail = True
+    with pytest.raises(ServiceUnavailable):
+        ask(controller, 1_000)
+    assert controller.broken is None  # reloaded: memory is what the store holds
+    assert controller.leases() == []
+    assert controller.last_event_seq == seq == store.load().last_event_seq
+    store.fail = False
+    controller.heartbeat("box-1", [GpuProbeReport(0, 0), GpuProbeReport(1, 0)])  # known again
+    granted = ask(controller, 1_000)
+    assert controller.lease(granted).state is LeaseState.LOADING
+    restarted = start(store, clock)
+    assert [r.id for r in restarted.leases()] == [granted]  # only what was acknowledged
+
+
+async def test_a_store_that_cannot_be_read_refuses_changes_until_a_reload_succeeds() -> None:
+    store, clock = FailingStore(), Clock()
+    controller = start(store, clock)
+    controller.register("box-1", gpus("box-1"))
+    store.fail = store.fail_loads = True
     with pytest.raises(ServiceUnavailable):
         ask(controller, 1_000)
     assert controller.broken is not None
     store.fail = False
-    with pytest.raises(ServiceUnavailable):
+    with pytest.raises(ServiceUnavailable, match="cannot be read"):
         ask(controller, 1_000)
-    restarted = start(store, clock)
-    assert restarted.leases() == []  # what was never acknowledged is not there
+    store.fail_loads = False
+    for _ in range(100):  # the controller tries again by itself, backing off
+        if controller.broken is None:
+            break
+        await asyncio.sleep(0.05)
+    assert controller.broken is None
+    assert controller.leases() == []
+    controller.heartbeat("box-1", [GpuProbeReport(0, 0), GpuProbeReport(1, 0)])
+    assert controller.lease(ask(controller, 1_000)).state is LeaseState.LOADING
 
 
 async def test_drain_counts_leases_that_ended_on_their_own() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from gpu_arbiter.core import (
     Policy,
     Request,
     Worker,
+    check_metadata,
     compute_capability,
     validate_worker_name,
 )
@@ -230,3 +232,41 @@ def test_lease_states_that_hold_memory() -> None:
     assert LeaseState.PENDING not in final
     assert held.isdisjoint(final)
     assert len(held | final) == len(LeaseState) - 1
+
+
+@pytest.mark.parametrize(
+    ("metadata", "field"),
+    [
+        ({"x": math.nan}, "metadata.x"),
+        ({"x": [1, -math.inf]}, "metadata.x[1]"),
+        (
+            {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": 1}}}}}}}}},
+            "metadata.a.b.c.d.e.f.g.h",
+        ),
+        ({"s": "\ud800"}, "metadata.s"),
+        ({"b": b"bytes"}, "metadata.b"),
+        ({"k": {1: 2}}, "metadata.k"),
+        ({"big": "x" * 5000}, "metadata"),
+        ({f"k{i}": i for i in range(33)}, "metadata"),
+    ],
+)
+def test_metadata_is_a_small_strict_json_object(metadata: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        Request.build("r", vram_mb=1, metadata=metadata)
+    assert caught.value.field == field
+
+
+def test_deep_metadata_is_refused_without_a_recursion_error() -> None:
+    deep: dict[str, object] = {}
+    for _ in range(100_000):
+        deep = {"a": deep}
+    with pytest.raises(InvalidInput, match="nested deeper than 8 levels"):
+        check_metadata(deep)
+
+
+@pytest.mark.parametrize("field", ["holder", "idempotency_key"])
+@pytest.mark.parametrize("text", ["a\x00b", "a\nb", "\x1b[31m", "a\x7f", "\ud800"])
+def test_holders_and_keys_have_no_control_characters(field: str, text: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        Request.build("r", vram_mb=1, **{field: text})
+    assert caught.value.field == field

@@ -2,7 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_arbiter.core import InvalidInput, format_mb, parse_mb, parse_priority, priority_name
+from gpu_arbiter.core import (
+    InvalidInput,
+    format_mb,
+    parse_mb,
+    parse_priority,
+    parse_seconds,
+    priority_name,
+)
 
 
 @pytest.mark.parametrize(
@@ -88,3 +95,43 @@ def test_priority_name_and_format_mb() -> None:
     assert priority_name(650) == "650"
     assert format_mb(24576) == "24.0 GiB"
     assert format_mb(512) == "512 MiB"
+
+
+@pytest.mark.parametrize("bad", ["١٢G", "１２G", "²G", "12G\u00a0x", "٨", "1\u0660G"])
+def test_parse_mb_takes_ascii_digits_only(bad: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        parse_mb(bad, "vram_mb")
+    assert caught.value.field == "vram_mb"
+
+
+@pytest.mark.parametrize("bad", ["٨٠٠", "²", "１０", "8\u0660"])
+def test_parse_priority_takes_ascii_digits_only(bad: str) -> None:
+    with pytest.raises(InvalidInput) as caught:  # "²" was a bare ValueError before
+        parse_priority(bad)
+    assert caught.value.field == "priority"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90s", 90.0),
+        ("10m", 600.0),
+        ("1h", 3600.0),
+        ("2d", 172800.0),
+        ("45", 45.0),
+        (" 1.5H ", 5400.0),
+        (0, 0.0),
+        (2.5, 2.5),
+    ],
+)
+def test_parse_seconds_reads_the_usual_forms(text: str | float, seconds: float) -> None:
+    assert parse_seconds(text, "deadline") == seconds
+
+
+@pytest.mark.parametrize(
+    "bad", ["٩٠s", "90x", "-1", "inf", "nan", "", "1e3", float("inf"), -1.0, True]
+)
+def test_parse_seconds_rejects_the_rest_naming_the_field(bad: object) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        parse_seconds(bad, "deadline")  # type: ignore[arg-type]
+    assert caught.value.field == "deadline"

@@ -310,3 +310,12 @@ def test_run_exit_codes_when_the_lease_is_not_granted(
     assert waited.returncode == 124
     assert "waiting for lease" in waited.stderr
     assert "timed_out" in waited.stderr
+
+    at_once = run("--vram", "20G", "--max-wait", "0")  # 409 not_granted: a timeout, no crash
+    assert at_once.returncode == 124, at_once.stderr
+    assert "was not granted: timed_out (max_wait)" in at_once.stderr
+    assert "Traceback" not in at_once.stderr
+
+    other_digits = run("--vram", "1G", "--priority", "٨٠٠")  # ASCII digits only
+    assert other_digits.returncode == 2
+    assert "priority" in other_digits.stderr

@@ -109,16 +109,63 @@ def test_idempotent_create_returns_the_same_lease(admin: httpx.Client) -> None:
     first = create(admin, vram_mb="6G", idempotency_key="job-42")
     second = create(admin, vram_mb="6G", idempotency_key="job-42")
     assert first.status_code == 201
-    assert second.status_code == 200
+    assert "idempotent-replayed" not in first.headers
+    assert second.status_code == 201  # still held: granted
+    assert second.headers["idempotent-replayed"] == "true"
     assert second.json()["id"] == first.json()["id"]
     assert second.json()["token"] == first.json()["token"]
     assert sum(g["committed_mb"] for g in gpu_figures(admin).values()) == 6 * GIB
     different = create(admin, vram_mb="7G", idempotency_key="job-42")
     assert different.status_code == 409
+    assert different.json()["error"]["code"] == "conflict"
     admin.delete(f"/v1/leases/{first.json()['id']}")
     after_release = create(admin, vram_mb="6G", idempotency_key="job-42")
-    assert after_release.json()["id"] == first.json()["id"]
-    assert after_release.json()["state"] == "released"
+    assert after_release.status_code == 409
+    assert after_release.headers["idempotent-replayed"] == "true"
+    error = after_release.json()["error"]
+    assert error["code"] == "lease_ended"
+    assert error["details"] == {
+        "lease_id": first.json()["id"],
+        "state": "released",
+        "reason": "released",
+    }
+
+
+def _not_granted(answer: httpx.Response, lease_id: str | None = None) -> dict[str, Any]:
+    assert answer.status_code == 409, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "not_granted"
+    assert error["message"].endswith("before it was granted")
+    if lease_id is not None:
+        assert error["details"]["lease_id"] == lease_id
+    details: dict[str, Any] = error["details"]
+    return details
+
+
+def test_201_means_granted_and_nothing_else(admin: httpx.Client) -> None:
+    held = [create(admin, vram_mb="20G", idempotency_key=f"held-{i}") for i in range(2)]
+    assert [a.status_code for a in held] == [201, 201]
+    at_once = create(admin, vram_mb="20G", max_wait_s=0)  # busy: it cannot wait at all
+    details = _not_granted(at_once)
+    assert (details["state"], details["reason"]) == ("timed_out", "max_wait")
+    assert "timed_out (max_wait)" in at_once.json()["error"]["message"]
+    assert admin.get(f"/v1/leases/{details['lease_id']}").json()["state"] == "timed_out"
+
+    waiting = create(admin, vram_mb="20G", idempotency_key="wait")
+    assert waiting.status_code == 202
+    again = create(admin, vram_mb="20G", idempotency_key="wait")
+    assert (again.status_code, again.headers["idempotent-replayed"]) == (202, "true")
+    assert again.json()["state"] == "pending"
+    admin.delete(f"/v1/leases/{waiting.json()['id']}")  # cancelled: never granted
+    cancelled = create(admin, vram_mb="20G", idempotency_key="wait")
+    assert cancelled.headers["idempotent-replayed"] == "true"
+    assert _not_granted(cancelled, waiting.json()["id"])["state"] == "cancelled"
+
+    revoked = held[0].json()
+    admin.post(f"/v1/leases/{revoked['id']}/revoke")
+    replay = create(admin, vram_mb="20G", idempotency_key="held-0")
+    assert (replay.status_code, replay.json()["state"]) == (201, "revoking")  # still held
+    assert replay.headers["idempotent-replayed"] == "true"
 
 
 def test_cancel_pending_is_idempotent(admin: httpx.Client) -> None:

@@ -38,8 +38,8 @@ from rich.live import Live
 from rich.text import Text
 
 from ..agent.local import agent_request, local_workers
-from ..client import ApiError, ArbiterClient, ControllerUnreachable
-from ..core import ArbiterError, parse_mb
+from ..client import ApiError, ArbiterClient, ControllerUnreachable, NotGranted
+from ..core import ArbiterError, parse_mb, parse_priority
 
 EXIT_PREEMPTED = 75
 EXIT_MAX_WAIT = 124
@@ -98,6 +98,9 @@ class Runner:
         """The lease granted (None), or the exit code saying why not."""
         try:
             self.lease = await self.client.create_lease(**self.options.request)
+        except NotGranted as error:  # ended before it was granted (max_wait_s passed...)
+            say(f"lease {error.lease_id} was not granted: {error.state} ({error.reason})")
+            return EXIT_MAX_WAIT if error.state == "timed_out" else EXIT_REJECTED
         except ApiError as error:
             say(f"request refused ({error.code}): {error}")
             return EXIT_REJECTED if error.status in (409, 422) else EXIT_UNREACHABLE
@@ -431,6 +434,11 @@ async def _main(options: RunOptions) -> int:
         return await runner.execute()
 
 
+def _printable(text: str) -> str:
+    """A holder has no control characters: a newline in an argument shows as a space."""
+    return "".join(" " if not c.isprintable() else c for c in text)
+
+
 def build_request(
     *,
     vram: str,
@@ -454,9 +462,9 @@ def build_request(
     return {
         "vram_mb": parse_mb(vram, "--vram"),
         "gpus": gpus,
-        "priority": int(priority) if priority.isdigit() else priority,
+        "priority": parse_priority(priority, "--priority"),
         "constraints": constraints,
-        "holder": holder or f"run@{socket.gethostname()}: {shlex.join(command)}"[:256],
+        "holder": holder or _printable(f"run@{socket.gethostname()}: {shlex.join(command)}")[:256],
         "metadata": {"host": socket.gethostname()[:200], "run_pid": os.getpid()},
         "ttl_s": ttl_s,
         "max_wait_s": max_wait_s,

@@ -23,12 +23,23 @@ from .model import (
     Request,
     Worker,
     WorkerStatus,
+    check_metadata,
+    check_text,
     compute_capability,
+    json_value_problem,
     validate_worker_name,
 )
 from .reasons import GpuVerdict, PendingReason
 from .scheduler import Decisions, Scheduler
-from .units import PRIORITY_NAMES, format_mb, parse_mb, parse_priority, priority_name
+from .units import (
+    PRIORITY_NAMES,
+    format_mb,
+    is_ascii_number,
+    parse_mb,
+    parse_priority,
+    parse_seconds,
+    priority_name,
+)
 
 __all__ = [
     "PRIORITY_NAMES",
@@ -56,10 +67,15 @@ __all__ = [
     "WaitTimeout",
     "Worker",
     "WorkerStatus",
+    "check_metadata",
+    "check_text",
     "compute_capability",
     "format_mb",
+    "is_ascii_number",
+    "json_value_problem",
     "parse_mb",
     "parse_priority",
+    "parse_seconds",
     "priority_name",
     "validate_worker_name",
 ]

@@ -11,6 +11,7 @@ A lease's life::
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from enum import StrEnum
 from typing import Any, Literal, TypeVar
 
 from .errors import InvalidInput
-from .units import PRIORITY_NAMES, parse_mb, parse_priority
+from .units import PRIORITY_NAMES, is_ascii_number, parse_mb, parse_priority
 
 __all__ = [
     "Constraints",
@@ -32,16 +33,22 @@ __all__ = [
     "Request",
     "Worker",
     "WorkerStatus",
+    "check_metadata",
+    "check_text",
     "compute_capability",
     "evolve",
+    "json_value_problem",
     "validate_worker_name",
 ]
 
 _T = TypeVar("_T")
 _WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_ARCH = re.compile(r"^(sm_\d{2,3}|gfx[0-9a-f]{3,4}|[a-z][a-z0-9_]{0,31})$")
+_ARCH = re.compile(r"^(sm_\d{2,3}|gfx[0-9a-f]{3,4}|[a-z][a-z0-9_]{0,31})$", re.ASCII)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 MAX_TEXT = 256
 MAX_METADATA_KEYS = 32
+MAX_METADATA_BYTES = 4096
+MAX_METADATA_DEPTH = 8
 MAX_GPUS_PER_REQUEST = 64
 
 
@@ -56,6 +63,70 @@ def evolve(value: _T, **changes: Any) -> _T:
     if changes:
         raise TypeError(f"{type(value).__name__} has no field(s) {', '.join(changes)}")
     return new
+
+
+def json_value_problem(value: Any, max_depth: int) -> tuple[str, str] | None:
+    """Where ``value`` is not strict JSON, and why: ``(path, reason)``, or None when it is.
+
+    Strict JSON: objects with text keys, lists, text, finite numbers, booleans, null,
+    nested at most ``max_depth`` deep. The walk stops at the first problem, so it is
+    bounded by the depth whatever the value (no recursion error on a deep one)."""
+    stack: list[tuple[str, Any, int]] = [("", value, 0)]
+    while stack:
+        path, item, depth = stack.pop()
+        if isinstance(item, dict | list) and depth >= max_depth:
+            return path, f"nested deeper than {max_depth} levels"
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if not isinstance(key, str):
+                    return path, f"has a key that is not text ({type(key).__name__})"
+                stack.append((f"{path}.{key}" if path else key, inner, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", inner, depth + 1) for i, inner in enumerate(item))
+        elif isinstance(item, float) and not math.isfinite(item):
+            name = "NaN" if math.isnan(item) else "Infinity" if item > 0 else "-Infinity"
+            return path, f"{name} is not a JSON number (numbers must be finite)"
+        elif isinstance(item, str) and not _encodable(item):
+            return path, "holds a lone surrogate: not valid Unicode text"
+        elif item is not None and not isinstance(item, str | int | float):
+            return path, f"a {type(item).__name__} is not a JSON value"
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_text(field: str, text: Any, *, max_len: int = MAX_TEXT, min_len: int = 0) -> str:
+    """Free text of ``min_len..max_len`` chars with no control characters (NUL, newline,
+    escape...): what a holder, an idempotency key or a label may be."""
+    if not isinstance(text, str) or not min_len <= len(text) <= max_len:
+        raise InvalidInput(field, f"must be text of {min_len}..{max_len} chars")
+    if _CONTROL.search(text) or not _encodable(text):
+        raise InvalidInput(field, "must not contain control characters or lone surrogates")
+    return text
+
+
+def check_metadata(metadata: Mapping[str, Any] | None, field: str = "metadata") -> dict[str, Any]:
+    """A small JSON object: at most 32 keys, 8 levels and 4 KiB encoded, strict JSON."""
+    meta = dict(metadata or {})
+    if len(meta) > MAX_METADATA_KEYS:
+        raise InvalidInput(field, f"must have at most {MAX_METADATA_KEYS} keys")
+    problem = json_value_problem(meta, MAX_METADATA_DEPTH)
+    if problem is not None:
+        where, reason = problem
+        raise InvalidInput(f"{field}.{where}" if where else field, reason)
+    try:
+        size = len(json.dumps(meta, separators=(",", ":")).encode())
+    except ValueError as error:  # an integer too long to write
+        raise InvalidInput(field, f"cannot be written as JSON: {error}") from None
+    if size > MAX_METADATA_BYTES:
+        raise InvalidInput(field, f"must be at most {MAX_METADATA_BYTES} bytes as JSON")
+    return meta
 
 
 def validate_worker_name(name: str, field_name: str = "worker") -> str:
@@ -73,14 +144,14 @@ def validate_worker_name(name: str, field_name: str = "worker") -> str:
 
 def compute_capability(arch: str) -> tuple[int, int] | None:
     """'sm_86' -> (8, 6); 'sm_100' -> (10, 0); anything else (AMD 'gfx1100') -> None."""
-    if not arch.startswith("sm_") or not arch[3:].isdigit() or len(arch) < 5:
+    if not arch.startswith("sm_") or not is_ascii_number(arch[3:]) or len(arch) < 5:
         return None
     digits = arch[3:]
     return int(digits[:-1]), int(digits[-1])
 
 
 def _parse_capability(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"\s*(\d{1,2})\.(\d)\s*", text)
+    match = re.fullmatch(r"\s*(\d{1,2})\.(\d)\s*", text, re.ASCII)
     if match is None:
         raise InvalidInput(
             "constraints.min_compute_capability", f"{text!r} is not MAJOR.MINOR such as 8.0"
@@ -101,7 +172,7 @@ class GpuId:
     @classmethod
     def parse(cls, text: str) -> GpuId:
         parts = text.split(":") if isinstance(text, str) else []
-        if len(parts) != 2 or not parts[1].isdigit():
+        if len(parts) != 2 or not parts[1].isdecimal() or not parts[1].isascii():
             raise InvalidInput("gpu", f"{text!r} is not WORKER:INDEX such as box-1:0")
         return cls(validate_worker_name(parts[0]), int(parts[1]))
 
@@ -297,18 +368,13 @@ class Request:
             preemptible = prio < PRIORITY_NAMES["interactive"]
         elif not isinstance(preemptible, bool):
             raise InvalidInput("preemptible", "must be true or false")
-        if not isinstance(holder, str) or len(holder) > MAX_TEXT:
-            raise InvalidInput("holder", f"must be text of at most {MAX_TEXT} chars")
-        meta = dict(metadata or {})
-        if len(meta) > MAX_METADATA_KEYS or len(repr(meta)) > 4096:
-            raise InvalidInput("metadata", "must be a small object (at most 32 keys, 4 KiB)")
+        check_text("holder", holder)
+        meta = check_metadata(metadata)
         _check_seconds("ttl_s", ttl_s, allow_none=True)
         _check_seconds("max_wait_s", max_wait_s, allow_none=True, allow_zero=True)
         _check_seconds("load_timeout_s", load_timeout_s, allow_none=False)
-        if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= MAX_TEXT
-        ):
-            raise InvalidInput("idempotency_key", f"must be text of 1..{MAX_TEXT} chars")
+        if idempotency_key is not None:
+            check_text("idempotency_key", idempotency_key, min_len=1)
         return cls(
             id=id,
             vram_mb=mb,

@@ -1,6 +1,9 @@
-"""Memory sizes and priorities as people write them, parsed in one place.
+"""Memory sizes, durations and priorities as people write them, parsed in one place.
 
-All memory inside gpu-arbiter is an integer number of MiB.
+All memory inside gpu-arbiter is an integer number of MiB, every duration a number
+of seconds. Numbers are written with the ASCII digits 0-9 only: other scripts'
+digits (``"١٢G"``), superscripts and full-width forms are refused, wherever the
+text comes from (the API, the command line, a configuration file).
 """
 
 from __future__ import annotations
@@ -9,9 +12,21 @@ import re
 
 from .errors import InvalidInput
 
-__all__ = ["PRIORITY_NAMES", "format_mb", "parse_mb", "parse_priority", "priority_name"]
+__all__ = [
+    "PRIORITY_NAMES",
+    "format_mb",
+    "is_ascii_number",
+    "parse_mb",
+    "parse_priority",
+    "parse_seconds",
+    "priority_name",
+]
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# re.ASCII: \d is 0-9 and \s plain white space, not every script's digits and spaces.
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", re.ASCII)
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", re.ASCII | re.IGNORECASE)
+_INTEGER = re.compile(r"-?\d+", re.ASCII)
+_SECONDS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _FACTOR_MB = {
     "": 1,
     "m": 1,
@@ -49,7 +64,7 @@ def parse_mb(value: str | int, field: str = "vram_mb") -> int:
     else:
         if not isinstance(value, str):
             raise InvalidInput(field, f"must be a size such as 8G, not {type(value).__name__}")
-        match = _SIZE.match(value)
+        match = _SIZE.fullmatch(value)
         unit = match.group(2).lower() if match else ""
         if match is None or unit not in _FACTOR_MB:
             raise InvalidInput(
@@ -64,6 +79,31 @@ def parse_mb(value: str | int, field: str = "vram_mb") -> int:
     if mb > MAX_MB:
         raise InvalidInput(field, f"{mb} MiB is larger than any GPU")
     return mb
+
+
+def parse_seconds(value: str | float, field: str) -> float:
+    """``90s``, ``10m``, ``1h``, ``2d``, ``45`` or ``0.5`` (seconds) -> seconds. Anything
+    else (a negative or non-finite number, another unit) raises :class:`InvalidInput`
+    naming ``field``."""
+    if isinstance(value, bool):
+        raise InvalidInput(field, "must be a duration such as 90s or 10m, not a boolean")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.fullmatch(value) if isinstance(value, str) else None
+        if match is None:
+            raise InvalidInput(
+                field, f"{value!r} is not a duration: give a number with s, m, h or d (90s, 10m)"
+            )
+        seconds = float(match.group(1)) * _SECONDS[match.group(2).lower()]
+    if not 0 <= seconds < float("inf"):
+        raise InvalidInput(field, "must be a finite number of seconds, not negative")
+    return seconds
+
+
+def is_ascii_number(text: str) -> bool:
+    """Whether ``text`` is an integer in ASCII digits (``"12"``, ``"-3"``; not ``"١٢"``)."""
+    return _INTEGER.fullmatch(text) is not None
 
 
 def format_mb(mb: int) -> str:
@@ -81,7 +121,7 @@ def parse_priority(value: str | int, field: str = "priority") -> int:
         text = value.strip().lower()
         if text in PRIORITY_NAMES:
             return PRIORITY_NAMES[text]
-        if not text.lstrip("-").isdigit():
+        if not is_ascii_number(text):
             names = ", ".join(PRIORITY_NAMES)
             raise InvalidInput(field, f"{value!r} is not an integer 0..1000 nor one of {names}")
         value = int(text)

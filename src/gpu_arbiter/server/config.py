@@ -100,7 +100,9 @@ def parse_simulate(spec: str) -> list[Gpu]:
     simulated worker named ``local``."""
     gpus: list[Gpu] = []
     for part in spec.split(","):
-        match = re.fullmatch(r"\s*(?:(\d{1,2})\s*x\s*)?([0-9.]+\s*[A-Za-z]*)(?::(\w+))?\s*", part)
+        match = re.fullmatch(
+            r"\s*(?:(\d{1,2})\s*x\s*)?([0-9.]+\s*[A-Za-z]*)(?::(\w+))?\s*", part, re.ASCII
+        )
         if match is None:
             raise InvalidInput("simulate", f"{part!r} is not like 2x24G or 2x24G:sm_86")
         count = int(match.group(1) or 1)

@@ -83,7 +83,8 @@ async def _validation_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
     problems = [
         {
-            "field": ".".join(str(part) for part in e.get("loc", ()) if part != "body"),
+            "field": (e.get("ctx") or {}).get("field")  # a place inside a free-form field
+            or ".".join(str(part) for part in e.get("loc", ()) if part != "body"),
             "message": str(e.get("msg", "")),
             "type": str(e.get("type", "")),
         }

@@ -19,18 +19,19 @@ from ..core import Gpu, LeaseState, validate_worker_name
 from ..store import LeaseRecord
 from . import schemas as s
 from .auth import Forbidden, Principal
+from .errors import error_response
 from .events import event_stream
 
 __all__ = ["router"]
 
-LeaseId = Annotated[str, Path(min_length=1, max_length=64)]
+LeaseId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")]
 WorkerName = Annotated[str, Path(min_length=1, max_length=64)]
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": s.ErrorOut} for code in (401, 403, 404, 409, 413, 422, 429, 503)
 }
 MAX_WAIT_S = 60.0
 
-router = APIRouter(prefix="/v1", responses=_ERRORS)
+router = APIRouter(prefix="/v1", responses=_ERRORS, route_class=s.StrictJsonRoute)
 
 
 def _context(request: Request) -> tuple[Controller, Principal]:
@@ -73,21 +74,74 @@ def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
 # ---------------------------------------------------------------- leases
 
 
+_REPLAYED = {
+    "Idempotent-Replayed": {
+        "description": "``true`` when the answer is for an earlier request with the same "
+        "idempotency key (by that lease's current state)",
+        "schema": {"type": "string", "enum": ["true"]},
+    }
+}
+
+
 @router.post(
     "/leases",
     response_model=s.LeaseOut,
     status_code=201,
-    summary="Ask for a lease: 201 granted, 202 pending, 200 an idempotent replay",
+    summary="Ask for a lease: 201 granted, 202 pending, 409 ended without a grant",
+    responses={
+        201: {
+            "description": "Granted: the lease is held (loading, active; or revoking, on a replay)",
+            "headers": _REPLAYED,
+        },
+        202: {
+            "model": s.LeaseOut,
+            "description": "Pending: not granted yet; its position and reason are in the body",
+            "headers": _REPLAYED,
+        },
+        409: {
+            "model": s.ErrorOut,
+            "description": "``not_granted``: the request ended before it was granted (timed out "
+            "at max_wait_s, cancelled, rejected); ``lease_ended``: a replay of a lease that was "
+            "granted and has ended since; ``conflict``: the idempotency key was used for a "
+            "different request",
+            "headers": _REPLAYED,
+        },
+        422: {"model": s.ErrorOut, "description": "Invalid, or no GPU could ever satisfy it"},
+    },
 )
 async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
+    """201 means granted and nothing else: only then may the caller use the GPUs
+    (``gpus``, ``token``). 202: still pending; follow it with ``GET /v1/leases/{id}?wait=``.
+    409 ``not_granted``: it ended before it was granted (``details.state``: ``timed_out``
+    when ``max_wait_s`` passed, also with ``max_wait_s: 0`` on a busy GPU). An
+    idempotency key seen before answers by that lease's current state with the same
+    statuses (a held lease, revoking included: 201; a lease granted then ended: 409
+    ``lease_ended``), with the header ``Idempotent-Replayed: true``."""
     ctl, who = _context(request)
     if who.role not in ("admin", "client"):
         raise Forbidden(f"a {who.role} token may not ask for leases")
     fields = body.model_dump(exclude={"constraints"})
     constraints = body.constraints.model_dump(exclude_none=True)
     record, new = ctl.submit(who.id, fields, constraints)
-    status = 200 if not new else 202 if record.state is LeaseState.PENDING else 201
-    return _lease_json(ctl, record, status)
+    if record.state.is_final:
+        response = _not_granted(record)
+    else:
+        status = 202 if record.state is LeaseState.PENDING else 201
+        response = _lease_json(ctl, record, status)
+    if not new:
+        response.headers["Idempotent-Replayed"] = "true"
+    return response
+
+
+def _not_granted(record: LeaseRecord) -> JSONResponse:
+    """409 for a request that ended before the answer (or a replayed lease that ended)."""
+    how = f"{record.state} ({record.end_reason})" if record.end_reason else str(record.state)
+    details = {"lease_id": record.id, "state": str(record.state), "reason": record.end_reason}
+    if record.lease is None:
+        message = f"request {record.id} ended {how} before it was granted"
+        return error_response(409, "not_granted", message, details)
+    message = f"lease {record.id} was granted and has ended since: {how}"
+    return error_response(409, "lease_ended", message, details)
 
 
 @router.get(

@@ -1,24 +1,151 @@
 """The shapes of the HTTP API (pydantic lives here, and only here).
 
-Inputs are strict: a number where a number is expected (no ``"5"`` for 5), no
-unknown fields, bounded strings and collections. Outputs are built from the
-controller's records by the ``*_out`` functions; the models below document them
-in the OpenAPI schema.
+Inputs are strict. A body is strict JSON (:func:`strict_json`, for every route of
+:class:`StrictJsonRoute`): ``NaN``, ``Infinity``, numbers beyond a float's range and
+lone surrogates, which Python's own parser lets through, are refused naming where
+they are. Then: a number where a number is expected (no ``"5"`` for 5), no unknown
+fields, bounded strings and collections, no control characters in names, holders,
+keys and labels, and free-form ``metadata`` a small JSON object (at most 32 keys, 8
+levels, 4 KiB). Outputs are built from the controller's records by the ``*_out``
+functions; the models below document them in the OpenAPI schema.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
+from pydantic_core import PydanticCustomError
+from starlette.responses import Response
 
 from ..controller import UPDATE_TIMEOUT_S, DrainOutcome, PendingView
-from ..core import GpuFigures, Lease, LeaseState, priority_name
+from ..core import (
+    GpuFigures,
+    InvalidInput,
+    Lease,
+    LeaseState,
+    check_metadata,
+    json_value_problem,
+    priority_name,
+)
 from ..store import Event, LeaseRecord, OperationRecord, WorkerRecord
 
-Text = Annotated[StrictStr, Field(max_length=256)]
-Short = Annotated[StrictStr, Field(min_length=1, max_length=64)]
+# ---------------------------------------------------------------- strict JSON bodies
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class NotStrictJson(ValueError):
+    """A body Python's ``json`` reads but the JSON standard does not allow."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where or 'body'}: {reason}")
+        self.where = where
+        self.reason = reason
+
+
+def strict_json(body: bytes) -> Any:
+    """``body`` parsed as strict JSON. Raises :class:`NotStrictJson` naming the first
+    place that is not (a non-finite number, a lone surrogate, nesting too deep for the
+    parser), or ``ValueError`` for text that is not JSON at all."""
+    odd: list[str] = []
+
+    def constant(text: str) -> float:
+        odd.append(text)
+        return float(text)
+
+    def number(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            odd.append(text)
+        return value
+
+    try:
+        value = json.loads(body, parse_constant=constant, parse_float=number)
+    except RecursionError:
+        raise NotStrictJson("", "is nested too deeply") from None
+    if odd or _SURROGATE_ESCAPE.search(body):  # rare: only then walk the value
+        problem = json_value_problem(value, max_depth=len(body) + 1)
+        if problem is not None:
+            raise NotStrictJson(*problem)
+    return value
+
+
+class _StrictJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_strict_json"):
+            self._strict_json = strict_json(await self.body())
+        return self._strict_json
+
+
+def _is_json(content_type: str | None) -> bool:
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
+
+
+class StrictJsonRoute(APIRoute):
+    """A route whose JSON body is read by :func:`strict_json`: what is not strict JSON is
+    refused (422 ``invalid_input`` naming the field) before any validation or handler;
+    what is not JSON at all is left to FastAPI (400 ``malformed_json``)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            request = _StrictJsonRequest(request.scope, request.receive)
+            if _is_json(request.headers.get("content-type")):
+                try:
+                    await request.json()
+                except NotStrictJson as error:
+                    loc = ("body", error.where) if error.where else ("body",)
+                    problem = {"type": "json_strict", "loc": loc, "msg": error.reason}
+                    raise RequestValidationError([problem]) from None
+                except ValueError:
+                    pass  # not JSON at all: the handler answers 400 malformed_json
+            return await handler(request)
+
+        return strict
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _no_control(text: str) -> str:
+    if _CONTROL.search(text):
+        raise PydanticCustomError("control_character", "must not contain control characters")
+    return text
+
+
+def _small_json_object(value: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return check_metadata(value)
+    except InvalidInput as error:
+        where = {"reason": error.reason, "field": error.field}  # the field inside metadata
+        raise PydanticCustomError("json_value", "{reason}", where) from None
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+NoControl = AfterValidator(_no_control)
+Text = Annotated[StrictStr, Field(max_length=256), NoControl]
+Short = Annotated[StrictStr, Field(min_length=1, max_length=64), NoControl]
 Seconds = Annotated[StrictFloat | StrictInt, Field(allow_inf_nan=False)]
 MiB = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
 
@@ -51,11 +178,15 @@ class LeaseCreate(_In):
     preemptible: StrictBool | None = None
     constraints: ConstraintsIn = Field(default_factory=ConstraintsIn)
     holder: Text = ""
-    metadata: Annotated[dict[Short, Any], Field(max_length=32)] = Field(default_factory=dict)
+    metadata: Annotated[
+        dict[Short, Any], Field(max_length=32), AfterValidator(_small_json_object)
+    ] = Field(default_factory=dict)
     ttl_s: Annotated[Seconds, Field(gt=0, le=86400)] = 30.0
     max_wait_s: Annotated[Seconds, Field(ge=0, le=366 * 86400)] | None = None
     load_timeout_s: Annotated[Seconds, Field(gt=0, le=86400)] = 300.0
-    idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=256), NoControl] | None = (
+        None
+    )
 
 
 class RenewIn(_In):

@@ -1,7 +1,13 @@
-"""Records <-> JSON documents (plain dicts), the one encoding every store keeps."""
+"""Records <-> JSON documents (plain dicts), the one encoding every store keeps.
+
+:func:`dumps` writes a document as strict JSON text: a value JSON cannot hold
+(NaN, a lone surrogate, a non-text key) raises ``ValueError``/``TypeError`` here,
+before anything is written, and the controller's commit rule undoes the change.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -9,6 +15,7 @@ from ..core import Constraints, Gpu, GpuId, Lease, LeaseState, Request, WorkerSt
 from .records import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
 
 __all__ = [
+    "dumps",
     "event_from_doc",
     "event_to_doc",
     "lease_from_doc",
@@ -18,6 +25,13 @@ __all__ = [
     "worker_from_doc",
     "worker_to_doc",
 ]
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """``doc`` as compact, strict JSON text, UTF-8 encodable."""
+    text = json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    text.encode()  # a lone surrogate fails here, not when a reader decodes it
+    return text
 
 
 def _finite(value: float) -> float | None:

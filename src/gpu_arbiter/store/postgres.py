@@ -48,6 +48,7 @@ import asyncpg
 
 from .base import Fenced, StoreError
 from .codec import (
+    dumps,
     event_from_doc,
     event_to_doc,
     lease_from_doc,
@@ -194,10 +195,6 @@ class Leader:
     holder: str | None
     url: str | None
     alive: bool
-
-
-def _dumps(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
 
 def _where(dsn: str) -> str:
@@ -516,21 +513,21 @@ class PostgresStore:
             epoch,
             list(batch.removed_workers),
             list(batch.workers),
-            [_dumps(worker_to_doc(w)) for w in batch.workers.values()],
+            [dumps(worker_to_doc(w)) for w in batch.workers.values()],
             [r.id for r in leases],
             [str(r.state) for r in leases],
             [r.state.is_final for r in leases],
             [r.owner or "" for r in leases],
             [r.request.idempotency_key for r in leases],
-            [_dumps(lease_to_doc(r)) for r in leases],
+            [dumps(lease_to_doc(r)) for r in leases],
             [e.seq for e in batch.events],
-            [_dumps(event_to_doc(e)) for e in batch.events],
+            [dumps(event_to_doc(e)) for e in batch.events],
             trim_to,
             list(batch.meta),
             list(batch.meta.values()),
             [op.id for op in operations],
             [op.running for op in operations],
-            [_dumps(operation_to_doc(op)) for op in operations],
+            [dumps(operation_to_doc(op)) for op in operations],
         )
 
     async def _try_lead(

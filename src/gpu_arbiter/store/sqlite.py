@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .base import StoreError
 from .codec import (
+    dumps,
     event_from_doc,
     event_to_doc,
     lease_from_doc,
@@ -74,10 +75,6 @@ _UPSERT_META = (
     "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = "
     "excluded.value"
 )
-
-
-def _dumps(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
 
 class SqliteStore:
@@ -149,7 +146,7 @@ class SqliteStore:
         if batch.workers:
             db.executemany(
                 _UPSERT_WORKER,
-                [(n, _dumps(worker_to_doc(w))) for n, w in batch.workers.items()],
+                [(n, dumps(worker_to_doc(w))) for n, w in batch.workers.items()],
             )
         if batch.leases:
             db.executemany(
@@ -161,7 +158,7 @@ class SqliteStore:
                         int(r.state.is_final),
                         r.owner or "",
                         r.request.idempotency_key,
-                        _dumps(lease_to_doc(r)),
+                        dumps(lease_to_doc(r)),
                     )
                     for r in batch.leases.values()
                 ],
@@ -169,7 +166,7 @@ class SqliteStore:
         if batch.events:
             db.executemany(
                 "INSERT INTO events (seq, doc) VALUES (?, ?)",
-                [(e.seq, _dumps(event_to_doc(e))) for e in batch.events],
+                [(e.seq, dumps(event_to_doc(e))) for e in batch.events],
             )
             self._commits += 1
             if self._commits % 256 == 0:
@@ -181,7 +178,7 @@ class SqliteStore:
             db.executemany(
                 _UPSERT_OPERATION,
                 [
-                    (op.id, int(op.running), _dumps(operation_to_doc(op)))
+                    (op.id, int(op.running), dumps(operation_to_doc(op)))
                     for op in batch.operations.values()
                 ],
             )
