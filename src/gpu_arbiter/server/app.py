@@ -15,8 +15,9 @@ from .. import __version__
 from ..controller import Controller
 from .auth import Authenticator
 from .errors import error_response, install_error_handlers
-from .limits import BodyLimit
-from .metrics import metrics_registry, render
+from .events import EventFeed
+from .limits import BodyLimit, ClientLimits, Slots
+from .metrics import metrics_registry, refusal_counter, render
 from .routes import router
 
 __all__ = ["create_app"]
@@ -29,6 +30,7 @@ def create_app(
     auth: Authenticator,
     *,
     max_body_bytes: int = 64 * 1024,
+    client_limits: ClientLimits | None = None,
     standby: bool = False,
 ) -> FastAPI:
     """The controller is started in the app's lifespan and closed (with its store) after.
@@ -55,6 +57,12 @@ def create_app(
     )
     app.state.controller = controller
     app.state.auth = auth
+    bounds = client_limits or ClientLimits()
+    app.state.event_feed = EventFeed(controller)
+    app.state.streams = Slots("streams", bounds.max_streams_per_token, bounds.max_streams)
+    app.state.long_polls = Slots(
+        "long_polls", bounds.max_long_polls_per_token, bounds.max_long_polls
+    )
     install_error_handlers(app)
     app.include_router(router)
 
@@ -74,6 +82,7 @@ def create_app(
         return JSONResponse({"status": "ready"})
 
     registry = metrics_registry(controller)
+    app.state.refused = refusal_counter(registry)
 
     @app.get("/metrics", summary="Prometheus text exposition (any valid token)")
     async def metrics(request: Request) -> Response:

@@ -12,14 +12,15 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..controller import Controller, GpuProbeReport
 from ..core import Gpu, LeaseState, validate_worker_name
 from ..store import LeaseRecord
 from . import schemas as s
 from .auth import Forbidden, Principal
-from .events import event_stream
+from .events import EventFeed, EventStreamResponse, event_stream
+from .limits import Slots
 
 __all__ = ["router"]
 
@@ -118,10 +119,12 @@ async def get_lease(
     """With ``wait=SECONDS``, answers as soon as the lease's state changes, or when the wait
     ends (at most 60 s). With ``state=``, as soon as it differs from that state — at once if
     it already does — so a change between two polls is never missed."""
-    ctl, _who = _context(request)
+    ctl, who = _context(request)
     record = ctl.lease(lease_id)
     if wait > 0:
-        record = await ctl.wait_lease(lease_id, state or record.state, wait)
+        long_polls: Slots = request.app.state.long_polls
+        with long_polls.hold(who.id):
+            record = await ctl.wait_lease(lease_id, state or record.state, wait)
     return _lease_json(ctl, record)
 
 
@@ -332,16 +335,16 @@ async def events(
     worker: Annotated[str | None, Query(max_length=64)] = None,
     since: Annotated[int | None, Query(ge=0)] = None,
     last_event_id: Annotated[str | None, Header(max_length=32)] = None,
-) -> StreamingResponse:
-    ctl, _who = _context(request)
+) -> EventStreamResponse:
+    ctl, who = _context(request)
     after = ctl.last_event_seq
-    if last_event_id is not None and last_event_id.strip().isdigit():
-        after = int(last_event_id)
+    resume = (last_event_id or "").strip()
+    if resume.isascii() and resume.isdigit():
+        after = int(resume)
     elif since is not None:
         after = since
-    stream = event_stream(ctl, after, lease=lease, worker=worker)
-    return StreamingResponse(
-        stream,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    feed: EventFeed = request.app.state.event_feed
+    streams: Slots = request.app.state.streams
+    streams.take(who.id)
+    body = event_stream(feed, after, lease=lease, worker=worker)
+    return EventStreamResponse(body, release=lambda: streams.give(who.id))
