@@ -19,6 +19,7 @@ from .events import EventFeed
 from .limits import BodyLimit, ClientLimits, Slots
 from .metrics import metrics_registry, refusal_counter, render
 from .routes import router
+from .schemas import ErrorOut
 
 __all__ = ["create_app"]
 
@@ -70,7 +71,11 @@ def create_app(
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", summary="The controller accepts changes (a standby does not)")
+    @app.get(
+        "/readyz",
+        summary="The controller accepts changes (a standby does not)",
+        responses={503: {"model": ErrorOut, "description": "Not ready, or a standby"}},
+    )
     async def readyz() -> JSONResponse:
         if controller.standby:
             leader = {"leader": controller.leader_url} if controller.leader_url else {}
@@ -84,7 +89,18 @@ def create_app(
     registry = metrics_registry(controller)
     app.state.refused = refusal_counter(registry)
 
-    @app.get("/metrics", summary="Prometheus text exposition (any valid token)")
+    @app.get(
+        "/metrics",
+        summary="Prometheus text exposition (any valid token)",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text format",
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+            },
+            401: {"model": ErrorOut, "description": "No valid token"},
+        },
+    )
     async def metrics(request: Request) -> Response:
         auth.authenticate(request.headers.get("authorization"))
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)

@@ -27,7 +27,25 @@ __all__ = ["router"]
 LeaseId = Annotated[str, Path(min_length=1, max_length=64)]
 WorkerName = Annotated[str, Path(min_length=1, max_length=64)]
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": s.ErrorOut} for code in (401, 403, 404, 409, 413, 422, 429, 503)
+    code: {"model": s.ErrorOut} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
+}
+_ERRORS[400]["description"] = "The body is not valid JSON (malformed_json)"
+_ERRORS[401]["headers"] = {
+    "WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}
+}
+_ERRORS[429]["description"] = (
+    "A limit was reached; details name it (limit, value, current): retry later"
+)
+_ERRORS[429]["headers"] = {
+    "Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}
+}
+_REPLAYED = {
+    "Idempotent-Replayed": {
+        "description": "true when the answer is for an earlier request with the same "
+        "idempotency_key (its current state)",
+        "schema": {"type": "string", "enum": ["true"]},
+        "required": False,
+    }
 }
 MAX_WAIT_S = 60.0
 
@@ -78,7 +96,17 @@ def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
     "/leases",
     response_model=s.LeaseOut,
     status_code=201,
-    summary="Ask for a lease: 201 granted, 202 pending, 200 an idempotent replay",
+    summary="Ask for a lease: 201 granted, 202 pending, 409 ended before the answer",
+    responses={
+        201: {"description": "Granted: the lease", "headers": _REPLAYED},
+        202: {"model": s.LeaseOut, "description": "Pending: the request", "headers": _REPLAYED},
+        409: {
+            "model": s.ErrorOut,
+            "description": "The request ended before the answer (not_granted, lease_ended: "
+            "details say how), or its idempotency_key was used for another request",
+            "headers": _REPLAYED,
+        },
+    },
 )
 async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
     ctl, who = _context(request)
@@ -178,7 +206,13 @@ async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
 # ---------------------------------------------------------------- workers
 
 
-@router.post("/workers", response_model=s.WorkerOut, summary="Register a worker (or update it)")
+@router.post(
+    "/workers",
+    response_model=s.WorkerOut,
+    status_code=201,
+    summary="Register a worker (201), or update a registered one (200)",
+    responses={200: {"model": s.WorkerOut, "description": "Updated"}},
+)
 async def register_worker(body: s.WorkerRegister, request: Request) -> JSONResponse:
     ctl, who = _context(request)
     name = validate_worker_name(body.name, "name")
@@ -328,7 +362,18 @@ async def queue(
     return JSONResponse([s.lease_out(record, view) for record, view in ctl.queue(limit)])
 
 
-@router.get("/events", summary="Server-Sent Events, resumable with Last-Event-ID")
+@router.get(
+    "/events",
+    summary="Server-Sent Events, resumable with Last-Event-ID",
+    response_class=EventStreamResponse,
+    status_code=200,
+    responses={
+        200: {
+            "description": "id: SEQ, event: KIND, data: the event as JSON; until the client goes",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def events(
     request: Request,
     lease: Annotated[str | None, Query(max_length=64)] = None,
