@@ -16,7 +16,7 @@ import time
 
 __all__ = ["Fanout"]
 
-SLICE = 64
+SLICE = 16
 """Waiters woken per turn of the event loop."""
 
 
