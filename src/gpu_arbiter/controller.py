@@ -78,6 +78,7 @@ from .core import (
     Worker,
     WorkerStatus,
 )
+from .fanout import Fanout
 from .store import (
     Batch,
     Event,
@@ -131,6 +132,7 @@ class Limits:
     """Bounds on what one caller can make the controller hold."""
 
     max_pending: int = 10_000
+    max_pending_per_token: int = 1_000
     max_pending_per_holder: int = 1_000
     max_gpus_per_worker: int = 64
     max_workers: int = 10_000
@@ -214,7 +216,29 @@ class _Change:
         self.events.append((kind, lease_id, worker, data))
 
 
+class _PendingCounts(Counter[tuple[str, str]]):
+    """Pending requests by (owner, holder), and their totals by owner, kept as they
+    change: the per-token limit is one look-up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_owner: Counter[str] = Counter()
+
+    def __setitem__(self, key: tuple[str, str], value: int) -> None:
+        self.by_owner[key[0]] += value - self[key]
+        super().__setitem__(key, value)
+
+    def clear(self) -> None:
+        super().clear()
+        self.by_owner.clear()
+
+
 class Controller:
+    EVENT_FLUSH_S = 0.05
+    """Event streams are woken at most this often: one wake carries every event since."""
+    EVENT_TICK_S = 7.5
+    """Event streams are woken at least this often (an idle one sends a keep-alive)."""
+
     def __init__(
         self,
         store: Store,
@@ -241,7 +265,7 @@ class Controller:
         self._records: dict[str, LeaseRecord] = {}
         self._recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._keys: dict[tuple[str, str], str] = {}
-        self._pending_by_holder: Counter[str] = Counter()
+        self._pending_by_holder = _PendingCounts()
         self._workers: dict[str, WorkerRecord] = {}
         self._operations: dict[str, OperationRecord] = {}
         self._seen: dict[str, float] = {}
@@ -249,7 +273,7 @@ class Controller:
         self._meta: dict[str, int] = {}
         self._event_seq = 0
         self._events: deque[Event] = deque(maxlen=self.limits.event_buffer)
-        self._events_changed = asyncio.Event()
+        self._event_fanout = Fanout(min_interval_s=self.EVENT_FLUSH_S, tick_s=self.EVENT_TICK_S)
         self._lease_changed: dict[str, asyncio.Event] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -348,8 +372,7 @@ class Controller:
             waiter.set()
         self._lease_changed.clear()
         if events:
-            self._events_changed.set()
-            self._events_changed = asyncio.Event()
+            self.wake_event_streams()
 
     def _restore_worker(self, record: WorkerRecord, now: float) -> None:
         name = record.name
@@ -470,23 +493,29 @@ class Controller:
         return self.store.lease_by_key(owner, key)
 
     def _check_limits(self, owner: str | None, request: Request) -> None:
-        if len(self.scheduler.queue) >= self.limits.max_pending:
-            raise TooManyRequests(
-                f"{len(self.scheduler.queue)} requests are already pending (the limit); "
-                "retry later",
-                limit=self.limits.max_pending,
-            )
-        key = self._holder_key(LeaseRecord(request, LeaseState.PENDING, owner))
-        if self._pending_by_holder[key] >= self.limits.max_pending_per_holder:
-            raise TooManyRequests(
-                f"holder {key!r} already has {self._pending_by_holder[key]} pending requests "
-                "(the limit); retry later",
-                limit=self.limits.max_pending_per_holder,
-            )
+        """Refuses a request past the per-token, then the global, then the per-holder
+        limit on pending requests. A token is the caller's authenticated identity (with
+        auth off every caller is one: ``anonymous``), so no name the caller picks can
+        take a share of another caller's limit."""
+        holder = self._holder_key(LeaseRecord(request, LeaseState.PENDING, owner))
+        counts = (
+            ("max_pending_per_token", self._pending_by_holder.by_owner[holder[0]]),
+            ("max_pending", len(self.scheduler.queue)),
+            ("max_pending_per_holder", self._pending_by_holder[holder]),
+        )
+        for name, current in counts:
+            value = getattr(self.limits, name)
+            if current >= value:
+                raise TooManyRequests(
+                    f"{current} requests are already pending ({name} is {value}); retry later",
+                    limit=name,
+                    value=value,
+                    current=current,
+                )
 
     @staticmethod
-    def _holder_key(record: LeaseRecord) -> str:
-        return f"{record.owner or ''}/{record.request.holder}"
+    def _holder_key(record: LeaseRecord) -> tuple[str, str]:
+        return (record.owner or "", record.request.holder)
 
     def lease(self, lease_id: str) -> LeaseRecord:
         """The current record of a lease, live or ended. Raises NotFound."""
@@ -642,7 +671,12 @@ class Controller:
         self._check_available()
         existing = self._workers.get(name)
         if existing is None and len(self._workers) >= self.limits.max_workers:
-            raise TooManyRequests(f"{len(self._workers)} workers are registered (the limit)")
+            raise TooManyRequests(
+                f"{len(self._workers)} workers are registered (the limit)",
+                limit="max_workers",
+                value=self.limits.max_workers,
+                current=len(self._workers),
+            )
         if existing is not None and existing.simulated:
             raise Conflict(f"worker {name} is simulated by this controller")
         with self._change() as change:
@@ -1089,20 +1123,36 @@ class Controller:
 
     def events_after(self, seq: int, limit: int = 500) -> list[Event]:
         """Events after ``seq``: from memory when recent, else from the store's history."""
-        if self._events and self._events[0].seq <= seq + 1:
-            start = max(0, seq + 1 - self._events[0].seq)
-            return list(itertools.islice(self._events, start, start + limit))
+        events = self._events
+        if events and events[0].seq <= seq + 1:
+            if events[-1].seq - seq <= 64:  # a live reader: walk back from the newest
+                tail = list(itertools.takewhile(lambda e: e.seq > seq, reversed(events)))
+                return tail[::-1][:limit]
+            start = max(0, seq + 1 - events[0].seq)
+            return list(itertools.islice(events, start, start + limit))
         return self.store.events_after(seq, limit)
 
-    async def wait_events(self, seq: int, timeout_s: float) -> bool:
-        """Waits until an event after ``seq`` exists (True) or ``timeout_s`` passes."""
-        if self._event_seq > seq:
-            return True
-        try:
-            await asyncio.wait_for(self._events_changed.wait(), timeout_s)
-        except TimeoutError:
-            return False
+    async def wait_events(self, seq: int) -> bool:
+        """Waits until an event after ``seq`` exists (True), or the next tick (every
+        :attr:`EVENT_TICK_S`), or the controller stops (False). Always suspends, even when
+        the answer is known at once: a caller looping on it never holds the event loop."""
+        if self._event_seq > seq or self.stopping.is_set():
+            await asyncio.sleep(0)
+        else:
+            await self._event_fanout.wait()
         return self._event_seq > seq
+
+    def _publish(self, events: Sequence[Event]) -> None:
+        """Committed events: kept for readers; event streams are woken at most every
+        :attr:`EVENT_FLUSH_S` (later while many streams are open), each wake carrying
+        every event since the last."""
+        self._events.extend(events)
+        if self._loop is not None:
+            self._event_fanout.wake_soon(self._loop)
+
+    def wake_event_streams(self) -> None:
+        """Wakes every :meth:`wait_events` now."""
+        self._event_fanout.wake_now()
 
     @property
     def last_event_seq(self) -> int:
@@ -1169,9 +1219,7 @@ class Controller:
                 waiter.set()
         if batch.events:
             self._event_seq = batch.events[-1].seq
-            self._events.extend(batch.events)
-            self._events_changed.set()
-            self._events_changed = asyncio.Event()
+            self._publish(batch.events)
 
     def _batch(self, change: _Change) -> Batch:
         """What ``change`` writes. Counters and the event sequence are not advanced here:

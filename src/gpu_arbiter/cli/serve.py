@@ -85,6 +85,28 @@ def serve(
             "With a shared PostgreSQL store: a leader silent this long is replaced (default 3).",
         ),
     ] = None,
+    max_pending_per_token: Annotated[
+        int | None,
+        _opt("MAX_PENDING_PER_TOKEN", "Pending requests one token may have (default 1000).", min=1),
+    ] = None,
+    max_streams_per_token: Annotated[
+        int | None,
+        _opt("MAX_STREAMS_PER_TOKEN", "Event streams one token may open (default 100).", min=1),
+    ] = None,
+    max_streams: Annotated[
+        int | None, _opt("MAX_STREAMS", "Event streams open in all (default 10000).", min=1)
+    ] = None,
+    max_long_polls_per_token: Annotated[
+        int | None,
+        _opt(
+            "MAX_LONG_POLLS_PER_TOKEN",
+            "Long-polls (GET /v1/leases/ID?wait=) one token may hold open (default 1000).",
+            min=1,
+        ),
+    ] = None,
+    max_long_polls: Annotated[
+        int | None, _opt("MAX_LONG_POLLS", "Long-polls open in all (default 10000).", min=1)
+    ] = None,
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
     ] = None,
@@ -111,6 +133,11 @@ def serve(
         "log_format": log_format,
         "advertise_url": advertise_url,
         "leader_ttl_s": leader_ttl_s,
+        "max_pending_per_token": max_pending_per_token,
+        "max_streams_per_token": max_streams_per_token,
+        "max_streams": max_streams,
+        "max_long_polls_per_token": max_long_polls_per_token,
+        "max_long_polls": max_long_polls,
     }
     from ..server.config import ServeConfig
     from ..server.serve import serve as run_server

@@ -15,9 +15,11 @@ from .. import __version__
 from ..controller import Controller
 from .auth import Authenticator
 from .errors import error_response, install_error_handlers
-from .limits import BodyLimit
-from .metrics import metrics_registry, render
+from .events import EventFeed
+from .limits import BodyLimit, ClientLimits, Slots
+from .metrics import metrics_registry, refusal_counter, render
 from .routes import router
+from .schemas import ErrorOut
 
 __all__ = ["create_app"]
 
@@ -29,6 +31,7 @@ def create_app(
     auth: Authenticator,
     *,
     max_body_bytes: int = 64 * 1024,
+    client_limits: ClientLimits | None = None,
     standby: bool = False,
 ) -> FastAPI:
     """The controller is started in the app's lifespan and closed (with its store) after.
@@ -55,6 +58,12 @@ def create_app(
     )
     app.state.controller = controller
     app.state.auth = auth
+    bounds = client_limits or ClientLimits()
+    app.state.event_feed = EventFeed(controller)
+    app.state.streams = Slots("streams", bounds.max_streams_per_token, bounds.max_streams)
+    app.state.long_polls = Slots(
+        "long_polls", bounds.max_long_polls_per_token, bounds.max_long_polls
+    )
     install_error_handlers(app)
     app.include_router(router)
 
@@ -62,7 +71,11 @@ def create_app(
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", summary="The controller accepts changes (a standby does not)")
+    @app.get(
+        "/readyz",
+        summary="The controller accepts changes (a standby does not)",
+        responses={503: {"model": ErrorOut, "description": "Not ready, or a standby"}},
+    )
     async def readyz() -> JSONResponse:
         if controller.standby:
             leader = {"leader": controller.leader_url} if controller.leader_url else {}
@@ -74,8 +87,20 @@ def create_app(
         return JSONResponse({"status": "ready"})
 
     registry = metrics_registry(controller)
+    app.state.refused = refusal_counter(registry)
 
-    @app.get("/metrics", summary="Prometheus text exposition (any valid token)")
+    @app.get(
+        "/metrics",
+        summary="Prometheus text exposition (any valid token)",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text format",
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+            },
+            401: {"model": ErrorOut, "description": "No valid token"},
+        },
+    )
     async def metrics(request: Request) -> Response:
         auth.authenticate(request.headers.get("authorization"))
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)

@@ -3,7 +3,9 @@
 The config file is TOML (``--config`` or ``GPU_ARBITER_CONFIG``), keys as the
 options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``auth``, ``store``, ``heartbeat_timeout_s``, ``sync``, ``max_body_bytes``,
-``max_pending``, ``max_pending_per_holder``, ``log_level``, ``log_format``,
+``max_pending``, ``max_pending_per_token``, ``max_pending_per_holder``, ``max_streams``,
+``max_streams_per_token``, ``max_long_polls``, ``max_long_polls_per_token``,
+``log_level``, ``log_format``,
 ``advertise_url``, ``leader_ttl_s``), optionally under ``[serve]``.
 
 ``store``: ``sqlite`` (the state directory's ``state.db``), ``memory``, or a
@@ -27,6 +29,15 @@ from ..store import is_postgres_url
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
 
 SIMULATED_WORKER = "local"
+_COUNT_LIMITS = (
+    "max_pending",
+    "max_pending_per_token",
+    "max_pending_per_holder",
+    "max_streams",
+    "max_streams_per_token",
+    "max_long_polls",
+    "max_long_polls_per_token",
+)
 
 
 def default_state_dir() -> Path:
@@ -46,7 +57,12 @@ class ServeConfig:
     heartbeat_timeout_s: float = 15.0
     max_body_bytes: int = 64 * 1024
     max_pending: int = 10_000
+    max_pending_per_token: int = 1_000
     max_pending_per_holder: int = 1_000
+    max_streams: int = 10_000
+    max_streams_per_token: int = 100
+    max_long_polls: int = 10_000
+    max_long_polls_per_token: int = 1_000
     log_level: str = "info"
     log_format: str = "text"
     advertise_url: str | None = None
@@ -86,6 +102,10 @@ class ServeConfig:
             r"https?://[^\s/]+(:\d+)?/?", config.advertise_url
         ):
             raise InvalidInput("advertise_url", "must be like http://host:7070")
+        for name in _COUNT_LIMITS:
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(name, f"must be a whole number of at least 1, not {value!r}")
         if not 0.5 <= config.leader_ttl_s <= 600:
             raise InvalidInput("leader_ttl_s", "must be between 0.5 and 600 seconds")
         return config

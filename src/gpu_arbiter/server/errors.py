@@ -27,6 +27,9 @@ __all__ = ["error_response", "install_error_handlers"]
 
 log = logging.getLogger("gpu_arbiter.server")
 
+RETRY_AFTER_S = 2
+"""A refusal for a limit (429) says to retry after this many seconds."""
+
 _STATUS: tuple[tuple[type[ArbiterError], int], ...] = (
     (Unauthorized, 401),
     (Forbidden, 403),
@@ -65,7 +68,13 @@ async def _arbiter_error(request: Request, error: Exception) -> JSONResponse:
     if isinstance(error, NotLeader) and error.details.get("leader"):
         return _to_leader(request, error)
     status = next((s for kind, s in _STATUS if isinstance(error, kind)), 400)
-    return error_response(status, error.code, error.message, _details(error))
+    response = error_response(status, error.code, error.message, _details(error))
+    if status == 429:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        refused = getattr(request.app.state, "refused", None)
+        if refused is not None:
+            refused(str(error.details.get("limit", "other")))
+    return response
 
 
 def _to_leader(request: Request, error: NotLeader) -> JSONResponse:

@@ -1,12 +1,81 @@
-"""Request bodies larger than the limit are refused with 413 before they are parsed."""
+"""Bounds on what one caller can hold open.
+
+- Request bodies larger than the limit are refused with 413 before they are parsed
+  (:class:`BodyLimit`).
+- Open event streams and concurrent long-polls are counted per token and in all
+  (:class:`Slots`); past either limit the answer is 429 ``too_many_requests``
+  naming the limit, with ``Retry-After``. With auth off every caller is the one
+  ``anonymous`` principal (the server then listens on loopback only, where peer
+  addresses tell callers apart no better), so the per-token limit is the global one.
+"""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimit"]
+from ..controller import TooManyRequests
+
+__all__ = ["BodyLimit", "ClientLimits", "Slots"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """How many event streams and long-polls may be open, per token and in all."""
+
+    max_streams: int = 10_000
+    max_streams_per_token: int = 100
+    max_long_polls: int = 10_000
+    max_long_polls_per_token: int = 1_000
+
+
+class Slots:
+    """Open things of one kind (``streams``, ``long_polls``): at most ``per_token`` for
+    one token and ``total`` for all."""
+
+    def __init__(self, kind: str, per_token: int, total: int) -> None:
+        self.kind = kind
+        self.per_token = per_token
+        self.total = total
+        self.open: Counter[str] = Counter()
+        self.open_total = 0
+
+    def take(self, token: str) -> None:
+        """Takes a slot for ``token``, or raises :class:`TooManyRequests`. Give it back
+        with :meth:`give`."""
+        for name, value, current in (
+            (f"max_{self.kind}_per_token", self.per_token, self.open[token]),
+            (f"max_{self.kind}", self.total, self.open_total),
+        ):
+            if current >= value:
+                what = self.kind.replace("_", "-")
+                raise TooManyRequests(
+                    f"{current} {what} are already open ({name} is {value}); retry later",
+                    limit=name,
+                    value=value,
+                    current=current,
+                )
+        self.open[token] += 1
+        self.open_total += 1
+
+    def give(self, token: str) -> None:
+        self.open[token] -= 1
+        if not self.open[token]:
+            del self.open[token]
+        self.open_total -= 1
+
+    @contextmanager
+    def hold(self, token: str) -> Iterator[None]:
+        self.take(token)
+        try:
+            yield
+        finally:
+            self.give(token)
 
 
 def _too_large(limit: int) -> bytes:

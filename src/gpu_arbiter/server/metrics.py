@@ -18,6 +18,7 @@ Families (memory in bytes, times in seconds; counters since the process started)
     gpu_arbiter_grants_total, gpu_arbiter_preemptions_total
     gpu_arbiter_revocations_total{reason}
     gpu_arbiter_leases_{released,expired}_total
+    gpu_arbiter_refusals_total{limit}          requests refused with 429, by limit
     gpu_arbiter_wait_seconds                   histogram: submitted -> granted
     gpu_arbiter_grant_latency_seconds          histogram: see GRANT_LATENCY_HELP
     process_*                                  the controller process (Linux)
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -43,7 +44,13 @@ from ..controller import Controller, Histogram
 from ..core import GpuFigures, LeaseState, WorkerStatus
 from ..core.units import PRIORITY_NAMES, priority_name
 
-__all__ = ["GRANT_LATENCY_HELP", "ControllerCollector", "metrics_registry", "render"]
+__all__ = [
+    "GRANT_LATENCY_HELP",
+    "ControllerCollector",
+    "metrics_registry",
+    "refusal_counter",
+    "render",
+]
 
 MIB = 1024 * 1024
 
@@ -226,6 +233,34 @@ def metrics_registry(controller: Controller) -> CollectorRegistry:
     registry.register(ControllerCollector(controller))
     ProcessCollector(registry=registry)
     return registry
+
+
+#  Limits a request can be refused for (429); each is exposed from the start.
+REFUSAL_LIMITS = (
+    "max_pending",
+    "max_pending_per_token",
+    "max_pending_per_holder",
+    "max_streams",
+    "max_streams_per_token",
+    "max_long_polls",
+    "max_long_polls_per_token",
+    "max_workers",
+)
+
+
+def refusal_counter(registry: CollectorRegistry) -> Callable[[str], None]:
+    """``gpu_arbiter_refusals_total{limit}`` in ``registry``; returns the function that
+    counts one refusal for a limit's name."""
+    counter = Counter(
+        "gpu_arbiter_refusals",
+        "Requests refused with 429 because a limit was reached, by limit, "
+        "since the process started",
+        labelnames=["limit"],
+        registry=registry,
+    )
+    for limit in REFUSAL_LIMITS:
+        counter.labels(limit)
+    return lambda limit: counter.labels(limit).inc()
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..controller import Controller, GpuProbeReport
 from ..core import Gpu, LeaseState, validate_worker_name
@@ -20,14 +20,33 @@ from ..store import LeaseRecord
 from . import schemas as s
 from .auth import Forbidden, Principal
 from .errors import error_response
-from .events import event_stream
+from .events import EventFeed, EventStreamResponse, event_stream
+from .limits import Slots
 
 __all__ = ["router"]
 
 LeaseId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")]
 WorkerName = Annotated[str, Path(min_length=1, max_length=64)]
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": s.ErrorOut} for code in (401, 403, 404, 409, 413, 422, 429, 503)
+    code: {"model": s.ErrorOut} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
+}
+_ERRORS[400]["description"] = "The body is not valid JSON (malformed_json)"
+_ERRORS[401]["headers"] = {
+    "WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}
+}
+_ERRORS[429]["description"] = (
+    "A limit was reached; details name it (limit, value, current): retry later"
+)
+_ERRORS[429]["headers"] = {
+    "Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}
+}
+_REPLAYED = {
+    "Idempotent-Replayed": {
+        "description": "true when the answer is for an earlier request with the same "
+        "idempotency_key (its current state)",
+        "schema": {"type": "string", "enum": ["true"]},
+        "required": False,
+    }
 }
 MAX_WAIT_S = 60.0
 
@@ -72,15 +91,6 @@ def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
 
 
 # ---------------------------------------------------------------- leases
-
-
-_REPLAYED = {
-    "Idempotent-Replayed": {
-        "description": "``true`` when the answer is for an earlier request with the same "
-        "idempotency key (by that lease's current state)",
-        "schema": {"type": "string", "enum": ["true"]},
-    }
-}
 
 
 @router.post(
@@ -172,10 +182,12 @@ async def get_lease(
     """With ``wait=SECONDS``, answers as soon as the lease's state changes, or when the wait
     ends (at most 60 s). With ``state=``, as soon as it differs from that state — at once if
     it already does — so a change between two polls is never missed."""
-    ctl, _who = _context(request)
+    ctl, who = _context(request)
     record = ctl.lease(lease_id)
     if wait > 0:
-        record = await ctl.wait_lease(lease_id, state or record.state, wait)
+        long_polls: Slots = request.app.state.long_polls
+        with long_polls.hold(who.id):
+            record = await ctl.wait_lease(lease_id, state or record.state, wait)
     return _lease_json(ctl, record)
 
 
@@ -229,7 +241,13 @@ async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
 # ---------------------------------------------------------------- workers
 
 
-@router.post("/workers", response_model=s.WorkerOut, summary="Register a worker (or update it)")
+@router.post(
+    "/workers",
+    response_model=s.WorkerOut,
+    status_code=201,
+    summary="Register a worker (201), or update a registered one (200)",
+    responses={200: {"model": s.WorkerOut, "description": "Updated"}},
+)
 async def register_worker(body: s.WorkerRegister, request: Request) -> JSONResponse:
     ctl, who = _context(request)
     name = validate_worker_name(body.name, "name")
@@ -381,23 +399,34 @@ async def queue(
     return JSONResponse([s.lease_out(record, view) for record, view in ctl.queue(limit)])
 
 
-@router.get("/events", summary="Server-Sent Events, resumable with Last-Event-ID")
+@router.get(
+    "/events",
+    summary="Server-Sent Events, resumable with Last-Event-ID",
+    response_class=EventStreamResponse,
+    status_code=200,
+    responses={
+        200: {
+            "description": "id: SEQ, event: KIND, data: the event as JSON; until the client goes",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def events(
     request: Request,
     lease: Annotated[str | None, Query(max_length=64)] = None,
     worker: Annotated[str | None, Query(max_length=64)] = None,
     since: Annotated[int | None, Query(ge=0)] = None,
     last_event_id: Annotated[str | None, Header(max_length=32)] = None,
-) -> StreamingResponse:
-    ctl, _who = _context(request)
+) -> EventStreamResponse:
+    ctl, who = _context(request)
     after = ctl.last_event_seq
-    if last_event_id is not None and last_event_id.strip().isdigit():
-        after = int(last_event_id)
+    resume = (last_event_id or "").strip()
+    if resume.isascii() and resume.isdigit():
+        after = int(resume)
     elif since is not None:
         after = since
-    stream = event_stream(ctl, after, lease=lease, worker=worker)
-    return StreamingResponse(
-        stream,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    feed: EventFeed = request.app.state.event_feed
+    streams: Slots = request.app.state.streams
+    streams.take(who.id)
+    body = event_stream(feed, after, lease=lease, worker=worker)
+    return EventStreamResponse(body, release=lambda: streams.give(who.id))

@@ -18,6 +18,7 @@ from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
 from .ha import Coordinator, LeaderStore
+from .limits import ClientLimits
 
 __all__ = ["Companion", "open_store", "serve"]
 
@@ -64,7 +65,9 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
     controller = Controller(
         store,
         limits=Limits(
-            max_pending=config.max_pending, max_pending_per_holder=config.max_pending_per_holder
+            max_pending=config.max_pending,
+            max_pending_per_token=config.max_pending_per_token,
+            max_pending_per_holder=config.max_pending_per_holder,
         ),
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         simulated=parse_simulate(config.simulate) if config.simulate else (),
@@ -73,9 +76,16 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         controller,
         Authenticator(store, enabled=config.auth),
         max_body_bytes=config.max_body_bytes,
+        client_limits=ClientLimits(
+            max_streams=config.max_streams,
+            max_streams_per_token=config.max_streams_per_token,
+            max_long_polls=config.max_long_polls,
+            max_long_polls_per_token=config.max_long_polls_per_token,
+        ),
         standby=isinstance(store, PostgresStore),  # shared: a leader is elected beside
     )
-    server = uvicorn.Server(
+    server = _Server(
+        app.state.event_feed.close,
         uvicorn.Config(
             app,
             host=config.host,
@@ -85,7 +95,7 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             access_log=False,
             timeout_graceful_shutdown=3,
             timeout_keep_alive=65,  # longer than clients keep idle connections: no reuse race
-        )
+        ),
     )
     companions = [] if companion is None else [companion]
     if isinstance(store, PostgresStore):
@@ -94,6 +104,19 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         server.run()
     else:
         asyncio.run(_serve_with(server, companions, admin_token))
+
+
+class _Server(uvicorn.Server):
+    """Ends the event streams first when it stops, so that their clients see the end
+    at once rather than the cut of the graceful timeout."""
+
+    def __init__(self, end_streams: Callable[[], None], config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.end_streams = end_streams
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.end_streams()
+        await super().shutdown(sockets)
 
 
 def _coordinate(controller: Controller, store: LeaderStore, config: ServeConfig) -> Companion:
