@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
-from ..core import ArbiterError, format_mb
+from ..core import ArbiterError, InvalidInput, format_mb, parse_duration_s
 
 EXIT_API_ERROR = 1
 EXIT_UNREACHABLE = 69
@@ -48,18 +47,13 @@ Controller = Annotated[
 Token = Annotated[str | None, option("Bearer token.", envvar="GPU_ARBITER_TOKEN")]
 OutputOpt = Annotated[Output, option("human or json.", "--output", "-o")]
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$", re.IGNORECASE)
-_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
 
 def parse_duration(value: str) -> float:
     """``90s``, ``10m``, ``1h``, ``2d``, ``45`` (seconds) -> seconds."""
-    match = _DURATION.match(value)
-    if match is None:
-        raise typer.BadParameter(
-            f"{value!r} is not a duration: give a number with s, m, h or d, such as 90s or 10m"
-        )
-    return float(match.group(1)) * _SECONDS[(match.group(2) or "s").lower()]
+    try:
+        return parse_duration_s(value)
+    except InvalidInput as error:
+        raise typer.BadParameter(error.reason) from error
 
 
 # ---------------------------------------------------------------- calling the controller

@@ -28,7 +28,14 @@ from .model import (
 )
 from .reasons import GpuVerdict, PendingReason
 from .scheduler import Decisions, Scheduler
-from .units import PRIORITY_NAMES, format_mb, parse_mb, parse_priority, priority_name
+from .units import (
+    PRIORITY_NAMES,
+    format_mb,
+    parse_duration_s,
+    parse_mb,
+    parse_priority,
+    priority_name,
+)
 
 __all__ = [
     "PRIORITY_NAMES",
@@ -58,6 +65,7 @@ __all__ = [
     "WorkerStatus",
     "compute_capability",
     "format_mb",
+    "parse_duration_s",
     "parse_mb",
     "parse_priority",
     "priority_name",

@@ -9,7 +9,14 @@ import re
 
 from .errors import InvalidInput
 
-__all__ = ["PRIORITY_NAMES", "format_mb", "parse_mb", "parse_priority", "priority_name"]
+__all__ = [
+    "PRIORITY_NAMES",
+    "format_mb",
+    "parse_duration_s",
+    "parse_mb",
+    "parse_priority",
+    "priority_name",
+]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _FACTOR_MB = {
@@ -100,3 +107,24 @@ def priority_name(priority: int) -> str:
         if number == priority:
             return name
     return str(priority)
+
+
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_SECONDS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration_s(value: str | float, field: str = "duration") -> float:
+    """``90s``, ``10m``, ``1h``, ``7d``, ``45`` (seconds) -> seconds."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise InvalidInput(
+                field,
+                f"{value!r} is not a duration: give a number with s, m, h or d, such as 90s or 10m",
+            )
+        seconds = float(match.group(1)) * _SECONDS[match.group(2).lower()]
+    if not 0 <= seconds < float("inf"):
+        raise InvalidInput(field, f"{value!r} is not a duration of zero or more seconds")
+    return seconds
