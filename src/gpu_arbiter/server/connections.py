@@ -13,7 +13,10 @@ as it comes. :func:`bounded_http` subclasses it minimally:
   (slowloris) gets 408 and is closed then. Idle keep-alive between requests is uvicorn's
   ``timeout_keep_alive``.
 
-Connections beyond the cap (uvicorn's ``limit_concurrency``) are answered 503.
+Beyond the cap on connections (uvicorn's ``limit_concurrency``), a request is answered
+503 (uvicorn) and a new connection is answered 503 and closed at once (here), so that
+connections never take the descriptors the store needs; the cap is kept below the limit
+of open files, raised to its hard limit at start (:func:`raise_open_files_limit`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ class _BoundedHttp(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
+            self._refuse(503, "too many connections")  # so connections never use up the files
+            return
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
