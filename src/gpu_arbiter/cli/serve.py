@@ -286,7 +286,10 @@ def token_revoke(
     state_dir: StateDirOpt = None,
     store: StoreOpt = None,
 ) -> None:
-    """Revoke a token: a running controller refuses it (401) within a second."""
+    """Revoke a token: a running controller refuses it (401) within a second.
+
+    The admin token in the state directory's admin.token is stored again at the next
+    start while that file holds it: delete the file too (a new one is made at start)."""
     from ..store import StoreError
 
     opened = _open_token_store("revoke", state_dir, store)

@@ -4,7 +4,8 @@ Start-up order, so that a controller that cannot run changes nothing: the state
 directory's lock (one controller per directory), then the listening socket, then the
 store. Either refusal is one line and an exit code (:class:`ServeRefused`)::
 
-    73  another process holds the state directory (EXIT_STATE_DIR_IN_USE)
+    73  another process holds the state directory, or it cannot be written
+        (EXIT_STATE_DIR_IN_USE)
     98  the address cannot be listened on: in use, or not this machine's (EXIT_CANNOT_LISTEN)
 """
 
@@ -85,8 +86,12 @@ def lock_state_dir(state_dir: Path) -> int:
     """Takes ``controller.lock`` in ``state_dir`` for the life of the process (the OS lets
     it go when the process ends, however it ends) and writes the pid in it; returns its
     descriptor. :class:`ServeRefused` if another process holds it."""
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(state_dir / "controller.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(state_dir / "controller.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        why = f"cannot use {state_dir}: {error.strerror or error}"
+        raise ServeRefused(why, EXIT_STATE_DIR_IN_USE) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
