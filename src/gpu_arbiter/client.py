@@ -151,7 +151,12 @@ class ArbiterClient:
             tried.add(url)
             try:
                 response = await self._http.request(
-                    method, url + path, json=json_body, params=clean, timeout=timeout
+                    method,
+                    url + path,
+                    json=json_body,
+                    params=clean,
+                    timeout=timeout,
+                    headers=None if method in ("GET", "HEAD") else _JSON,
                 )
             except httpx.TransportError as exc:
                 errors.append(f"{url}: {exc.__class__.__name__} {exc}".strip())
@@ -345,6 +350,11 @@ class ArbiterClient:
     async def _post(self, path: str, body: Json | None = None) -> Json:
         result: Json = await self.request("POST", path, json_body=body)
         return result
+
+
+_JSON = {"Content-Type": "application/json"}
+"""Sent with every change, with a body or not: the controller refuses a change a web
+page could make, and a page cannot send this type without the controller's consent."""
 
 
 def _leader_of(response: httpx.Response) -> str | None:

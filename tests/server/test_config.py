@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpu_arbiter.core import InvalidInput
-from gpu_arbiter.server.auth import Authenticator, Unauthorized, create_token
+from gpu_arbiter.server.auth import TOKEN_RECHECK_S, Authenticator, Unauthorized, create_token
 from gpu_arbiter.server.config import ServeConfig, is_loopback, parse_simulate
 from gpu_arbiter.store import MemoryStore
 
@@ -88,3 +88,47 @@ def test_standby_settings_are_checked() -> None:
     ):
         with pytest.raises(InvalidInput, match=field):
             ServeConfig.resolve({field: bad}, None)
+
+
+def test_limits_and_retention_come_from_the_file_or_the_command_line(tmp_path: Path) -> None:
+    config = tmp_path / "arbiter.toml"
+    config.write_text(
+        'retention = "12h"\nallowed_hosts = ["gpu.example", "proxy"]\nmax_connections = 500\n'
+    )
+    settings = ServeConfig.resolve({"header_timeout_s": 2.5}, config)
+    assert settings.retention_s == 12 * 3600
+    assert settings.allowed_hosts == ("gpu.example", "proxy")
+    assert (settings.max_connections, settings.header_timeout_s) == (500, 2.5)
+    flags = ServeConfig.resolve({"allowed_hosts": "a.example, b.example", "retention": "0"}, None)
+    assert flags.allowed_hosts == ("a.example", "b.example")
+    assert flags.retention_s == 0
+    assert ServeConfig.resolve({}, None).retention_s == 7 * 86400
+
+
+@pytest.mark.parametrize(
+    ("given", "field"),
+    [
+        ({"retention": "a week"}, "retention"),
+        ({"retention": "١٢h"}, "retention"),  # digits are ASCII digits
+        ({"max_header_bytes": 10}, "max_header_bytes"),
+        ({"header_timeout_s": 0}, "header_timeout_s"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"allowed_hosts": "a,,b"}, "allowed_hosts"),
+    ],
+)
+def test_bad_limits_are_refused_by_name(given: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidInput, match=field):
+        ServeConfig.resolve(given, None)
+
+
+def test_a_token_revoked_in_the_store_is_refused_after_the_recheck_period() -> None:
+    store = MemoryStore()
+    now = [0.0]
+    token, record = create_token(store, "client")
+    auth = Authenticator(store, clock=lambda: now[0])
+    assert auth.authenticate(f"Bearer {token}").id == record.id
+    store.revoke_token(record.id)
+    assert auth.authenticate(f"Bearer {token}").id == record.id  # cached, for a moment
+    now[0] += TOKEN_RECHECK_S
+    with pytest.raises(Unauthorized):
+        auth.authenticate(f"Bearer {token}")

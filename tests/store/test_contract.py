@@ -158,6 +158,41 @@ def test_tokens_are_found_by_digest(store: Store) -> None:
     assert store.token("cd" * 32) is None
 
 
+def _ended(rid: str, ended_at: float, key: str | None = None) -> LeaseRecord:
+    request = _request(rid, key=key)
+    return LeaseRecord(request, LeaseState.RELEASED, owner="a", ended_at=ended_at)
+
+
+def test_prune_forgets_only_final_leases_that_ended_before_the_cutoff(store: Store) -> None:
+    live = LeaseRecord(request=_request("live"), state=LeaseState.PENDING, owner="a")
+    old = [_ended(f"old-{i}", 10.0 + i, key=f"k-{i}") for i in range(5)]
+    recent = _ended("recent", 100.0, key="k-recent")
+    store.commit(Batch(leases={r.id: r for r in [live, *old, recent]}))
+
+    assert store.prune(50.0, limit=3) == 3  # a bounded batch at a time
+    assert store.prune(50.0, limit=3) == 2
+    assert store.prune(50.0, limit=3) == 0
+
+    assert all(store.lease(r.id) is None for r in old)
+    assert store.lease_by_key("a", "k-0") is None  # the key is forgotten with its lease
+    assert store.lease("recent") is not None
+    assert store.lease_by_key("a", "k-recent") is not None
+    assert [r.id for r in store.load().leases] == ["live"]
+
+
+def test_tokens_are_listed_and_revoked_by_id(store: Store) -> None:
+    first = TokenRecord(id="client-1", digest="ab" * 32, role="client", created_at=1.0)
+    second = TokenRecord(id="worker-2", digest="cd" * 32, role="worker", worker="b", created_at=2.0)
+    store.put_token(second)
+    store.put_token(first)
+    assert store.tokens() == [first, second]
+
+    assert store.revoke_token("client-1") is True
+    assert store.revoke_token("client-1") is False
+    assert store.token("ab" * 32) is None
+    assert store.tokens() == [second]
+
+
 def test_sqlite_state_survives_reopening(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     first = SqliteStore(path)

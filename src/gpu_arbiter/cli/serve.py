@@ -6,6 +6,7 @@ The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -19,6 +20,7 @@ from .agent import open_agent_probe, worker_name
 
 if TYPE_CHECKING:
     from ..server.serve import Companion
+    from ..store import Store
 
 ENV = "GPU_ARBITER_"
 token_app = typer.Typer(help="Bearer tokens for the controller.", no_args_is_help=True)
@@ -107,6 +109,39 @@ def serve(
     max_long_polls: Annotated[
         int | None, _opt("MAX_LONG_POLLS", "Long-polls open in all (default 10000).", min=1)
     ] = None,
+    allowed_hosts: Annotated[
+        str | None,
+        _opt(
+            "ALLOWED_HOSTS",
+            "Host names clients may reach this controller by, comma-separated, besides "
+            "loopback names, IP addresses and the address it listens on (a name or a "
+            "proxy in front of it); * allows any.",
+        ),
+    ] = None,
+    retention: Annotated[
+        str | None,
+        _opt(
+            "RETENTION",
+            "Forget leases this long after they ended: 7d, 12h; 0 keeps them (default 7d).",
+        ),
+    ] = None,
+    max_connections: Annotated[
+        int | None,
+        _opt(
+            "MAX_CONNECTIONS", "Open connections; requests beyond get 503 (default 10000).", min=1
+        ),
+    ] = None,
+    max_header_bytes: Annotated[
+        int | None,
+        _opt("MAX_HEADER_BYTES", "A request's line and headers; larger: 431 (default 65536)."),
+    ] = None,
+    header_timeout_s: Annotated[
+        float | None,
+        _opt(
+            "HEADER_TIMEOUT_S",
+            "Time a client has to send a request's headers; later: 408 and closed (default 10).",
+        ),
+    ] = None,
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
     ] = None,
@@ -138,8 +173,14 @@ def serve(
         "max_streams": max_streams,
         "max_long_polls_per_token": max_long_polls_per_token,
         "max_long_polls": max_long_polls,
+        "allowed_hosts": allowed_hosts,
+        "retention": retention,
+        "max_connections": max_connections,
+        "max_header_bytes": max_header_bytes,
+        "header_timeout_s": header_timeout_s,
     }
     from ..server.config import ServeConfig
+    from ..server.serve import ServeRefused
     from ..server.serve import serve as run_server
     from ..store import StoreError
 
@@ -154,6 +195,9 @@ def serve(
         companion = local_agent(spec, token_file)
     try:
         run_server(settings, companion)
+    except ServeRefused as refused:  # one line, and its exit code (see server/serve.py)
+        typer.echo(f"gpu-arbiter serve: {refused}", err=True)
+        raise typer.Exit(refused.exit_code) from None
     except StoreError as error:  # at start: once serving, the store's failures are 503s
         raise SystemExit(f"gpu-arbiter serve: {error}") from error
 
@@ -189,37 +233,50 @@ def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
     return companion
 
 
+StateDirOpt = Annotated[Path | None, _opt("STATE_DIR", "The controller's state directory.")]
+StoreOpt = Annotated[
+    str | None, _opt("STORE", "The controller's store: sqlite or a postgresql:// URL.")
+]
+
+
+def _open_token_store(command: str, state_dir: Path | None, store: str | None) -> Store:
+    """The store a running controller uses, opened beside it (it takes no lock: token
+    rows are the only thing these commands write, and the controller reads them)."""
+    from ..server.config import ServeConfig
+    from ..server.serve import open_store
+    from ..store import StoreError
+
+    try:
+        settings = ServeConfig.resolve({"state_dir": state_dir, "store": store}, None)
+        if settings.store == "memory":
+            raise InvalidInput("store", "a memory store keeps no tokens")
+        return open_store(settings)
+    except InvalidInput as error:
+        raise typer.BadParameter(str(error)) from error
+    except StoreError as error:
+        raise SystemExit(f"gpu-arbiter token {command}: {error}") from error
+
+
 @token_app.command("create")
 def token_create(
     role: Annotated[str, typer.Option(help="client or worker.")],
     worker: Annotated[
         str | None, typer.Option(help="The worker a worker token is bound to.")
     ] = None,
-    state_dir: Annotated[
-        Path | None, _opt("STATE_DIR", "The controller's state directory.")
-    ] = None,
-    store: Annotated[
-        str | None, _opt("STORE", "The controller's store: sqlite or a postgresql:// URL.")
-    ] = None,
+    state_dir: StateDirOpt = None,
+    store: StoreOpt = None,
 ) -> None:
     """Issue a token: printed once; only its digest is kept."""
     from ..server.auth import create_token
-    from ..server.config import ServeConfig
-    from ..server.serve import open_store
     from ..store import StoreError
 
     if role not in ("client", "worker"):
         raise typer.BadParameter("--role must be client or worker")
     try:
         name = validate_worker_name(worker) if worker is not None else None
-        settings = ServeConfig.resolve({"state_dir": state_dir, "store": store}, None)
-        if settings.store == "memory":
-            raise InvalidInput("store", "a memory store keeps no tokens")
-        opened = open_store(settings)
     except InvalidInput as error:
         raise typer.BadParameter(str(error)) from error
-    except StoreError as error:
-        raise SystemExit(f"gpu-arbiter token create: {error}") from error
+    opened = _open_token_store("create", state_dir, store)
     try:
         token, _ = create_token(opened, role, name)
     except ValueError as error:
@@ -229,3 +286,47 @@ def token_create(
     finally:
         opened.close()
     typer.echo(token)
+
+
+@token_app.command("list")
+def token_list(state_dir: StateDirOpt = None, store: StoreOpt = None) -> None:
+    """Every token: id, the start of its digest, role, worker, created (never the token)."""
+    from ..store import StoreError
+
+    opened = _open_token_store("list", state_dir, store)
+    try:
+        records = opened.tokens()
+    except StoreError as error:
+        raise SystemExit(f"gpu-arbiter token list: {error}") from error
+    finally:
+        opened.close()
+    typer.echo(f"{'ID':<24} {'DIGEST':<12} {'ROLE':<7} {'WORKER':<20} CREATED")
+    for record in records:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created_at))
+        line = f"{record.id:<24} {record.digest[:12]:<12} {record.role:<7} "
+        typer.echo(line + f"{record.worker or '-':<20} {created}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(metavar="ID", help="The token's id (token list).")],
+    state_dir: StateDirOpt = None,
+    store: StoreOpt = None,
+) -> None:
+    """Revoke a token: a running controller refuses it (401) within a second.
+
+    The admin token in the state directory's admin.token is stored again at the next
+    start while that file holds it: delete the file too (a new one is made at start)."""
+    from ..store import StoreError
+
+    opened = _open_token_store("revoke", state_dir, store)
+    try:
+        revoked = opened.revoke_token(token_id)
+    except StoreError as error:
+        raise SystemExit(f"gpu-arbiter token revoke: {error}") from error
+    finally:
+        opened.close()
+    if not revoked:
+        typer.echo(f"error: no token {token_id} (see gpu-arbiter token list)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {token_id}")

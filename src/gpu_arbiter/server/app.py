@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,8 +17,10 @@ from ..controller import Controller
 from .auth import Authenticator
 from .errors import error_response, install_error_handlers
 from .events import EventFeed
+from .guards import RequestGuard
 from .limits import BodyLimit, ClientLimits, Slots
 from .metrics import metrics_registry, refusal_counter, render
+from .retention import prune_ended
 from .routes import router
 from .schemas import ErrorOut
 
@@ -33,10 +36,14 @@ def create_app(
     max_body_bytes: int = 64 * 1024,
     client_limits: ClientLimits | None = None,
     standby: bool = False,
+    allowed_hosts: frozenset[str] | None = None,
+    retention_s: float = 7 * 86400.0,
 ) -> FastAPI:
     """The controller is started in the app's lifespan and closed (with its store) after.
     With ``standby``, it starts as a standby (a shared store's leader is elected beside
-    the server: see ``ha.py``)."""
+    the server: see ``ha.py``). ``allowed_hosts``: the names a request's ``Host`` may
+    give besides IP addresses (None: any; see ``guards.py``). Ended leases are forgotten
+    ``retention_s`` after they ended (0: kept; see ``retention.py``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,8 +51,14 @@ def create_app(
             controller.mirror()
         else:
             controller.start()
+        stop = asyncio.Event()
         try:
-            yield
+            async with asyncio.TaskGroup() as background:
+                background.create_task(prune_ended(controller, retention_s, stop))
+                try:
+                    yield
+                finally:
+                    stop.set()
         finally:
             controller.close()
             controller.store.close()
@@ -112,4 +125,5 @@ def create_app(
 
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard, hosts=allowed_hosts, auth=auth.enabled)  # the outermost
     return app

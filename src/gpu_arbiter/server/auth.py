@@ -6,7 +6,9 @@
 
 A token is ``gat_`` + 32 random bytes (URL-safe). Only its SHA-256 digest is
 stored; a presented token is hashed and the digests compared in constant time.
-Tokens are never logged.
+Tokens are never logged. A token known to the server is looked up in the store again
+at most :data:`TOKEN_RECHECK_S` after it was last, so one revoked (``gpu-arbiter token
+revoke``, from any process) stops working within that time.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import hmac
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import ArbiterError
-from ..store import Store, TokenRecord
+from ..store import Store, StoreError, TokenRecord
 
 __all__ = [
     "ROLES",
@@ -34,6 +37,9 @@ __all__ = [
 
 ROLES = ("admin", "worker", "client")
 _PREFIX = "gat_"
+
+TOKEN_RECHECK_S = 1.0
+"""How long a token found in the store is trusted before it is looked up again."""
 
 
 class Unauthorized(ArbiterError):
@@ -90,6 +96,7 @@ def ensure_admin_token(state_dir: Path, store: Store) -> tuple[Path, bool]:
     and whether it was created now."""
     path = state_dir / "admin.token"
     if path.exists():
+        path.chmod(0o600)
         token = path.read_text().strip()
         if store.token(_digest(token)) is None:  # a fresh store next to an old file
             store.put_token(TokenRecord("admin", _digest(token), "admin", None, time.time()))
@@ -104,10 +111,17 @@ def ensure_admin_token(state_dir: Path, store: Store) -> tuple[Path, bool]:
 class Authenticator:
     """Finds the principal of an ``Authorization: Bearer ...`` header."""
 
-    def __init__(self, store: Store, *, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.enabled = enabled
-        self._cache: dict[str, TokenRecord] = {}
+        self._clock = clock
+        self._cache: dict[str, tuple[TokenRecord, float]] = {}  # digest -> record, found at
 
     def authenticate(self, header: str | None) -> Principal:
         if not self.enabled:
@@ -119,12 +133,27 @@ class Authenticator:
         if scheme.lower() != "bearer" or not token or len(token) > 256:
             raise Unauthorized("malformed Authorization header; expected 'Bearer TOKEN'")
         digest = _digest(token)
-        record = self._cache.get(digest)
-        if record is None:
-            record = self.store.token(digest)  # tokens created since start, by the CLI
-            if record is None:
-                raise Unauthorized("unknown token")
-            self._cache[digest] = record
-        if not hmac.compare_digest(record.digest, digest):
+        record = self._record(digest)
+        if record is None or not hmac.compare_digest(record.digest, digest):
             raise Unauthorized("unknown token")
         return Principal(record.id, record.role, record.worker)
+
+    def _record(self, digest: str) -> TokenRecord | None:
+        """The token's record, from the cache while it is fresh, else from the store
+        (tokens are created and revoked by the CLI, in other processes). A store that
+        cannot answer leaves a known token trusted until it can."""
+        now = self._clock()
+        cached = self._cache.get(digest)
+        if cached is not None and now - cached[1] < TOKEN_RECHECK_S:
+            return cached[0]
+        try:
+            record = self.store.token(digest)
+        except StoreError:
+            if cached is None:
+                raise
+            return cached[0]
+        if record is None:
+            self._cache.pop(digest, None)
+        else:
+            self._cache[digest] = (record, now)
+        return record

@@ -5,8 +5,9 @@ options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``auth``, ``store``, ``heartbeat_timeout_s``, ``sync``, ``max_body_bytes``,
 ``max_pending``, ``max_pending_per_token``, ``max_pending_per_holder``, ``max_streams``,
 ``max_streams_per_token``, ``max_long_polls``, ``max_long_polls_per_token``,
-``log_level``, ``log_format``,
-``advertise_url``, ``leader_ttl_s``), optionally under ``[serve]``.
+``log_level``, ``log_format``, ``advertise_url``, ``leader_ttl_s``, ``allowed_hosts``,
+``retention``, ``max_header_bytes``, ``max_headers``, ``header_timeout_s``,
+``max_connections``), optionally under ``[serve]``.
 
 ``store``: ``sqlite`` (the state directory's ``state.db``), ``memory``, or a
 ``postgresql://`` URL (a database several controllers share: one leads, see ``ha.py``).
@@ -22,7 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from ..core import Gpu, InvalidInput, parse_mb
+from ..core import Gpu, InvalidInput, parse_mb, parse_seconds
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..store import is_postgres_url
 
@@ -67,6 +68,12 @@ class ServeConfig:
     log_format: str = "text"
     advertise_url: str | None = None
     leader_ttl_s: float = 3.0
+    allowed_hosts: tuple[str, ...] = ()
+    retention: str = "7d"
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    max_connections: int = 10_000
 
     def __post_init__(self) -> None:
         if self.store not in ("sqlite", "memory") and not is_postgres_url(self.store):
@@ -91,7 +98,13 @@ class ServeConfig:
         merged = {**from_file, **{k: v for k, v in given.items() if v is not None}}
         if merged.get("state_dir") is not None:
             merged["state_dir"] = Path(merged["state_dir"]).expanduser()
+        if isinstance(merged.get("allowed_hosts"), str):  # a flag: comma-separated
+            merged["allowed_hosts"] = merged["allowed_hosts"].split(",")
+        merged["allowed_hosts"] = tuple(h.strip() for h in merged.get("allowed_hosts", ()))
+        if "retention" in merged:  # TOML: "7d", or a number of seconds
+            merged["retention"] = str(merged["retention"])
         config = cls(**merged)
+        config.check_limits()
         if config.log_format not in LOG_FORMATS:
             raise InvalidInput("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
         if config.log_level.lower() not in LOG_LEVELS:
@@ -102,13 +115,33 @@ class ServeConfig:
             r"https?://[^\s/]+(:\d+)?/?", config.advertise_url
         ):
             raise InvalidInput("advertise_url", "must be like http://host:7070")
-        for name in _COUNT_LIMITS:
-            value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInput(name, f"must be a whole number of at least 1, not {value!r}")
         if not 0.5 <= config.leader_ttl_s <= 600:
             raise InvalidInput("leader_ttl_s", "must be between 0.5 and 600 seconds")
         return config
+
+    def check_limits(self) -> None:
+        """Every bound is a number in its range, named when it is not."""
+        for name in _COUNT_LIMITS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(name, f"must be a whole number of at least 1, not {value!r}")
+        parse_seconds(self.retention, "retention")
+        bounds = {
+            "max_header_bytes": (1024, 1 << 24),
+            "max_headers": (8, 10_000),
+            "header_timeout_s": (0.1, 3600),
+            "max_connections": (1, 1 << 20),
+        }
+        for name, (low, high) in bounds.items():
+            if not low <= getattr(self, name) <= high:
+                raise InvalidInput(name, f"must be between {low:g} and {high:g}")
+        if any(not host for host in self.allowed_hosts):
+            raise InvalidInput("allowed_hosts", "an empty host name")
+
+    @property
+    def retention_s(self) -> float:
+        """How long ended leases are kept (``retention``, such as ``7d``)."""
+        return parse_seconds(self.retention, "retention")
 
     @property
     def state_path(self) -> Path:

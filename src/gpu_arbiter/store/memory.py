@@ -66,11 +66,34 @@ class MemoryStore:
         start = bisect.bisect_right(self._events, seq, key=lambda e: e.seq)
         return self._events[start : start + limit]
 
+    def prune(self, ended_before: float, limit: int) -> int:
+        old = [
+            record
+            for record in self._leases.values()
+            if record.state.is_final
+            and record.ended_at is not None
+            and record.ended_at < ended_before
+        ][:limit]
+        for record in old:
+            del self._leases[record.id]
+            if record.request.idempotency_key is not None:
+                self._keys.pop((record.owner or "", record.request.idempotency_key), None)
+        return len(old)
+
     def put_token(self, token: TokenRecord) -> None:
         self._tokens[token.digest] = token
 
     def token(self, digest: str) -> TokenRecord | None:
         return self._tokens.get(digest)
+
+    def tokens(self) -> list[TokenRecord]:
+        return sorted(self._tokens.values(), key=lambda t: (t.created_at, t.id))
+
+    def revoke_token(self, token_id: str) -> bool:
+        digests = [digest for digest, t in self._tokens.items() if t.id == token_id]
+        for digest in digests:
+            del self._tokens[digest]
+        return bool(digests)
 
     def close(self) -> None:
         pass

@@ -290,6 +290,16 @@ class PostgresStore:
         doc = self._call("read", self._fetchval(sql, operation_id))
         return None if doc is None else operation_from_doc(json.loads(doc))
 
+    def prune(self, ended_before: float, limit: int) -> int:
+        """Not fenced: what it forgets ended long ago, whoever leads."""
+        sql = (
+            "WITH gone AS (DELETE FROM leases WHERE id IN (SELECT id FROM leases WHERE final "
+            "AND (doc::jsonb ->> 'ended_at')::float8 < $1 LIMIT $2) RETURNING 1) "
+            "SELECT count(*) FROM gone"
+        )
+        removed: int = self._call("write", self._fetchval(sql, float(ended_before), limit))
+        return removed
+
     def put_token(self, token: TokenRecord) -> None:
         """Not fenced: tokens only add, and any controller may issue one."""
         sql = (
@@ -302,6 +312,18 @@ class PostgresStore:
         sql = "SELECT id, digest, role, worker, created_at FROM tokens WHERE digest = $1"
         rows = self._call("read", self._fetch(sql, digest))
         return TokenRecord(*rows[0]) if rows else None
+
+    def tokens(self) -> list[TokenRecord]:
+        sql = "SELECT id, digest, role, worker, created_at FROM tokens ORDER BY created_at, id"
+        return [TokenRecord(*row) for row in self._call("read", self._fetch(sql))]
+
+    def revoke_token(self, token_id: str) -> bool:
+        """Not fenced, as issuing one is not."""
+        sql = (
+            "WITH gone AS (DELETE FROM tokens WHERE id = $1 RETURNING 1) SELECT count(*) FROM gone"
+        )
+        removed: int = self._call("write", self._fetchval(sql, token_id))
+        return removed > 0
 
     def close(self) -> None:
         """Closes the pool and stops the thread. A leader stops renewing; its term ends

@@ -1,5 +1,8 @@
 """The embedded durable store: SQLite in WAL mode, in the state directory.
 
+The database and its ``-wal`` and ``-shm`` files are private to their owner (0600),
+whatever the umask.
+
 Every :meth:`SqliteStore.commit` is one ``BEGIN IMMEDIATE ... COMMIT``. With
 ``synchronous=NORMAL`` (the default) a committed change survives the process
 being killed; ``synchronous=FULL`` also survives power loss, at the cost of an
@@ -10,6 +13,7 @@ upserts, no SQLite-only types).
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any, Literal
@@ -89,14 +93,24 @@ class SqliteStore:
         self._event_history = event_history
         self._commits = 0
         try:
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             self._db = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=10.0
             )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.executescript(_SCHEMA)
-        except sqlite3.Error as error:
+            self._make_private()
+        except (sqlite3.Error, OSError) as error:
             raise StoreError(f"cannot open {self.path}: {error}") from error
+
+    def _make_private(self) -> None:
+        """0600 for the database and the files SQLite keeps beside it (which it makes
+        with the database's mode, so a database made before this was 0644 stays so)."""
+        for suffix in ("", "-wal", "-shm"):
+            path = self.path.with_name(self.path.name + suffix)
+            if path.exists() and path.stat().st_mode & 0o077:
+                path.chmod(0o600)
 
     def load(self) -> Snapshot:
         db = self._db
@@ -207,6 +221,17 @@ class SqliteStore:
             raise StoreError(f"cannot read {self.path}: {error}") from error
         return [event_from_doc(json.loads(doc)) for (doc,) in rows]
 
+    def prune(self, ended_before: float, limit: int) -> int:
+        try:
+            gone = self._db.execute(
+                "DELETE FROM leases WHERE id IN (SELECT id FROM leases WHERE final = 1 "
+                "AND json_extract(doc, '$.ended_at') < ? LIMIT ?)",
+                (ended_before, limit),
+            )
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot write {self.path}: {error}") from error
+        return gone.rowcount
+
     def put_token(self, token: TokenRecord) -> None:
         try:
             with self._db:
@@ -223,6 +248,22 @@ class SqliteStore:
             "SELECT id, digest, role, worker, created_at FROM tokens WHERE digest = ?", (digest,)
         )
         return None if row is None else TokenRecord(*row)
+
+    def tokens(self) -> list[TokenRecord]:
+        try:
+            rows = self._db.execute(
+                "SELECT id, digest, role, worker, created_at FROM tokens ORDER BY created_at, id"
+            ).fetchall()
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot read {self.path}: {error}") from error
+        return [TokenRecord(*row) for row in rows]
+
+    def revoke_token(self, token_id: str) -> bool:
+        try:
+            gone = self._db.execute("DELETE FROM tokens WHERE id = ?", (token_id,))
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot write {self.path}: {error}") from error
+        return gone.rowcount > 0
 
     def close(self) -> None:
         self._db.close()
