@@ -67,7 +67,12 @@ REVOKE_REASONS = ("preempted", "revoked_by_admin", "drain", "drain_deadline", "w
 #  (suffix, scheduler counter, help) of the plain counters.
 COUNTERS = (
     ("requests_submitted", "submitted", "Requests accepted into the queue"),
-    ("requests_rejected", "rejected", "Requests refused at submission: no GPU could ever fit"),
+    (
+        "requests_rejected",
+        "rejected",
+        "Requests refused because no registered GPU could ever fit them (at submission, "
+        "or pending when the cluster shrank)",
+    ),
     ("requests_cancelled", "cancelled", "Pending requests cancelled by their holder"),
     ("requests_timed_out", "timed_out", "Pending requests that waited past their max_wait_s"),
     ("grants", "granted", "Leases granted"),
