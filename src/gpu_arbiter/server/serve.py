@@ -108,7 +108,8 @@ def lock_state_dir(state_dir: Path) -> int:
 
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (uvicorn listens on it), or :class:`ServeRefused`."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
