@@ -142,20 +142,22 @@ async def _load(mb: int, load_s: float) -> None:
     record("ready_at")
 
 
-def _on_term() -> None:
+def _on_term(server: uvicorn.Server) -> None:
+    """Drains: no new connections, the requests in flight finish, then it exits."""
     record("term_at")
-    os._exit(0)
+    server.should_exit = True
 
 
 async def main(args: argparse.Namespace) -> None:
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, _on_term)
-    server = _Server(
-        uvicorn.Config(app, port=args.port, http="httptools", log_level="warning", lifespan="off")
+    config = uvicorn.Config(
+        app, port=args.port, http="httptools", log_level="warning", lifespan="off"
     )
+    server = _Server(config)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _on_term, server)
     loading = asyncio.ensure_future(_load(args.mb, args.load_s))
     await server.serve()
     loading.cancel()
+    record("exit_at")
 
 
 if __name__ == "__main__":

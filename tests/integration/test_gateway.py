@@ -3,13 +3,14 @@ with a real controller and agent (fake probe: the servers' memory follows them).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from .agents import AgentProcess, worker_state
+from .agents import AgentProcess, ExitWatch, worker_state
 from .conftest import Server, wait_for
 from .gateways import GatewayProcess, chat, model_entry, records
 
@@ -24,8 +25,9 @@ class Setup:
         self.admin = server.client()
         self.started: list[GatewayProcess | AgentProcess] = []
 
-    def agent(self, spec: str = "1x24G:sm_86") -> AgentProcess:
-        agent = AgentProcess(self.server.url, self.server.admin_token, "box", self.runtime, spec)
+    def agent(self, spec: str = "1x24G:sm_86", *extra: str) -> AgentProcess:
+        token = self.server.admin_token
+        agent = AgentProcess(self.server.url, token, "box", self.runtime, spec, *extra)
         self.started.append(agent.start())
         wait_for(lambda: worker_state(self.admin, "box") == "online", what="box online")
         return agent
@@ -80,3 +82,104 @@ def test_cold_start_warm_reuse_and_keep_alive(setup: Setup) -> None:
     unknown = httpx.post(gateway.url + "/v1/completions", json={"model": "nope"})
     assert unknown.status_code == 404
     assert "chat" in unknown.json()["error"]["message"]
+
+
+def _post_later(url: str, body: dict[str, object]) -> tuple[threading.Thread, list[httpx.Response]]:
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        answers.append(httpx.post(url, json=body, timeout=60))
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread, answers
+
+
+def test_an_idle_model_is_reclaimed_by_another_models_request(setup: Setup) -> None:
+    setup.agent()
+    models = model_entry("a", setup.record, mb=15000, vram="16G", keep_alive="5m")
+    models += model_entry("b", setup.record, mb=15000, vram="16G", keep_alive="5m")
+    gateway = setup.gateway(models)
+    with gateway.client() as client:
+        assert client.post("/v1/completions", json=chat("a")).status_code == 200
+        answer = client.post("/v1/completions", json=chat("b"))  # a is idle: reclaimed
+        assert answer.status_code == 200, answer.text
+        [a] = records(setup.record, "a")
+        [b] = records(setup.record, "b")
+        assert a["term_at"] < b["started_at"]  # b started only after a exited
+        assert gateway.model_state("a")["state"] == "cold"
+        metrics = client.get("/metrics").text
+    assert 'gpu_arbiter_gateway_stops_total{model="a",reason="reclaimed"} 1.0' in metrics
+
+
+def test_a_busy_model_is_preempted_by_a_more_important_one(setup: Setup) -> None:
+    setup.agent("1x24G:sm_86", "--grace-s", "3")  # the agent stops revoked servers
+    models = model_entry(
+        "batch", setup.record, mb=15000, vram="16G", priority="batch", grace="3s",
+        queue_timeout="3s",
+    )  # fmt: skip
+    models += model_entry("chat", setup.record, mb=15000, vram="16G", priority="interactive")
+    gateway = setup.gateway(models)
+    url = gateway.url + "/v1/completions"
+    long, long_answer = _post_later(url, chat("batch", tokens=1, token_s=30))
+    wait_for(lambda: gateway.model_state("batch")["state"] == "busy", 30, "batch busy")
+    victim = ExitWatch(records(setup.record, "batch")[0]["pid"])
+    short, short_answer = _post_later(url, chat("batch", tokens=1, token_s=1.0))
+    wait_for(lambda: gateway.model_state("batch")["replicas"][0]["in_flight"] == 2, 10, "two")
+    answer = httpx.post(url, json=chat("chat"), timeout=60)
+    assert answer.status_code == 200, answer.text
+    short.join(30)
+    long.join(30)
+    assert short_answer[0].status_code == 200  # the server drained it within the grace
+    assert long_answer[0].status_code == 503  # it could not finish: 503 with the reason
+    assert "preempted" in long_answer[0].json()["error"]["message"]
+    [chat_server] = records(setup.record, "chat")
+    assert victim.wait() < chat_server["started_at"]  # I4: only after the victim exited
+    # a new batch request queues for a new lease; the warm chat (800) is not reclaimable
+    # by batch (100): after queue_timeout, 503 with Retry-After and the pending reason
+    late = httpx.post(url, json=chat("batch"), timeout=60)
+    assert late.status_code == 503
+    assert late.headers["retry-after"] == "3"
+    assert "not ready after 3s" in late.json()["error"]["message"]
+    wait_for(lambda: not setup.held("batch"), 10, "the queued request cancelled")
+
+
+def test_streaming_passes_each_chunk_at_once_and_a_disconnect_cancels(setup: Setup) -> None:
+    setup.agent()
+    gateway = setup.gateway(model_entry("chat", setup.record, vram="4G"))
+    hold = setup.record / "hold"
+    body = chat("chat", stream=True, tokens=4, hold=str(hold))
+    with gateway.client() as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line)
+            assert '"t0"' in first  # before the server has sent the rest: it waits on hold
+            hold.write_text("go")
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and len(rest) == 4
+        slow = chat("chat", stream=True, tokens=100, token_s=0.05)
+        with client.stream("POST", "/v1/chat/completions", json=slow) as stream:
+            next(line for line in stream.iter_lines() if line)
+        # the caller went away: the model server's request is cancelled
+        wait_for(lambda: client.get("/models/chat/stats").json()["cancelled"] == 1, 10)
+        echo = client.post("/models/chat/some/path?x=1", content=b"raw")
+        assert echo.json() == {"path": "/some/path", "query": "x=1", "body": "raw"}
+
+
+def test_a_crash_is_a_502_and_restarts_back_off(setup: Setup) -> None:
+    setup.agent()
+    gateway = setup.gateway(model_entry("chat", setup.record, vram="4G"))
+    with gateway.client() as client:
+        assert client.post("/v1/completions", json=chat("chat")).status_code == 200
+        crashed = client.post("/v1/completions", json=chat("chat", crash=True))
+        assert crashed.status_code == 502
+        assert "exited with code 3" in crashed.json()["error"]["message"]
+        wait_for(lambda: not setup.held("chat"), 10, "the lease released")
+        backing_off = client.post("/v1/completions", json=chat("chat"))
+        assert backing_off.status_code == 503  # no restart loop: the back-off first
+        assert "next start in" in backing_off.json()["error"]["message"]
+        assert int(backing_off.headers["retry-after"]) >= 1
+        wait_for(lambda: gateway.model_state("chat")["state"] == "cold", 10, "back-off over")
+        assert client.post("/v1/completions", json=chat("chat")).status_code == 200
+    assert len(records(setup.record, "chat")) == 2

@@ -51,6 +51,7 @@ VISIBLE_DEVICES = (
     "ROCR_VISIBLE_DEVICES",
 )
 READY_POLL_S = 0.1
+AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agent did not
 Json = dict[str, Any]
 
 
@@ -81,6 +82,7 @@ class Replica:
         self._mark = asyncio.Lock()
         self._quiet_generation = 0
         self._process: subprocess.Popen[bytes] | None = None
+        self._by_agent = False  # the local agent supervises the process
 
     # ------------------------------------------------------------------ routing
 
@@ -238,6 +240,7 @@ class Replica:
             return
         self.pid = self._process.pid
         model.supervisor.watch(self.lease["id"], self.pid, self.pid)
+        self._by_agent = await self._attach()
         log.info(
             "model %s replica %d: started pid %d on %s port %d (lease %s)",
             model.name, self.number, self.pid, ", ".join(self.lease["gpus"]), self.port,
@@ -293,8 +296,19 @@ class Replica:
             return False
         return True
 
+    async def _attach(self) -> bool:
+        """Puts the process group under the local agent's supervision: the controller then
+        knows its memory is the lease's (I2), and the agent stops it when the lease is
+        revoked or lapses, even if this gateway is gone."""
+        assert self.pid is not None
+        body = {"op": "attach", "lease": self.lease["id"], "pid": self.pid, "pgid": self.pid}
+        answer = await agent_request(str(self.lease["worker"]), body)
+        return bool(answer and answer.get("ok"))
+
     async def _drain(self) -> None:
-        """Revoked: in-flight requests get the grace to finish; then the process stops."""
+        """No new requests; those in flight get the grace to finish (on a revocation the
+        agent has sent the server its SIGTERM: a server that drains on SIGTERM finishes
+        them); then the process group is stopped: SIGTERM once, SIGKILL after the grace."""
         assert self.ending is not None
         grace_s = self.model.config.grace_s
         if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown"):
@@ -305,10 +319,29 @@ class Replica:
         self.model.notify()
         if self.pid is None or self.exited.is_set():
             return
-        task = self.model.supervisor.stop(self.lease["id"], grace_s)
-        if task is not None:
-            await task
-        await self.exited.wait()
+        await self._stop_process(grace_s)
+
+    async def _stop_process(self, grace_s: float) -> None:
+        """By the agent where it supervises the process (one SIGTERM, whoever asks), else
+        by the gateway's own supervisor; SIGKILL here if the agent has not stopped it by
+        the grace and a margin."""
+        assert self.pid is not None
+        pgid = self.pid
+        body = {"op": "stop", "lease": self.lease["id"], "grace_s": grace_s}
+        by_agent = self._by_agent and bool(
+            (answer := await agent_request(str(self.lease["worker"]), body)) and answer.get("ok")
+        )
+        if not by_agent:
+            task = self.model.supervisor.stop(self.lease["id"], grace_s)
+            if task is not None:
+                await task
+        try:
+            await asyncio.wait_for(self.exited.wait(), grace_s + AGENT_MARGIN_S)
+        except TimeoutError:
+            log.warning("model %s: pid %s outlived its grace: SIGKILL", self.model.name, self.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            await self.exited.wait()
 
     async def _finish(self) -> None:
         """Process gone (or never started) -> release -> ended."""
@@ -337,6 +370,8 @@ class Replica:
             await asyncio.sleep(max(0.2, ttl_s / 3))
             try:
                 await self.model.client.renew(self.lease["id"])
+                if self.pid is not None and not self.exited.is_set():
+                    self._by_agent = await self._attach()  # a restarted agent learns it again
             except ControllerUnreachable:
                 continue  # not lost until the controller says so
             except ApiError as error:
