@@ -17,7 +17,7 @@ from .agents import env_for
 from .conftest import ManagedProcess, wait_for
 
 MODEL_SERVER = Path(__file__).with_name("model_server.py")
-_LISTENING = re.compile(r"gateway on http://127\.0\.0\.1:(\d+)")
+LISTENING = re.compile(r"gateway on http://127\.0\.0\.1:(\d+)")
 
 
 def model_entry(
@@ -58,7 +58,7 @@ class GatewayProcess(ManagedProcess):
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise AssertionError(f"gateway exited: {self.log.read_text()}")
-        found = _LISTENING.findall(self.log.read_text(errors="replace"))
+        found = LISTENING.findall(self.log.read_text(errors="replace"))
         return found[-1] if found else None
 
     def client(self, **kwargs: Any) -> httpx.Client:

@@ -3,6 +3,10 @@ with a real controller and agent (fake probe: the servers' memory follows them).
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,9 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ..gateway.test_estimate import write_gguf
 from .agents import AgentProcess, ExitWatch, worker_state
-from .conftest import Server, wait_for
-from .gateways import GatewayProcess, chat, model_entry, records
+from .conftest import SRC, Server, wait_for
+from .gateways import LISTENING, GatewayProcess, chat, model_entry, records
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,3 +188,103 @@ def test_a_crash_is_a_502_and_restarts_back_off(setup: Setup) -> None:
         wait_for(lambda: gateway.model_state("chat")["state"] == "cold", 10, "back-off over")
         assert client.post("/v1/completions", json=chat("chat")).status_code == 200
     assert len(records(setup.record, "chat")) == 2
+
+
+def test_a_full_replica_makes_the_next_request_ask_for_another(setup: Setup) -> None:
+    setup.agent("2x24G:sm_86")
+    models = model_entry("chat", setup.record, vram="20G", max_parallel=1, replicas=2)
+    gateway = setup.gateway(models)
+    holds = [setup.record / f"hold-{i}" for i in range(3)]
+    url = gateway.url + "/v1/chat/completions"
+    started = [_post_later(url, chat("chat", stream=True, hold=str(hold))) for hold in holds]
+    # two replicas, each its own lease (20G each: on two GPUs), never a third
+    wait_for(lambda: len(setup.held("chat")) == 2, 30, "two leases")
+    wait_for(lambda: len(records(setup.record, "chat")) == 2, 30, "two servers")
+    assert sorted(g for lease in setup.held("chat") for g in lease["gpus"]) == ["box:0", "box:1"]
+    for hold in holds:
+        hold.write_text("go")
+    for thread, answers in started:
+        thread.join(30)
+        assert answers[0].status_code == 200
+        assert answers[0].text.endswith("data: [DONE]\n\n")
+    assert len(records(setup.record, "chat")) == 2
+
+
+def test_two_models_that_cannot_share_a_gpu_alternate_under_load(setup: Setup) -> None:
+    setup.agent()
+    models = model_entry("a", setup.record, mb=15000, vram="16G", load_s=0.3)
+    models += model_entry("b", setup.record, mb=15000, vram="16G", load_s=0.3)
+    gateway = setup.gateway(models)
+    statuses: list[int] = []
+
+    def caller(first: str) -> None:
+        order = [first, "b" if first == "a" else "a"] * 2
+        with gateway.client() as client:
+            for model in order:
+                answer = client.post("/v1/completions", json=chat(model, tokens=2, token_s=0.05))
+                statuses.append(answer.status_code)
+
+    threads = [threading.Thread(target=caller, args=(m,)) for m in ("a", "b", "a")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    assert statuses == [200] * 12
+    lives = [
+        (r["started_at"], r.get("exit_at") or float("inf"), name)
+        for name in ("a", "b")
+        for r in records(setup.record, name)
+    ]
+    lives.sort()
+    assert len(lives) >= 3  # they did alternate
+    for (_, ended, name), (began, _, next_name) in itertools.pairwise(lives):
+        assert ended < began, f"{name} and {next_name} ran at once"  # never two loads (I3)
+
+
+def _gateway_command(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gpu_arbiter", "gateway", *args]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_a_bad_config_exits_2_naming_the_model_and_key(tmp_path: Path) -> None:
+    config = tmp_path / "models.toml"
+    config.write_text('[models.chat]\ncommand = "srv --port {port}"\nvram = "6X"\n')
+    done = _gateway_command("--config", str(config))
+    assert done.returncode == 2
+    assert "models.chat.vram: '6X' is not a size" in done.stderr
+    config.write_text('[models.chat]\ncommand = "srv -m /nowhere.gguf --port {port}"\n')
+    done = _gateway_command("--config", str(config), "--check")
+    assert done.returncode == 2
+    assert "models.chat.vram: model file /nowhere.gguf does not exist" in done.stderr
+
+
+def test_check_shows_each_models_estimate_and_its_parts(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    write_gguf(model)
+    config = tmp_path / "models.toml"
+    config.write_text(
+        f'[models.chat]\ncommand = "llama-server -m {model} -c 8192 --port {{port}}"\n'
+        '[models.embed]\ncommand = "embedder --port {port}"\nvram = "2G"\n'
+    )
+    done = _gateway_command("--config", str(config), "--check")
+    assert done.returncode == 0, done.stderr
+    assert "chat: vram 529 MiB (auto: 529 MiB = weights 8 MiB + KV cache 8 MiB " in done.stdout
+    assert "embed: vram 2.0 GiB (given)" in done.stdout
+
+
+def test_serve_local_runs_the_gateway_beside_the_agent(
+    start_server: Callable[..., Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPU_ARBITER_RUNTIME_DIR", str(tmp_path / "rt"))
+    record = tmp_path / "record"
+    record.mkdir()
+    models = tmp_path / "models.toml"
+    models.write_text("[gateway]\nport = 0\n" + model_entry("chat", record, vram="4G"))
+    server = start_server("--local", "--simulate", "1x24G", "--models", str(models))
+    port = wait_for(lambda: LISTENING.findall(server.log.read_text()), 30, "the gateway")[-1]
+    answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=chat("chat"), timeout=60)
+    assert answer.status_code == 200, answer.text
+    with server.client() as admin:
+        [lease] = [x for x in admin.get("/v1/leases").json() if x["ended_at"] is None]
+    assert lease["holder"].startswith("gateway chat #1@")
