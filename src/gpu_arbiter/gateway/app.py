@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -66,9 +67,15 @@ class GatewayApp:
         self.models = models
         self.routes = routes  # a model's name and aliases -> its name
         self.metrics = metrics
+        # TCP_NODELAY: a request's head and body leave in two writes, which Nagle's
+        # algorithm would hold back for the server's delayed ACK (40 ms).
+        transport = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000),
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+        )
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000),
+            transport=transport,
         )
 
     async def aclose(self) -> None:
