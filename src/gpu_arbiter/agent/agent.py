@@ -276,6 +276,9 @@ class Agent:
         if op == "env":
             env = self.probe.child_env() if isinstance(self.probe, FakeProbe) else {}
             return {"ok": True, "env": env, "worker": self.config.name}
+        pgid = request.get("pgid")
+        if op == "usage" and "lease" not in request and isinstance(pgid, int) and pgid > 1:
+            return {"ok": True, "used_mb": self._group_usage(None, pgid)}
         lease_id = request.get("lease")
         if not isinstance(lease_id, str) or not 0 < len(lease_id) <= 64:
             return {"ok": False, "error": "lease must be a lease id"}
@@ -320,14 +323,19 @@ class Agent:
 
     def _usage(self, lease_id: str) -> int | None:
         entry = self.supervisor.get(lease_id)
-        if entry is None or self._snapshot is None:
+        return None if entry is None else self._group_usage(entry.pid, entry.pgid)
+
+    def _group_usage(self, pid: int | None, pgid: int) -> int | None:
+        """GPU memory of a process and its group, as the last probe saw it (the gateway
+        asks it of the model servers it starts, by group)."""
+        if self._snapshot is None:
             return None
         total = 0
         for reading in self._snapshot.gpus:
             if reading.processes is None:
                 return None
-            for pid, mb in reading.processes.items():
-                if pid == entry.pid or _pgid(pid) == entry.pgid:
+            for pid_, mb in reading.processes.items():
+                if pid_ == pid or _pgid(pid_) == pgid:
                     if mb is None:
                         return None
                     total += mb

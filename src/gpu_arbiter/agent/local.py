@@ -7,6 +7,7 @@ The agent listens on a unix socket, ``<runtime dir>/agent-<worker>.sock`` (mode
     {"op": "env"}                                   -> {"ok": true, "env": {...}}
     {"op": "attach", "lease": ID, "pid": P, "pgid": G} -> {"ok": true}
     {"op": "usage", "lease": ID}                    -> {"ok": true, "used_mb": N | null}
+    {"op": "usage", "pgid": G}                      -> the same for a process group
     {"op": "stop", "lease": ID, "grace_s": S}       -> {"ok": true} | {"ok": false, ...}
 
 ``env`` is what the child must inherit (the fake probe's usage directory);

@@ -6,6 +6,7 @@ import typer
 
 from .agent import agent
 from .demo import demo
+from .gateway import gateway
 from .ops import COMMANDS
 from .run import run
 from .serve import serve, token_app
@@ -23,6 +24,7 @@ app.command()(simulate)
 app.command()(serve)
 app.command()(agent)
 app.command()(run)
+app.command()(gateway)
 app.add_typer(token_app, name="token")
 for _name, _command in COMMANDS.items():
     app.command(_name)(_command)

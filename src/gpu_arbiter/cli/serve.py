@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -153,6 +155,15 @@ def serve(
             "or --simulate SPEC).",
         ),
     ] = False,
+    models: Annotated[
+        Path | None,
+        typer.Option(
+            "--models",
+            help="With --local: also run a model gateway for this models file (see "
+            "`gpu-arbiter gateway --help`).",
+            exists=True,
+        ),
+    ] = None,
 ) -> None:
     """Run the controller: the HTTP API over the decision core, with durable state."""
     given: dict[str, Any] = {
@@ -189,10 +200,12 @@ def serve(
         settings = ServeConfig.resolve(given, config)
     except (InvalidInput, TypeError) as error:
         raise typer.BadParameter(str(error)) from error
+    if models is not None and not local:
+        raise typer.BadParameter("--models runs the gateway beside the local agent: add --local")
     companion = None
     if local:
         token_file = settings.state_path / "admin.token" if settings.auth else None
-        companion = local_agent(spec, token_file)
+        companion = local_agent(spec, token_file, models)
     try:
         run_server(settings, companion)
     except ServeRefused as refused:  # one line, and its exit code (see server/serve.py)
@@ -202,8 +215,13 @@ def serve(
         raise SystemExit(f"gpu-arbiter serve: {error}") from error
 
 
-def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
-    """``serve --local``'s agent for this machine, in the controller's process."""
+def local_agent(
+    simulate: str | None, token_file: Path | None, models: Path | None = None
+) -> Companion:
+    """``serve --local``'s agent for this machine, in the controller's process; with
+    ``models``, the model gateway beside it (a config error exits 2 before anything
+    starts)."""
+    gateway = None if models is None else local_gateway(models)
     if simulate is not None:
         try:
             parse_fake_spec(simulate)
@@ -228,9 +246,26 @@ def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
         if token_file is not None:
             say(f"  export GPU_ARBITER_TOKEN=$(cat {token_file})")
         say("  gpu-arbiter run --vram 8G -- python serve.py")
-        await Agent(settings, probe).run(stop)
+        if gateway is None:
+            await Agent(settings, probe).run(stop)
+            return
+        await asyncio.gather(Agent(settings, probe).run(stop), gateway(name, url, token, stop))
 
     return companion
+
+
+def local_gateway(models: Path) -> Callable[[str, str, str | None, asyncio.Event], Awaitable[None]]:
+    from ..gateway.serve import run_gateway
+    from .gateway import checked_config, sizes_of
+
+    config, found = checked_config(models)
+    sizes = sizes_of(config, found)
+
+    async def gateway(worker: str, url: str, token: str | None, stop: asyncio.Event) -> None:
+        settings = replace(config, worker=config.worker or worker)
+        await run_gateway(settings, controller=url, token=token, stop=stop, sizes=sizes)
+
+    return gateway
 
 
 StateDirOpt = Annotated[Path | None, _opt("STATE_DIR", "The controller's state directory.")]

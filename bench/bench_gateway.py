@@ -1,0 +1,157 @@
+"""The model gateway's added latency and throughput, against the model server called
+directly: ``python bench/bench_gateway.py [--seconds 5]``.
+
+A controller (memory store, one simulated 24 GiB GPU), a gateway process with one
+model (tests/integration/model_server.py, warm before measuring: the first request
+starts it) and a second copy of that server for the direct calls. Each caller is one
+keep-alive HTTP/1.1 connection (a minimal client on asyncio streams) sending
+``POST /v1/completions`` one after the other; with 1 and 50 concurrent callers it
+prints the median and p99 latency and requests/s, direct and through the gateway,
+and what the gateway adds (the goal: at most 1 ms at p50, 5 ms at p99, at least
+1,500 requests/s). Everything shares this machine's cores: the figures include the
+contention of client, gateway and server for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+MODEL_SERVER = ROOT / "tests" / "integration" / "model_server.py"
+BODY = json.dumps({"model": "chat", "prompt": "hi", "tokens": 1}).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
+        ).encode() + BODY
+
+    async def call(self) -> int:
+        self.writer.write(self.head)
+        status = int((await self.reader.readline()).split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        await self.reader.readexactly(length)
+        return status
+
+
+async def measure(port: int, callers: int, seconds: float) -> tuple[float, float, float]:
+    """(p50 ms, p99 ms, requests/s) of ``callers`` connections for ``seconds``."""
+    conns = [Conn(*await asyncio.open_connection("127.0.0.1", port)) for _ in range(callers)]
+    for conn in conns:  # warm each connection
+        assert await conn.call() == 200
+    latencies: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def loop(conn: Conn) -> None:
+        while time.perf_counter() < end:
+            began = time.perf_counter()
+            status = await conn.call()
+            latencies.append(time.perf_counter() - began)
+            assert status == 200, status
+
+    began = time.perf_counter()
+    await asyncio.gather(*(loop(conn) for conn in conns))
+    elapsed = time.perf_counter() - began
+    for conn in conns:
+        conn.writer.close()
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return statistics.median(latencies) * 1e3, p99 * 1e3, len(latencies) / elapsed
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_CONFIG"):
+        env.pop(name, None)
+    with log.open("wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=out, env=env)
+
+
+def wait_log(log: Path, pattern: str, proc: subprocess.Popen[bytes]) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, log.read_text(errors="replace"))
+        if found:
+            return str(found[-1])
+        if proc.poll() is not None:
+            raise SystemExit(log.read_text())
+        time.sleep(0.05)
+    raise SystemExit(f"timed out waiting for {pattern} in {log}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-gw-"))
+    py = sys.executable
+    server = start(
+        [py, "-m", "gpu_arbiter", "serve", "--port", "0", "--state-dir", str(work / "s"),
+         "--store", "memory", "--no-auth", "--simulate", "1x24G"],
+        work / "server.log",
+    )  # fmt: skip
+    url = "http://127.0.0.1:" + wait_log(
+        work / "server.log", r"Uvicorn running on http://127\.0\.0\.1:(\d+)", server
+    )
+    command = [py, str(MODEL_SERVER), "--port", "{port}", "--name", "chat", "--load-s", "0"]
+    (work / "models.toml").write_text(
+        f'[models.chat]\ncommand = {json.dumps(command)}\nvram = "4G"\nmax_parallel = 64\n'
+    )
+    gateway = start(
+        [py, "-m", "gpu_arbiter", "gateway", "--config", str(work / "models.toml"), "--port",
+         "0", "--controller", url, "--worker", "local", "--log-level", "warning"],
+        work / "gateway.log",
+    )  # fmt: skip
+    gateway_port = int(wait_log(work / "gateway.log", r"gateway on http://[\d.]+:(\d+)", gateway))
+    direct_port = free_port()
+    direct = start([py, str(MODEL_SERVER), "--port", str(direct_port), "--load-s", "0"],
+                   work / "direct.log")  # fmt: skip
+    try:
+        time.sleep(1.5)  # the direct server listens
+        asyncio.run(report(gateway_port, direct_port, args.seconds))
+    finally:
+        for proc in (gateway, direct, server):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+async def report(gateway_port: int, direct_port: int, seconds: float) -> None:
+    await measure(gateway_port, 1, 0.5)  # the first request loads the model: warm it
+    print(f"{'callers':>7} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    for callers in (1, 50):
+        d50, d99, drps = await measure(direct_port, callers, seconds)
+        g50, g99, grps = await measure(gateway_port, callers, seconds)
+        print(f"{callers:>7} {'direct':>8} {d50:8.2f} {d99:8.2f} {drps:8.0f}")
+        print(f"{callers:>7} {'gateway':>8} {g50:8.2f} {g99:8.2f} {grps:8.0f}")
+        print(f"{callers:>7} {'added':>8} {g50 - d50:8.2f} {g99 - d99:8.2f} {grps / drps:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

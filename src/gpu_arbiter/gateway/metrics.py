@@ -1,0 +1,40 @@
+"""The gateway's Prometheus metrics, on its own registry (``GET /metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+_SECONDS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "gpu_arbiter_gateway_requests", "Requests answered, by model and status",
+            ["model", "status"], registry=r,
+        )  # fmt: skip
+        self.queue_seconds = Histogram(
+            "gpu_arbiter_gateway_queue_seconds", "Time a request waited for a replica",
+            ["model"], buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.cold_starts = Counter(
+            "gpu_arbiter_gateway_cold_starts", "Replicas started (a lease asked for)",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.load_seconds = Histogram(
+            "gpu_arbiter_gateway_load_seconds", "From grant to ready, per start",
+            ["model"], buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.stops = Counter(
+            "gpu_arbiter_gateway_stops",
+            "Replicas stopped, by reason: keep_alive, reclaimed, preempted, revoked, failed, "
+            "shutdown",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "gpu_arbiter_gateway_in_flight", "Requests in flight", ["model"], registry=r
+        )

@@ -1,0 +1,141 @@
+"""Running a gateway: the models of a config, a controller client, an HTTP listener.
+
+``gpu-arbiter gateway --config models.toml`` runs :func:`run_gateway` on its own;
+``serve --local --models models.toml`` runs it beside the controller and the local
+agent (:func:`gateway_companion`). On stop, every replica is stopped (SIGTERM, SIGKILL
+after its grace) and its lease released before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+import uvicorn
+
+from ..agent.local import local_workers
+from ..agent.supervisor import ProcessSupervisor
+from ..client import ArbiterClient
+from ..core import InvalidInput
+from ..logs import say
+from .app import GatewayApp
+from .config import GatewayConfig, ModelConfig
+from .estimate import Estimate, estimate_vram
+from .metrics import GatewayMetrics
+from .model import ModelServer
+
+__all__ = ["estimates", "run_gateway"]
+
+log = logging.getLogger("gpu_arbiter.gateway")
+
+
+def estimates(config: GatewayConfig) -> dict[str, Estimate | None]:
+    """Each ``vram = "auto"`` model's estimate (None for a fixed size); raises
+    :class:`InvalidInput` naming the model's ``vram`` key when one cannot be made."""
+    found: dict[str, Estimate | None] = {}
+    for name, model in config.models.items():
+        found[name] = None if model.vram is not None else _estimate(model)
+    return found
+
+
+def _estimate(model: ModelConfig) -> Estimate:
+    try:
+        return estimate_vram(model.command, model_file=model.model_file, ctx=model.ctx)
+    except InvalidInput as error:
+        key = "ctx" if error.field == "ctx" else "vram"
+        raise InvalidInput(f"models.{model.name}.{key}", error.reason) from None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without signal handlers of its own: whoever runs the gateway stops it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+async def run_gateway(
+    config: GatewayConfig,
+    *,
+    controller: str | None,
+    token: str | None,
+    stop: asyncio.Event,
+    sizes: dict[str, int],
+) -> None:
+    """Serves until ``stop`` is set; ``sizes``: each model's MiB per GPU to ask for."""
+    worker = config.worker
+    if worker is None:
+        here = await local_workers()
+        worker = here[0] if len(here) == 1 else None
+        if not here:
+            say("gateway: no agent runs on this host: leases may land on another machine")
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    metrics = GatewayMetrics()
+    supervisor = ProcessSupervisor()
+    async with ArbiterClient(controller or config.controller, token=token) as client:
+        models = {
+            name: ModelServer(
+                model, client=client, supervisor=supervisor, metrics=metrics, spawn=spawn,
+                worker=worker, vram_mb=sizes[name],
+            )
+            for name, model in config.models.items()
+        }  # fmt: skip
+        routes = {alias: m.name for m in config.models.values() for alias in m.aliases}
+        routes.update({name: name for name in config.models})
+        app = GatewayApp(models, routes, metrics)
+        sock = _listen(config.host, config.port)
+        server = _Server(
+            uvicorn.Config(
+                app, http="httptools", log_config=None, access_log=False, lifespan="off",
+                timeout_graceful_shutdown=1, timeout_keep_alive=30,
+            )
+        )  # fmt: skip
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        host, port = sock.getsockname()[:2]
+        say(f"gateway on http://{host}:{port} for {', '.join(models)} (worker {worker or 'any'})")
+        try:
+            ended = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
+            ended.cancel()
+        finally:
+            server.should_exit = True
+            for model in models.values():
+                model.shutdown()
+            grace_s = max(m.grace_s for m in config.models.values())
+            await _settle(list(models.values()), tasks, grace_s)
+            await serving
+            await app.aclose()
+            await supervisor.close()
+            sock.close()
+
+
+async def _settle(
+    models: list[ModelServer], tasks: set[asyncio.Task[None]], grace_s: float
+) -> None:
+    """Waits for the replicas to stop and release (twice their grace, and a margin)."""
+    deadline = asyncio.get_running_loop().time() + 2 * grace_s + 10.0
+    while any(m.replicas for m in models) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    for task in set(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: NODELAY
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock

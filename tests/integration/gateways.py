@@ -1,0 +1,88 @@
+"""A real ``gpu-arbiter gateway`` process for integration tests, and the models file
+it runs: each model is tests/integration/model_server.py (a small OpenAI-compatible
+server that takes memory in the fake probe and records its start and exit)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .agents import env_for
+from .conftest import ManagedProcess, wait_for
+
+MODEL_SERVER = Path(__file__).with_name("model_server.py")
+LISTENING = re.compile(r"gateway on http://127\.0\.0\.1:(\d+)")
+
+
+def model_entry(
+    name: str, record: Path, *, mb: int = 1000, load_s: float = 0.2, **keys: Any
+) -> str:
+    """One ``[models.NAME]`` table running the test model server."""
+    command = [sys.executable, str(MODEL_SERVER), "--port", "{port}", "--name", name]
+    command += ["--mb", str(mb), "--load-s", str(load_s), "--record", str(record)]
+    keys = {"idle_after": "0.1s", "grace": "1s", "queue_timeout": "60s", **keys}
+    lines = [f"[models.{name}]", f"command = {json.dumps(command)}"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
+    return "\n".join(lines) + "\n"
+
+
+class GatewayProcess(ManagedProcess):
+    def __init__(self, url: str, token: str, runtime: Path, models: str) -> None:
+        self.runtime = runtime
+        self.config = runtime / "models.toml"
+        self.models = models
+        self.command = [sys.executable, "-m", "gpu_arbiter", "gateway", "--config"]
+        self.command += [str(self.config), "--port", "0", "--controller", url, "--token", token]
+        self.log = runtime / "gateway.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 30.0) -> GatewayProcess:
+        self.runtime.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(self.models)
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=log, env=env_for(self.runtime)
+            )
+        port = wait_for(self._port, timeout_s, "the gateway to listen")
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def _port(self) -> str | None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"gateway exited: {self.log.read_text()}")
+        found = LISTENING.findall(self.log.read_text(errors="replace"))
+        return found[-1] if found else None
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        kwargs.setdefault("timeout", 60)
+        return httpx.Client(base_url=self.url, **kwargs)
+
+    def model_state(self, name: str) -> dict[str, Any]:
+        with self.client() as client:
+            found = client.get("/v1/models").json()["data"]
+        model: dict[str, Any] = next(m for m in found if m["id"] == name)
+        return model
+
+
+def records(directory: Path, name: str) -> list[dict[str, Any]]:
+    """What each process of model ``name`` recorded (started_at, ready_at, term_at), by
+    start time."""
+    found = []
+    for path in directory.glob(f"{name}-*.json"):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=lambda r: r.get("started_at", 0))
+
+
+def chat(model: str, **body: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **body}
