@@ -23,6 +23,7 @@ from rich.text import Text
 
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import ArbiterError, InvalidInput, format_mb, parse_seconds
+from .access import TOKEN_HELP, credentials, refusal
 
 EXIT_API_ERROR = 1
 EXIT_UNREACHABLE = 69
@@ -44,7 +45,7 @@ def option(text: str, *names: str, envvar: str | None = None, **more: Any) -> An
 Controller = Annotated[
     str | None, option("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
 ]
-Token = Annotated[str | None, option("Bearer token.", envvar="GPU_ARBITER_TOKEN")]
+Token = Annotated[str | None, option(TOKEN_HELP, envvar="GPU_ARBITER_TOKEN")]
 OutputOpt = Annotated[Output, option("human or json.", "--output", "-o")]
 
 
@@ -62,19 +63,24 @@ def parse_duration(value: str) -> float:
 def call_controller(
     controller: str | None, token: str | None, action: Callable[[ArbiterClient], Awaitable[T]]
 ) -> T:
-    """Runs ``action`` with a client; a refusal or no answer becomes one line and an exit."""
+    """Runs ``action`` with a client; a refusal or no answer becomes one line and an exit.
+    Without a token, one on this machine is looked for (:mod:`.access`)."""
+    try:
+        found = credentials(controller, token)
+    except ArbiterError as error:  # a malformed --controller
+        _fail(str(error), 2)
 
     async def main() -> T:
-        async with ArbiterClient(controller, token=token) as client:
+        async with ArbiterClient(controller, token=found.token) as client:
             return await action(client)
 
     try:
         return asyncio.run(main())
     except ApiError as error:
-        _fail(f"{error.status} {error.code}: {error}", EXIT_API_ERROR)
+        _fail(refusal(error, found), EXIT_API_ERROR)
     except ControllerUnreachable as error:
         _fail(str(error), EXIT_UNREACHABLE)
-    except ArbiterError as error:  # a malformed --controller
+    except ArbiterError as error:
         _fail(str(error), 2)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import httpx
@@ -39,7 +39,8 @@ from rich.text import Text
 
 from ..agent.local import agent_request, local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable, NotGranted
-from ..core import ArbiterError, parse_mb, parse_priority
+from ..core import ArbiterError, InvalidInput, format_mb, parse_mb, parse_priority
+from .access import TOKEN_HELP, Credentials, credentials, refusal
 
 EXIT_PREEMPTED = 75
 EXIT_MAX_WAIT = 124
@@ -65,7 +66,7 @@ class RunOptions:
     command: list[str]
     request: Json
     controller: str | None = None
-    token: str | None = None
+    credentials: Credentials = field(default_factory=lambda: Credentials(None))
     ready_url: str | None = None
     ready_after_s: float | None = None
     ready_timeout_s: float = 120.0
@@ -101,9 +102,9 @@ class Runner:
         except NotGranted as error:  # ended before it was granted (max_wait_s passed...)
             say(f"lease {error.lease_id} was not granted: {error.state} ({error.reason})")
             return EXIT_MAX_WAIT if error.state == "timed_out" else EXIT_REJECTED
-        except ApiError as error:
-            say(f"request refused ({error.code}): {error}")
-            return EXIT_REJECTED if error.status in (409, 422) else EXIT_UNREACHABLE
+        except ApiError as error:  # it answered: a refusal; 5xx: it cannot serve now
+            say(f"request refused: {refusal(error, self.options.credentials)}")
+            return EXIT_UNREACHABLE if error.status >= 500 else EXIT_REJECTED
         if self.lease["state"] == "pending":
             try:
                 await self._wait()
@@ -401,7 +402,8 @@ def _waiting(lease: Json, waited_s: float) -> Text:
     line = Text()
     line.append("waiting ", style="bold yellow")
     line.append(f"{waited_s:5.0f}s ", style="bold")
-    line.append(f"for {lease['vram_mb']} MiB x {lease['gpu_count']} GPU ({lease['id']}) - ")
+    gpus = f" x {lease['gpu_count']} GPUs" if lease["gpu_count"] > 1 else ""
+    line.append(f"for {format_mb(lease['vram_mb'])}{gpus} ({lease['id']}) - ")
     line.append(_reason(lease))
     return line
 
@@ -421,7 +423,7 @@ async def _local_worker(request: Json) -> None:
 
 async def _main(options: RunOptions) -> int:
     await _local_worker(options.request)
-    async with ArbiterClient(options.controller, token=options.token) as client:
+    async with ArbiterClient(options.controller, token=options.credentials.token) as client:
         runner = Runner(options, client)
         try:
             refused = await runner.acquire()
@@ -437,6 +439,22 @@ async def _main(options: RunOptions) -> int:
 def _printable(text: str) -> str:
     """A holder has no control characters: a newline in an argument shows as a space."""
     return "".join(" " if not c.isprintable() else c for c in text)
+
+
+BARE_MIB_BELOW = 1024
+"""``--vram`` needs a unit below this many MiB: ``30`` is more likely 30G than 30 MiB."""
+
+
+def parse_vram(text: str) -> int:
+    """``--vram``: ``8G``, ``512M``, ``24000`` (MiB); a bare number below 1024 is refused
+    (``did you mean 30G?``) rather than taken as a few MiB."""
+    mb = parse_mb(text, "--vram")
+    number = text.strip()
+    if number.isdigit() and mb < BARE_MIB_BELOW:
+        raise InvalidInput(
+            "--vram", f"{number} has no unit: did you mean {number}G? (write {number}M for MiB)"
+        )
+    return mb
 
 
 def build_request(
@@ -460,7 +478,7 @@ def build_request(
     if worker is not None:
         constraints["worker"] = worker
     return {
-        "vram_mb": parse_mb(vram, "--vram"),
+        "vram_mb": parse_vram(vram),
         "gpus": gpus,
         "priority": parse_priority(priority, "--priority"),
         "constraints": constraints,
@@ -497,7 +515,7 @@ def run(
     controller: Annotated[
         str | None, _opt("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
     ] = None,
-    token: Annotated[str | None, _opt("Bearer token.", envvar="GPU_ARBITER_TOKEN")] = None,
+    token: Annotated[str | None, _opt(TOKEN_HELP, envvar="GPU_ARBITER_TOKEN")] = None,
 ) -> None:
     """Run a command holding a lease of VRAM for its whole life."""
     if ready_url is not None and ready_after is not None:
@@ -515,13 +533,14 @@ def run(
             holder=holder,
             command=command,
         )
+        found = credentials(controller, token)
     except ArbiterError as error:
         raise typer.BadParameter(str(error)) from error
     options = RunOptions(
         command=command,
         request=request,
         controller=controller,
-        token=token,
+        credentials=found,
         ready_url=ready_url,
         ready_after_s=ready_after,
         ready_timeout_s=ready_timeout,

@@ -1,0 +1,109 @@
+"""What a newcomer meets first: the command's version and help, a controller on this
+machine found with its token, refusals that say why and exit with the documented code."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import SRC, Server
+
+COMMANDS = [
+    "demo", "simulate", "serve", "agent", "run", "status", "queue", "leases", "events",
+    "drain", "cancel-drain", "update", "operation", "remove", "pause", "resume", "release",
+    "top", "token create",
+]  # fmt: skip
+
+
+def gpu_arbiter(
+    *args: str, url: str = "http://127.0.0.1:1", **env: str
+) -> subprocess.CompletedProcess[str]:
+    """The command as a user types it: no token unless one is given in ``env``."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("GPU_ARBITER_")}
+    full.update({"PYTHONPATH": str(SRC), "COLUMNS": "200", "GPU_ARBITER_URL": url, **env})
+    command = [sys.executable, "-m", "gpu_arbiter", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=full, timeout=60)
+
+
+def test_version() -> None:
+    from gpu_arbiter import __version__
+
+    done = gpu_arbiter("--version")
+    assert done.returncode == 0 and done.stdout == f"gpu-arbiter {__version__}\n"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_values_and_shows_no_type_placeholders(command: str) -> None:
+    done = gpu_arbiter(*command.split(), "--help")
+    assert done.returncode == 0, done.stderr
+    options = done.stdout.split("Options:")[1]
+    assert not re.search(r"<[a-z]", options), options  # no <bool>, <str>, <float range>
+    assert "  --help  " in options or "  --help\n" in options
+
+
+def test_the_cli_finds_the_admin_token_of_a_controller_on_this_machine(
+    start_server: object, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    state = home / ".local" / "state" / "gpu-arbiter"  # serve's default state directory
+    server = start_server("--simulate", "1x24G", state_dir=state)  # type: ignore[operator]
+    assert isinstance(server, Server)
+    done = gpu_arbiter("status", url=server.url, HOME=str(home))
+    assert done.returncode == 0, done.stderr
+    assert "local:0" in done.stdout
+    elsewhere = gpu_arbiter("status", url=server.url, GPU_ARBITER_STATE_DIR=str(state))
+    assert elsewhere.returncode == 0, elsewhere.stderr
+
+
+def test_a_401_says_where_tokens_come_from(server: Server, tmp_path: Path) -> None:
+    nobody = gpu_arbiter("queue", url=server.url, HOME=str(tmp_path))
+    assert nobody.returncode == 1
+    assert nobody.stderr.startswith("error: 401 unauthorized: missing bearer token")
+    assert "--token or GPU_ARBITER_TOKEN" in nobody.stderr
+    assert "admin.token" in nobody.stderr and "token create --role client" in nobody.stderr
+    assert len(nobody.stderr.splitlines()) == 1
+    other = tmp_path / "other-state"
+    other.mkdir()
+    (other / "admin.token").write_text("gat_of_another_controller")
+    wrong = gpu_arbiter("queue", url=server.url, GPU_ARBITER_STATE_DIR=str(other))
+    assert wrong.returncode == 1 and "401 unauthorized: unknown token" in wrong.stderr
+    assert f"the admin token of {other / 'admin.token'} was sent" in wrong.stderr
+
+
+def test_run_exits_65_when_refused_and_says_why_once(server: Server, tmp_path: Path) -> None:
+    bad = gpu_arbiter("run", "--token", "gat_bad", "--", "true", url=server.url)
+    assert bad.returncode == 65, bad.stderr
+    assert "refused: 401 unauthorized: unknown token" in bad.stderr
+    token = {"GPU_ARBITER_TOKEN": server.admin_token, "GPU_ARBITER_RUNTIME_DIR": str(tmp_path)}
+    big = gpu_arbiter("run", "--vram", "100G", "--", "true", url=server.url, **token)
+    assert big.returncode == 65, big.stderr
+    assert "refused: 422 unschedulable: 100.0 GiB per GPU is more than" in big.stderr
+    assert "unschedulable: unschedulable" not in big.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--priority", "urgent"], "--priority: 'urgent' is not an integer 0..1000 nor one of"),
+        (["--vram", "lots"], "--vram: 'lots' is not a size"),
+        (["--vram", "30"], "--vram: 30 has no unit: did you mean 30G? (write 30M for MiB)"),
+    ],
+)
+def test_run_refuses_bad_arguments_before_asking_anyone(args: list[str], says: str) -> None:
+    done = gpu_arbiter("run", *args, "--", "true")  # no controller listens on port 1
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert "no controller answered" not in done.stderr
+
+
+def test_run_takes_bare_mib_from_1024_up() -> None:
+    from gpu_arbiter.cli.run import parse_vram
+
+    assert parse_vram("24000") == 24000
+    assert parse_vram("30M") == 30
+    assert parse_vram("30G") == 30 * 1024
