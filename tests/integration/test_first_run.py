@@ -7,11 +7,14 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
-from .conftest import SRC, Server
+from .conftest import SRC, Server, events, wait_for
 
 COMMANDS = [
     "demo", "simulate", "serve", "agent", "run", "status", "queue", "leases", "events",
@@ -107,3 +110,81 @@ def test_run_takes_bare_mib_from_1024_up() -> None:
     assert parse_vram("24000") == 24000
     assert parse_vram("30M") == 30
     assert parse_vram("30G") == 30 * 1024
+
+
+# ---------------------------------------------------------------- reading the state
+
+
+def _ask(client: httpx.Client, vram: str, holder: str, **more: Any) -> dict[str, Any]:
+    answer = client.post("/v1/leases", json={"vram_mb": vram, "holder": holder, **more})
+    assert answer.status_code in (201, 202), answer.text
+    lease: dict[str, Any] = answer.json()
+    return lease
+
+
+def test_causes_come_before_the_grants_they_make_room_for(
+    start_server: Callable[..., Server],
+) -> None:
+    server = start_server("--simulate", "1x24G")
+    with server.client() as admin:
+        first = _ask(admin, "24G", "first", ttl_s=0.5)  # never renewed: it lapses
+        second = _ask(admin, "24G", "second", ttl_s=60)
+        assert second["state"] == "pending"
+        wait_for(lambda: admin.get(f"/v1/leases/{second['id']}").json()["state"] != "pending")
+        seqs = {(e["kind"], e["lease_id"]): e["seq"] for e in events(admin)}
+    assert seqs[("lease.expired", first["id"])] < seqs[("lease.granted", second["id"])]
+
+
+def test_events_shows_the_latest_history_then_follows(server: Server, tmp_path: Path) -> None:
+    with server.client() as admin:
+        leases = [_ask(admin, "1G", f"h{i}", ttl_s=300) for i in range(4)]
+        last = admin.get("/v1/status").json()["last_event"]
+    env = {"GPU_ARBITER_TOKEN": server.admin_token}
+    done = gpu_arbiter("events", "-n", "3", "--count", "3", url=server.url, **env)
+    assert done.returncode == 0, done.stderr
+    seqs = [int(line.split("#")[1].split()[0]) for line in done.stdout.splitlines()]
+    assert seqs == [last - 2, last - 1, last]  # the latest three, in order, then it stopped
+    one = leases[1]["id"]
+    done = gpu_arbiter("events", "--lease", one, "-n", "1", "--count", "1", url=server.url, **env)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert f"lease.granted lease={one}" in done.stdout
+    assert "vram_mb=1.0GiB" in done.stdout and "waited_s=" in done.stdout
+    assert re.search(r"waited_s=\d+\.\ds\b", done.stdout), done.stdout  # not 0.000123
+
+    with subprocess.Popen(
+        [sys.executable, "-m", "gpu_arbiter", "events", "-n", "1", "--count", "2"],
+        env={**os.environ, "PYTHONPATH": str(SRC), "GPU_ARBITER_URL": server.url, **env},
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as follower:
+        try:
+            assert follower.stdout is not None
+            assert f"#{last} " in follower.stdout.readline()  # the history first...
+            with server.client() as admin:
+                new = _ask(admin, "1G", "later", ttl_s=300)
+            assert f"lease={new['id']}" in follower.stdout.readline()  # ...then what happens
+            assert follower.wait(timeout=20) == 0
+        finally:
+            follower.kill()
+
+
+def test_the_serve_log_says_who_was_granted_revoked_and_stopped(server: Server) -> None:
+    with server.client() as admin:
+        low = _ask(admin, "20G", "batch-job", ttl_s=300, priority="batch")
+        admin.post(f"/v1/leases/{low['id']}/revoke").raise_for_status()
+        admin.delete(f"/v1/leases/{low['id']}").raise_for_status()
+    gpu = low["gpus"][0]
+
+    def lines() -> list[str]:
+        return server.log.read_text().splitlines()
+
+    def logged(start: str) -> str:
+        found = [line for line in lines() if start in line]
+        return found[-1] if found else ""
+
+    who = f"lease {low['id']} of 'batch-job' on {gpu}"
+    granted = wait_for(lambda: logged(f"granted {who}"), what="the grant logged")
+    assert granted.startswith("INFO gpu_arbiter.controller ")
+    assert "20.0 GiB, priority 100" in granted
+    assert "revoked_by_admin" in wait_for(lambda: logged(f"revoked {who}"), what="revocation")
+    assert wait_for(lambda: logged(f"ended {who}"), what="the end logged").endswith(": released")

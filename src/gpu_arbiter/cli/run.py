@@ -39,7 +39,7 @@ from rich.text import Text
 
 from ..agent.local import agent_request, local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable, NotGranted
-from ..core import ArbiterError, InvalidInput, format_mb, parse_mb, parse_priority
+from ..core import ArbiterError, InvalidInput, format_mb, format_s, parse_mb, parse_priority
 from .access import TOKEN_HELP, Credentials, credentials, refusal
 
 EXIT_PREEMPTED = 75
@@ -401,7 +401,7 @@ def _reason(lease: Json) -> str:
 def _waiting(lease: Json, waited_s: float) -> Text:
     line = Text()
     line.append("waiting ", style="bold yellow")
-    line.append(f"{waited_s:5.0f}s ", style="bold")
+    line.append(f"{format_s(waited_s):>5} ", style="bold")
     gpus = f" x {lease['gpu_count']} GPUs" if lease["gpu_count"] > 1 else ""
     line.append(f"for {format_mb(lease['vram_mb'])}{gpus} ({lease['id']}) - ")
     line.append(_reason(lease))
