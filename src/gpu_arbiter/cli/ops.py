@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -417,7 +417,7 @@ def events(
 
 async def _event_feed(
     client: ArbiterClient, history: int, since: int | None, lease: str | None, worker: str | None
-) -> AsyncIterator[Json]:
+) -> AsyncGenerator[Json, None]:
     """The last ``history`` events of the lease or worker (or all), then every new one; from
     ``since`` on when given. One stream, so nothing falls between the past and the new."""
     if since is None:
