@@ -188,3 +188,15 @@ def test_the_serve_log_says_who_was_granted_revoked_and_stopped(server: Server) 
     assert "20.0 GiB, priority 100" in granted
     assert "revoked_by_admin" in wait_for(lambda: logged(f"revoked {who}"), what="revocation")
     assert wait_for(lambda: logged(f"ended {who}"), what="the end logged").endswith(": released")
+
+
+def test_demo_piped_keeps_each_sentence_on_one_line() -> None:
+    done = gpu_arbiter("demo", "--speed", "0.02", COLUMNS="")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert (
+        "2. Preemption: a batch fine-tune fills the GPU; an interactive request takes its place"
+        in lines
+    )
+    assert lines[-1].startswith("done: ") and lines[-1].endswith("never two loads at once.")
+    assert not any(line.startswith(("place", "take the", "loads at", "until it")) for line in lines)
