@@ -667,8 +667,10 @@ class Controller:
         labels: Mapping[str, str] | None = None,
         url: str = "",
         agent_version: str = "",
+        simulated: bool = False,
     ) -> tuple[WorkerRecord, bool]:
-        """Registers a worker, or updates a known one (its GPUs, labels, version)."""
+        """Registers a worker, or updates a known one (its GPUs, labels, version).
+        ``simulated``: its agent's GPUs are simulated."""
         self._check_available()
         existing = self._workers.get(name)
         if existing is None and len(self._workers) >= self.limits.max_workers:
@@ -697,6 +699,7 @@ class Controller:
                 status_after_offline=(
                     WorkerStatus.ONLINE if existing is None else existing.status_after_offline
                 ),
+                simulated_gpus=simulated,
             )
             self._workers[name] = record
             change.workers.add(name)

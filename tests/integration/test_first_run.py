@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from .agents import AgentProcess, RunProcess, lease_of, worker_state
 from .conftest import SRC, Server, events, wait_for
 
 COMMANDS = [
@@ -200,3 +201,31 @@ def test_demo_piped_keeps_each_sentence_on_one_line() -> None:
     )
     assert lines[-1].startswith("done: ") and lines[-1].endswith("never two loads at once.")
     assert not any(line.startswith(("place", "take the", "loads at", "until it")) for line in lines)
+
+
+# ---------------------------------------------------------------- a simulated GPU
+
+
+def test_on_a_simulated_gpu_a_command_that_reports_no_memory_is_ready_in_seconds(
+    start_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    server = start_server()
+    runtime = tmp_path / "rt"
+    agent = AgentProcess(server.url, server.admin_token, "box-a", runtime, "1x24G").start()
+    runs: list[RunProcess] = []
+    try:
+        with server.client() as admin:
+            wait_for(lambda: worker_state(admin, "box-a") == "online", what="box-a online")
+            assert admin.get("/v1/workers/box-a").json()["simulated"] is True
+            for holder in ("first", "second"):  # the second waits for the first's load gate
+                runs.append(RunProcess(server.url, server.admin_token, runtime, holder, mb=0))
+                runs[-1].start().wait_child()
+                wait_for(
+                    lambda h=holder: (lease_of(admin, h) or {}).get("state") == "active",  # type: ignore[misc]
+                    timeout_s=15,
+                    what=f"{holder} ready",  # not after 120 s
+                )
+    finally:
+        for run in runs:
+            run.kill()
+        agent.stop()

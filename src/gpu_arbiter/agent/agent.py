@@ -165,6 +165,7 @@ class Agent:
             "url": f"unix:{self.endpoint.path}",
             "labels": self.config.labels,
             "agent_version": self.version,
+            "simulated": isinstance(self.probe, FakeProbe),
             "gpus": [
                 {
                     "index": g.index,
@@ -274,8 +275,9 @@ class Agent:
     async def _local(self, request: Json, peer_uid: int) -> Json:
         op = request.get("op")
         if op == "env":
+            simulated = isinstance(self.probe, FakeProbe)
             env = self.probe.child_env() if isinstance(self.probe, FakeProbe) else {}
-            return {"ok": True, "env": env, "worker": self.config.name}
+            return {"ok": True, "env": env, "worker": self.config.name, "simulated": simulated}
         lease_id = request.get("lease")
         if not isinstance(lease_id, str) or not 0 < len(lease_id) <= 64:
             return {"ok": False, "error": "lease must be a lease id"}

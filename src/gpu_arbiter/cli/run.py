@@ -5,7 +5,9 @@
     ask --pending--> wait (live reason) --granted--> start CMD in its own group
                                                       | renew every ttl/3
                                                       | ready: --ready-url / --ready-after /
-                                                      |        GPU memory stopped growing
+                                                      |   GPU memory unchanged for 3 s (above
+                                                      |   zero, but on a simulated GPU) /
+                                                      |   --ready-timeout
             revoked or lost: SIGTERM group once, SIGKILL after --grace-s
                              (by the local agent when it supervises the command)
                                                       v
@@ -57,6 +59,7 @@ VISIBLE_DEVICES = (
 )
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STABLE_S = 3.0
+UNSEEN_NOTE_S = 5.0  # no GPU memory seen this long: say why the lease is still loading
 AGENT_MARGIN_S = 5.0  # beyond the grace, before run kills what the agent did not
 Json = dict[str, Any]
 
@@ -91,6 +94,7 @@ class Runner:
         self._stopping: asyncio.Task[None] | None = None
         self._signals: list[int] = []
         self._worker = ""
+        self._simulated = False  # the local agent's GPUs are simulated
         self._group_termed_at: float | None = None  # when the group got its one SIGTERM
 
     # ------------------------------------------------------------------ waiting
@@ -167,6 +171,7 @@ class Runner:
         local = await agent_request(worker, {"op": "env"})
         if local and local.get("ok"):
             env.update({str(k): str(v) for k, v in (local.get("env") or {}).items()})
+            self._simulated = bool(local.get("simulated"))
         env.update({name: indexes for name in VISIBLE_DEVICES})
         env["GPU_ARBITER_LEASE"] = str(lease["id"])
         env["GPU_ARBITER_FENCING_TOKEN"] = str(lease["token"])
@@ -327,7 +332,9 @@ class Runner:
 
     async def _loaded(self, worker: str) -> None:
         """Returns once ``--ready-url`` answers 2xx, or else once the process's GPU memory
-        (as the local agent's probe sees it) is above zero and stopped growing."""
+        (as the local agent's probe sees it) has not changed for ``STABLE_S``: above zero on
+        a real GPU (a load that has not started is not over), any amount on a simulated
+        one (a command there may never report memory)."""
         if self.options.ready_url is not None:
             async with httpx.AsyncClient(timeout=2.0) as http:
                 while True:
@@ -335,16 +342,35 @@ class Runner:
                         if (await http.get(self.options.ready_url)).is_success:
                             return
                     await asyncio.sleep(0.5)
-        last, since = -1, time.monotonic()
+        started = last_at = time.monotonic()
+        last: int | None = None
+        told = False
         while True:
             answer = await agent_request(worker, {"op": "usage", "lease": self.lease["id"]})
             used = answer.get("used_mb") if answer else None
             now = time.monotonic()
             if not isinstance(used, int) or used != last:
-                last, since = used if isinstance(used, int) else -1, now
-            elif used > 0 and now - since >= STABLE_S:
+                last, last_at = used if isinstance(used, int) else None, now
+            elif (used > 0 or self._simulated) and now - last_at >= STABLE_S:
                 return
+            if not told and not last and now - started >= UNSEEN_NOTE_S:
+                told = True
+                self._say_why_loading(seen=used is not None)
             await asyncio.sleep(0.5)
+
+    def _say_why_loading(self, *, seen: bool) -> None:
+        """Once: why the lease is still loading (its GPU's load gate holds other loads)."""
+        why = (
+            "the command has used no GPU memory yet"
+            if seen
+            else "no agent on this host reports the command's GPU memory"
+        )
+        say(
+            f"lease {self.lease['id']} is still loading: {why}; other loads on "
+            f"{', '.join(self.lease['gpus'])} wait until it is ready, at the latest after "
+            f"{format_s(self.options.ready_timeout_s)} (--ready-timeout; --ready-url URL or "
+            "--ready-after S say when it is)"
+        )
 
     async def _release(self) -> None:
         for _ in range(20):
@@ -506,9 +532,11 @@ def run(
     ttl: Annotated[float, _opt("Lease TTL in seconds (renewed every ttl/3).", min=1)] = 30.0,
     max_wait: Annotated[float | None, _opt("Give up after waiting this long (s).", min=0)] = None,
     ready_url: Annotated[str | None, _opt("Ready once this URL answers 2xx.")] = None,
-    ready_after: Annotated[float | None, _opt("Ready this many seconds after start.")] = None,
+    ready_after: Annotated[
+        float | None, _opt("Ready this many seconds after start (0: at once).", min=0)
+    ] = None,
     ready_timeout: Annotated[
-        float, _opt("Ready at the latest after this many seconds.", min=0)
+        float, _opt("Ready at the latest after this many seconds (default 120).", min=0)
     ] = 120.0,
     grace_s: Annotated[float, _opt("Seconds between SIGTERM and SIGKILL.", min=0)] = 10.0,
     holder: Annotated[str | None, _opt("Who holds the lease (shown in the queue).")] = None,
@@ -517,7 +545,12 @@ def run(
     ] = None,
     token: Annotated[str | None, _opt(TOKEN_HELP, envvar="GPU_ARBITER_TOKEN")] = None,
 ) -> None:
-    """Run a command holding a lease of VRAM for its whole life."""
+    """Run a command holding a lease of VRAM for its whole life.
+
+    The lease is loading (its GPUs' load gate holds other loads) until it is ready: once
+    --ready-url answers, after --ready-after, or by default once the command's GPU memory
+    has not changed for 3 s, above zero on a real GPU, any amount on a simulated one; at
+    the latest after --ready-timeout."""
     if ready_url is not None and ready_after is not None:
         raise typer.BadParameter("give --ready-url or --ready-after, not both")
     try:
