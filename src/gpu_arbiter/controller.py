@@ -1499,9 +1499,8 @@ def _lease_log_line(event: Event, record: LeaseRecord | None) -> str | None:
     if event.kind not in _LOGGED or record is None or record.lease is None:
         return None
     lease = record.lease
-    who = (
-        f"lease {record.id} of {record.request.holder or '-'!r} on {','.join(map(str, lease.gpus))}"
-    )
+    gpus = ",".join(map(str, lease.gpus))
+    who = f"lease {record.id} (holder {record.request.holder or '-'!r}) on {gpus}"
     if event.kind == "lease.granted":
         waited = float(event.data.get("waited_s") or 0.0)
         return (

@@ -183,7 +183,7 @@ def test_the_serve_log_says_who_was_granted_revoked_and_stopped(server: Server) 
         found = [line for line in lines() if start in line]
         return found[-1] if found else ""
 
-    who = f"lease {low['id']} of 'batch-job' on {gpu}"
+    who = f"lease {low['id']} (holder 'batch-job') on {gpu}"
     granted = wait_for(lambda: logged(f"granted {who}"), what="the grant logged")
     assert granted.startswith("INFO gpu_arbiter.controller ")
     assert "20.0 GiB, priority 100" in granted
