@@ -229,3 +229,78 @@ def test_on_a_simulated_gpu_a_command_that_reports_no_memory_is_ready_in_seconds
         for run in runs:
             run.kill()
         agent.stop()
+
+
+# ---------------------------------------------------------------- reasons name the blocker
+
+
+def _reason(client: httpx.Client, lease_id: str) -> dict[str, Any]:
+    lease = client.get(f"/v1/leases/{lease_id}").json()
+    assert lease["state"] == "pending", lease
+    reason: dict[str, Any] = lease["reason"]
+    return reason
+
+
+def test_a_load_in_progress_names_whose_load_and_when_the_gate_opens(
+    start_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    server = start_server("--simulate", "1x24G")
+    with server.client() as admin:
+        chat = _ask(admin, "8G", "chat", ttl_s=300)  # loading until it says it is ready
+        second = _ask(admin, "8G", "second", ttl_s=300)
+        reason = _reason(admin, second["id"])
+    assert reason["code"] == "load_in_progress" and reason["blocked_by"] == chat["id"]
+    blocker = reason["blocker"]
+    assert blocker["kind"] == "loading" and blocker["id"] == chat["id"]
+    assert blocker["holder"] == "chat" and blocker["gpus"] == ["local:0"]
+    assert blocker["since"] == chat["granted_at"] and blocker["until"] > blocker["since"]
+    sentence = f"lease {chat['id']} (holder 'chat') has been loading on local:0 for "
+    assert sentence in reason["message"]
+    assert "the gate opens when it is ready, at the latest in " in reason["message"]
+
+    env = {"GPU_ARBITER_TOKEN": server.admin_token, "GPU_ARBITER_RUNTIME_DIR": str(tmp_path)}
+    queue = gpu_arbiter("queue", url=server.url, **env)
+    assert queue.returncode == 0 and sentence in " ".join(queue.stdout.split()), queue.stdout
+    run = gpu_arbiter("run", "--vram", "8G", "--max-wait", "1", "--", "true", url=server.url, **env)
+    assert run.returncode == 124
+    assert "waiting for lease " in run.stderr and sentence in run.stderr, run.stderr
+
+
+def test_memory_held_for_a_request_ahead_names_that_request(
+    start_server: Callable[..., Server],
+) -> None:
+    server = start_server("--simulate", "1x24G")
+    with server.client() as admin:
+        held = _ask(admin, "20G", "resident", ttl_s=300)
+        admin.post(f"/v1/leases/{held['id']}/ready").raise_for_status()
+        big = _ask(admin, "20G", "big-train", ttl_s=300)
+        small = _ask(admin, "2G", "small", ttl_s=300)
+        reason = _reason(admin, small["id"])
+    assert reason["code"] == "nominated_for" and reason["blocked_by"] == big["id"]
+    assert reason["blocker"]["kind"] == "request" and reason["blocker"]["holder"] == "big-train"
+    assert (
+        f"up to 20.0 GiB of local:0 is held for request {big['id']} (holder 'big-train'), "
+        "ahead in the queue" in reason["message"]
+    )
+
+
+def test_waiting_for_a_preempted_lease_names_it_with_its_grace(
+    start_server: Callable[..., Server],
+) -> None:
+    server = start_server("--simulate", "1x24G")
+    with server.client() as admin:
+        victim = _ask(admin, "20G", "fine-tune", ttl_s=300, priority="batch")
+        admin.post(f"/v1/leases/{victim['id']}/ready").raise_for_status()
+        urgent = _ask(admin, "20G", "chat", ttl_s=300, priority="interactive")
+        reason = _reason(admin, urgent["id"])
+        revoked_at = admin.get(f"/v1/leases/{victim['id']}").json()["revoked_at"]
+    assert reason["code"] == "preempting" and reason["blocked_by"] is None  # within its grace
+    blocker = reason["blocker"]
+    assert (blocker["kind"], blocker["id"], blocker["holder"]) == (
+        "revoking",
+        victim["id"],
+        "fine-tune",
+    )
+    assert blocker["since"] == revoked_at and blocker["until"] == revoked_at + 10
+    assert f"lease {victim['id']} (holder 'fine-tune') was preempted " in reason["message"]
+    assert " of its 10s grace left to stop" in reason["message"]
