@@ -304,3 +304,85 @@ def test_waiting_for_a_preempted_lease_names_it_with_its_grace(
     assert blocker["since"] == revoked_at and blocker["until"] == revoked_at + 10
     assert f"lease {victim['id']} (holder 'fine-tune') was preempted " in reason["message"]
     assert " of its 10s grace left to stop" in reason["message"]
+
+
+# ---------------------------------------------------------------- on PATH, as printed
+
+REPO = SRC.parent
+VENV = Path(sys.executable).parent.parent  # the environment running these tests
+
+
+def test_link_puts_the_command_on_path_in_a_new_shell(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "GPU_ARBITER_VENV": str(VENV)}
+    done = subprocess.run(
+        [str(REPO / "scripts" / "link")], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    bin_dir = home / ".local" / "bin"
+    assert (bin_dir / "gpu-arbiter").resolve() == (VENV / "bin" / "gpu-arbiter").resolve()
+    advice = f'  export PATH="{bin_dir}:$PATH"'
+    assert advice in done.stdout.splitlines(), done.stdout  # not on PATH yet: how to put it
+    shell = subprocess.run(
+        ["bash", "-c", f"{advice.strip()}\ngpu-arbiter --version"],
+        capture_output=True,
+        text=True,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(SRC)},
+        timeout=60,
+    )
+    assert shell.returncode == 0 and shell.stdout.startswith("gpu-arbiter "), shell.stderr
+    again = subprocess.run(
+        [str(REPO / "scripts" / "link")],
+        capture_output=True,
+        text=True,
+        env={**env, "PATH": f"{bin_dir}:/usr/bin:/bin"},
+        timeout=30,
+    )
+    assert again.returncode == 0 and "not on your PATH" not in again.stdout
+
+
+def test_every_command_the_local_banner_prints_works_as_printed_in_a_new_shell(
+    tmp_path: Path,
+) -> None:
+    """``serve --local`` started by its script with gpu-arbiter not on PATH prints the
+    script's full path; a new shell runs the printed lines as they are."""
+    home, runtime = tmp_path / "home", tmp_path / "rt"
+    home.mkdir()
+    script = VENV / "bin" / "gpu-arbiter"
+    assert script.is_file(), f"{script} is missing: ./scripts/install makes it"
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
+    env["GPU_ARBITER_RUNTIME_DIR"] = str(runtime)
+    for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_STATE_DIR"):
+        env.pop(name, None)
+    log = tmp_path / "serve.log"
+    state = tmp_path / "state"
+    command = [str(script), "serve", "--local", "--port", "0", "--state-dir", str(state)]
+    with log.open("wb") as out, subprocess.Popen(command, stdout=out, stderr=out, env=env) as serve:
+        try:
+            text = wait_for(
+                lambda: "try it from another shell:" in log.read_text() and log.read_text(),
+                timeout_s=30,
+                what="the banner",
+            )
+            banner = text.split("try it from another shell:\n")[1].splitlines()
+            printed = [line.split("  ", 1)[1] for line in banner if line.startswith("  ")][:4]
+            assert printed[-1].startswith(f"{script} run --vram 8G -- python3 -c "), printed
+            assert any(line.startswith("export GPU_ARBITER_TOKEN=") for line in printed)
+            shell = subprocess.run(
+                ["bash", "-c", "set -e\n" + "\n".join(printed)],
+                capture_output=True,
+                text=True,
+                env={
+                    "HOME": str(home),
+                    "PATH": "/usr/bin:/bin",
+                    "PYTHONPATH": str(SRC),
+                    "GPU_ARBITER_RUNTIME_DIR": str(runtime),
+                },
+                timeout=60,
+            )
+            assert shell.returncode == 0, shell.stderr
+            assert "granted GPU 0" in shell.stdout and "total: 1 workers" in shell.stdout
+        finally:
+            serve.terminate()
+            serve.wait(timeout=30)

@@ -6,6 +6,9 @@ The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`
 from __future__ import annotations
 
 import asyncio
+import shlex
+import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -13,8 +16,10 @@ import typer
 
 from ..agent.agent import Agent, AgentConfig
 from ..agent.probes import FakeProbe, parse_fake_spec
+from ..client import DEFAULT_URL
 from ..core import InvalidInput, validate_worker_name
 from ..logs import say
+from ..paths import default_state_dir
 from .agent import open_agent_probe, worker_name
 
 if TYPE_CHECKING:
@@ -178,15 +183,42 @@ def local_agent(simulate: str | None, token_file: Path | None) -> Companion:
         settings = AgentConfig(
             name=name, controller=url, token=token, headroom_mb=0 if simulated else 256
         )
-        say(f"local worker {name}: probe {probe.name}; controller {url}")
-        say("use it with:")
-        say(f"  export GPU_ARBITER_URL={url}")
-        if token_file is not None:
-            say(f"  export GPU_ARBITER_TOKEN=$(cat {token_file})")
-        say("  gpu-arbiter run --vram 8G -- python serve.py")
+        kind = " (simulated GPUs)" if simulated else ""
+        say(f"local worker {name}: probe {probe.name}{kind}; controller {url}")
+        say(f"dashboard {url}/ ; API docs {url}/docs")
+        say("try it from another shell:")
+        for line in usage_lines(url, token_file):
+            say(f"  {line}")
         await Agent(settings, probe).run(stop)
 
     return companion
+
+
+def command_word() -> str:
+    """How a new shell runs this very gpu-arbiter: ``gpu-arbiter`` where PATH finds it,
+    else its full path (or ``python -m gpu_arbiter`` when started that way)."""
+    me = Path(sys.argv[0])
+    if me.name == "__main__.py" or not me.is_file():
+        return f"{shlex.quote(sys.executable)} -m gpu_arbiter"
+    found = shutil.which("gpu-arbiter")
+    if found is not None and Path(found).resolve() == me.resolve():
+        return "gpu-arbiter"
+    return shlex.quote(str(me.absolute()))
+
+
+def usage_lines(url: str, token_file: Path | None) -> list[str]:
+    """Commands that work as printed in a new shell: the URL and token only where the
+    command would not find them by itself (another port, another state directory)."""
+    lines = [] if url == DEFAULT_URL else [f"export GPU_ARBITER_URL={url}"]
+    if token_file is not None and token_file.parent != default_state_dir():
+        lines.append(f"export GPU_ARBITER_TOKEN=$(cat {shlex.quote(str(token_file))})")
+    word = command_word()
+    example = "import os; print('granted GPU', os.environ['CUDA_VISIBLE_DEVICES'])"
+    return [
+        *lines,
+        f"{word} status",
+        f"{word} run --vram 8G -- python3 -c {shlex.quote(example)}",
+    ]
 
 
 @token_app.command("create")
