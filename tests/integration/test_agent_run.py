@@ -278,7 +278,7 @@ def test_serve_local_runs_the_controller_and_an_agent_for_this_machine(
     log = server.log.read_text()
     assert "simulated GPUs 2x24G:sm_86" in log
     assert f"GPU_ARBITER_TOKEN=$(cat {server.state_dir / 'admin.token'})" in log
-    assert "gpu-arbiter run --vram" in log
+    assert " run --vram 8G -- python3 -c " in log  # started as python -m: printed as such
 
     run = RunProcess(server.url, server.admin_token, runtime, "job", "--vram", "1G", mb=0)
     cleanup.append(run.start())

@@ -213,7 +213,7 @@ def usage_lines(url: str, token_file: Path | None) -> list[str]:
     if token_file is not None and token_file.parent != default_state_dir():
         lines.append(f"export GPU_ARBITER_TOKEN=$(cat {shlex.quote(str(token_file))})")
     word = command_word()
-    example = "import os; print('granted GPU', os.environ['CUDA_VISIBLE_DEVICES'])"
+    example = 'import os; print("granted GPU", os.environ["CUDA_VISIBLE_DEVICES"])'
     return [
         *lines,
         f"{word} status",
