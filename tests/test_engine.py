@@ -827,7 +827,10 @@ async def test_a_victim_that_swallows_its_cancellation_is_made_visible(
             (info,) = arbiter.pending()
             assert info.reason.code == "preempting"
             assert info.reason.blocked_by == victim.id
-            assert f"lease {victim.id} has ignored its revocation for" in info.reason.message
+            assert (
+                f"lease {victim.id} (holder 'stubborn') has ignored its revocation for"
+                in info.reason.message
+            )
             stats = arbiter.stats()
             assert list(stats.overdue_revocations) == [victim.id]
             assert stats.overdue_revocations[victim.id] >= 0.2

@@ -22,7 +22,7 @@ import asyncio
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,7 +321,7 @@ class ArbiterClient:
         last_event_id: str | None = None,
         lease: str | None = None,
         worker: str | None = None,
-    ) -> AsyncIterator[SseEvent]:
+    ) -> AsyncGenerator[SseEvent, None]:
         """Follows ``/v1/events`` (Server-Sent Events) from ``last_event_id``."""
         headers = {"Accept": "text/event-stream"}
         if last_event_id is not None:

@@ -77,6 +77,7 @@ from .core import (
     Unschedulable,
     Worker,
     WorkerStatus,
+    format_mb,
 )
 from .fanout import Fanout
 from .store import (
@@ -666,8 +667,10 @@ class Controller:
         labels: Mapping[str, str] | None = None,
         url: str = "",
         agent_version: str = "",
+        simulated: bool = False,
     ) -> tuple[WorkerRecord, bool]:
-        """Registers a worker, or updates a known one (its GPUs, labels, version)."""
+        """Registers a worker, or updates a known one (its GPUs, labels, version).
+        ``simulated``: its agent's GPUs are simulated."""
         self._check_available()
         existing = self._workers.get(name)
         if existing is None and len(self._workers) >= self.limits.max_workers:
@@ -696,6 +699,7 @@ class Controller:
                 status_after_offline=(
                     WorkerStatus.ONLINE if existing is None else existing.status_after_offline
                 ),
+                simulated_gpus=simulated,
             )
             self._workers[name] = record
             change.workers.add(name)
@@ -1220,6 +1224,10 @@ class Controller:
         if batch.events:
             self._event_seq = batch.events[-1].seq
             self._publish(batch.events)
+            for event in batch.events:
+                line = _lease_log_line(event, batch.leases.get(event.lease_id or ""))
+                if line is not None:
+                    log.info("%s", line)
 
     def _batch(self, change: _Change) -> Batch:
         """What ``change`` writes. Counters and the event sequence are not advanced here:
@@ -1293,23 +1301,9 @@ class Controller:
             self._reload_or_refuse()
 
     def _absorb(self, change: _Change, decisions: Decisions) -> None:
-        """Records what one cycle decided."""
-        for lease in decisions.grants:
-            change.leases.add(lease.id)
-            self._pending_by_holder[self._holder_key(self._records[lease.id])] -= 1
-            change.grants += 1
-            waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
-            change.waited_s.append(waited_s)
-            change.event(
-                "lease.granted",
-                lease.id,
-                lease.worker,
-                gpus=[str(g) for g in lease.gpus],
-                token=lease.token,
-                vram_mb=lease.vram_mb,
-                waited_s=round(waited_s, 6),
-            )
-        self._revoked(change, decisions.revocations)
+        """Records what one cycle decided, causes before their effects: the leases that
+        ended (expired, timed out, rejected) and the loads that finished, then the drains
+        that their end completed, the revocations, and last the grants they made room for."""
         for lease in decisions.expired:
             self._end(change, self._records[lease.id], LeaseState.EXPIRED, "expired", lease)
         for request in decisions.timed_out:
@@ -1323,6 +1317,25 @@ class Controller:
         for name, previous, status in decisions.workers:
             change.workers.add(name)
             change.event("worker.drained", worker=name, previous=str(previous), state=str(status))
+        self._revoked(change, decisions.revocations)
+        for lease in decisions.grants:
+            self._granted(change, lease)
+
+    def _granted(self, change: _Change, lease: Lease) -> None:
+        change.leases.add(lease.id)
+        self._pending_by_holder[self._holder_key(self._records[lease.id])] -= 1
+        change.grants += 1
+        waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
+        change.waited_s.append(waited_s)
+        change.event(
+            "lease.granted",
+            lease.id,
+            lease.worker,
+            gpus=[str(g) for g in lease.gpus],
+            token=lease.token,
+            vram_mb=lease.vram_mb,
+            waited_s=round(waited_s, 6),
+        )
 
     def _revoked(self, change: _Change, leases: Sequence[Lease]) -> None:
         for lease in leases:
@@ -1475,3 +1488,27 @@ def _with_step(
     operation: OperationRecord, name: str, outcome: str, at: float, detail: str
 ) -> OperationRecord:
     return replace(operation, steps=(*operation.steps, OperationStep(name, outcome, at, detail)))
+
+
+_LOGGED = ("lease.granted", "lease.revoked", "lease.released", "lease.expired")
+
+
+def _lease_log_line(event: Event, record: LeaseRecord | None) -> str | None:
+    """The serve log's one line for a grant, a revocation or the end of a held lease:
+    the lease, its holder, its GPUs and why; None for any other event."""
+    if event.kind not in _LOGGED or record is None or record.lease is None:
+        return None
+    lease = record.lease
+    gpus = ",".join(map(str, lease.gpus))
+    who = f"lease {record.id} (holder {record.request.holder or '-'!r}) on {gpus}"
+    if event.kind == "lease.granted":
+        waited = float(event.data.get("waited_s") or 0.0)
+        return (
+            f"granted {who}: {format_mb(lease.vram_mb)}, priority {lease.base_priority}, "
+            f"token {lease.token}, waited {waited:.1f}s"
+        )
+    if event.kind == "lease.revoked":
+        reason = str(event.data.get("reason") or "revoked")
+        preemptor = event.data.get("for_request")
+        return f"revoked {who}: {reason}" + (f" for {preemptor}" if preemptor else "")
+    return f"ended {who}: {event.data.get('reason') or event.kind.removeprefix('lease.')}"

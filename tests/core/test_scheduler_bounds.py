@@ -51,10 +51,15 @@ def test_the_preemptors_reason_names_a_victim_that_ignores_its_revocation() -> N
     sched = _preempted(Policy(grace_s=10.0))
     early = sched.explain("urgent", 5.0)
     assert early.code == "preempting" and early.blocked_by is None
+    assert "lease victim was preempted 4.0s ago; 6.0s of its 10s grace left to stop" in (
+        early.message
+    )
+    assert early.blocker is not None and early.blocker.kind == "revoking"
+    assert (early.blocker.id, early.blocker.since, early.blocker.until) == ("victim", 1.0, 11.0)
     late = sched.explain("urgent", 25.0)
     assert late.code == "preempting"
     assert late.blocked_by == "victim"
-    assert "lease victim has ignored its revocation for 24 s (grace 10 s)" in late.message
+    assert "lease victim has ignored its revocation for 24s (grace 10s)" in late.message
     assert sched.overdue_revocations(25.0) == [("victim", 24.0)]
 
 

@@ -274,11 +274,11 @@ def test_serve_local_runs_the_controller_and_an_agent_for_this_machine(
     workers = wait_for(lambda: admin.get("/v1/workers").json(), what="the local worker")
     assert len(workers) == 1
     assert [g["total_mb"] for g in workers[0]["gpus"]] == [24576, 24576]
-    assert not workers[0]["simulated"]  # a real agent, on the fake probe
+    assert workers[0]["simulated"]  # a real agent, on the fake probe: it says so
     log = server.log.read_text()
     assert "simulated GPUs 2x24G:sm_86" in log
     assert f"GPU_ARBITER_TOKEN=$(cat {server.state_dir / 'admin.token'})" in log
-    assert "gpu-arbiter run --vram" in log
+    assert " run --vram 8G -- python3 -c " in log  # started as python -m: printed as such
 
     run = RunProcess(server.url, server.admin_token, runtime, "job", "--vram", "1G", mb=0)
     cleanup.append(run.start())

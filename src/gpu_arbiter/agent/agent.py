@@ -165,6 +165,7 @@ class Agent:
             "url": f"unix:{self.endpoint.path}",
             "labels": self.config.labels,
             "agent_version": self.version,
+            "simulated": isinstance(self.probe, FakeProbe),
             "gpus": [
                 {
                     "index": g.index,
@@ -274,8 +275,9 @@ class Agent:
     async def _local(self, request: Json, peer_uid: int) -> Json:
         op = request.get("op")
         if op == "env":
+            simulated = isinstance(self.probe, FakeProbe)
             env = self.probe.child_env() if isinstance(self.probe, FakeProbe) else {}
-            return {"ok": True, "env": env, "worker": self.config.name}
+            return {"ok": True, "env": env, "worker": self.config.name, "simulated": simulated}
         pgid = request.get("pgid")
         if op == "usage" and "lease" not in request and isinstance(pgid, int) and pgid > 1:
             return {"ok": True, "used_mb": self._group_usage(None, pgid)}

@@ -4,13 +4,15 @@ holds which lease.
 The agent listens on a unix socket, ``<runtime dir>/agent-<worker>.sock`` (mode
 0600, in a 0700 directory). One request per connection, one JSON line each way::
 
-    {"op": "env"}                                   -> {"ok": true, "env": {...}}
+    {"op": "env"}                                   -> {"ok": true, "env": {...},
+                                                        "simulated": bool}
     {"op": "attach", "lease": ID, "pid": P, "pgid": G} -> {"ok": true}
     {"op": "usage", "lease": ID}                    -> {"ok": true, "used_mb": N | null}
     {"op": "usage", "pgid": G}                      -> the same for a process group
     {"op": "stop", "lease": ID, "grace_s": S}       -> {"ok": true} | {"ok": false, ...}
 
-``env`` is what the child must inherit (the fake probe's usage directory);
+``env`` is what the child must inherit (the fake probe's usage directory), and
+whether this agent's GPUs are simulated;
 ``attach`` puts the process group under the agent's supervision for that lease
 (idempotent; ``run`` repeats it with every renewal, so a restarted agent learns
 its processes again); ``usage`` is the lease's GPU memory as the probe sees it;

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import typer
+import typer.main
 
 from .agent import agent
 from .demo import demo
@@ -18,6 +21,7 @@ app = typer.Typer(
     help="The single authority for GPU memory: leases of VRAM, granted safely.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: a flag shows no value placeholder
 )
 app.command()(demo)
 app.command()(simulate)
@@ -31,10 +35,68 @@ for _name, _command in COMMANDS.items():
 app.command()(top)
 
 
+def _print_version(given: bool) -> None:
+    if given:
+        from .. import __version__
+
+        typer.echo(f"gpu-arbiter {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
     """The single authority for GPU memory: leases of VRAM, granted safely."""
 
 
+METAVARS = {
+    "controller": "URL[,URL]",
+    "ready_url": "URL",
+    "advertise_url": "URL",
+    "vram": "SIZE",
+    "token": "TOKEN",
+    "state_dir": "DIR",
+    "config": "FILE",
+    "version_file": "FILE",
+    "simulate": "SPEC",
+    "port": "PORT",
+    "host": "ADDRESS",
+}
+"""What an option's value is, in its --help line, where its name does not say it."""
+
+
+def _metavar(param: Any) -> str:
+    name = param.name or ""
+    described = param.type_descriptor
+    if name in METAVARS:
+        return METAVARS[name]
+    if described.is_choice:
+        return "|".join(str(getattr(c, "value", c)) for c in described.choices or ())
+    if described.annotation is float:
+        return "S"  # every float option is a number of seconds
+    if described.annotation is int:
+        return "MIB" if name.endswith("_mb") else "N"
+    return name.upper()
+
+
+def _name_values(command: Any) -> None:
+    """Every option that takes a value shows a word for it (``--vram SIZE``, ``--ttl S``),
+    not its Python type; a plain flag shows none."""
+    for param in command.params:
+        is_option = param.param_type_name == "option"
+        if is_option and param.metavar is None and not getattr(param, "is_flag", False):
+            param.metavar = _metavar(param)
+    for sub in getattr(command, "commands", {}).values():
+        _name_values(sub)
+
+
 def main() -> None:
-    app()
+    command = typer.main.get_command(app)
+    _name_values(command)
+    command()

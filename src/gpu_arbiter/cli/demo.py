@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import typer
 from rich.console import Console
@@ -15,7 +16,9 @@ SPEED_HELP = "Seconds of demo time per scripted second (smaller is faster)."
 
 def demo(speed: float = typer.Option(0.25, min=0.01, max=10.0, help=SPEED_HELP)) -> None:
     """Replay a mixed workload on a simulated GPU and say what happened and why."""
-    asyncio.run(_Demo(Console(highlight=False), speed).run())
+    # Piped or redirected: one line per sentence, never wrapped at 80 columns.
+    console = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+    asyncio.run(_Demo(console, speed).run())
 
 
 class _Demo:

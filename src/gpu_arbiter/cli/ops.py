@@ -9,10 +9,13 @@ arguments; 69 no controller answered; 130 interrupted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -22,12 +25,15 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
-from ..core import ArbiterError, InvalidInput, format_mb, parse_seconds
+from ..core import ArbiterError, InvalidInput, format_mb, format_s, parse_seconds
+from .access import TOKEN_HELP, credentials, refusal
 
 EXIT_API_ERROR = 1
 EXIT_UNREACHABLE = 69
 EXIT_INTERRUPTED = 130
 BAR_WIDTH = 30
+PIPED_HISTORY = 20
+HISTORY_SCAN = 5000  # events looked back through for the history of one lease or worker
 Json = dict[str, Any]
 T = TypeVar("T")
 
@@ -44,7 +50,7 @@ def option(text: str, *names: str, envvar: str | None = None, **more: Any) -> An
 Controller = Annotated[
     str | None, option("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
 ]
-Token = Annotated[str | None, option("Bearer token.", envvar="GPU_ARBITER_TOKEN")]
+Token = Annotated[str | None, option(TOKEN_HELP, envvar="GPU_ARBITER_TOKEN")]
 OutputOpt = Annotated[Output, option("human or json.", "--output", "-o")]
 
 
@@ -62,19 +68,24 @@ def parse_duration(value: str) -> float:
 def call_controller(
     controller: str | None, token: str | None, action: Callable[[ArbiterClient], Awaitable[T]]
 ) -> T:
-    """Runs ``action`` with a client; a refusal or no answer becomes one line and an exit."""
+    """Runs ``action`` with a client; a refusal or no answer becomes one line and an exit.
+    Without a token, one on this machine is looked for (:mod:`.access`)."""
+    try:
+        found = credentials(controller, token)
+    except ArbiterError as error:  # a malformed --controller
+        _fail(str(error), 2)
 
     async def main() -> T:
-        async with ArbiterClient(controller, token=token) as client:
+        async with ArbiterClient(controller, token=found.token) as client:
             return await action(client)
 
     try:
         return asyncio.run(main())
     except ApiError as error:
-        _fail(f"{error.status} {error.code}: {error}", EXIT_API_ERROR)
+        _fail(refusal(error, found), EXIT_API_ERROR)
     except ControllerUnreachable as error:
         _fail(str(error), EXIT_UNREACHABLE)
-    except ArbiterError as error:  # a malformed --controller
+    except ArbiterError as error:
         _fail(str(error), 2)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -113,14 +124,7 @@ def memory_bar(gpu: Json, width: int = BAR_WIDTH) -> Text:
 
 
 def _ago(at: float | None) -> str:
-    if at is None:
-        return "-"
-    seconds = max(0.0, time.time() - at)
-    if seconds < 90:
-        return f"{seconds:.0f}s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
+    return "-" if at is None else format_s(max(0.0, time.time() - at))
 
 
 def _mb(value: Any) -> str:
@@ -263,8 +267,20 @@ def event_line(event: Json) -> str:
         parts.append(f"lease={event['lease_id']}")
     if event.get("worker"):
         parts.append(f"worker={event['worker']}")
-    parts += [f"{k}={v}" for k, v in sorted((event.get("data") or {}).items())]
+    parts += [f"{k}={_value(k, v)}" for k, v in sorted((event.get("data") or {}).items())]
     return " ".join(parts)
+
+
+def _value(key: str, value: Any) -> str:
+    """An event's datum as the rest of the CLI shows it: sizes and durations in words."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if key.endswith("_mb"):
+            return format_mb(int(value)).replace(" ", "")
+        if key.endswith("_s"):
+            return format_s(float(value))
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def render_answer(action: str, answer: Json) -> None:
@@ -355,32 +371,78 @@ def leases(
         stdout_console().print(leases_view(found))
 
 
+def screenful() -> int:
+    """Lines of history ``events`` shows first: a screen less two lines on a terminal."""
+    if not sys.stdout.isatty():
+        return PIPED_HISTORY
+    return max(1, shutil.get_terminal_size().lines - 2)
+
+
 def events(
     lease: Annotated[str | None, option("Only events of this lease.")] = None,
     worker: Annotated[str | None, option("Only events of this worker.")] = None,
+    lines: Annotated[
+        int | None,
+        option(
+            "Show this many past events first (default: a screenful; 20 when piped).",
+            "--lines",
+            "-n",
+            min=0,
+        ),
+    ] = None,
     since: Annotated[
-        int | None, option("Start after this event number (default: new events only).", min=0)
+        int | None, option("Start after this event number instead of the last --lines.", min=0)
     ] = None,
     count: Annotated[int | None, option("Stop after this many events.", min=1)] = None,
     controller: Controller = None,
     token: Token = None,
     output: OutputOpt = Output.human,
 ) -> None:
-    """Follow the event stream, one line per event, until Ctrl-C (or --count)."""
+    """The latest events (a screenful), then new ones as they happen, one line each, until
+    Ctrl-C (or --count): as journalctl -n -f."""
+    history = screenful() if lines is None else lines
 
     async def follow(client: ArbiterClient) -> None:
-        seen = 0
-        last = None if since is None else str(since)
-        stream = client.events(last_event_id=last, lease=lease, worker=worker)
-        async for event in stream:
-            data = event.data if isinstance(event.data, dict) else {"data": event.data}
-            print(json.dumps(data, sort_keys=True) if output is Output.json else event_line(data))
-            sys.stdout.flush()
-            seen += 1
-            if count is not None and seen >= count:
-                return
+        printed = 0
+        async with contextlib.aclosing(_event_feed(client, history, since, lease, worker)) as feed:
+            async for data in feed:
+                as_json = output is Output.json
+                print(json.dumps(data, sort_keys=True) if as_json else event_line(data), flush=True)
+                printed += 1
+                if count is not None and printed >= count:
+                    return
 
     call_controller(controller, token, follow)
+
+
+async def _event_feed(
+    client: ArbiterClient, history: int, since: int | None, lease: str | None, worker: str | None
+) -> AsyncGenerator[Json, None]:
+    """The last ``history`` events of the lease or worker (or all), then every new one; from
+    ``since`` on when given. One stream, so nothing falls between the past and the new."""
+    if since is None:
+        last = int((await client.status()).get("last_event") or 0)
+        scan = history if lease is None and worker is None else HISTORY_SCAN
+        since = max(0, last - scan) if history else last
+    else:
+        last = since
+    past: deque[Json] | None = deque(maxlen=history) if last > since else None
+    async with contextlib.aclosing(client.events(last_event_id=str(since))) as stream:
+        async for event in stream:
+            data = event.data if isinstance(event.data, dict) else {"data": event.data}
+            wanted = (lease is None or data.get("lease_id") == lease) and (
+                worker is None or data.get("worker") == worker
+            )
+            if past is None:
+                if wanted:
+                    yield data
+                continue
+            if wanted:
+                past.append(data)
+            if int(data.get("seq") or 0) >= last:
+                for earlier in past:
+                    yield earlier
+                past = None
 
 
 # ---------------------------------------------------------------- commands: acting

@@ -5,7 +5,9 @@
     ask --pending--> wait (live reason) --granted--> start CMD in its own group
                                                       | renew every ttl/3
                                                       | ready: --ready-url / --ready-after /
-                                                      |        GPU memory stopped growing
+                                                      |   GPU memory unchanged for 3 s (above
+                                                      |   zero, but on a simulated GPU) /
+                                                      |   --ready-timeout
             revoked or lost: SIGTERM group once, SIGKILL after --grace-s
                              (by the local agent when it supervises the command)
                                                       v
@@ -28,7 +30,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import httpx
@@ -39,7 +41,8 @@ from rich.text import Text
 
 from ..agent.local import agent_request, local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable, NotGranted
-from ..core import ArbiterError, parse_mb, parse_priority
+from ..core import ArbiterError, InvalidInput, format_mb, format_s, parse_mb, parse_priority
+from .access import TOKEN_HELP, Credentials, credentials, refusal
 
 EXIT_PREEMPTED = 75
 EXIT_MAX_WAIT = 124
@@ -56,6 +59,7 @@ VISIBLE_DEVICES = (
 )
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STABLE_S = 3.0
+UNSEEN_NOTE_S = 5.0  # no GPU memory seen this long: say why the lease is still loading
 AGENT_MARGIN_S = 5.0  # beyond the grace, before run kills what the agent did not
 Json = dict[str, Any]
 
@@ -65,7 +69,7 @@ class RunOptions:
     command: list[str]
     request: Json
     controller: str | None = None
-    token: str | None = None
+    credentials: Credentials = field(default_factory=lambda: Credentials(None))
     ready_url: str | None = None
     ready_after_s: float | None = None
     ready_timeout_s: float = 120.0
@@ -90,6 +94,7 @@ class Runner:
         self._stopping: asyncio.Task[None] | None = None
         self._signals: list[int] = []
         self._worker = ""
+        self._simulated = False  # the local agent's GPUs are simulated
         self._group_termed_at: float | None = None  # when the group got its one SIGTERM
 
     # ------------------------------------------------------------------ waiting
@@ -101,9 +106,9 @@ class Runner:
         except NotGranted as error:  # ended before it was granted (max_wait_s passed...)
             say(f"lease {error.lease_id} was not granted: {error.state} ({error.reason})")
             return EXIT_MAX_WAIT if error.state == "timed_out" else EXIT_REJECTED
-        except ApiError as error:
-            say(f"request refused ({error.code}): {error}")
-            return EXIT_REJECTED if error.status in (409, 422) else EXIT_UNREACHABLE
+        except ApiError as error:  # it answered: a refusal; 5xx: it cannot serve now
+            say(f"request refused: {refusal(error, self.options.credentials)}")
+            return EXIT_UNREACHABLE if error.status >= 500 else EXIT_REJECTED
         if self.lease["state"] == "pending":
             try:
                 await self._wait()
@@ -166,6 +171,7 @@ class Runner:
         local = await agent_request(worker, {"op": "env"})
         if local and local.get("ok"):
             env.update({str(k): str(v) for k, v in (local.get("env") or {}).items()})
+            self._simulated = bool(local.get("simulated"))
         env.update({name: indexes for name in VISIBLE_DEVICES})
         env["GPU_ARBITER_LEASE"] = str(lease["id"])
         env["GPU_ARBITER_FENCING_TOKEN"] = str(lease["token"])
@@ -326,7 +332,9 @@ class Runner:
 
     async def _loaded(self, worker: str) -> None:
         """Returns once ``--ready-url`` answers 2xx, or else once the process's GPU memory
-        (as the local agent's probe sees it) is above zero and stopped growing."""
+        (as the local agent's probe sees it) has not changed for ``STABLE_S``: above zero on
+        a real GPU (a load that has not started is not over), any amount on a simulated
+        one (a command there may never report memory)."""
         if self.options.ready_url is not None:
             async with httpx.AsyncClient(timeout=2.0) as http:
                 while True:
@@ -334,16 +342,35 @@ class Runner:
                         if (await http.get(self.options.ready_url)).is_success:
                             return
                     await asyncio.sleep(0.5)
-        last, since = -1, time.monotonic()
+        started = last_at = time.monotonic()
+        last: int | None = None
+        told = False
         while True:
             answer = await agent_request(worker, {"op": "usage", "lease": self.lease["id"]})
             used = answer.get("used_mb") if answer else None
             now = time.monotonic()
             if not isinstance(used, int) or used != last:
-                last, since = used if isinstance(used, int) else -1, now
-            elif used > 0 and now - since >= STABLE_S:
+                last, last_at = used if isinstance(used, int) else None, now
+            elif (used > 0 or self._simulated) and now - last_at >= STABLE_S:
                 return
+            if not told and not last and now - started >= UNSEEN_NOTE_S:
+                told = True
+                self._say_why_loading(seen=used is not None)
             await asyncio.sleep(0.5)
+
+    def _say_why_loading(self, *, seen: bool) -> None:
+        """Once: why the lease is still loading (its GPU's load gate holds other loads)."""
+        why = (
+            "the command has used no GPU memory yet"
+            if seen
+            else "no agent on this host reports the command's GPU memory"
+        )
+        say(
+            f"lease {self.lease['id']} is still loading: {why}; other loads on "
+            f"{', '.join(self.lease['gpus'])} wait until it is ready, at the latest after "
+            f"{format_s(self.options.ready_timeout_s)} (--ready-timeout; --ready-url URL or "
+            "--ready-after S say when it is)"
+        )
 
     async def _release(self) -> None:
         for _ in range(20):
@@ -400,8 +427,9 @@ def _reason(lease: Json) -> str:
 def _waiting(lease: Json, waited_s: float) -> Text:
     line = Text()
     line.append("waiting ", style="bold yellow")
-    line.append(f"{waited_s:5.0f}s ", style="bold")
-    line.append(f"for {lease['vram_mb']} MiB x {lease['gpu_count']} GPU ({lease['id']}) - ")
+    line.append(f"{format_s(waited_s):>5} ", style="bold")
+    gpus = f" x {lease['gpu_count']} GPUs" if lease["gpu_count"] > 1 else ""
+    line.append(f"for {format_mb(lease['vram_mb'])}{gpus} ({lease['id']}) - ")
     line.append(_reason(lease))
     return line
 
@@ -421,7 +449,7 @@ async def _local_worker(request: Json) -> None:
 
 async def _main(options: RunOptions) -> int:
     await _local_worker(options.request)
-    async with ArbiterClient(options.controller, token=options.token) as client:
+    async with ArbiterClient(options.controller, token=options.credentials.token) as client:
         runner = Runner(options, client)
         try:
             refused = await runner.acquire()
@@ -437,6 +465,22 @@ async def _main(options: RunOptions) -> int:
 def _printable(text: str) -> str:
     """A holder has no control characters: a newline in an argument shows as a space."""
     return "".join(" " if not c.isprintable() else c for c in text)
+
+
+BARE_MIB_BELOW = 1024
+"""``--vram`` needs a unit below this many MiB: ``30`` is more likely 30G than 30 MiB."""
+
+
+def parse_vram(text: str) -> int:
+    """``--vram``: ``8G``, ``512M``, ``24000`` (MiB); a bare number below 1024 is refused
+    (``did you mean 30G?``) rather than taken as a few MiB."""
+    mb = parse_mb(text, "--vram")
+    number = text.strip()
+    if number.isdigit() and mb < BARE_MIB_BELOW:
+        raise InvalidInput(
+            "--vram", f"{number} has no unit: did you mean {number}G? (write {number}M for MiB)"
+        )
+    return mb
 
 
 def build_request(
@@ -460,7 +504,7 @@ def build_request(
     if worker is not None:
         constraints["worker"] = worker
     return {
-        "vram_mb": parse_mb(vram, "--vram"),
+        "vram_mb": parse_vram(vram),
         "gpus": gpus,
         "priority": parse_priority(priority, "--priority"),
         "constraints": constraints,
@@ -488,18 +532,25 @@ def run(
     ttl: Annotated[float, _opt("Lease TTL in seconds (renewed every ttl/3).", min=1)] = 30.0,
     max_wait: Annotated[float | None, _opt("Give up after waiting this long (s).", min=0)] = None,
     ready_url: Annotated[str | None, _opt("Ready once this URL answers 2xx.")] = None,
-    ready_after: Annotated[float | None, _opt("Ready this many seconds after start.")] = None,
+    ready_after: Annotated[
+        float | None, _opt("Ready this many seconds after start (0: at once).", min=0)
+    ] = None,
     ready_timeout: Annotated[
-        float, _opt("Ready at the latest after this many seconds.", min=0)
+        float, _opt("Ready at the latest after this many seconds (default 120).", min=0)
     ] = 120.0,
     grace_s: Annotated[float, _opt("Seconds between SIGTERM and SIGKILL.", min=0)] = 10.0,
     holder: Annotated[str | None, _opt("Who holds the lease (shown in the queue).")] = None,
     controller: Annotated[
         str | None, _opt("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
     ] = None,
-    token: Annotated[str | None, _opt("Bearer token.", envvar="GPU_ARBITER_TOKEN")] = None,
+    token: Annotated[str | None, _opt(TOKEN_HELP, envvar="GPU_ARBITER_TOKEN")] = None,
 ) -> None:
-    """Run a command holding a lease of VRAM for its whole life."""
+    """Run a command holding a lease of VRAM for its whole life.
+
+    The lease is loading (its GPUs' load gate holds other loads) until it is ready: once
+    --ready-url answers, after --ready-after, or by default once the command's GPU memory
+    has not changed for 3 s, above zero on a real GPU, any amount on a simulated one; at
+    the latest after --ready-timeout."""
     if ready_url is not None and ready_after is not None:
         raise typer.BadParameter("give --ready-url or --ready-after, not both")
     try:
@@ -515,13 +566,14 @@ def run(
             holder=holder,
             command=command,
         )
+        found = credentials(controller, token)
     except ArbiterError as error:
         raise typer.BadParameter(str(error)) from error
     options = RunOptions(
         command=command,
         request=request,
         controller=controller,
-        token=token,
+        credentials=found,
         ready_url=ready_url,
         ready_after_s=ready_after,
         ready_timeout_s=ready_timeout,

@@ -6,6 +6,9 @@ The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`
 from __future__ import annotations
 
 import asyncio
+import shlex
+import shutil
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -16,8 +19,10 @@ import typer
 
 from ..agent.agent import Agent, AgentConfig
 from ..agent.probes import FakeProbe, parse_fake_spec
+from ..client import DEFAULT_URL
 from ..core import InvalidInput, validate_worker_name
 from ..logs import say
+from ..paths import default_state_dir
 from .agent import open_agent_probe, worker_name
 
 if TYPE_CHECKING:
@@ -240,12 +245,12 @@ def local_agent(
         settings = AgentConfig(
             name=name, controller=url, token=token, headroom_mb=0 if simulated else 256
         )
-        say(f"local worker {name}: probe {probe.name}; controller {url}")
-        say("use it with:")
-        say(f"  export GPU_ARBITER_URL={url}")
-        if token_file is not None:
-            say(f"  export GPU_ARBITER_TOKEN=$(cat {token_file})")
-        say("  gpu-arbiter run --vram 8G -- python serve.py")
+        kind = " (simulated GPUs)" if simulated else ""
+        say(f"local worker {name}: probe {probe.name}{kind}; controller {url}")
+        say(f"dashboard {url}/ ; API docs {url}/docs")
+        say("try it from another shell:")
+        for line in usage_lines(url, token_file):
+            say(f"  {line}")
         if gateway is None:
             await Agent(settings, probe).run(stop)
             return
@@ -290,6 +295,33 @@ def _open_token_store(command: str, state_dir: Path | None, store: str | None) -
         raise typer.BadParameter(str(error)) from error
     except StoreError as error:
         raise SystemExit(f"gpu-arbiter token {command}: {error}") from error
+
+
+def command_word() -> str:
+    """How a new shell runs this very gpu-arbiter: ``gpu-arbiter`` where PATH finds it,
+    else its full path (or ``python -m gpu_arbiter`` when started that way)."""
+    me = Path(sys.argv[0])
+    if me.name == "__main__.py" or not me.is_file():
+        return f"{shlex.quote(sys.executable)} -m gpu_arbiter"
+    found = shutil.which("gpu-arbiter")
+    if found is not None and Path(found).resolve() == me.resolve():
+        return "gpu-arbiter"
+    return shlex.quote(str(me.absolute()))
+
+
+def usage_lines(url: str, token_file: Path | None) -> list[str]:
+    """Commands that work as printed in a new shell: the URL and token only where the
+    command would not find them by itself (another port, another state directory)."""
+    lines = [] if url == DEFAULT_URL else [f"export GPU_ARBITER_URL={url}"]
+    if token_file is not None and token_file.parent != default_state_dir():
+        lines.append(f"export GPU_ARBITER_TOKEN=$(cat {shlex.quote(str(token_file))})")
+    word = command_word()
+    example = 'import os; print("granted GPU", os.environ["CUDA_VISIBLE_DEVICES"])'
+    return [
+        *lines,
+        f"{word} status",
+        f"{word} run --vram 8G -- python3 -c {shlex.quote(example)}",
+    ]
 
 
 @token_app.command("create")

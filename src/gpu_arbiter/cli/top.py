@@ -220,4 +220,4 @@ async def _recent_events(client: ArbiterClient, frame: Frame) -> None:
                 if int(data.get("seq") or 0) >= last:
                     break
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()

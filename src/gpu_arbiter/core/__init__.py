@@ -34,6 +34,7 @@ from .scheduler import Decisions, Scheduler
 from .units import (
     PRIORITY_NAMES,
     format_mb,
+    format_s,
     is_ascii_number,
     parse_mb,
     parse_priority,
@@ -71,6 +72,7 @@ __all__ = [
     "check_text",
     "compute_capability",
     "format_mb",
+    "format_s",
     "is_ascii_number",
     "json_value_problem",
     "parse_mb",

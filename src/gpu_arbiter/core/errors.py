@@ -76,7 +76,7 @@ class Unschedulable(ArbiterError):
     code = "unschedulable"
 
     def __init__(self, reason: Any) -> None:
-        super().__init__(f"unschedulable: {reason.message}", reason=reason)
+        super().__init__(reason.message, reason=reason)  # the code already says "unschedulable"
         self.reason = reason
 
 

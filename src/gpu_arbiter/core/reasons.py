@@ -11,6 +11,10 @@ Codes (Kubernetes' split between "does not match" and "does not fit"):
     load_in_progress  the best GPU has memory, but its load gate is busy
     nominated_for     memory is held for a request ahead in the queue
     preempting        victims are being revoked for this request
+
+The last three name what is in the way (a :class:`Blocker`: the loading lease, the
+preempted lease still stopping, the request ahead), with its holder and when it ends
+at the latest, in the structured fields and in the sentence alike.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .model import GpuId
-from .units import format_mb
+from .units import format_mb, format_s
 
-__all__ = ["GpuVerdict", "PendingReason"]
+__all__ = ["Blocker", "GpuVerdict", "PendingReason"]
 
 #  Per-GPU verdicts. "Does not match" codes first, "does not fit" after.
 MISMATCH_CODES = (
@@ -63,12 +67,54 @@ class GpuVerdict:
 
 
 @dataclass(frozen=True, slots=True)
+class Blocker:
+    """What a pending request waits on, by name.
+
+    ``kind``: ``loading`` (a lease whose load holds the GPU's load gate), ``revoking`` (a
+    preempted lease whose holder has not stopped yet) or ``request`` (a request ahead in
+    the queue that holds the memory). ``since``: loading since, revoked at, or waiting
+    since. ``until``: when it ends at the latest (the load timeout; the end of the
+    grace). ``expires_at``: its TTL, which ends it sooner unless it is renewed."""
+
+    kind: str
+    id: str
+    holder: str | None
+    gpus: tuple[GpuId, ...]
+    since: float
+    until: float | None = None
+    expires_at: float | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "id": self.id,
+            "holder": self.holder,
+            "gpus": [str(g) for g in self.gpus],
+            "since": self.since,
+            "until": self.until,
+            "expires_at": self.expires_at,
+        }
+
+    @property
+    def who(self) -> str:
+        """``lease L (holder 'chat')``, ``request R (holder 'big-train')``."""
+        noun = "request" if self.kind == "request" else "lease"
+        return f"{noun} {self.id}" + (f" (holder {self.holder!r})" if self.holder else "")
+
+
+@dataclass(frozen=True, slots=True)
 class PendingReason:
+    """Why a request waits: a ``code``, the sentence (``message``), each GPU's verdict,
+    the GPUs nominated for it, and what is in the way: ``blocker`` (named, with its
+    holder and times) and ``blocked_by``, its id (for ``preempting``, only once the
+    victim has let its grace pass)."""
+
     code: str
     message: str
     gpus: tuple[GpuVerdict, ...] = ()
     nominated: tuple[GpuId, ...] = ()
     blocked_by: str | None = None
+    blocker: Blocker | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -77,6 +123,7 @@ class PendingReason:
             "gpus": [v.as_dict() for v in self.gpus],
             "nominated": [str(g) for g in self.nominated],
             "blocked_by": self.blocked_by,
+            "blocker": None if self.blocker is None else self.blocker.as_dict(),
         }
 
     @staticmethod
@@ -98,3 +145,43 @@ def summarize(verdicts: tuple[GpuVerdict, ...], need_mb: int) -> str:
             text += f" (up to {format_mb(held)} held for requests ahead)"
         parts.append(text)
     return f"0/{len(verdicts)} GPUs fit: " + ", ".join(parts)
+
+
+def _gpus(blocker: Blocker) -> str:
+    return ", ".join(map(str, blocker.gpus))
+
+
+def loading_sentence(blocker: Blocker, now: float) -> str:
+    """'lease L (holder 'chat') has been loading on vm:0 for 12s; the gate opens when it is
+    ready, at the latest in 4.8m (its load timeout), or in 18s if its TTL lapses unrenewed'."""
+    text = (
+        f"{blocker.who} has been loading on {_gpus(blocker)} for "
+        f"{format_s(now - blocker.since)}; the gate opens when it is ready"
+    )
+    if blocker.until is not None:
+        text += f", at the latest in {format_s(blocker.until - now)} (its load timeout)"
+    if blocker.expires_at is not None and (
+        blocker.until is None or blocker.expires_at < blocker.until
+    ):
+        text += f", or in {format_s(blocker.expires_at - now)} if its TTL lapses unrenewed"
+    return text
+
+
+def revoking_sentence(blocker: Blocker, now: float, grace_s: float) -> str:
+    """'lease V (holder 'batch') was preempted 3s ago; 7.0s of its 10s grace left to stop', or,
+    past its grace, 'lease V has ignored its revocation for 24s (grace 10s)'."""
+    ago = format_s(now - blocker.since)
+    if blocker.until is not None and now > blocker.until:
+        return f"{blocker.who} has ignored its revocation for {ago} (grace {format_s(grace_s)})"
+    text = f"{blocker.who} was preempted {ago} ago"
+    if blocker.until is None:
+        return text
+    left = format_s(blocker.until - now)
+    return f"{text}; {left} of its {format_s(grace_s)} grace left to stop"
+
+
+def holding_sentence(blocker: Blocker, held_mb: int) -> str:
+    """'up to 20.0 GiB of vm:0 is held for request R (holder 'big-train'), ahead in the
+    queue'."""
+    where = _gpus(blocker)
+    return f"up to {format_mb(held_mb)} of {where} is held for {blocker.who}, ahead in the queue"

@@ -59,7 +59,15 @@ from .model import (
 )
 from .preemption import Plan, eligible, plan_for_gpu
 from .queue import PendingQueue
-from .reasons import GpuVerdict, PendingReason, summarize
+from .reasons import (
+    Blocker,
+    GpuVerdict,
+    PendingReason,
+    holding_sentence,
+    loading_sentence,
+    revoking_sentence,
+    summarize,
+)
 from .units import format_mb
 
 __all__ = ["Decisions", "Scheduler"]
@@ -892,24 +900,7 @@ class Scheduler:
             return PendingReason("no_workers", "no worker is registered yet; waiting for one")
         nomination = self._nominations.get(request_id)
         if nomination is not None and self._still_preempting(nomination):
-            where = ", ".join(map(str, nomination.gpus))
-            stuck = self.overdue_revocations(now, among=nomination.victims)
-            message = (
-                f"waiting for {len(nomination.victims)} preempted lease(s) on {where} to stop "
-                "and the memory to show free"
-            )
-            if stuck:
-                lease_id, ignored_s = stuck[0]
-                message += (
-                    f"; lease {lease_id} has ignored its revocation for {ignored_s:.0f} s "
-                    f"(grace {self.policy.grace_s:g} s)"
-                )
-            return PendingReason(
-                "preempting",
-                message,
-                nominated=nomination.gpus,
-                blocked_by=stuck[0][0] if stuck else None,
-            )
+            return self._preempting(nomination, now)
         index = self._journal_at.get(request_id, len(self._journal))
         holds: dict[GpuId, int] = {}
         holders: dict[GpuId, str] = {}
@@ -919,7 +910,81 @@ class Scheduler:
                 holders.setdefault(gpu_id, rid)
         own = self._journal[index][1] if index < len(self._journal) else ()
         verdicts = tuple(self._verdict(request, g, holds) for g in sorted(self._ledger.ids()))
-        return self._reason(request, verdicts, holders, own)
+        return self._reason(request, verdicts, holders, own, now)
+
+    def _preempting(self, nomination: _Nomination, now: float) -> PendingReason:
+        """Waiting for victims to stop: the one that bounds the wait, by name (a victim past
+        its grace first), or for the probe to show their memory free."""
+        where = ", ".join(map(str, nomination.gpus))
+        victims = [self.leases[v] for v in sorted(nomination.victims) if v in self.leases]
+        if not victims:
+            message = (
+                f"the preempted leases on {where} have stopped; waiting for the GPU's next "
+                "probe reading to show their memory free"
+            )
+            return PendingReason("preempting", message, nominated=nomination.gpus)
+        stuck = self.overdue_revocations(now, among=nomination.victims)
+        grace_s = self.policy.grace_s
+        victim = (
+            self.leases[stuck[0][0]]
+            if stuck
+            else max(victims, key=lambda v: (v.revoked_at or now, v.id))
+        )
+        blocker = Blocker(
+            "revoking",
+            victim.id,
+            victim.request.holder,
+            victim.gpus,
+            since=victim.revoked_at if victim.revoked_at is not None else now,
+            until=victim.grace_ends_at(grace_s),
+            expires_at=victim.expires_at,
+        )
+        message = (
+            f"waiting for {len(victims)} preempted lease(s) on {where} to stop and the memory "
+            f"to show free: {revoking_sentence(blocker, now, grace_s)}"
+        )
+        return PendingReason(
+            "preempting",
+            message,
+            nominated=nomination.gpus,
+            blocked_by=victim.id if stuck else None,
+            blocker=blocker,
+        )
+
+    def _loading_blocker(self, verdicts: tuple[GpuVerdict, ...]) -> Blocker | None:
+        """The loading lease whose gate opens first among the GPUs held only by their gate."""
+        found: list[Blocker] = []
+        for verdict in verdicts:
+            if verdict.code != "load_in_progress":
+                continue
+            for lease_id in sorted(self._ledger.lease_ids(verdict.gpu)):
+                lease = self.leases[lease_id]
+                if lease.loading:  # revoking while loading holds the gate too
+                    found.append(
+                        Blocker(
+                            "loading",
+                            lease.id,
+                            lease.request.holder,
+                            lease.gpus,
+                            since=lease.granted_at,
+                            until=lease.load_deadline,
+                            expires_at=lease.expires_at,
+                        )
+                    )
+        return min(
+            found, key=lambda b: (min(b.until or 0.0, b.expires_at or 0.0), b.id), default=None
+        )
+
+    def _holding_blocker(self, request_id: str, gpu_id: GpuId) -> Blocker:
+        """The request ahead whose nomination holds memory of ``gpu_id``."""
+        ahead = self.queue.get(request_id) if request_id in self.queue else None
+        return Blocker(
+            "request",
+            request_id,
+            None if ahead is None else ahead.holder,
+            (gpu_id,),
+            since=0.0 if ahead is None else ahead.submitted_at,
+        )
 
     def _verdict(self, request: Request, gpu_id: GpuId, holds: dict[GpuId, int]) -> GpuVerdict:
         gpu = self._ledger.gpu(gpu_id)
@@ -956,6 +1021,7 @@ class Scheduler:
         verdicts: tuple[GpuVerdict, ...],
         holders: dict[GpuId, str],
         own: tuple[GpuId, ...],
+        now: float,
     ) -> PendingReason:
         fitting = Counter(v.gpu.worker for v in verdicts if v.code == "fits")
         if any(count >= request.gpus for count in fitting.values()):
@@ -968,14 +1034,22 @@ class Scheduler:
         )
         codes = {v.code for v in verdicts}
         summary = summarize(verdicts, request.vram_mb)
-        for code in ("nominated_for", "load_in_progress", "insufficient_vram"):
-            if code in codes:
-                blocked = next((holders.get(v.gpu) for v in verdicts if v.code == code), None)
-                if code == "nominated_for" and blocked:
-                    summary += f"; held for request {blocked}"
-                return PendingReason(
-                    code, summary, verdicts, own, blocked if code == "nominated_for" else None
-                )
+        if "nominated_for" in codes:
+            held = next(v for v in verdicts if v.code == "nominated_for")
+            rid = holders.get(held.gpu)
+            if rid is None:
+                return PendingReason("nominated_for", summary, verdicts, own)
+            blocker = self._holding_blocker(rid, held.gpu)
+            message = f"{summary}; {holding_sentence(blocker, held.held_mb)}"
+            return PendingReason("nominated_for", message, verdicts, own, rid, blocker)
+        if "load_in_progress" in codes:
+            loading = self._loading_blocker(verdicts)
+            if loading is None:
+                return PendingReason("load_in_progress", summary, verdicts, own)
+            message = f"{summary}; {loading_sentence(loading, now)}"
+            return PendingReason("load_in_progress", message, verdicts, own, loading.id, loading)
+        if "insufficient_vram" in codes:
+            return PendingReason("insufficient_vram", summary, verdicts, own)
         if codes & {"worker_draining", "worker_drained", "worker_offline", "probe_stale"}:
             return PendingReason("workers_draining", summary, verdicts, own)
         return PendingReason("no_matching_gpu", summary, verdicts, own)

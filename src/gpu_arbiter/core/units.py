@@ -15,6 +15,7 @@ from .errors import InvalidInput
 __all__ = [
     "PRIORITY_NAMES",
     "format_mb",
+    "format_s",
     "is_ascii_number",
     "parse_mb",
     "parse_priority",
@@ -111,6 +112,18 @@ def format_mb(mb: int) -> str:
     if abs(mb) >= 1024:
         return f"{mb / 1024:.1f} GiB"
     return f"{mb} MiB"
+
+
+def format_s(seconds: float) -> str:
+    """A duration as people read it: 0.25 -> '0.2s', 25.3 -> '25s', 750 -> '12m',
+    9000 -> '2.5h'."""
+    if seconds < 10:
+        return f"{max(seconds, 0.0):.1f}s"
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
 
 
 def parse_priority(value: str | int, field: str = "priority") -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
@@ -27,6 +28,7 @@ from .schemas import ErrorOut
 __all__ = ["create_app"]
 
 DASHBOARD = Path(__file__).with_name("dashboard")
+DOCS_ASSETS = "/docs-assets"
 
 
 def create_app(
@@ -63,11 +65,16 @@ def create_app(
             controller.close()
             controller.store.close()
 
-    app = FastAPI(
+    # /docs (Swagger UI) with its scripts and styles served from the package (fastapi-offline
+    # ships them), under /docs-assets: it works with no other host. No /redoc: its page
+    # fetches a logo from its maker's site.
+    app = FastAPIOffline(
+        redoc_url=None,
         title="gpu-arbiter",
         version=__version__,
         summary="The single authority for GPU memory: leases of VRAM, granted safely.",
         lifespan=lifespan,
+        static_url=DOCS_ASSETS,
     )
     app.state.controller = controller
     app.state.auth = auth

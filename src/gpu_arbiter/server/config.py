@@ -16,7 +16,6 @@ options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import tomllib
 from dataclasses import dataclass, fields
@@ -25,6 +24,7 @@ from typing import Any, Literal
 
 from ..core import Gpu, InvalidInput, parse_mb, parse_seconds
 from ..logs import LOG_FORMATS, LOG_LEVELS
+from ..paths import default_state_dir
 from ..store import is_postgres_url
 
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
@@ -39,11 +39,6 @@ _COUNT_LIMITS = (
     "max_long_polls",
     "max_long_polls_per_token",
 )
-
-
-def default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "gpu-arbiter"
 
 
 @dataclass(frozen=True, slots=True)

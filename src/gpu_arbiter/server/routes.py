@@ -254,7 +254,12 @@ async def register_worker(body: s.WorkerRegister, request: Request) -> JSONRespo
     _as_worker(who, name)
     gpus = [Gpu(worker=name, **g.model_dump()) for g in body.gpus]
     _, new = ctl.register(
-        name, gpus, labels=body.labels, url=body.url, agent_version=body.agent_version
+        name,
+        gpus,
+        labels=body.labels,
+        url=body.url,
+        agent_version=body.agent_version,
+        simulated=body.simulated,
     )
     return _worker_json(ctl, name, 201 if new else 200)
 

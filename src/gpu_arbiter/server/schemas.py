@@ -208,6 +208,9 @@ class WorkerRegister(_In):
     url: Text = ""
     labels: Annotated[dict[Short, Text], Field(max_length=32)] = Field(default_factory=dict)
     agent_version: Text = ""
+    simulated: StrictBool = Field(
+        default=False, description="The agent's GPUs are simulated (its probe is a fake one)"
+    )
     gpus: Annotated[list[GpuIn], Field(min_length=1, max_length=64)]
 
 
@@ -474,7 +477,7 @@ def worker_out(
         "url": record.url,
         "labels": dict(record.labels),
         "agent_version": record.agent_version,
-        "simulated": record.simulated,
+        "simulated": record.simulated or record.simulated_gpus,
         "registered_at": record.registered_at,
         "last_heartbeat_at": last_seen,
         "drain_deadline": record.drain_deadline,

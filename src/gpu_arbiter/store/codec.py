@@ -194,6 +194,7 @@ def worker_to_doc(record: WorkerRecord) -> dict[str, Any]:
         "drain_deadline": record.drain_deadline,
         "status_after_offline": str(record.status_after_offline),
         "simulated": record.simulated,
+        "simulated_gpus": record.simulated_gpus,
     }
 
 
@@ -210,6 +211,7 @@ def worker_from_doc(doc: dict[str, Any]) -> WorkerRecord:
         drain_deadline=doc["drain_deadline"],
         status_after_offline=WorkerStatus(doc["status_after_offline"]),
         simulated=doc["simulated"],
+        simulated_gpus=doc.get("simulated_gpus", False),  # absent from older stores
     )
 
 

@@ -56,7 +56,9 @@ class WorkerRecord:
     """A worker as registered, with its status.
 
     ``status_after_offline`` is where a heartbeat brings it back after it went offline
-    (``draining`` if it was draining or drained, else ``online``)."""
+    (``draining`` if it was draining or drained, else ``online``). ``simulated``: this
+    controller simulates it (``serve --simulate``); ``simulated_gpus``: its agent's GPUs
+    are simulated (a fake probe)."""
 
     name: str
     status: WorkerStatus
@@ -68,6 +70,7 @@ class WorkerRecord:
     drain_deadline: float | None = None
     status_after_offline: WorkerStatus = WorkerStatus.ONLINE
     simulated: bool = False
+    simulated_gpus: bool = False
 
 
 @dataclass(frozen=True, slots=True)
