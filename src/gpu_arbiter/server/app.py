@@ -16,6 +16,7 @@ from ..controller import Controller
 from .auth import Authenticator
 from .errors import error_response, install_error_handlers
 from .events import EventFeed
+from .history import History
 from .limits import BodyLimit, ClientLimits, Slots
 from .metrics import metrics_registry, refusal_counter, render
 from .routes import router
@@ -33,10 +34,15 @@ def create_app(
     max_body_bytes: int = 64 * 1024,
     client_limits: ClientLimits | None = None,
     standby: bool = False,
+    history: History | None = None,
+    admin_token_file: Path | None = None,
 ) -> FastAPI:
     """The controller is started in the app's lifespan and closed (with its store) after.
     With ``standby``, it starts as a standby (a shared store's leader is elected beside
-    the server: see ``ha.py``)."""
+    the server: see ``ha.py``). ``history`` samples the controller while the app runs
+    (default: every 10 s, the last hour); ``admin_token_file`` is where ``GET /v1/access``
+    tells a local caller to find the admin token."""
+    kept = history or History()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -45,7 +51,8 @@ def create_app(
         else:
             controller.start()
         try:
-            yield
+            async with kept.running(controller):
+                yield
         finally:
             controller.close()
             controller.store.close()
@@ -58,6 +65,8 @@ def create_app(
     )
     app.state.controller = controller
     app.state.auth = auth
+    app.state.history = kept
+    app.state.admin_token_file = admin_token_file
     bounds = client_limits or ClientLimits()
     app.state.event_feed = EventFeed(controller)
     app.state.streams = Slots("streams", bounds.max_streams_per_token, bounds.max_streams)

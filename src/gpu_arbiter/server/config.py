@@ -6,7 +6,10 @@ options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``max_pending``, ``max_pending_per_token``, ``max_pending_per_holder``, ``max_streams``,
 ``max_streams_per_token``, ``max_long_polls``, ``max_long_polls_per_token``,
 ``log_level``, ``log_format``,
-``advertise_url``, ``leader_ttl_s``), optionally under ``[serve]``.
+``advertise_url``, ``leader_ttl_s``, ``history_sample_s``), optionally under ``[serve]``.
+
+``history_sample_s`` (config file only; default 10): how often the dashboard's history
+is sampled; the last 360 samples are kept (an hour at 10 s; see ``history.py``).
 
 ``store``: ``sqlite`` (the state directory's ``state.db``), ``memory``, or a
 ``postgresql://`` URL (a database several controllers share: one leads, see ``ha.py``).
@@ -67,6 +70,7 @@ class ServeConfig:
     log_format: str = "text"
     advertise_url: str | None = None
     leader_ttl_s: float = 3.0
+    history_sample_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.store not in ("sqlite", "memory") and not is_postgres_url(self.store):
@@ -106,13 +110,20 @@ class ServeConfig:
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(name, f"must be a whole number of at least 1, not {value!r}")
-        if not 0.5 <= config.leader_ttl_s <= 600:
-            raise InvalidInput("leader_ttl_s", "must be between 0.5 and 600 seconds")
+        _check_seconds("leader_ttl_s", config.leader_ttl_s, 0.5, 600)
+        _check_seconds("history_sample_s", config.history_sample_s, 0.1, 600)
         return config
 
     @property
     def state_path(self) -> Path:
         return self.state_dir or default_state_dir()
+
+
+def _check_seconds(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(name, f"must be a number of seconds, not {value!r}")
+    if not low <= value <= high:
+        raise InvalidInput(name, f"must be between {low:g} and {high:g} seconds")
 
 
 def parse_simulate(spec: str) -> list[Gpu]:

@@ -18,6 +18,7 @@ from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
 from .ha import Coordinator, LeaderStore
+from .history import History
 from .limits import ClientLimits
 
 __all__ = ["Companion", "open_store", "serve"]
@@ -55,10 +56,12 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             redactor.hide(urlsplit(config.store).password)  # the database's, if in the URL
     store = open_store(config)
     admin_token = None
+    token_file = None
     if config.auth:
         state_dir = config.state_path
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path, created = ensure_admin_token(state_dir, store)
+        token_file = path
         admin_token = path.read_text(encoding="utf-8").strip()
         redactor.hide(admin_token)
         say(f"admin token {'created in' if created else 'in'} {path}")
@@ -83,6 +86,8 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             max_long_polls_per_token=config.max_long_polls_per_token,
         ),
         standby=isinstance(store, PostgresStore),  # shared: a leader is elected beside
+        history=History(sample_s=config.history_sample_s),
+        admin_token_file=token_file,
     )
     server = _Server(
         app.state.event_feed.close,
