@@ -168,16 +168,47 @@ async def test_a_sample_holds_committed_used_and_busy_memory_and_the_queue_by_cl
         controller.close()
 
 
-async def test_the_sampler_runs_while_its_block_runs_and_stops_with_it() -> None:
+async def test_the_sampler_runs_until_it_is_told_to_stop() -> None:
     controller, _ = controller_with_leases(Clock())
     history = History(sample_s=0.01)
+    stop = asyncio.Event()
     try:
-        async with history.running(controller):
-            while len(history.read()["times"]) < 3:
-                await asyncio.sleep(0.01)
+        sampler = asyncio.create_task(history.run(controller, stop))
+        while len(history.read()["times"]) < 3:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(sampler, 5)
         stopped_at = len(history.read()["times"])
         await asyncio.sleep(0.05)
         assert len(history.read()["times"]) == stopped_at
-        assert not [t for t in asyncio.all_tasks() if t.get_name() == "history-sampler"]
     finally:
         controller.close()
+
+
+async def test_a_failed_sample_is_logged_and_the_next_one_still_taken(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    controller, _ = controller_with_leases(Clock())
+    history = History(sample_s=0.01)
+    failures = 0
+    sample = history.sample
+
+    def fails_twice(ctl: Controller) -> None:
+        nonlocal failures
+        if failures < 2:
+            failures += 1
+            raise RuntimeError("a bug")
+        sample(ctl)
+
+    history.sample = fails_twice  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    try:
+        sampler = asyncio.create_task(history.run(controller, stop))
+        while not history.read()["times"]:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(sampler, 5)
+    finally:
+        controller.close()
+    assert failures == 2
+    assert "the history sample failed" in caplog.text

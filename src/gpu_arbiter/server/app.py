@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -50,9 +51,14 @@ def create_app(
             controller.mirror()
         else:
             controller.start()
+        stop = asyncio.Event()
         try:
-            async with kept.running(controller):
-                yield
+            async with asyncio.TaskGroup() as background:
+                background.create_task(kept.run(controller, stop))
+                try:
+                    yield
+                finally:
+                    stop.set()
         finally:
             controller.close()
             controller.store.close()

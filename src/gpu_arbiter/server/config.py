@@ -73,6 +73,11 @@ class ServeConfig:
     history_sample_s: float = 10.0
 
     def __post_init__(self) -> None:
+        sample_s = self.history_sample_s
+        if isinstance(sample_s, bool) or not isinstance(sample_s, int | float):
+            raise InvalidInput("history_sample_s", f"must be a number of seconds, not {sample_s!r}")
+        if not 0.1 <= sample_s <= 600:
+            raise InvalidInput("history_sample_s", "must be between 0.1 and 600 seconds")
         if self.store not in ("sqlite", "memory") and not is_postgres_url(self.store):
             scheme, sep, _ = self.store.partition("://")  # the rest may hold a password
             shown = f"{scheme}://..." if sep else self.store
@@ -110,20 +115,13 @@ class ServeConfig:
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(name, f"must be a whole number of at least 1, not {value!r}")
-        _check_seconds("leader_ttl_s", config.leader_ttl_s, 0.5, 600)
-        _check_seconds("history_sample_s", config.history_sample_s, 0.1, 600)
+        if not 0.5 <= config.leader_ttl_s <= 600:
+            raise InvalidInput("leader_ttl_s", "must be between 0.5 and 600 seconds")
         return config
 
     @property
     def state_path(self) -> Path:
         return self.state_dir or default_state_dir()
-
-
-def _check_seconds(name: str, value: object, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInput(name, f"must be a number of seconds, not {value!r}")
-    if not low <= value <= high:
-        raise InvalidInput(name, f"must be between {low:g} and {high:g} seconds")
 
 
 def parse_simulate(spec: str) -> list[Gpu]:

@@ -22,7 +22,7 @@ import logging
 import time
 from array import array
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,7 @@ def _values(ring: array[int], slots: list[int]) -> list[int | None]:
 
 
 class History:
-    """The rings, and the sampler that fills them (:meth:`running`, in the app's lifespan)."""
+    """The rings, and the sampler that fills them (:meth:`run`, in the app's lifespan)."""
 
     def __init__(
         self,
@@ -160,27 +160,19 @@ class History:
             queue[priority_class(int(priority))] += count
         self.record(gpus, queue)
 
-    @contextlib.asynccontextmanager
-    async def running(self, controller: Controller) -> AsyncIterator[None]:
-        """Samples ``controller`` now and every :attr:`sample_s` while the block runs."""
-        task = asyncio.create_task(self._run(controller), name="history-sampler")
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _run(self, controller: Controller) -> None:
+    async def run(self, controller: Controller, stop: asyncio.Event) -> None:
+        """Samples ``controller`` now and every :attr:`sample_s` until ``stop`` (in the app's
+        lifespan)."""
         loop = asyncio.get_running_loop()
         due = loop.time()
-        while True:
+        while not stop.is_set():
             try:
                 self.sample(controller)
             except Exception:  # a bug here must not end the history, nor the server
-                log.exception("the history sample failed; the next one is in %ss", self.sample_s)
+                log.exception("the history sample failed; the next one is in %gs", self.sample_s)
             due = max(due + self.sample_s, loop.time())
-            await asyncio.sleep(due - loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), due - loop.time())
 
     # ---------------------------------------------------------------- reading
 

@@ -92,7 +92,8 @@ class ApiError extends Error {
 }
 
 async function api(method, path, body) {
-  const init = { method, headers: headers(body ? { "Content-Type": "application/json" } : {}) };
+  // Every change says JSON, with a body or not: the controller refuses changes without it.
+  const init = { method, headers: headers(method !== "GET" ? { "Content-Type": "application/json" } : {}) };
   if (body) init.body = JSON.stringify(body);
   const response = await fetch(path, init);
   const text = await response.text();
