@@ -11,12 +11,15 @@ written to the store: a restarted controller starts an empty history.
 
 Readers poll ``GET /v1/history?since=T`` at the sample rate and get the samples after
 ``T``: a sample is a reading, not a change of state, so it has no place in the event
-history (persisted, bounded, replayed on resume) that ``/v1/events`` streams.
+history (persisted, bounded, replayed on resume) that ``/v1/events`` streams. Costs, at
+the cap (1024 GPUs): a sample about 2 ms; a whole read about 7.5 MiB of JSON, 0.2 s
+(once, when a dashboard opens); a read with ``since`` of one new sample about 3 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import time
@@ -83,8 +86,12 @@ class _Series:
         self.busy[slot] = sample.busy_mb
 
 
-def _values(ring: array[int], slots: list[int]) -> list[int | None]:
-    return [None if ring[slot] == MISSING else ring[slot] for slot in slots]
+def _values(ring: array[int], window: slice, oldest: int) -> list[int] | list[int | None]:
+    """The ring's values, oldest first (from slot ``oldest`` round), in ``window``."""
+    values = (ring[oldest:] + ring[:oldest])[window].tolist()
+    if MISSING not in values:  # the usual case: no loop in Python
+        return values
+    return [None if v == MISSING else v for v in values]
 
 
 class History:
@@ -180,25 +187,29 @@ class History:
         """The kept samples taken after ``since`` (all without it), oldest first, as JSON:
         ``times``, and per GPU and per priority class one value per time (``null``: the
         GPU was not there, or its probe saw nothing)."""
-        first = max(0, self._count - self.samples)
-        slots = [n % self.samples for n in range(first, self._count)]
-        if since is not None:
-            slots = [slot for slot in slots if self._times[slot] > since]
+        oldest = self._count % self.samples if self._count > self.samples else 0
+        times = (self._times[oldest:] + self._times[:oldest]).tolist()
+        kept = min(self._count, self.samples)
+        first = 0 if since is None else bisect.bisect_right(times, since, 0, kept)
+        window = slice(first, kept)
         return {
             "sample_s": self.sample_s,
             "samples": self.samples,
             "max_gpus": self.max_gpus,
             "gpus_left_out": self._left_out,
-            "times": [self._times[slot] for slot in slots],
+            "times": times[window],
             "gpus": [
                 {
                     "id": gpu_id,
                     "total_mb": series.total_mb,
-                    "committed_mb": _values(series.committed, slots),
-                    "used_mb": _values(series.used, slots),
-                    "busy_mb": _values(series.busy, slots),
+                    "committed_mb": _values(series.committed, window, oldest),
+                    "used_mb": _values(series.used, window, oldest),
+                    "busy_mb": _values(series.busy, window, oldest),
                 }
                 for gpu_id, series in sorted(self._gpus.items())
             ],
-            "queue": {name: [ring[slot] for slot in slots] for name, ring in self._queue.items()},
+            "queue": {
+                name: (ring[oldest:] + ring[:oldest])[window].tolist()
+                for name, ring in self._queue.items()
+            },
         }
