@@ -548,6 +548,28 @@ async def test_tables_lead_with_the_holder_and_say_why_in_words(
     dashboard.assert_clean()
 
 
+async def test_many_gpus_that_say_the_same_are_one_line(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    register(admin, "small", gpus=6, total_mb=12288)
+    used = [3000, 4000, 5000, 6000, 7000, 8000]  # 9.1 GiB free at most, each its own
+    probe = {"gpus": [{"index": i, "used_mb": mb} for i, mb in enumerate(used)]}
+    assert admin.post("/v1/workers/small/heartbeat", json=probe).status_code == 200
+    for holder in ("alice", "bob"):
+        lease_on(admin, "local", "20G", holder, "normal")
+    waiting = lease(admin, "10G", holder="carol")
+    assert waiting["state"] == "pending"
+    await dashboard.open(server.admin_token)
+    cell = dashboard.page.locator(f'#queue tr[data-id="{waiting["id"]}"] td.reason')
+    full = cell.locator(".verdicts li").filter(has_text="not enough free memory")
+    await expect(full).to_have_count(1)
+    await expect(full).to_have_text(
+        "local:0, local:1, small:0 and 5 more not enough free memory: needs 10.0 GiB, "
+        "at most 9.1 GiB free"
+    )
+    dashboard.assert_clean()
+
+
 # ---------------------------------------------------------------- the last hour
 
 

@@ -187,17 +187,31 @@ function listOfGpus(ids) {
   return ids.length > 4 ? `${ids.slice(0, 3).join(", ")} and ${ids.length - 3} more` : ids.join(", ");
 }
 
-// The API's sentence (the same words as the CLI), then each GPU's verdict in words,
-// grouped when several GPUs say the same, then any other field the API gives.
+// Many GPUs that say the same: one line, with the figure that matters most.
+function groupText(code, verdicts) {
+  const most = (key) => Math.max(0, ...verdicts.map((v) => v[key] || 0));
+  if (code === "insufficient_vram") return `${words(code)}: needs ${mib(verdicts[0].need_mb)}, at most ${mib(most("free_mb"))} free`;
+  if (code === "nominated_for") return `${words(code)}: up to ${mib(most("held_mb"))} held`;
+  return words(code);
+}
+
+const GPU_LINES = 4; // more GPUs than this with one code: one line for them all
+
+// The API's sentence (the same words as the CLI), then what the GPUs say in words (one
+// line per GPU, or per code when many GPUs give it), then any other field the API gives.
 function reasonView(reason) {
   if (!reason) return "";
-  const byText = new Map();
+  const byCode = new Map();
   for (const verdict of reason.gpus || []) {
-    const text = verdictText(verdict);
-    if (!byText.has(text)) byText.set(text, []);
-    byText.get(text).push(verdict.gpu);
+    if (!byCode.has(verdict.code)) byCode.set(verdict.code, []);
+    byCode.get(verdict.code).push(verdict);
   }
-  const lines = [...byText].map(([text, gpus]) => el("li", {}, el("b", {}, listOfGpus(gpus)), " ", text));
+  const lines = [];
+  for (const [code, verdicts] of byCode) {
+    const gpus = verdicts.map((v) => v.gpu);
+    if (verdicts.length > GPU_LINES) lines.push(el("li", {}, el("b", {}, listOfGpus(gpus)), " ", groupText(code, verdicts)));
+    else for (const v of verdicts) lines.push(el("li", {}, el("b", {}, v.gpu), " ", verdictText(v)));
+  }
   if ((reason.nominated || []).length) lines.push(el("li", {}, `first in line on ${listOfGpus(reason.nominated)}`));
   if (reason.blocked_by) lines.push(el("li", {}, `waits on ${holderOf(reason.blocked_by)}`));
   for (const [key, value] of Object.entries(reason)) {
@@ -515,7 +529,7 @@ function renderLeases(leases) {
     { title: "state", value: leaseState },
     { title: "GPUs", value: (r) => (r.gpus || []).join(", ") },
     { title: "VRAM", value: (r) => mib(r.vram_mb) + (r.gpus && r.gpus.length > 1 ? ` × ${r.gpus.length}` : "") },
-    { title: "priority", value: (r) => el("span", {}, el("i", { class: "swatch prio-" + priorityClass(r.priority) }), r.priority_name) },
+    { title: "priority", class: "nowrap", value: (r) => el("span", {}, el("i", { class: "swatch prio-" + priorityClass(r.priority) }), r.priority_name) },
     { title: "expires in", value: (r) => (r.expires_at ? `${Math.max(0, Math.round(r.expires_at - Date.now() / 1000))}s` : "") },
     { title: "lease", class: "id", value: (r) => r.id },
     { title: "fencing token", value: (r) => r.token },
@@ -536,7 +550,10 @@ function renderSummary(status) {
   for (const [state, n] of Object.entries(status.leases_by_state || {})) {
     if (HELD.includes(state)) parts.push(`${n} ${state}`);
   }
-  for (const [key, n] of Object.entries(counters)) parts.push(`${n} ${key}`);
+  for (const [key, n] of Object.entries(counters)) {
+    const [what, why] = key.split(":");
+    parts.push(`${n} ${words(what)}` + (why ? ` (${words(why)})` : ""));
+  }
   if (status.paused) parts.push("paused: nothing is granted until resume");
   $("summary").textContent = parts.join(" · ");
 }
