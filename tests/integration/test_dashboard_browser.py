@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -236,38 +237,75 @@ async def test_drain_cancel_drain_and_release_from_the_page_with_the_admin_token
     dashboard.assert_clean()
 
 
-async def test_actions_are_refused_without_the_admin_token(
+async def test_before_a_token_the_page_says_where_the_admin_token_is_and_hides_actions(
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:
     page = dashboard.page
-    toast = page.locator("#toast")
-
-    # A valid token of another role reads everything, and may not drain or pause.
-    await dashboard.open(server.token("client"))
-    await dashboard.worker_button("local", "drain").click()
-    await expect(toast).to_be_visible()
-    await expect(toast).to_contain_text("drain local refused: 403 forbidden")
-    await page.click("#pause")
-    await expect(toast).to_contain_text("pause refused: 403 forbidden")
-    assert worker_state(admin, "local") == "online"
-
-    # No token: nothing to see, and the controller refuses the action.
-    await page.click("#logout")
-    await expect(page.locator("#notice")).to_contain_text("Enter a token")
+    await page.goto(server.url + "/")
+    notice = page.locator("#notice")
+    await expect(notice).to_contain_text("Enter a token")
+    token_file = server.state_dir / "admin.token"
+    await expect(notice.locator(".token-file")).to_have_text(str(token_file))
+    await expect(notice).to_contain_text("gpu-arbiter token create --role client")
     await expect(page.locator(".worker")).to_have_count(0)
-    await page.click("#pause")
-    await expect(toast).to_contain_text("pause refused: 401")
-    await expect(toast).to_contain_text("enter the admin token")
+    for action in ("#pause", "#resume"):
+        await expect(page.locator(action)).to_be_hidden()
+
+    # The token in that file is the admin's: the actions show.
+    await page.fill("#token", token_file.read_text().strip())
+    await page.click("#login button[type=submit]")
+    await expect(page.locator("body[data-loaded=true]")).to_have_count(1)
+    await expect(page.locator("#role")).to_have_text("admin")
+    await expect(page.locator("#pause")).to_be_visible()
+    await expect(dashboard.worker_button("local", "drain")).to_be_visible()
+    dashboard.assert_clean()
+
+
+async def test_a_token_of_another_role_reads_everything_and_sees_no_actions(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    held = lease(admin, "4G")
+    await dashboard.open(server.token("client"))
+    page = dashboard.page
+    await expect(page.locator("#role")).to_have_text("client: read only")
+    await expect(page.locator(f'#leases tr[data-id="{held["id"]}"]')).to_contain_text("alice")
+    await expect(page.locator(".gpu")).to_have_count(2)
+    for hidden in ("#pause", "#resume", "button[data-action=release]"):
+        await expect(page.locator(hidden)).to_be_hidden()
+    await expect(dashboard.worker_button("local", "drain")).to_be_hidden()
 
     # A token the controller does not know.
     await page.fill("#token", "gat_not-a-token")
     await page.click("#login button[type=submit]")
     await expect(page.locator("#notice")).to_contain_text("refused this token")
-    await page.click("#resume")
-    await expect(toast).to_contain_text("resume refused: 401")
+    await expect(page.locator("#notice .token-file")).to_have_text(
+        str(server.state_dir / "admin.token")
+    )
+    await expect(page.locator(".worker")).to_have_count(0)
+    await expect(page.locator("#pause")).to_be_hidden()
+    dashboard.assert_clean()
 
+
+async def test_an_action_the_controller_refuses_says_why(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    await dashboard.open(server.admin_token)
+    page = dashboard.page
+    # The token stops being valid while the page shows the admin's buttons (in one turn
+    # of the page's script: a refresh in between would take the buttons away first).
+    await expect(dashboard.worker_button("local", "drain")).to_be_visible()
+    await page.evaluate(
+        """() => {
+            state.token = "gat_not-a-token";
+            document.querySelector('.worker[data-worker="local"] [data-action=drain]').click();
+        }"""
+    )
+    toast = page.locator("#toast")
+    await expect(toast).to_contain_text("drain local refused: 401")
+    await expect(toast).to_contain_text("enter the admin token")
+    await expect(page.locator("#notice")).to_contain_text("refused this token")
+    await expect(page.locator("#pause")).to_be_hidden()
     assert worker_state(admin, "local") == "online"
-    assert admin.get("/v1/status").json()["paused"] is False
     dashboard.assert_clean()
 
 
@@ -352,3 +390,285 @@ async def test_a_standby_says_so_and_links_to_the_leader(
         leader.assert_clean()
     finally:
         controllers.stop()
+
+
+# ---------------------------------------------------------------- who holds what
+
+
+def lease_on(admin: httpx.Client, worker: str, vram: str, holder: str, priority: str) -> str:
+    body = {
+        "vram_mb": vram,
+        "holder": holder,
+        "priority": priority,
+        "ttl_s": 300,
+        "constraints": {"worker": worker},
+    }
+    answer = admin.post("/v1/leases", json=body)
+    assert answer.status_code == 201, answer.text
+    lease_id: str = answer.json()["id"]
+    return lease_id
+
+
+def held_on_one_gpu(admin: httpx.Client) -> dict[str, str]:
+    """On ``edge:0`` (24 GiB, probe: 6 GiB in use): alice 8G normal (active), bob 4G
+    batch (revoking), carol 2G interactive (active), dave 256M critical (loading)."""
+    register(admin, "edge", gpus=1, total_mb=24576)
+    probe = {"gpus": [{"index": 0, "used_mb": 6144}]}
+    assert admin.post("/v1/workers/edge/heartbeat", json=probe).status_code == 200
+    ids: dict[str, str] = {}
+    for holder, vram, priority in (
+        ("alice", "8G", "normal"),
+        ("bob", "4G", "batch"),
+        ("carol", "2G", "interactive"),
+        ("dave", "256M", "critical"),
+    ):
+        ids[holder] = lease_on(admin, "edge", vram, holder, priority)
+        if holder != "dave":  # one load at a time per GPU: the next is granted once ready
+            assert admin.post(f"/v1/leases/{ids[holder]}/ready").status_code == 200
+    assert admin.post(f"/v1/leases/{ids['bob']}/revoke").json()["state"] == "revoking"
+    return ids
+
+
+async def boxes(page: Page, *selectors: str) -> list[dict[str, float]]:
+    """The drawn boxes of the first element of each selector, all read in one turn of the
+    page's script (the page redraws as news comes: separate reads could straddle one)."""
+    found: list[dict[str, float] | None] = await page.evaluate(
+        """(selectors) => selectors.map((selector) => {
+            const node = document.querySelector(selector);
+            if (!node) return null;
+            const r = node.getBoundingClientRect();
+            return { x: r.x, y: r.y, width: r.width, height: r.height };
+        })""",
+        list(selectors),
+    )
+    missing = [s for s, b in zip(selectors, found, strict=True) if b is None]
+    assert not missing, f"not on the page: {missing}"
+    return [b for b in found if b is not None]
+
+
+async def assert_segments_drawn_to_scale(page: Page, ids: dict[str, str]) -> None:
+    """Each lease is a segment of the bar as wide as its share of the GPU (within a pixel
+    or two), in the order of grant; the probe's reading is a line at its share."""
+    shares = {"alice": 8 / 24, "bob": 4 / 24, "carol": 2 / 24, "dave": 1 / 96}
+    bar, used, *segments = await boxes(
+        page,
+        '.gpu[data-gpu="edge:0"] .bar',
+        '.gpu[data-gpu="edge:0"] .used-line',
+        *(f'.segment[data-lease="{ids[holder]}"]' for holder in shares),
+    )
+    left = bar["x"]
+    for (holder, share), segment in zip(shares.items(), segments, strict=True):
+        assert segment["width"] == pytest.approx(bar["width"] * share, abs=1.5), holder
+        assert segment["x"] == pytest.approx(left, abs=1.5), holder
+        assert segment["height"] == pytest.approx(bar["height"], abs=1), holder
+        left += segment["width"]
+    middle = used["x"] + used["width"] / 2
+    assert middle == pytest.approx(bar["x"] + bar["width"] / 4, abs=2)  # 6 of 24 GiB
+
+
+async def test_each_gpu_bar_is_split_per_lease_to_scale_with_its_holder(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    ids = held_on_one_gpu(admin)
+    await dashboard.open(server.admin_token)
+    page = dashboard.page
+    segments = page.locator('.gpu[data-gpu="edge:0"] .segment')
+    await expect(segments).to_have_count(4)
+    await assert_segments_drawn_to_scale(page, ids)
+
+    alice = page.locator(f'.segment[data-lease="{ids["alice"]}"]')
+    await expect(alice.locator(".label")).to_have_text("alice")
+    await expect(alice.locator(".label")).to_be_visible()
+    await expect(alice).to_have_attribute("title", re.compile(r"^alice: 8\.0 GiB on edge:0"))
+    dave = page.locator(f'.segment[data-lease="{ids["dave"]}"]')
+    await expect(dave.locator(".label")).to_be_hidden()  # 1/96 of the bar: no room
+    await expect(dave).to_have_attribute("title", re.compile(r"^dave: 256 MiB"))
+
+    # Colour by priority class; hatched while loading; outlined while revoking.
+    style = "(e, p) => getComputedStyle(e)[p]"
+    colours = {}
+    for holder, priority in (("alice", "normal"), ("bob", "batch"), ("carol", "interactive")):
+        segment = page.locator(f'.segment[data-lease="{ids[holder]}"]')
+        await expect(segment).to_have_attribute("data-class", priority)
+        colours[holder] = await segment.evaluate(style, "backgroundColor")
+    await expect(dave).to_have_attribute("data-class", "critical")
+    colours["dave"] = await dave.evaluate(style, "backgroundColor")
+    assert len(set(colours.values())) == 4, colours
+    assert "repeating-linear-gradient" in await dave.evaluate(style, "backgroundImage")
+    assert "gradient" not in await alice.evaluate(style, "backgroundImage")
+    bob = page.locator(f'.segment[data-lease="{ids["bob"]}"]')
+    assert await bob.evaluate(style, "outlineStyle") == "dashed"
+    assert await alice.evaluate(style, "outlineStyle") == "none"
+
+    # Released: its segment goes, the others keep their sizes.
+    assert admin.delete(f"/v1/leases/{ids['carol']}").status_code == 200
+    await expect(segments).to_have_count(3)
+    left, right = await boxes(
+        page, f'.segment[data-lease="{ids["bob"]}"]', f'.segment[data-lease="{ids["dave"]}"]'
+    )
+    assert right["x"] == pytest.approx(left["x"] + left["width"], abs=1.5)
+
+    await page.set_viewport_size(PHONE)
+    await expect(segments).to_have_count(3)
+    bar, alice_box = await boxes(
+        page, '.gpu[data-gpu="edge:0"] .bar', f'.segment[data-lease="{ids["alice"]}"]'
+    )
+    assert bar["width"] < PHONE["width"]
+    assert alice_box["width"] == pytest.approx(bar["width"] / 3, abs=1.5)
+    dashboard.assert_clean()
+
+
+async def test_tables_lead_with_the_holder_and_say_why_in_words(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    held = lease(admin, "20G", holder="alice")
+    lease(admin, "12G", holder="bob")
+    waiting = lease(admin, "20G", holder="carol")
+    assert waiting["state"] == "pending"
+    await dashboard.open(server.admin_token)
+    page = dashboard.page
+    for table in ("#queue", "#leases"):
+        await expect(page.locator(f"{table} th").first).to_have_text("holder")
+    queued = page.locator(f'#queue tr[data-id="{waiting["id"]}"]')
+    await expect(queued.locator("td").first).to_have_text("carol")
+    await expect(page.locator(f'#leases tr[data-id="{held["id"]}"] td').first).to_have_text("alice")
+
+    reason = admin.get(f"/v1/leases/{waiting['id']}").json()["reason"]
+    cell = queued.locator("td.reason")
+    await expect(cell.locator(".reason-text")).to_have_text(reason["message"])
+    verdicts = cell.locator(".verdicts li")
+    for verdict in reason["gpus"]:
+        if verdict["code"] == "insufficient_vram":
+            line = verdicts.filter(has_text=verdict["gpu"])
+            await expect(line).to_contain_text("not enough free memory: needs 20.0 GiB")
+            await expect(line).to_contain_text(f"{format_mb(verdict['free_mb'])} free")
+    await expect(verdicts).to_have_count(len(reason["gpus"]))
+    for line in await verdicts.all_inner_texts():
+        assert "_" not in line, line  # words, not codes
+    dashboard.assert_clean()
+
+
+async def test_many_gpus_that_say_the_same_are_one_line(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    register(admin, "small", gpus=6, total_mb=12288)
+    used = [3000, 4000, 5000, 6000, 7000, 8000]  # 9.1 GiB free at most, each its own
+    probe = {"gpus": [{"index": i, "used_mb": mb} for i, mb in enumerate(used)]}
+    assert admin.post("/v1/workers/small/heartbeat", json=probe).status_code == 200
+    for holder in ("alice", "bob"):
+        lease_on(admin, "local", "20G", holder, "normal")
+    waiting = lease(admin, "10G", holder="carol")
+    assert waiting["state"] == "pending"
+    await dashboard.open(server.admin_token)
+    cell = dashboard.page.locator(f'#queue tr[data-id="{waiting["id"]}"] td.reason')
+    full = cell.locator(".verdicts li").filter(has_text="not enough free memory")
+    await expect(full).to_have_count(1)
+    await expect(full).to_have_text(
+        "local:0, local:1, small:0 and 5 more not enough free memory: needs 10.0 GiB, "
+        "at most 9.1 GiB free"
+    )
+    dashboard.assert_clean()
+
+
+# ---------------------------------------------------------------- the last hour
+
+
+@pytest.fixture
+def quick_history(start_server: Callable[..., Server], tmp_path: Path) -> Server:
+    """A controller of two simulated 24 GiB GPUs sampling its history twice a second."""
+    config = tmp_path / "arbiter.toml"
+    config.write_text("history_sample_s = 0.5\n")
+    return start_server("--simulate", "2x24G:sm_86", "--config", str(config))
+
+
+def history_now(admin: httpx.Client, gpu: str) -> dict[str, Any]:
+    kept = admin.get("/v1/history").json()
+    series = {g["id"]: g for g in kept["gpus"]}[gpu]
+    return {key: series[key][-1] for key in ("committed_mb", "busy_mb", "used_mb")}
+
+
+async def test_a_history_strip_per_gpu_and_for_the_queue_drawn_to_scale(
+    quick_history: Server, browser: BrowserContext
+) -> None:
+    dashboard = Dashboard(await browser.new_page(), quick_history)
+    with quick_history.client() as admin:
+        held = lease(admin, "8G")
+        gpu = held["gpus"][0]
+        other = "local:1" if gpu == "local:0" else "local:0"
+        lease(admin, "20G", holder="bob")  # the other GPU
+        waiting = admin.post("/v1/leases", json={"vram_mb": "20G", "priority": "batch"})
+        assert waiting.json()["state"] == "pending"
+        await eventually(lambda: history_now(admin, gpu)["committed_mb"] == 8192, "a sample")
+        await dashboard.open(quick_history.admin_token)
+        page = dashboard.page
+
+        strip = page.locator(f'.history[data-gpu="{gpu}"] svg')
+        await expect(strip).to_have_count(1)
+        committed = strip.locator("path.h-committed")
+        await expect(committed).to_have_attribute("d", re.compile(r"L[\d.]+ 66\.67"))
+        here = f'.history[data-gpu="{gpu}"] svg'
+        drawn = await boxes(
+            page,
+            here,
+            f"{here} path.h-committed",
+            f"{here} path.h-busy",
+            f'.history[data-gpu="{other}"] svg path.h-committed',
+        )
+        height = drawn[0]["height"]
+        assert drawn[1]["height"] == pytest.approx(height / 3, abs=1.5)  # 8 of 24 GiB
+        assert drawn[2]["height"] == pytest.approx(height / 3, abs=1.5)
+        assert drawn[3]["height"] == pytest.approx(height * 20 / 24, abs=1.5)
+        busy = strip.locator("path.h-busy")
+
+        # Kept warm: still committed, no longer busy, in the samples that follow.
+        assert admin.post(f"/v1/leases/{held['id']}/ready").status_code == 200
+        assert admin.post(f"/v1/leases/{held['id']}/idle").status_code == 200
+        await eventually(lambda: history_now(admin, gpu)["busy_mb"] == 0, "an idle sample")
+        await expect(busy).to_have_attribute("d", re.compile(r"L[\d.]+ 100\.00 L[\d.]+ 100 Z$"))
+        await expect(committed).to_have_attribute("d", re.compile(r"L[\d.]+ 66\.67 L[\d.]+ 100 Z$"))
+
+        # The queue: one batch request waiting, the peak of the strip.
+        queue = page.locator("#queue-history svg")
+        await expect(queue).to_have_attribute("data-peak", "1")
+        whole, batch = await boxes(
+            page, "#queue-history svg", '#queue-history svg path[data-class="batch"]'
+        )
+        assert batch["height"] == pytest.approx(whole["height"], abs=1.5)
+        samples = int(await strip.get_attribute("data-samples") or 0)
+        assert samples >= 2
+        assert samples <= admin.get("/v1/history").json()["samples"]
+    dashboard.assert_clean()
+
+
+def test_the_history_route_reads_the_last_samples_and_follows_with_since(
+    quick_history: Server,
+) -> None:
+    with quick_history.client() as admin:
+        held = lease(admin, "8G")
+        gpu = held["gpus"][0]
+        wait_for(lambda: history_now(admin, gpu)["committed_mb"] == 8192, 20, "a sample")
+        kept = admin.get("/v1/history").json()
+        assert kept["sample_s"] == 0.5
+        assert kept["samples"] == 360
+        assert len(kept["times"]) <= kept["samples"]
+        assert kept["times"] == sorted(kept["times"])
+        for series in kept["gpus"]:
+            assert len(series["committed_mb"]) == len(kept["times"])
+            assert series["total_mb"] == 24576
+            assert set(series["used_mb"]) == {None}  # a simulated GPU has no probe
+        assert history_now(admin, gpu) == {"committed_mb": 8192, "busy_mb": 8192, "used_mb": None}
+        assert set(kept["queue"]) == {"critical", "interactive", "normal", "background", "batch"}
+
+        last = kept["times"][-1]
+        wait_for(lambda: admin.get("/v1/history").json()["times"][-1] > last, 20, "the next")
+        newer = admin.get("/v1/history", params={"since": last}).json()
+        assert newer["times"] and min(newer["times"]) > last
+        assert all(len(g["committed_mb"]) == len(newer["times"]) for g in newer["gpus"])
+
+    with quick_history.client(token=None) as anonymous:
+        assert anonymous.get("/v1/history").status_code == 401
+        assert anonymous.get("/v1/access").json() == {
+            "auth": True,
+            "role": None,
+            "admin_token_file": str(quick_history.state_dir / "admin.token"),
+        }

@@ -132,3 +132,14 @@ def test_a_token_revoked_in_the_store_is_refused_after_the_recheck_period() -> N
     now[0] += TOKEN_RECHECK_S
     with pytest.raises(Unauthorized):
         auth.authenticate(f"Bearer {token}")
+
+
+def test_the_history_sample_interval_comes_from_the_file_and_is_checked(tmp_path: Path) -> None:
+    config = tmp_path / "arbiter.toml"
+    config.write_text("[serve]\nhistory_sample_s = 2\n")
+    assert ServeConfig.resolve({}, config).history_sample_s == 2
+    assert ServeConfig.resolve({}, None).history_sample_s == 10.0
+    for bad in ("0.05", "1e9", '"fast"', "true", "nan"):
+        config.write_text(f"history_sample_s = {bad}\n")
+        with pytest.raises(InvalidInput, match="history_sample_s"):
+            ServeConfig.resolve({}, config)

@@ -19,6 +19,7 @@ from .auth import Authenticator
 from .errors import error_response, install_error_handlers
 from .events import EventFeed
 from .guards import RequestGuard
+from .history import History
 from .limits import BodyLimit, ClientLimits, Slots
 from .metrics import metrics_registry, refusal_counter, render
 from .retention import prune_ended
@@ -40,12 +41,18 @@ def create_app(
     standby: bool = False,
     allowed_hosts: frozenset[str] | None = None,
     retention_s: float = 7 * 86400.0,
+    history: History | None = None,
+    admin_token_file: Path | None = None,
 ) -> FastAPI:
     """The controller is started in the app's lifespan and closed (with its store) after.
     With ``standby``, it starts as a standby (a shared store's leader is elected beside
     the server: see ``ha.py``). ``allowed_hosts``: the names a request's ``Host`` may
     give besides IP addresses (None: any; see ``guards.py``). Ended leases are forgotten
-    ``retention_s`` after they ended (0: kept; see ``retention.py``)."""
+    ``retention_s`` after they ended (0: kept; see ``retention.py``). ``history`` samples
+    the controller while the app runs (default: every 10 s, the last hour);
+    ``admin_token_file`` is where ``GET /v1/access`` tells a local caller to find the
+    admin token."""
+    kept = history or History()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +64,7 @@ def create_app(
         try:
             async with asyncio.TaskGroup() as background:
                 background.create_task(prune_ended(controller, retention_s, stop))
+                background.create_task(kept.run(controller, stop))
                 try:
                     yield
                 finally:
@@ -78,6 +86,8 @@ def create_app(
     )
     app.state.controller = controller
     app.state.auth = auth
+    app.state.history = kept
+    app.state.admin_token_file = admin_token_file
     bounds = client_limits or ClientLimits()
     app.state.event_feed = EventFeed(controller)
     app.state.streams = Slots("streams", bounds.max_streams_per_token, bounds.max_streams)

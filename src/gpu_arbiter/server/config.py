@@ -7,7 +7,10 @@ options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``max_streams_per_token``, ``max_long_polls``, ``max_long_polls_per_token``,
 ``log_level``, ``log_format``, ``advertise_url``, ``leader_ttl_s``, ``allowed_hosts``,
 ``retention``, ``max_header_bytes``, ``max_headers``, ``header_timeout_s``,
-``max_connections``), optionally under ``[serve]``.
+``max_connections``, ``history_sample_s``), optionally under ``[serve]``.
+
+``history_sample_s`` (config file only; default 10): how often the dashboard's history
+is sampled; the last 360 samples are kept (an hour at 10 s; see ``history.py``).
 
 ``store``: ``sqlite`` (the state directory's ``state.db``), ``memory``, or a
 ``postgresql://`` URL (a database several controllers share: one leads, see ``ha.py``).
@@ -69,8 +72,14 @@ class ServeConfig:
     max_headers: int = 100
     header_timeout_s: float = 10.0
     max_connections: int = 10_000
+    history_sample_s: float = 10.0
 
     def __post_init__(self) -> None:
+        sample_s = self.history_sample_s
+        if isinstance(sample_s, bool) or not isinstance(sample_s, int | float):
+            raise InvalidInput("history_sample_s", f"must be a number of seconds, not {sample_s!r}")
+        if not 0.1 <= sample_s <= 600:
+            raise InvalidInput("history_sample_s", "must be between 0.1 and 600 seconds")
         if self.store not in ("sqlite", "memory") and not is_postgres_url(self.store):
             scheme, sep, _ = self.store.partition("://")  # the rest may hold a password
             shown = f"{scheme}://..." if sep else self.store

@@ -18,9 +18,11 @@ from ..controller import Controller, GpuProbeReport
 from ..core import Gpu, LeaseState, validate_worker_name
 from ..store import LeaseRecord
 from . import schemas as s
-from .auth import Forbidden, Principal
+from .auth import Forbidden, Principal, Unauthorized
+from .config import is_loopback
 from .errors import error_response
 from .events import EventFeed, EventStreamResponse, event_stream
+from .history import History
 from .limits import Slots
 
 __all__ = ["router"]
@@ -435,3 +437,55 @@ async def events(
     streams.take(who.id)
     body = event_stream(feed, after, lease=lease, worker=worker)
     return EventStreamResponse(body, release=lambda: streams.give(who.id))
+
+
+# ---------------------------------------------------------------- history and access
+
+
+@router.get(
+    "/history",
+    response_model=s.HistoryOut,
+    summary="The last hour, from the controller's memory: per GPU the committed, used and "
+    "busy memory, and the queue depth by priority class",
+)
+async def history(
+    request: Request,
+    since: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
+) -> JSONResponse:
+    """A sample every ``sample_s`` seconds; with ``since=T`` (a time of ``times``), only the
+    samples after it: poll at the sample rate to follow."""
+    _context(request)
+    kept: History = request.app.state.history
+    return JSONResponse(kept.read(since))
+
+
+def _role(request: Request) -> str | None:
+    """The role of the request's token; None without one, or for an unknown one."""
+    try:
+        principal: Principal = request.app.state.auth.authenticate(
+            request.headers.get("authorization")
+        )
+    except Unauthorized:
+        return None
+    return principal.role
+
+
+@router.get(
+    "/access",
+    response_model=s.AccessOut,
+    summary="How to sign in (no token needed): whether tokens are needed, the role of the "
+    "token sent, and, to a caller on this machine, where the admin token is",
+)
+async def access(request: Request) -> JSONResponse:
+    """The admin token's path is told only to a caller on the controller's own machine
+    (loopback): it is no secret (the file is readable by its owner only), but it names a
+    local directory, and whoever can read the file is on that machine."""
+    token_file = request.app.state.admin_token_file
+    client = request.client.host if request.client else ""
+    local = token_file is not None and is_loopback(client)
+    body = {
+        "auth": request.app.state.auth.enabled,
+        "role": _role(request),
+        "admin_token_file": str(token_file) if local else None,
+    }
+    return JSONResponse(body)

@@ -560,3 +560,45 @@ def event_out(event: Event) -> dict[str, Any]:
         "worker": event.worker,
         "data": dict(event.data),
     }
+
+
+# ---------------------------------------------------------------- history and access
+
+
+class GpuHistoryOut(BaseModel):
+    """One GPU's samples, one value per time of ``times`` (``null``: the GPU was not
+    there then; for ``used_mb`` also: its probe reported nothing)."""
+
+    id: str
+    total_mb: int
+    committed_mb: list[int | None]
+    used_mb: list[int | None]
+    busy_mb: list[int | None]
+
+
+class HistoryOut(BaseModel):
+    """The controller's recent history, kept in its memory (a restart starts it afresh):
+    a sample every ``sample_s`` seconds, the last ``samples`` of them, for at most
+    ``max_gpus`` GPUs (``gpus_left_out``: how many more the last sample saw)."""
+
+    sample_s: float
+    samples: int
+    max_gpus: int
+    gpus_left_out: int
+    times: list[float]
+    gpus: list[GpuHistoryOut]
+    queue: dict[str, list[int]] = Field(
+        description="Pending requests per priority class (critical, interactive, normal, "
+        "background, batch: the highest name at or below the priority), one count per time"
+    )
+
+
+class AccessOut(BaseModel):
+    """How to sign in. ``auth``: whether tokens are needed; ``role``: the role of the
+    token sent, if the controller knows it (``null`` without one, or for an unknown one);
+    ``admin_token_file``: where this controller keeps its admin token, told only to a
+    caller on the controller's own machine (loopback), ``null`` otherwise."""
+
+    auth: bool
+    role: str | None
+    admin_token_file: str | None

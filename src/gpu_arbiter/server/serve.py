@@ -34,6 +34,7 @@ from .config import ServeConfig, is_loopback, parse_simulate
 from .connections import HeadLimits, bounded_http, raise_open_files_limit
 from .guards import allowed_hosts
 from .ha import Coordinator, LeaderStore
+from .history import History
 from .limits import ClientLimits
 
 __all__ = [
@@ -147,10 +148,12 @@ def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | N
             redactor.hide(urlsplit(config.store).password)  # the database's, if in the URL
     store = open_store(config)
     admin_token = None
+    token_file = None
     if config.auth:
         state_dir = config.state_path
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path, created = ensure_admin_token(state_dir, store)
+        token_file = path
         admin_token = path.read_text(encoding="utf-8").strip()
         redactor.hide(admin_token)
         say(f"admin token {'created in' if created else 'in'} {path}")
@@ -177,6 +180,8 @@ def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | N
         standby=isinstance(store, PostgresStore),  # shared: a leader is elected beside
         allowed_hosts=allowed_hosts(sock.getsockname()[0], config),
         retention_s=config.retention_s,
+        history=History(sample_s=config.history_sample_s),
+        admin_token_file=token_file,
     )
     server = _Server(app.state.event_feed.close, _uvicorn_config(app, config))
     companions = [] if companion is None else [companion]

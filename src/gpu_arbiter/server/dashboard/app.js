@@ -2,22 +2,36 @@
 // Snapshots come from the /v1 API; the event stream (/v1/events, Server-Sent
 // Events read through fetch so that the token can travel in a header) says when
 // to refresh them. A slow periodic refresh catches what no event announces
-// (the memory a probe observes).
+// (the memory a probe observes). The history strips are polled from
+// /v1/history at the controller's sample rate: samples are readings, not events.
 "use strict";
 
 const TOKEN_KEY = "gpu-arbiter-token";
 const HELD = ["loading", "active", "revoking"];
 const EVENTS_SHOWN = 50;
 const PERIODIC_REFRESH_MS = 5000;
+const LABEL_MIN_PX = 28; // a segment narrower than this shows no name (its title does)
+const CLASSES = [["critical", 1000], ["interactive", 800], ["normal", 500], ["background", 300], ["batch", 100]];
 const state = {
   token: sessionStorage.getItem(TOKEN_KEY) || "",
   generation: 0, // bumped when the token changes: older answers and streams are dropped
+  access: null, // GET /v1/access: whether tokens are needed, this token's role
+  live: -1, // the generation whose event stream and history polling run
   stream: null,
   refreshTimer: null,
   refreshing: false,
   refreshAgain: false,
+  holders: new Map(), // lease id -> holder, for the words of reasons and events
+  history: null,
+  lastWorkers: [],
 };
 const $ = (id) => document.getElementById(id);
+// The SVG namespace, from the parser rather than spelled out: the dashboard names no URL.
+const SVG_NS = (() => {
+  const t = document.createElement("template");
+  t.innerHTML = "<svg></svg>";
+  return t.content.firstChild.namespaceURI;
+})();
 
 // ---------------------------------------------------------------- helpers
 
@@ -30,10 +44,13 @@ function clock(at) {
   return new Date((at || Date.now() / 1000) * 1000).toLocaleTimeString([], { hour12: false });
 }
 
-function ago(at) {
-  if (!at) return "";
-  const s = Math.max(0, Date.now() / 1000 - at);
+function duration(s) {
+  s = Math.max(0, s);
   return s < 90 ? `${Math.round(s)}s` : s < 5400 ? `${Math.round(s / 60)}m` : `${(s / 3600).toFixed(1)}h`;
+}
+
+function ago(at) {
+  return at ? duration(Date.now() / 1000 - at) : "";
 }
 
 function el(tag, attrs, ...children) {
@@ -41,7 +58,7 @@ function el(tag, attrs, ...children) {
   for (const [key, value] of Object.entries(attrs || {})) {
     if (value === null || value === undefined || value === false) continue;
     if (key === "class") node.className = value;
-    else if (key === "width") node.style.width = value;
+    else if (key === "style") Object.assign(node.style, value);
     else if (key.startsWith("data-") || key.startsWith("aria-") || key === "title" || key === "role") {
       node.setAttribute(key, value);
     }
@@ -51,6 +68,13 @@ function el(tag, attrs, ...children) {
     if (child === null || child === undefined || child === false) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
+  return node;
+}
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+  node.append(...children);
   return node;
 }
 
@@ -82,13 +106,131 @@ async function api(method, path, body) {
   return data;
 }
 
+function priorityClass(priority) {
+  for (const [name, floor] of CLASSES) if (priority >= floor) return name;
+  return "batch";
+}
+
+function holderOf(leaseId) {
+  const holder = state.holders.get(leaseId);
+  return holder ? `${holder} (${leaseId})` : leaseId;
+}
+
+// ---------------------------------------------------------------- words
+
+// What the codes of the API mean, in words. A code not listed here is shown with its
+// underscores as spaces, so that a new one still reads.
+const WORDS = {
+  paused: "the arbiter is paused: nothing is granted until it is resumed",
+  no_workers: "no worker is registered yet",
+  workers_draining: "the only GPUs that match are on workers that are draining, drained or offline",
+  no_matching_gpu: "no GPU matches its constraints",
+  too_large: "it is larger than every GPU that matches",
+  insufficient_vram: "not enough free memory",
+  load_in_progress: "another lease is loading there (loads on a GPU take turns)",
+  nominated_for: "the memory is held for a request ahead in the queue",
+  preempting: "waiting for the leases it preempts to stop",
+  worker_mismatch: "another worker was asked for",
+  vendor_mismatch: "another vendor was asked for",
+  arch_mismatch: "another architecture was asked for",
+  compute_capability_too_low: "its compute capability is too low",
+  model_mismatch: "another model was asked for",
+  label_mismatch: "its worker's labels do not match",
+  too_small: "too small",
+  too_few_gpus_on_worker: "too few GPUs on its worker",
+  worker_draining: "its worker is draining",
+  worker_drained: "its worker is drained",
+  worker_offline: "its worker is offline",
+  probe_stale: "its probe has not reported lately",
+  preempted: "preempted",
+  revoked_by_admin: "revoked by an admin",
+  worker_removed: "its worker was removed",
+};
+
+function words(code) {
+  return WORDS[code] || String(code || "").replace(/_/g, " ");
+}
+
+// A field the dashboard does not know yet, shown by the form of its name.
+function fieldText(key, value) {
+  const name = key.replace(/_(mb|at|s)$/, "").replace(/_/g, " ");
+  if (value === null || value === undefined || value === "") return null;
+  if (key.endsWith("_mb") && typeof value === "number") return `${name} ${mib(value)}`;
+  if (key.endsWith("_at") && typeof value === "number") {
+    const left = value - Date.now() / 1000;
+    return `${name} ${clock(value)} (${left >= 0 ? "in " + duration(left) : duration(-left) + " ago"})`;
+  }
+  if (key.endsWith("_s") && typeof value === "number") return `${name} ${duration(value)}`;
+  if (typeof value === "string" && state.holders.has(value)) return `${name} ${holderOf(value)}`;
+  if (typeof value === "object") return `${name} ${JSON.stringify(value)}`;
+  return `${name} ${value}`;
+}
+
+const VERDICT_KEYS = ["gpu", "code", "need_mb", "free_mb", "committed_mb", "observed_mb", "held_mb"];
+const REASON_KEYS = ["code", "message", "gpus", "nominated", "blocked_by"];
+
+function verdictText(verdict) {
+  const parts = [words(verdict.code)];
+  if (verdict.code === "insufficient_vram") {
+    const observed = verdict.observed_mb ? `, ${mib(verdict.observed_mb)} in use` : "";
+    parts.push(`needs ${mib(verdict.need_mb)}, ${mib(Math.max(0, verdict.free_mb))} free ` +
+      `(${mib(verdict.committed_mb)} committed${observed})`);
+  }
+  if (verdict.code === "nominated_for" && verdict.held_mb) parts.push(`${mib(verdict.held_mb)} held`);
+  for (const [key, value] of Object.entries(verdict)) {
+    if (!VERDICT_KEYS.includes(key)) parts.push(fieldText(key, value));
+  }
+  return parts.filter(Boolean).join(": ");
+}
+
+function listOfGpus(ids) {
+  return ids.length > 4 ? `${ids.slice(0, 3).join(", ")} and ${ids.length - 3} more` : ids.join(", ");
+}
+
+// Many GPUs that say the same: one line, with the figure that matters most.
+function groupText(code, verdicts) {
+  const most = (key) => Math.max(0, ...verdicts.map((v) => v[key] || 0));
+  if (code === "insufficient_vram") return `${words(code)}: needs ${mib(verdicts[0].need_mb)}, at most ${mib(most("free_mb"))} free`;
+  if (code === "nominated_for") return `${words(code)}: up to ${mib(most("held_mb"))} held`;
+  return words(code);
+}
+
+const GPU_LINES = 4; // more GPUs than this with one code: one line for them all
+
+// The API's sentence (the same words as the CLI), then what the GPUs say in words (one
+// line per GPU, or per code when many GPUs give it), then any other field the API gives.
+function reasonView(reason) {
+  if (!reason) return "";
+  const byCode = new Map();
+  for (const verdict of reason.gpus || []) {
+    if (!byCode.has(verdict.code)) byCode.set(verdict.code, []);
+    byCode.get(verdict.code).push(verdict);
+  }
+  const lines = [];
+  for (const [code, verdicts] of byCode) {
+    const gpus = verdicts.map((v) => v.gpu);
+    if (verdicts.length > GPU_LINES) lines.push(el("li", {}, el("b", {}, listOfGpus(gpus)), " ", groupText(code, verdicts)));
+    else for (const v of verdicts) lines.push(el("li", {}, el("b", {}, v.gpu), " ", verdictText(v)));
+  }
+  if ((reason.nominated || []).length) lines.push(el("li", {}, `first in line on ${listOfGpus(reason.nominated)}`));
+  if (reason.blocked_by) lines.push(el("li", {}, `waits on ${holderOf(reason.blocked_by)}`));
+  for (const [key, value] of Object.entries(reason)) {
+    if (REASON_KEYS.includes(key)) continue;
+    const text = fieldText(key, value);
+    if (text) lines.push(el("li", {}, text));
+  }
+  return el("div", { "data-code": reason.code },
+    el("div", { class: "reason-text" }, reason.message || words(reason.code)),
+    lines.length ? el("ul", { class: "verdicts" }, lines) : null);
+}
+
 // ---------------------------------------------------------------- messages
 
 // The notice says why there is nothing to show (no token, token refused, no controller);
 // the toast says what an admin action did. A refusal stays until dismissed.
-function setNotice(message) {
-  $("notice").textContent = message || "";
-  $("notice").hidden = !message;
+function setNotice(...content) {
+  $("notice").replaceChildren(...content);
+  $("notice").hidden = !content.length || content.every((c) => !c);
 }
 
 function toast(message, kind) {
@@ -104,11 +246,72 @@ function setLive(live) {
   $("conn").className = "pill " + (live ? "on" : "off");
 }
 
-// ---------------------------------------------------------------- rendering
+// Where tokens come from: the admin token's file when the controller tells it (it does
+// to a browser on its own machine), else where that file is kept.
+function tokenHint() {
+  const file = state.access && state.access.admin_token_file;
+  const where = file
+    ? ["The admin token is in ", el("code", { class: "token-file" }, file), " on the controller's machine: paste what it holds above."]
+    : ["The admin token is in the file ", el("code", {}, "admin.token"),
+      " in the controller's state directory (the controller printed its path when it started)."];
+  return el("span", {}, ...where, " Tokens of other roles come from ",
+    el("code", {}, "gpu-arbiter token create --role client"), " (a client token reads, and changes only its own leases).");
+}
 
-function gpuRow(gpu) {
+function setRole(access) {
+  const role = access && access.role ? access.role : "";
+  document.body.dataset.role = role;
+  $("role").hidden = !role || !access.auth;
+  $("role").textContent = role === "admin" ? "admin" : `${role}: read only`;
+}
+
+// ---------------------------------------------------------------- the GPU bars
+
+function segment(lease, gpuId, total) {
+  const pct = (100 * lease.vram_mb) / total;
+  const cls = priorityClass(lease.priority);
+  const holder = lease.holder || "";
+  const how = lease.state + (lease.idle ? ", idle" : "") + (lease.loading && lease.state !== "loading" ? ", loading" : "");
+  const title = `${holder || "no holder"}: ${mib(lease.vram_mb)} on ${gpuId}, ${lease.priority_name} ` +
+    `(${lease.priority}), ${how}; lease ${lease.id}`;
+  const classes = ["segment", "prio-" + cls, lease.state];
+  if (lease.loading || lease.state === "loading") classes.push("is-loading");
+  if (lease.idle) classes.push("idle");
+  return el("span", {
+    class: classes.join(" "), title, "data-lease": lease.id, "data-holder": holder,
+    "data-vram-mb": lease.vram_mb, "data-state": lease.state, "data-class": cls, style: { width: pct + "%" },
+  }, el("span", { class: "label" }, holder));
+}
+
+function gpuBar(gpu, leasesById, figures) {
   const total = Math.max(gpu.total_mb || 0, 1);
-  const pct = (mb) => Math.max(0, Math.min(100, (100 * (mb || 0)) / total)).toFixed(1) + "%";
+  const pct = (mb) => Math.max(0, Math.min(100, (100 * (mb || 0)) / total)) + "%";
+  const leases = (gpu.leases || []).map((id) => leasesById.get(id)).filter(Boolean)
+    .sort((a, b) => (a.token || 0) - (b.token || 0));
+  const shown = leases.reduce((sum, l) => sum + l.vram_mb, 0);
+  const other = (gpu.committed_mb || 0) - shown; // leases granted since the list was read
+  const parts = leases.map((lease) => segment(lease, gpu.id, total));
+  if (other > 0) {
+    parts.push(el("span", { class: "segment other", title: `${mib(other)} committed to leases not listed yet`,
+      "data-vram-mb": other, style: { width: pct(other) } }));
+  }
+  const headroom = (gpu.total_mb || 0) - (gpu.capacity_mb || gpu.total_mb || 0);
+  return el("div", { class: "bar", title: figures, role: "img", "aria-label": figures },
+    el("div", { class: "segments" }, parts),
+    headroom > 0 ? el("span", { class: "headroom", title: `${mib(headroom)} kept free for the driver`,
+      style: { width: pct(headroom) } }) : null,
+    gpu.used_mb === null ? null : el("span", { class: "used-line", title: `in use (probe): ${mib(gpu.used_mb)}`,
+      "data-used-mb": gpu.used_mb, style: { left: pct(gpu.used_mb) } }));
+}
+
+// Names only where they fit: measured once the bars are laid out.
+function fitLabels() {
+  for (const seg of document.querySelectorAll(".segment[data-holder]")) {
+    seg.classList.toggle("narrow", seg.clientWidth < LABEL_MIN_PX);
+  }
+}
+
+function gpuRow(gpu, leasesById) {
   const used = gpu.used_mb === null ? "not observed" : mib(gpu.used_mb);
   const figures = `committed ${mib(gpu.committed_mb)} · used ${used} · free ${mib(gpu.free_mb)} of ${mib(gpu.total_mb)}`;
   return el("div", {
@@ -116,22 +319,24 @@ function gpuRow(gpu) {
     "data-committed-mb": gpu.committed_mb, "data-free-mb": gpu.free_mb, "data-loading": gpu.loading,
   },
   el("span", { class: "gpu-name" }, gpu.id, " ", el("span", { class: "count" }, gpu.model || gpu.arch || "")),
-  el("div", { class: "bar", title: figures, role: "img", "aria-label": figures },
-    el("span", { class: "committed", width: pct(gpu.committed_mb) }),
-    el("span", { class: "used", width: pct(gpu.used_mb) }),
-    gpu.loading ? el("span", { class: "loading-mark", title: `${gpu.loading} lease(s) loading` }) : null),
+  gpuBar(gpu, leasesById, figures),
+  el("div", { class: "history", "data-gpu": gpu.id }, gpuStrip(gpu.id)),
   el("span", { class: "figures" }, figures,
     gpu.loading ? el("span", { class: "loading" }, ` · loading ${gpu.loading}`) : null,
     gpu.stale ? el("span", { class: "stale-mark" }, " · probe stale") : null));
 }
 
-function renderWorkers(workers) {
-  const root = $("workers");
-  const legend = el("div", { class: "legend" },
-    el("i", { class: "committed" }), "committed",
-    el("i", { class: "used" }), "used (probe)",
-    el("i", { class: "free" }), "free",
-    el("i", { class: "loading-mark" }), "loading");
+function legend() {
+  const swatch = (cls, text) => [el("i", { class: "swatch " + cls }), text];
+  return el("div", { class: "legend" },
+    el("span", {}, CLASSES.flatMap(([name]) => swatch("prio-" + name, name))),
+    el("span", {}, swatch("is-loading prio-normal", "loading"), swatch("revoking prio-normal", "revoking"),
+      swatch("idle prio-normal", "idle"), swatch("used", "in use (probe)"), swatch("free", "free")),
+    el("span", { class: "history-legend" }, el("span", { id: "history-span" }, "history"), ":",
+      swatch("h-committed", "committed"), swatch("h-busy", "busy"), swatch("h-used", "in use")));
+}
+
+function renderWorkers(workers, leasesById) {
   const rows = workers.map((worker) => {
     const draining = worker.state === "draining" || worker.state === "drained";
     const head = el("div", { class: "worker-head" },
@@ -145,44 +350,190 @@ function renderWorkers(workers) {
       el("span", { class: "admin" },
         draining ? null : el("button", { "data-action": "drain", "data-worker": worker.name }, "Drain"),
         draining ? el("button", { "data-action": "cancel-drain", "data-worker": worker.name }, "Cancel drain") : null));
-    return el("div", { class: "worker", "data-worker": worker.name }, head, (worker.gpus || []).map(gpuRow));
+    return el("div", { class: "worker", "data-worker": worker.name }, head,
+      (worker.gpus || []).map((gpu) => gpuRow(gpu, leasesById)));
   });
-  root.replaceChildren(legend, ...(rows.length ? rows : [el("p", { class: "empty" }, "No worker registered yet.")]));
+  $("workers").replaceChildren(legend(), ...(rows.length ? rows : [el("p", { class: "empty" }, "No worker registered yet.")]));
+  fitLabels();
+  drawHistorySpan();
 }
+
+// ---------------------------------------------------------------- the history strips
+
+// One sample per time: committed and busy memory as areas, the probe's reading as a line,
+// over the controller's window (samples × sample_s) ending at its latest sample.
+function xy(times, values, scale) {
+  const h = state.history;
+  const end = times[times.length - 1];
+  const span = h.samples * h.sample_s;
+  const runs = [];
+  let run = [];
+  values.forEach((v, i) => {
+    if (v === null || v === undefined) { if (run.length) runs.push(run); run = []; return; }
+    run.push([(times[i] - (end - span)).toFixed(2), (100 - 100 * Math.min(1, v / scale)).toFixed(2)]);
+  });
+  if (run.length) runs.push(run);
+  return runs;
+}
+
+function area(runs) {
+  return runs.map((r) => `M${r[0][0]} 100 ` + r.map(([x, y]) => `L${x} ${y}`).join(" ") + ` L${r[r.length - 1][0]} 100 Z`).join(" ");
+}
+
+function line(runs) {
+  return runs.map((r) => r.map(([x, y], i) => `${i ? "L" : "M"}${x} ${y}`).join(" ")).join(" ");
+}
+
+function strip(label, paths) {
+  const h = state.history;
+  return svg("svg", { class: "strip", viewBox: `0 0 ${h.samples * h.sample_s} 100`, preserveAspectRatio: "none",
+    "data-samples": h.times.length, role: "img", "aria-label": label }, svg("title", {}, label), ...paths);
+}
+
+function gpuStrip(gpuId) {
+  const h = state.history;
+  const series = h && h.gpus.get(gpuId);
+  if (!series || !h.times.length) return null;
+  const total = Math.max(series.total_mb, 1);
+  const last = (values) => values[values.length - 1];
+  const label = `${gpuId}, last ${duration(h.samples * h.sample_s)}: now committed ${mib(last(series.committed_mb))}, ` +
+    `busy ${mib(last(series.busy_mb))}, in use ${series.used_mb.some((v) => v !== null) ? mib(last(series.used_mb)) : "not observed"}`;
+  return strip(label, [
+    svg("path", { class: "h-committed", d: area(xy(h.times, series.committed_mb, total)) }),
+    svg("path", { class: "h-busy", d: area(xy(h.times, series.busy_mb, total)) }),
+    svg("path", { class: "h-used", d: line(xy(h.times, series.used_mb, total)), "vector-effect": "non-scaling-stroke" }),
+  ]);
+}
+
+// The queue by priority class, stacked (batch at the bottom), scaled to its own peak.
+function queueStrip() {
+  const h = state.history;
+  if (!h || !h.times.length) return null;
+  const names = CLASSES.map(([name]) => name).reverse();
+  const totals = h.times.map((_, i) => names.reduce((sum, n) => sum + ((h.queue[n] || [])[i] || 0), 0));
+  const peak = Math.max(1, ...totals);
+  const below = h.times.map(() => 0);
+  const paths = names.map((name) => {
+    const top = below.map((b, i) => b + ((h.queue[name] || [])[i] || 0));
+    const upper = xy(h.times, top, peak)[0];
+    const lower = xy(h.times, below, peak)[0];
+    top.forEach((v, i) => { below[i] = v; });
+    const d = `M${upper.map(([x, y]) => `${x} ${y}`).join(" L")} L${lower.reverse().map(([x, y]) => `${x} ${y}`).join(" L")} Z`;
+    return svg("path", { class: "prio-" + name, d, "data-class": name });
+  });
+  const label = `pending by priority, last ${duration(h.samples * h.sample_s)}: peak ${peak}, now ${totals[totals.length - 1]}`;
+  const node = strip(label, paths);
+  node.setAttribute("data-peak", peak);
+  return el("div", { class: "queue-strip" }, node,
+    el("span", { class: "count" }, `pending, last ${duration(h.samples * h.sample_s)} (peak ${peak})`));
+}
+
+function drawHistorySpan() {
+  const h = state.history;
+  const span = $("history-span");
+  if (span && h) span.textContent = `history of the last ${duration(h.samples * h.sample_s)} (a sample every ${duration(h.sample_s)}` +
+    (h.gpus_left_out ? `; ${h.gpus_left_out} GPUs beyond the controller's cap of ${h.max_gpus} not kept)` : ")");
+}
+
+function drawHistory() {
+  for (const box of document.querySelectorAll(".history[data-gpu]")) box.replaceChildren(gpuStrip(box.dataset.gpu) || "");
+  $("queue-history").replaceChildren(queueStrip() || "");
+  drawHistorySpan();
+}
+
+// Appends an answer of /v1/history to what the page holds, and keeps the last `samples`.
+function mergeHistory(got) {
+  const h = state.history || { times: [], gpus: new Map(), queue: {} };
+  Object.assign(h, { sample_s: got.sample_s, samples: got.samples, max_gpus: got.max_gpus, gpus_left_out: got.gpus_left_out });
+  const before = h.times.length;
+  const nulls = (n) => new Array(n).fill(null);
+  h.times.push(...got.times);
+  const seen = new Set();
+  for (const gpu of got.gpus) {
+    seen.add(gpu.id);
+    const series = h.gpus.get(gpu.id) || { committed_mb: nulls(before), used_mb: nulls(before), busy_mb: nulls(before) };
+    series.total_mb = gpu.total_mb;
+    for (const key of ["committed_mb", "used_mb", "busy_mb"]) series[key].push(...gpu[key]);
+    h.gpus.set(gpu.id, series);
+  }
+  for (const [id, series] of h.gpus) {
+    if (!seen.has(id)) for (const key of ["committed_mb", "used_mb", "busy_mb"]) series[key].push(...nulls(got.times.length));
+  }
+  for (const [name, counts] of Object.entries(got.queue)) h.queue[name] = (h.queue[name] || nulls(before)).concat(counts);
+  const drop = Math.max(0, h.times.length - h.samples);
+  if (drop) {
+    h.times.splice(0, drop);
+    for (const series of h.gpus.values()) for (const key of ["committed_mb", "used_mb", "busy_mb"]) series[key].splice(0, drop);
+    for (const counts of Object.values(h.queue)) counts.splice(0, drop);
+  }
+  state.history = h;
+}
+
+async function pollHistory(generation) {
+  if (generation !== state.generation) return;
+  let waitMs = PERIODIC_REFRESH_MS;
+  try {
+    const h = state.history;
+    const since = h && h.times.length ? `?since=${h.times[h.times.length - 1]}` : "";
+    const got = await api("GET", "/v1/history" + since);
+    if (generation !== state.generation) return;
+    mergeHistory(got);
+    drawHistory();
+    waitMs = Math.max(1000, got.sample_s * 1000);
+  } catch (err) {
+    // refresh() says what is wrong; the next poll tries again
+  }
+  setTimeout(() => pollHistory(generation), waitMs);
+}
+
+// ---------------------------------------------------------------- tables
 
 function table(columns, rows, empty) {
   if (!rows.length) return el("p", { class: "empty" }, empty);
   return el("div", { class: "table-wrap" }, el("table", {},
-    el("thead", {}, el("tr", {}, columns.map((c) => el("th", {}, c.title)))),
+    el("thead", {}, el("tr", {}, columns.map((c) => el("th", { class: c.class || "" }, c.title)))),
     el("tbody", {}, rows.map((row) => el("tr", { "data-id": row.id },
       columns.map((c) => el("td", { class: c.class || "", "data-label": c.title }, c.value(row))))))));
+}
+
+function holderCell(row) {
+  return row.holder ? el("span", { class: "holder" }, row.holder) : el("span", { class: "holder none" }, "no holder");
 }
 
 function renderQueue(queue) {
   $("queue-count").textContent = `(${queue.length})`;
   $("queue").replaceChildren(table([
+    { title: "holder", class: "lead", value: holderCell },
     { title: "#", value: (r) => r.position },
-    { title: "request", class: "id", value: (r) => r.id },
-    { title: "holder", value: (r) => r.holder || "" },
     { title: "VRAM", value: (r) => mib(r.vram_mb) + (r.gpu_count > 1 ? ` × ${r.gpu_count}` : "") },
     { title: "priority", value: (r) => `${r.priority_name} (${r.priority})` },
     { title: "waiting", value: (r) => ago(r.submitted_at) },
-    { title: "reason", class: "reason", value: (r) => (r.reason && (r.reason.message || r.reason.code)) || "" },
+    { title: "why it waits", class: "reason", value: (r) => reasonView(r.reason) },
+    { title: "request", class: "id", value: (r) => r.id },
   ], queue, "Nothing is waiting."));
+}
+
+function leaseState(r) {
+  let text = r.state + (r.idle ? " (idle)" : "");
+  if (r.state === "revoking") {
+    text += ": " + words(r.revoke_reason || "revoked");
+    if (r.preempted_for) text += ` for ${holderOf(r.preempted_for)}`;
+  }
+  return text;
 }
 
 function renderLeases(leases) {
   $("lease-count").textContent = `(${leases.length})`;
   $("leases").replaceChildren(table([
-    { title: "lease", class: "id", value: (r) => r.id },
-    { title: "state", value: (r) => r.state + (r.idle ? " (idle)" : "") },
+    { title: "holder", class: "lead", value: holderCell },
+    { title: "state", value: leaseState },
     { title: "GPUs", value: (r) => (r.gpus || []).join(", ") },
-    { title: "VRAM", value: (r) => mib(r.vram_mb) },
-    { title: "priority", value: (r) => r.priority_name },
-    { title: "holder", value: (r) => r.holder || "" },
-    { title: "fencing token", value: (r) => r.token },
+    { title: "VRAM", value: (r) => mib(r.vram_mb) + (r.gpus && r.gpus.length > 1 ? ` × ${r.gpus.length}` : "") },
+    { title: "priority", class: "nowrap", value: (r) => el("span", {}, el("i", { class: "swatch prio-" + priorityClass(r.priority) }), r.priority_name) },
     { title: "expires in", value: (r) => (r.expires_at ? `${Math.max(0, Math.round(r.expires_at - Date.now() / 1000))}s` : "") },
-    { title: "", value: (r) => el("button", { "data-action": "release", "data-lease": r.id }, "Release") },
+    { title: "lease", class: "id", value: (r) => r.id },
+    { title: "fencing token", value: (r) => r.token },
+    { title: "", class: "admin", value: (r) => el("button", { "data-action": "release", "data-lease": r.id }, "Release") },
   ], leases, "No lease is held."));
 }
 
@@ -199,13 +550,16 @@ function renderSummary(status) {
   for (const [state, n] of Object.entries(status.leases_by_state || {})) {
     if (HELD.includes(state)) parts.push(`${n} ${state}`);
   }
-  for (const [key, n] of Object.entries(counters)) parts.push(`${n} ${key}`);
+  for (const [key, n] of Object.entries(counters)) {
+    const [what, why] = key.split(":");
+    parts.push(`${n} ${words(what)}` + (why ? ` (${words(why)})` : ""));
+  }
   if (status.paused) parts.push("paused: nothing is granted until resume");
   $("summary").textContent = parts.join(" · ");
 }
 
 function clearViews() {
-  for (const id of ["summary", "workers", "queue", "leases", "events", "queue-count", "lease-count"]) {
+  for (const id of ["summary", "workers", "queue", "queue-history", "leases", "events", "queue-count", "lease-count"]) {
     $(id).replaceChildren();
   }
   $("paused").hidden = true;
@@ -215,31 +569,49 @@ function clearViews() {
 
 // ---------------------------------------------------------------- refreshing
 
+// Whether the page may read the controller; says why not.
+async function signedIn() {
+  if (state.access === null) {
+    state.access = await api("GET", "/v1/access");
+    setRole(state.access);
+  }
+  if (!state.access.auth) return true;
+  if (!state.token) {
+    setNotice(el("span", {}, "Enter a token to see this controller. "), tokenHint());
+  } else if (!state.access.role) {
+    setNotice(el("span", {}, "The controller refused this token (unknown token). Enter another one. "), tokenHint());
+  } else {
+    return true;
+  }
+  clearViews();
+  return false;
+}
+
 async function refresh() {
   state.refreshTimer = null;
   if (state.refreshing) { state.refreshAgain = true; return; }
   state.refreshing = true;
   const generation = state.generation;
   try {
-    if (!state.token) {
-      clearViews();
-      setNotice("Enter a token to see this controller (an admin token for the actions).");
-      return;
-    }
+    if (!(await signedIn()) || generation !== state.generation) return;
     const [status, workers, queue, leases] = await Promise.all([
       api("GET", "/v1/status"), api("GET", "/v1/workers"),
       api("GET", "/v1/queue"), api("GET", "/v1/leases"),
     ]);
     if (generation !== state.generation) return;
+    const held = leases.filter((l) => HELD.includes(l.state));
+    for (const row of [...held, ...queue]) state.holders.set(row.id, row.holder);
     renderSummary(status);
-    renderWorkers(workers);
+    renderWorkers(workers, new Map(held.map((l) => [l.id, l])));
     renderQueue(queue);
-    renderLeases(leases.filter((l) => HELD.includes(l.state)));
-    setNotice("");
+    renderLeases(held);
+    setNotice();
     document.body.dataset.loaded = "true";
+    goLive(generation);
   } catch (err) {
     if (generation !== state.generation) return;
     if (err.status === 401) {
+      state.access = null; // asked again next time: the token may have been removed
       clearViews();
       setNotice(`The controller refused this token (${err.message}). Enter another one.`);
     } else {
@@ -255,14 +627,26 @@ function scheduleRefresh() {
   if (state.refreshTimer === null) state.refreshTimer = setTimeout(refresh, 150);
 }
 
+// Once per token: the event stream and the history polling.
+function goLive(generation) {
+  if (state.live === generation) return;
+  state.live = generation;
+  follow(generation);
+  pollHistory(generation);
+}
+
 // ---------------------------------------------------------------- the event stream
 
 function addEvent(event) {
+  if (event.lease_id && event.data && event.data.holder) state.holders.set(event.lease_id, event.data.holder);
+  const holder = event.lease_id ? state.holders.get(event.lease_id) : null;
   const parts = [clock(event.at), event.kind];
+  if (holder) parts.push(holder);
   if (event.lease_id) parts.push(event.lease_id);
   if (event.worker) parts.push("worker " + event.worker);
   for (const [key, value] of Object.entries(event.data || {})) {
-    if (value !== null && typeof value !== "object") parts.push(`${key}=${value}`);
+    if (value === null || typeof value === "object" || key === "holder") continue;
+    parts.push(`${key}=${typeof value === "string" && state.holders.has(value) ? holderOf(value) : value}`);
   }
   const list = $("events");
   list.prepend(el("li", { "data-kind": event.kind, "data-seq": event.seq }, parts.join(" ")));
@@ -352,7 +736,9 @@ async function act(button) {
   const { action } = button.dataset;
   const call = request(action, button.dataset);
   if (call === null) return;
-  if (action === "release" && !window.confirm(`Release lease ${button.dataset.lease}?`)) return;
+  const holder = button.dataset.lease ? state.holders.get(button.dataset.lease) : null;
+  const what = button.dataset.lease ? `lease ${button.dataset.lease}` + (holder ? ` of ${holder}` : "") : "";
+  if (action === "release" && !window.confirm(`Release ${what}?`)) return;
   const target = button.dataset.worker || button.dataset.lease;
   const label = target ? `${action} ${target}` : action;
   button.disabled = true;
@@ -363,6 +749,7 @@ async function act(button) {
   } catch (err) {
     const hint = err.status === 401 ? " (enter the admin token)" : err.status === 403 ? " (an admin token is needed)" : "";
     toast(`${label} refused: ${err.message}${hint}`, "error");
+    if (err.status === 401 || err.status === 403) { state.access = null; scheduleRefresh(); }
   } finally {
     button.disabled = false;
   }
@@ -375,12 +762,14 @@ function useToken(token) {
   if (token) sessionStorage.setItem(TOKEN_KEY, token);
   else sessionStorage.removeItem(TOKEN_KEY);
   state.generation += 1;
+  state.access = null;
+  state.history = null;
+  setRole(null);
   if (state.stream) state.stream.abort();
   $("logout").hidden = !token;
   clearViews();
   setLive(false);
   toast("", "");
-  if (token) follow(state.generation);
   scheduleRefresh();
 }
 
@@ -396,5 +785,6 @@ $("login").addEventListener("submit", (event) => {
   useToken(token);
 });
 $("logout").addEventListener("click", () => useToken(""));
-setInterval(() => { if (state.token && !document.hidden) scheduleRefresh(); }, PERIODIC_REFRESH_MS);
+window.addEventListener("resize", fitLabels);
+setInterval(() => { if ((state.token || state.live === state.generation) && !document.hidden) scheduleRefresh(); }, PERIODIC_REFRESH_MS);
 useToken(state.token);
