@@ -66,6 +66,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.idle_since: dict[str, float] = {}  # idle leases: when their holder said so
         self.stale: set[GpuId] = set()
         self.last_token = 0
+        self.preheld: dict[str, tuple[GpuId, ...]] = {}  # before the cycle being checked
         self.counter = 0
 
     @initialize(
@@ -210,6 +211,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         statuses = {name: w.status for name, w in self.sched.workers.items()}
         before = {lid: self.sched.lease(lid) for lid in self.held}
         order = {r.id: pos for pos, r, _ in self.sched.pending(now)}
+        self.preheld = self.sched.held_for_preemptors()
         paused = self.sched.paused
 
         decisions = self.sched.decide(now)
@@ -235,12 +237,50 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_order(decisions, order, statuses, live, loading)
         self._check_preemptions_free_enough(decisions, order)
         self._check_revoked_holders_bounded(now)
+        if not decisions.timed_out:  # a timed-out request's hold is gone only after the walk
+            self._check_work_conserved(now)
         for request in decisions.timed_out:
             assert request.max_wait_s is not None
             assert request.submitted_at + request.max_wait_s <= now
         for name, old, new in decisions.workers:
             assert (old, new) == (WorkerStatus.DRAINING, WorkerStatus.DRAINED)
             assert not any(lease.worker == name for lease in self.held.values())
+
+    def _check_work_conserved(self, now: float) -> None:
+        """I10: after the cycle, no pending request could be granted on any GPU unless held
+        back by the pause, a load gate, a nomination ahead of it (or memory on its way back
+        to a preemptor), or its own constraints: free memory never sits idle while work that
+        fits waits."""
+        if self.sched.paused:
+            return
+        live = set(self.held)
+        loading = Counter(
+            g for lid in live if self.sched.lease(lid).loading for g in self.held[lid].gpus
+        )
+        reasons = {r.id: self.sched.explain(r.id, now) for _, r, _ in self.sched.pending(now)}
+        preheld = self.sched.held_for_preemptors()
+        ahead: Counter[GpuId] = Counter()
+        for _, request, _ in self.sched.pending(now):
+            holds = ahead.copy()
+            for other, gpus in preheld.items():
+                if other != request.id and self.requests[other].priority >= request.priority:
+                    for g in gpus:
+                        holds[g] += self.requests[other].vram_mb
+            fitting = Counter(
+                g.worker
+                for g in self.gpus
+                if self._matches(request, g)
+                and self.sched.workers[g.worker].status is WorkerStatus.ONLINE
+                and g not in self.stale
+                and self.gpus[g].capacity_mb - self._occupied(g, live) - holds[g] >= request.vram_mb
+                and loading[g] < self.policy.max_concurrent_loads
+            )
+            assert not any(n >= request.gpus for n in fitting.values()), (
+                f"I10: {request.id} could be granted but waits ({reasons[request.id].code})"
+            )
+            if request.id not in preheld:
+                for g in reasons[request.id].nominated:
+                    ahead[g] += request.vram_mb
 
     def _check_revoked_holders_bounded(self, now: float) -> None:
         """I4: a revoked holder, however often it renews, holds its memory at most grace + TTL
@@ -252,11 +292,23 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert now < limit, f"revoked {lease_id} still held at {now} (bound {limit})"
 
     def _holds_ahead(self, order: dict[str, int], position: int) -> Counter[GpuId]:
-        """Memory held for still-pending requests ahead of ``position`` (their nominations)."""
+        """Memory held at the turn of ``position``: for still-pending requests ahead of it
+        (their nominations), and for preemptors behind it of equal or higher base priority
+        (memory their preemption freed, held for them until their own turn)."""
+        priority = next(
+            self.requests[rid].priority for rid, pos in order.items() if pos == position
+        )
         holds: Counter[GpuId] = Counter()
         for request_id, pos in order.items():
             if pos < position and request_id in self.sched.queue:
                 for g in self.sched.explain(request_id, self.now).nominated:
+                    holds[g] += self.requests[request_id].vram_mb
+            elif (
+                pos > position
+                and request_id in self.preheld
+                and self.requests[request_id].priority >= priority
+            ):
+                for g in self.preheld[request_id]:
                     holds[g] += self.requests[request_id].vram_mb
         return holds
 
