@@ -1,4 +1,4 @@
-"""Random event sequences against the decision core, checking I1-I7 after every step.
+"""Random event sequences against the decision core, checking I1-I7 and I10 after every step.
 
 The checks recompute what must hold from the leases, probes and requests the
 machine itself fed in, not from the scheduler's own accounting.

@@ -15,8 +15,12 @@ One cycle of ``decide(now)``:
      desc, seq asc). Each request is placed on GPUs where it fits (I1, I2, I3)
      beyond the holds of nominations ahead of it (I6); else it plans
      preemption (I5) and holds a nomination there; else it nominates its best
-     GPU. The walk stops once no GPU has room for the smallest pending request
-     and no pending request could preempt anything.
+     GPU. The walk goes class by class (base priority, shape): a class whose
+     head can neither be placed nor preempt is dropped for the cycle. It stops
+     once no GPU has room for the smallest pending request and no pending
+     request could preempt anything. Afterwards no pending request that the
+     pause, a load gate, a hold ahead of it or its constraints do not hold back
+     could be granted (I10).
   3. pending requests past ``max_wait_s`` time out; empty draining workers
      become drained.
 
