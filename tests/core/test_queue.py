@@ -115,3 +115,36 @@ def test_adding_a_duplicate_id_is_refused() -> None:
     queue.add(_request("a", 500, 1))
     with pytest.raises(ValueError, match="already queued"):
         queue.add(_request("a", 100, 2))
+
+
+def test_the_walk_is_the_queue_order_merged_from_classes() -> None:
+    queue = PendingQueue()
+    policy = Policy(aging_interval_s=10, aging_step=100)
+    requests = [
+        _request("b-small-1", 100, 1, at=0.0, mb=100),
+        _request("n-big-1", 500, 2, at=50.0, mb=900),
+        _request("b-big-1", 100, 3, at=0.0, mb=900),
+        _request("n-small-1", 500, 4, at=60.0, mb=100),
+        _request("b-small-2", 100, 5, at=70.0, mb=100),
+        _request("n-big-2", 500, 6, at=80.0, mb=900),
+    ]
+    for request in requests:
+        queue.add(request)
+    assert queue.class_count() == 4
+    for now in (80.0, 90.0, 200.0):  # aging interleaves the classes differently
+        assert [r.id for r in queue.walk(policy, now)] == _ids(queue, policy, now)
+
+
+def test_a_dropped_class_is_skipped_but_requests_walked_alone_are_not() -> None:
+    queue = PendingQueue()
+    for seq in range(1, 6):
+        queue.add(_request(f"n{seq}", 500, seq))
+    queue.add(_request("other", 500, 6, mb=200))
+    walk = queue.walk(Policy(), 0.0, alone=["n4"])
+    seen = []
+    for request in walk:
+        seen.append(request.id)
+        if request.id == "n1":
+            walk.drop()
+    assert seen == ["n1", "n4", "other"]
+    assert walk.examined == 3

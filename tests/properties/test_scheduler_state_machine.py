@@ -1,4 +1,4 @@
-"""Random event sequences against the decision core, checking I1-I7 after every step.
+"""Random event sequences against the decision core, checking I1-I7 and I10 after every step.
 
 The checks recompute what must hold from the leases, probes and requests the
 machine itself fed in, not from the scheduler's own accounting.
@@ -6,6 +6,7 @@ machine itself fed in, not from the scheduler's own accounting.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -62,22 +63,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.revoking: set[str] = set()
         self.revoked_at: dict[str, float] = {}
         self.probes: dict[GpuId, GpuProbe] = {}
+        self.idle_since: dict[str, float] = {}  # idle leases: when their holder said so
         self.stale: set[GpuId] = set()
         self.last_token = 0
+        self.preheld: dict[str, tuple[GpuId, ...]] = {}  # before the cycle being checked
         self.counter = 0
 
     @initialize(
         loads=st.sampled_from([1, 2]),
         placement=st.sampled_from(["binpack", "spread"]),
         exempt=st.sampled_from([0.0, 5.0]),
+        idle_reclaim=st.sampled_from([math.inf, 0.0, 10.0, 40.0]),
+        starvation=st.sampled_from([math.inf, 0.0, 20.0]),
+        patience=st.sampled_from([0.0, 0.0, 3.0]),
     )
-    def setup(self, loads: int, placement: str, exempt: float) -> None:
+    def setup(
+        self,
+        loads: int,
+        placement: str,
+        exempt: float,
+        idle_reclaim: float,
+        starvation: float,
+        patience: float,
+    ) -> None:
         policy = Policy(
             max_concurrent_loads=loads,
             placement=placement,  # type: ignore[arg-type]
             preempt_exempt_s=exempt,
             aging_interval_s=10.0,
             aging_step=50,
+            idle_reclaim_s=idle_reclaim,
+            starvation_s=starvation,
+            preempt_patience_s=patience,
         )
         self.sched = Scheduler(policy)
         for name in WORKERS:
@@ -116,6 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert lease_id in self.held, f"{lease_id} released twice or never granted"
         assert lease_id not in self.ended
         del self.held[lease_id]
+        self.idle_since.pop(lease_id, None)
         self.ended.add(lease_id)
         self.revoking.discard(lease_id)
 
@@ -193,6 +211,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         statuses = {name: w.status for name, w in self.sched.workers.items()}
         before = {lid: self.sched.lease(lid) for lid in self.held}
         order = {r.id: pos for pos, r, _ in self.sched.pending(now)}
+        self.preheld = self.sched.held_for_preemptors()
         paused = self.sched.paused
 
         decisions = self.sched.decide(now)
@@ -218,12 +237,50 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_order(decisions, order, statuses, live, loading)
         self._check_preemptions_free_enough(decisions, order)
         self._check_revoked_holders_bounded(now)
+        if not decisions.timed_out:  # a timed-out request's hold is gone only after the walk
+            self._check_work_conserved(now)
         for request in decisions.timed_out:
             assert request.max_wait_s is not None
             assert request.submitted_at + request.max_wait_s <= now
         for name, old, new in decisions.workers:
             assert (old, new) == (WorkerStatus.DRAINING, WorkerStatus.DRAINED)
             assert not any(lease.worker == name for lease in self.held.values())
+
+    def _check_work_conserved(self, now: float) -> None:
+        """I10: after the cycle, no pending request could be granted on any GPU unless held
+        back by the pause, a load gate, a nomination ahead of it (or memory on its way back
+        to a preemptor), or its own constraints: free memory never sits idle while work that
+        fits waits."""
+        if self.sched.paused:
+            return
+        live = set(self.held)
+        loading = Counter(
+            g for lid in live if self.sched.lease(lid).loading for g in self.held[lid].gpus
+        )
+        reasons = {r.id: self.sched.explain(r.id, now) for _, r, _ in self.sched.pending(now)}
+        preheld = self.sched.held_for_preemptors()
+        ahead: Counter[GpuId] = Counter()
+        for _, request, _ in self.sched.pending(now):
+            holds = ahead.copy()
+            for other, gpus in preheld.items():
+                if other != request.id and self.requests[other].priority >= request.priority:
+                    for g in gpus:
+                        holds[g] += self.requests[other].vram_mb
+            fitting = Counter(
+                g.worker
+                for g in self.gpus
+                if self._matches(request, g)
+                and self.sched.workers[g.worker].status is WorkerStatus.ONLINE
+                and g not in self.stale
+                and self.gpus[g].capacity_mb - self._occupied(g, live) - holds[g] >= request.vram_mb
+                and loading[g] < self.policy.max_concurrent_loads
+            )
+            assert not any(n >= request.gpus for n in fitting.values()), (
+                f"I10: {request.id} could be granted but waits ({reasons[request.id].code})"
+            )
+            if request.id not in preheld:
+                for g in reasons[request.id].nominated:
+                    ahead[g] += request.vram_mb
 
     def _check_revoked_holders_bounded(self, now: float) -> None:
         """I4: a revoked holder, however often it renews, holds its memory at most grace + TTL
@@ -235,11 +292,23 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert now < limit, f"revoked {lease_id} still held at {now} (bound {limit})"
 
     def _holds_ahead(self, order: dict[str, int], position: int) -> Counter[GpuId]:
-        """Memory held for still-pending requests ahead of ``position`` (their nominations)."""
+        """Memory held at the turn of ``position``: for still-pending requests ahead of it
+        (their nominations), and for preemptors behind it of equal or higher base priority
+        (memory their preemption freed, held for them until their own turn)."""
+        priority = next(
+            self.requests[rid].priority for rid, pos in order.items() if pos == position
+        )
         holds: Counter[GpuId] = Counter()
         for request_id, pos in order.items():
             if pos < position and request_id in self.sched.queue:
                 for g in self.sched.explain(request_id, self.now).nominated:
+                    holds[g] += self.requests[request_id].vram_mb
+            elif (
+                pos > position
+                and request_id in self.preheld
+                and self.requests[request_id].priority >= priority
+            ):
+                for g in self.preheld[request_id]:
                     holds[g] += self.requests[request_id].vram_mb
         return holds
 
@@ -284,19 +353,37 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert old.state is not LeaseState.REVOKING, "revoked twice"
             if lease.revoke_reason == "preempted":
                 assert lease.preempted_for is not None
-                preemptor = self.requests[lease.preempted_for].priority
                 assert lease.id not in granted, "revoked in the cycle that granted it"
-                if old.idle:  # the holder consented: equal or higher priority may reclaim it
-                    assert old.base_priority <= preemptor, "I5: idle lease by lower priority"
+                if old.idle:
+                    self._check_reclaim(lease.id, self.requests[lease.preempted_for], now)
                 else:
-                    assert old.request.preemptible, "I5: a non-preemptible lease was preempted"
-                    assert old.base_priority < preemptor, "I5: busy lease by equal/lower priority"
-                    assert now - old.granted_at >= self.policy.preempt_exempt_s
+                    self._check_preemption(old, self.requests[lease.preempted_for], now)
             else:
                 assert lease.revoke_reason == "drain_deadline"
         expired = {lease.id for lease in decisions.expired}
         # a drain deadline that fell before a TTL: revoked, then expired, in one cycle
         self._track_revoked([lease for lease in decisions.revocations if lease.id not in expired])
+
+    def _check_reclaim(self, lease_id: str, preemptor: Request, now: float) -> None:
+        """I5 for an idle lease (a cache, not a claim): equal or higher priority at once; any
+        priority once it has been idle ``idle_reclaim_s`` or the preemptor has waited
+        ``starvation_s``."""
+        assert lease_id in self.idle_since, "I5: a busy lease was taken as an idle one"
+        idle_for = now - self.idle_since[lease_id]
+        waited = now - preemptor.submitted_at
+        assert (
+            self.held[lease_id].base_priority <= preemptor.priority
+            or idle_for >= self.policy.idle_reclaim_s
+            or waited >= self.policy.starvation_s
+        ), f"I5: idle {lease_id} (idle {idle_for} s) reclaimed by lower priority {preemptor.id}"
+
+    def _check_preemption(self, old: Lease, preemptor: Request, now: float) -> None:
+        """I5 for busy work: strictly downward, never by aging, idle time or starvation."""
+        assert old.id not in self.idle_since, "I5: a busy lease seen as idle"
+        assert old.request.preemptible, "I5: a non-preemptible lease was preempted"
+        assert old.base_priority < preemptor.priority, "I5: busy lease by equal/lower priority"
+        assert now - old.granted_at >= self.policy.preempt_exempt_s
+        assert now - preemptor.submitted_at >= self.policy.preempt_patience_s, "patience"
 
     def _occupied_without(self, gpu_id: GpuId, gone: set[str]) -> int:
         """Occupied memory once the leases ``gone`` have stopped and the probe shows it."""
@@ -396,6 +483,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def set_idle(self, data: st.DataObject, idle: bool) -> None:
         lease_id = self._pick(data, set(self.held))
         assert self.sched.set_idle(lease_id, idle, self.now).idle is idle
+        if not idle:
+            self.idle_since.pop(lease_id, None)
+        elif lease_id not in self.idle_since:
+            self.idle_since[lease_id] = self.now
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())

@@ -15,8 +15,12 @@ One cycle of ``decide(now)``:
      desc, seq asc). Each request is placed on GPUs where it fits (I1, I2, I3)
      beyond the holds of nominations ahead of it (I6); else it plans
      preemption (I5) and holds a nomination there; else it nominates its best
-     GPU. The walk stops once no GPU has room for the smallest pending request
-     and no pending request could preempt anything.
+     GPU. The walk goes class by class (base priority, shape): a class whose
+     head can neither be placed nor preempt is dropped for the cycle. It stops
+     once no GPU has room for the smallest pending request and no pending
+     request could preempt anything. Afterwards no pending request that the
+     pause, a load gate, a hold ahead of it or its constraints do not hold back
+     could be granted (I10).
   3. pending requests past ``max_wait_s`` time out; empty draining workers
      become drained.
 
@@ -57,7 +61,7 @@ from .model import (
     WorkerStatus,
     evolve,
 )
-from .preemption import Plan, eligible, plan_for_gpu
+from .preemption import Plan, eligible_from, plan_for_gpu
 from .queue import PendingQueue
 from .reasons import (
     Blocker,
@@ -122,7 +126,6 @@ class _Cycle:
     grants: list[Lease] = field(default_factory=list)
     revocations: list[Lease] = field(default_factory=list)
     preheld: dict[str, tuple[GpuId, ...]] = field(default_factory=dict)
-    reserved: dict[GpuId, int] = field(default_factory=dict)  # pre-held GPU -> its base priority
     granted: set[str] = field(default_factory=set)
 
 
@@ -144,6 +147,7 @@ class Scheduler:
         self._idle: Counter[int] = Counter()  # base priority -> idle preemptible leases
         self._timers: list[tuple[float, int, str, str]] = []
         self._timer_seq = 0
+        self._retries: set[float] = set()  # times of pending "retry" timers
         self._match_cache: dict[tuple[Constraints, int, int], frozenset[GpuId]] = {}
         self._drain_check: set[str] = set()  # draining workers that may have become empty
         self._journal: list[tuple[str, tuple[GpuId, ...], int]] = []
@@ -534,6 +538,8 @@ class Scheduler:
                 revoked += self._revoke_worker(key, "drain_deadline", now)
             elif kind == "wait":
                 waits.append(key)
+            elif kind == "retry":
+                self._retries.discard(entry[0])
         return expired, loaded, revoked, waits
 
     def _timer_live(self, entry: tuple[float, int, str, str]) -> bool:
@@ -549,6 +555,12 @@ class Scheduler:
         if kind == "drain":
             return self._drain_deadlines.get(key) == at
         return True  # "retry": re-run the cycle once
+
+    def _retry_at(self, at: float) -> None:
+        """Runs the cycle again at ``at`` (once, however often asked)."""
+        if at not in self._retries and math.isfinite(at):
+            self._retries.add(at)
+            self._push_timer(at, "retry", "")
 
     def _push_timer(self, at: float, kind: str, key: str) -> None:
         if not math.isfinite(at):
@@ -577,55 +589,112 @@ class Scheduler:
     # ------------------------------------------------------------------ placement
 
     def _place(self, cycle: _Cycle) -> None:
+        """Walks the queue class by class (see :class:`~.queue.Walk`): a class whose head
+        can neither be placed nor preempt is dropped for the rest of the cycle, so the
+        cycle's cost follows the number of classes, not of requests. A request holding
+        memory freed by its own preemption is walked on its own, never dropped with its
+        class: that memory is held for it alone (I10)."""
         smallest = self.queue.smallest_vram_mb()
         if smallest is None:
             return
         highest = max(self.queue.priorities())
         granted: list[str] = []
         self._prehold(cycle)
-        for request in self.queue.ordered(self.policy, cycle.now):
+        walk = self.queue.walk(self.policy, cycle.now, alone=list(cycle.preheld))
+        for request in walk:
             preheld = cycle.preheld.pop(request.id, None)
             if preheld is not None:  # its own hold must not stand in its way
                 for gpu_id in preheld:
                     cycle.holds[gpu_id] -= request.vram_mb
-                    cycle.reserved.pop(gpu_id, None)
+            lifted = self._lift_preholds(cycle, request)
             room_left = self._max_room(cycle) >= smallest
             if not room_left and not cycle.preheld and not self._could_preempt(highest):
                 break
-            shape = request.shape
-            if cycle.failed_shapes.get(shape, -1) >= request.priority:
-                if room_left:  # it cannot fit either, but it still holds its best GPU (I6)
-                    self._hold(cycle, request, self._nominate(request, cycle))
-                continue
-            if not room_left and preheld is None and not self._could_preempt(request.priority):
-                continue  # can neither fit nor preempt, and nobody behind can fit: no hold needed
-            gpus = self._fit(request, cycle)
-            if gpus is not None:
-                cycle.grants.append(self._grant(request, gpus, cycle.now))
-                cycle.granted.add(request.id)
+            outcome = self._turn(request, cycle, room_left=room_left, preheld=preheld is not None)
+            for gpu_id, mb in lifted:
+                cycle.holds[gpu_id] += mb
+            if outcome is True:
                 granted.append(request.id)
-                continue
-            if not self._preempt_or_nominate(request, cycle):
-                failed = cycle.failed_shapes.get(shape, -1)
-                cycle.failed_shapes[shape] = max(failed, request.priority)
+            elif outcome is False:
+                walk.drop()
+        self.counters["examined"] += walk.examined
         for request_id in granted:
             self.queue.remove(request_id)
             self._nominations.pop(request_id, None)
 
+    def _turn(
+        self, request: Request, cycle: _Cycle, *, room_left: bool, preheld: bool
+    ) -> bool | None:
+        """One request's turn: True when granted, None when memory is on its way back for it,
+        False when neither it nor the rest of its class (younger, no more rights, less room)
+        can be placed in this cycle."""
+        shape = request.shape
+        if not preheld and cycle.failed_shapes.get(shape, -1) >= request.priority:
+            if room_left:  # it cannot fit either, but it still holds its best GPU (I6)
+                self._hold(cycle, request, self._nominate(request, cycle))
+            return False
+        if not room_left and not preheld and not self._could_preempt(request.priority):
+            return False  # can neither fit nor preempt, and nobody behind can fit: no hold needed
+        gpus = self._fit(request, cycle)
+        if gpus is not None:
+            cycle.grants.append(self._grant(request, gpus, cycle.now))
+            cycle.granted.add(request.id)
+            return True
+        if self._preempt_or_nominate(request, cycle):
+            return None
+        cycle.failed_shapes[shape] = max(cycle.failed_shapes.get(shape, -1), request.priority)
+        return False
+
     def _prehold(self, cycle: _Cycle) -> None:
-        """Memory freed by preemption is held for its preemptor against every request, even
-        one that aging has moved ahead of it, until the preemptor is granted or finds it still
-        does not fit there (then it plans again): else a stream of aged lower-priority
-        requests could take the memory, and the preemption would repeat."""
+        """Memory freed by preemption is held for its preemptor against every request of
+        equal or lower base priority, even one that aging has moved ahead of it, until the
+        preemptor is granted or finds it still does not fit there (then it plans again): else
+        a stream of aged lower-priority requests could take the memory, and the preemption
+        would repeat. (A request of higher base priority may take it: it could preempt the
+        preemptor right after its grant anyway.) A nomination whose
+        victims are gone and where its preemptor no longer fits at all (memory taken by
+        strangers meanwhile) is dropped first: it would hold memory for nobody."""
         for request_id, nomination in list(self._nominations.items()):
             if not all(g in self._ledger for g in nomination.gpus):  # its worker was removed
                 del self._nominations[request_id]
             elif request_id in self.queue:
                 request = self.queue.get(request_id)
-                self._hold(cycle, request, nomination.gpus)
+                if not self._holds_memory(request, nomination):
+                    del self._nominations[request_id]
+                    continue
+                self._hold(cycle, request, nomination.gpus, own=True)
                 cycle.preheld[request_id] = nomination.gpus
-                for gpu_id in nomination.gpus:
-                    cycle.reserved[gpu_id] = max(cycle.reserved.get(gpu_id, -1), request.priority)
+
+    def _lift_preholds(self, cycle: _Cycle, request: Request) -> list[tuple[GpuId, int]]:
+        """Lifts, for ``request``'s turn, the holds of preemptors of lower base priority: it
+        could preempt them right after their grant, so it may take their memory directly.
+        Returns what was lifted, to be put back after the turn."""
+        lifted = []
+        for preemptor_id, gpus in cycle.preheld.items():
+            preemptor = self.queue.get(preemptor_id)
+            if preemptor.priority < request.priority:
+                for gpu_id in gpus:
+                    cycle.holds[gpu_id] -= preemptor.vram_mb
+                    lifted.append((gpu_id, preemptor.vram_mb))
+        return lifted
+
+    def _holds_memory(self, request: Request, nomination: _Nomination) -> bool:
+        """Whether a preemptor's nomination still holds its memory: its victims have not all
+        stopped (or the probe has not shown it yet), or the preemptor fits there now."""
+        return self._still_preempting(nomination) or all(
+            self._usable(g) and self._ledger.free_mb(g) >= request.vram_mb for g in nomination.gpus
+        )
+
+    def held_for_preemptors(self) -> dict[str, tuple[GpuId, ...]]:
+        """Memory freed, or being freed, by preemption and held for its preemptor against
+        every other request in the next cycle: request id -> its GPUs."""
+        return {
+            request_id: nomination.gpus
+            for request_id, nomination in self._nominations.items()
+            if request_id in self.queue
+            and all(g in self._ledger for g in nomination.gpus)
+            and self._holds_memory(self.queue.get(request_id), nomination)
+        }
 
     def _max_room(self, cycle: _Cycle) -> int:
         """The most memory any usable GPU has beyond the holds of this cycle."""
@@ -643,9 +712,15 @@ class Scheduler:
         return best
 
     def _could_preempt(self, highest_pending: int) -> bool:
+        """Whether a request of this base priority might find a victim (now or, for idle
+        leases, once time has passed: the plan then says when)."""
         if self._victims and min(self._victims) < highest_pending:
             return True
-        return bool(self._idle) and min(self._idle) <= highest_pending
+        if not self._idle:
+            return False
+        policy = self.policy
+        reclaim_later = math.isfinite(policy.idle_reclaim_s) or math.isfinite(policy.starvation_s)
+        return reclaim_later or min(self._idle) <= highest_pending
 
     def _usable(self, gpu_id: GpuId) -> bool:
         """A GPU that may take new grants: worker online (I7), probe fresh (I2)."""
@@ -790,7 +865,7 @@ class Scheduler:
         on its way back for it (its victims, or leases already being revoked)."""
         nomination = self._nominations.get(request.id)
         if nomination is not None and self._still_preempting(nomination):
-            self._hold(cycle, request, nomination.gpus)
+            self._hold(cycle, request, nomination.gpus, own=True)
             return True
         self._nominations.pop(request.id, None)
         plan = self._plan(request, cycle) if self._could_preempt(request.priority) else None
@@ -805,7 +880,7 @@ class Scheduler:
                 )
             self.counters["preemptions"] += 1
             self._nominations[request.id] = _Nomination(gpus, {v.id for v in victims})
-            self._hold(cycle, request, gpus)
+            self._hold(cycle, request, gpus, own=True)
             return True
         self._hold(cycle, request, self._nominate(request, cycle))
         return False
@@ -826,10 +901,28 @@ class Scheduler:
         usable = [g for g in self._matching(request) if self._usable(g)]
         return self._best(request, usable, cycle, spread=True) or ()
 
-    def _hold(self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...]) -> None:
-        """Holds ``gpus`` for ``request`` against the requests behind it (I6); a GPU held for a
-        preemptor of higher base priority stays its preemptor's."""
-        held = tuple(g for g in gpus if cycle.reserved.get(g, -1) <= request.priority)
+    def _reserved(self, cycle: _Cycle, exclude: str) -> dict[GpuId, int]:
+        """GPUs still pre-held for preemptors (other than ``exclude``) -> the highest base
+        priority among them."""
+        reserved: dict[GpuId, int] = {}
+        for preemptor_id, gpus in cycle.preheld.items():
+            if preemptor_id != exclude:
+                priority = self.queue.get(preemptor_id).priority
+                for gpu_id in gpus:
+                    reserved[gpu_id] = max(reserved.get(gpu_id, -1), priority)
+        return reserved
+
+    def _hold(
+        self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...], *, own: bool = False
+    ) -> None:
+        """Holds ``gpus`` for ``request`` against the requests behind it (I6). Memory its own
+        preemption frees (``own``) is always held; otherwise a GPU pre-held for a preemptor
+        of equal or higher base priority stays its preemptor's (a request of higher base
+        priority had that hold lifted for its turn, and may hold it)."""
+        held = gpus
+        if not own:
+            reserved = self._reserved(cycle, exclude=request.id)
+            held = tuple(g for g in gpus if reserved.get(g, -1) < request.priority)
         for gpu_id in held:
             cycle.holds[gpu_id] = cycle.holds.get(gpu_id, 0) + request.vram_mb
         cycle.journal.append((request.id, held, request.vram_mb))
@@ -872,12 +965,11 @@ class Scheduler:
             lease = self.leases[lid]
             if lid in cycle.granted:
                 continue  # never take back in the cycle that granted it
-            if eligible(lease, request.priority, self.policy, cycle.now):
+            since = eligible_from(lease, request, self.policy)
+            if since <= cycle.now:
                 candidates.append(lease)
-            elif eligible(
-                lease, request.priority, self.policy, cycle.now + self.policy.preempt_exempt_s
-            ):
-                self._push_timer(lease.granted_at + self.policy.preempt_exempt_s, "retry", lid)
+            else:  # eligible later (age, idle time, wait): run the cycle again then
+                self._retry_at(since)
 
         def fits(victims: set[str]) -> bool:
             return self._ledger.free_after(gpu_id, victims | revoking) - held >= request.vram_mb

@@ -10,7 +10,8 @@ Keep-warm: when a run finishes, the holder marks its lease idle instead of
 releasing it; a later request for the same model takes the idle lease back
 (``set_idle(False)``) without a load. Idle leases are reclaimed by the core's
 own preemption (reason ``preempted``) when memory is needed, least recently
-used first.
+used first: by equal or higher priority at once, by any priority once idle
+``idle_reclaim_s`` or for a request that has waited ``starvation_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Ours:
             self.scheduler.put_worker(worker, gpus)
         self._capacity = cluster.capacity_mb()
         self._priority: dict[str, int] = {}
+        self._submitted_at: dict[str, float] = {}
 
     def submit(self, attempt: Attempt, now: float) -> str | None:
         item = attempt.item
@@ -55,6 +57,7 @@ class Ours:
         except Unschedulable as exc:
             return str(exc.reason.message)
         self._priority[attempt.id] = item.priority
+        self._submitted_at[attempt.id] = now
         return None
 
     def cancel(self, attempt_id: str) -> None:
@@ -69,6 +72,7 @@ class Ours:
     def release(self, lease_id: str, now: float) -> None:
         self.scheduler.release(lease_id, now)
         self._priority.pop(lease_id, None)
+        self._submitted_at.pop(lease_id, None)
 
     def decide(self, now: float) -> Step:
         decisions = self.scheduler.decide(now)
@@ -87,7 +91,7 @@ class Ours:
     def check(self, now: float, step: Step, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
         return (
             self._check_memory(present)
-            + self._check_preemptions(step)
+            + self._check_preemptions(now, step)
             + self._check_order(now, step)
         )
 
@@ -117,9 +121,12 @@ class Ours:
                 )
         return problems
 
-    def _check_preemptions(self, step: Step) -> list[str]:
-        """I5: busy victims are preemptible and of strictly lower base priority; idle victims
-        (their holder consented to reclaim) of lower or equal base priority."""
+    def _check_preemptions(self, now: float, step: Step) -> list[str]:
+        """I5: busy victims are preemptible, of strictly lower base priority, taken for a
+        request that waited ``preempt_patience_s``; idle victims (their holder consented to
+        reclaim) of lower or equal base priority, or idle ``idle_reclaim_s``, or taken for a
+        request that waited ``starvation_s``."""
+        policy = self.scheduler.policy
         problems = []
         for lease_id, reason in step.revocations:
             if reason != "preempted":
@@ -129,10 +136,15 @@ class Ours:
             if preemptor is None:
                 problems.append(f"I5: {lease_id} preempted for an unknown request")
                 continue
+            waited = now - self._submitted_at[victim.preempted_for or ""]
             allowed = (
                 victim.base_priority <= preemptor
+                or now - victim.last_used_at >= policy.idle_reclaim_s
+                or waited >= policy.starvation_s
                 if victim.idle
-                else victim.request.preemptible and victim.base_priority < preemptor
+                else victim.request.preemptible
+                and victim.base_priority < preemptor
+                and waited >= policy.preempt_patience_s
             )
             if not allowed:
                 problems.append(
