@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from gpu_arbiter.sim import compare, generate, parse_cluster, summarize
-from gpu_arbiter.sim.report import targets
+from gpu_arbiter.sim.report import goal_lines, targets
 
 SHAPES = (("mixed", "single"), ("mixed", "medium"), ("mixed", "large"))
 
@@ -43,27 +43,6 @@ def _table(summaries: list[dict[str, Any]]) -> list[str]:
             f"| {s['concurrent_loads']} | {s['unfinished']} |"
         )
     return lines
-
-
-def goal_lines(t: dict[str, Any]) -> list[str]:
-    """The judged goals (:func:`gpu_arbiter.sim.report.targets`) as markdown bullets."""
-    yes = {True: "met", False: "**not met**"}
-    out = []
-    for name, goal in t.items():
-        if name == "safety":
-            continue
-        ratio = "-" if goal["ratio"] is None else f"{goal['ratio']:.2f}"
-        out.append(
-            f"- {name}: ours {goal['ours']:.3g} vs {goal['baseline']} {goal['theirs']:.3g} "
-            f"(ratio {ratio}, bound {goal['bound']:g}): {yes[goal['met']]}"
-        )
-    safety = t["safety"]
-    out.append(
-        f"- zero over-commit / concurrent loads / invariant violations: "
-        f"{safety['overcommits']} / {safety['concurrent_loads']} / {safety['violations']}: "
-        f"{yes[safety['met']]}"
-    )
-    return out
 
 
 def main() -> None:

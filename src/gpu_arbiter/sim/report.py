@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["GOALS", "safe", "targets"]
+__all__ = ["GOALS", "goal_lines", "safe", "targets"]
 
 Summary = dict[str, Any]
 _Figure = Callable[[Summary], float | None]
@@ -88,4 +88,25 @@ def targets(summaries: Sequence[Summary]) -> dict[str, Any]:
         "violations": ours["violations"],
         "met": ours["overcommits"] == ours["concurrent_loads"] == ours["violations"] == 0,
     }
+    return out
+
+
+def goal_lines(t: dict[str, Any]) -> list[str]:
+    """The judged goals (:func:`gpu_arbiter.sim.report.targets`) as markdown bullets."""
+    yes = {True: "met", False: "**not met**"}
+    out = []
+    for name, goal in t.items():
+        if name == "safety":
+            continue
+        ratio = "-" if goal["ratio"] is None else f"{goal['ratio']:.2f}"
+        out.append(
+            f"- {name}: ours {goal['ours']:.3g} vs {goal['baseline']} {goal['theirs']:.3g} "
+            f"(ratio {ratio}, bound {goal['bound']:g}): {yes[goal['met']]}"
+        )
+    safety = t["safety"]
+    out.append(
+        f"- zero over-commit / concurrent loads / invariant violations: "
+        f"{safety['overcommits']} / {safety['concurrent_loads']} / {safety['violations']}: "
+        f"{yes[safety['met']]}"
+    )
     return out
