@@ -4,13 +4,15 @@ Nothing of the core's logic is copied here: this adapter submits requests,
 reports ``ready``/``set_idle``/``release`` and runs ``decide`` exactly as the
 asyncio engine does, then checks the invariants I1, I3, I4, I5 and I6 on the
 core's own books after every step (I2 reduces to I1: the simulated GPUs are
-declared by hand, without a probe).
+declared by hand, without a probe); I5 as the policy's settings extend it
+(``idle_reclaim_s``, ``starvation_s``, ``preempt_patience_s``).
 
 Keep-warm: when a run finishes, the holder marks its lease idle instead of
 releasing it; a later request for the same model takes the idle lease back
 (``set_idle(False)``) without a load. Idle leases are reclaimed by the core's
 own preemption (reason ``preempted``) when memory is needed, least recently
-used first.
+used first: by equal or higher priority at once, by any once idle
+``idle_reclaim_s`` or for a request that has waited ``starvation_s``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Ours:
         for worker, gpus in cluster.workers:
             self.scheduler.put_worker(worker, gpus)
         self._capacity = cluster.capacity_mb()
-        self._priority: dict[str, int] = {}
+        self._asked: dict[str, tuple[int, float]] = {}  # request id: (priority, submitted)
 
     def submit(self, attempt: Attempt, now: float) -> str | None:
         item = attempt.item
@@ -54,7 +56,7 @@ class Ours:
             self.scheduler.submit(request, now)
         except Unschedulable as exc:
             return str(exc.reason.message)
-        self._priority[attempt.id] = item.priority
+        self._asked[attempt.id] = (item.priority, now)
         return None
 
     def cancel(self, attempt_id: str) -> None:
@@ -68,7 +70,7 @@ class Ours:
 
     def release(self, lease_id: str, now: float) -> None:
         self.scheduler.release(lease_id, now)
-        self._priority.pop(lease_id, None)
+        self._asked.pop(lease_id, None)
 
     def decide(self, now: float) -> Step:
         decisions = self.scheduler.decide(now)
@@ -87,7 +89,7 @@ class Ours:
     def check(self, now: float, step: Step, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
         return (
             self._check_memory(present)
-            + self._check_preemptions(step)
+            + self._check_preemptions(now, step)
             + self._check_order(now, step)
         )
 
@@ -117,27 +119,39 @@ class Ours:
                 )
         return problems
 
-    def _check_preemptions(self, step: Step) -> list[str]:
-        """I5: busy victims are preemptible and of strictly lower base priority; idle victims
-        (their holder consented to reclaim) of lower or equal base priority."""
+    def _check_preemptions(self, now: float, step: Step) -> list[str]:
+        """I5: busy victims are preemptible, of strictly lower base priority, and taken
+        for a request that has waited ``preempt_patience_s``; idle victims (their holder
+        consented to reclaim) of lower or equal base priority, or idle ``idle_reclaim_s``,
+        or taken for a request that has waited ``starvation_s``."""
+        policy = self.scheduler.policy
         problems = []
         for lease_id, reason in step.revocations:
             if reason != "preempted":
                 continue
             victim = self.scheduler.leases[lease_id]
-            preemptor = self._priority.get(victim.preempted_for or "")
-            if preemptor is None:
+            asked = self._asked.get(victim.preempted_for or "")
+            if asked is None:
                 problems.append(f"I5: {lease_id} preempted for an unknown request")
                 continue
-            allowed = (
-                victim.base_priority <= preemptor
-                if victim.idle
-                else victim.request.preemptible and victim.base_priority < preemptor
-            )
+            preemptor, submitted = asked
+            if victim.idle:  # deadlines written as the core does, to compare equal floats
+                allowed = (
+                    victim.base_priority <= preemptor
+                    or victim.last_used_at + policy.idle_reclaim_s <= now
+                    or submitted + policy.starvation_s <= now
+                )
+            else:
+                allowed = (
+                    victim.request.preemptible
+                    and victim.base_priority < preemptor
+                    and submitted + policy.preempt_patience_s <= now
+                )
             if not allowed:
                 problems.append(
                     f"I5: {lease_id} (priority {victim.base_priority}, idle={victim.idle}, "
-                    f"preemptible={victim.request.preemptible}) preempted for priority {preemptor}"
+                    f"preemptible={victim.request.preemptible}) preempted for priority "
+                    f"{preemptor} after {now - submitted:g} s"
                 )
         return problems
 
