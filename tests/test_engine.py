@@ -428,6 +428,36 @@ async def test_higher_priority_preempts_a_busy_acquired_lease(arbiter: Arbiter) 
     await (await waiter).release()
 
 
+async def test_an_idle_lease_idle_long_enough_is_reclaimed_by_lower_priority() -> None:
+    """Idle memory is a cache: after ``idle_reclaim_s`` the engine's own timer lets a batch
+    request reclaim an idle interactive lease (no other event comes)."""
+    policy = Policy(idle_reclaim_s=0.2, starvation_s=float("inf"))
+    async with _arbiter(policy=policy) as arbiter:
+        warm = await arbiter.acquire(20000, priority="interactive")
+        await warm.ready()
+        await warm.idle()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        waiter = asyncio.create_task(arbiter.acquire(10000, priority="batch"))
+        assert await asyncio.wait_for(warm.wait_revoked(), GUARD_S) == "preempted"
+        assert loop.time() - started >= 0.15
+        await warm.release()
+        await (await asyncio.wait_for(waiter, GUARD_S)).release()
+
+
+async def test_busy_work_is_preempted_only_after_preempt_patience_s() -> None:
+    async with _arbiter(policy=Policy(preempt_patience_s=0.2)) as arbiter:
+        batch = await arbiter.acquire(20000, priority="batch")
+        await batch.ready()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        waiter = asyncio.create_task(arbiter.acquire(10000, priority="interactive"))
+        assert await asyncio.wait_for(batch.wait_revoked(), GUARD_S) == "preempted"
+        assert loop.time() - started >= 0.15
+        await batch.release()
+        await (await asyncio.wait_for(waiter, GUARD_S)).release()
+
+
 # ---------------------------------------------------------------- no starvation
 
 

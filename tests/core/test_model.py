@@ -206,6 +206,7 @@ def test_policy_defaults() -> None:
     assert policy.aging_cap == 799
     assert policy.preempt_exempt_s == 0
     assert policy.grace_s == 10
+    assert policy.preempt_patience_s == 0
 
 
 @pytest.mark.parametrize(
@@ -219,6 +220,12 @@ def test_policy_defaults() -> None:
         ({"aging_cap": -1}, "aging_cap"),
         ({"preempt_exempt_s": -1}, "preempt_exempt_s"),
         ({"grace_s": -1}, "grace_s"),
+        ({"idle_reclaim_s": -1}, "idle_reclaim_s"),
+        ({"idle_reclaim_s": float("nan")}, "idle_reclaim_s"),
+        ({"starvation_s": -0.5}, "starvation_s"),
+        ({"starvation_s": "600"}, "starvation_s"),
+        ({"preempt_patience_s": -1}, "preempt_patience_s"),
+        ({"preempt_patience_s": True}, "preempt_patience_s"),
     ],
 )
 def test_policy_validation_names_the_field(fields: dict[str, Any], name: str) -> None:

@@ -172,3 +172,78 @@ def test_preemption_does_not_repeat_while_victims_stop() -> None:
     assert granted_ids(sched.decide(104.0)) == ["p"]
     assert "b" in sched.leases
     assert sched.leases["b"].state is LeaseState.ACTIVE
+
+
+# ---------------------------------------------------------------- idle memory is a cache
+
+NEVER = float("inf")
+
+
+def test_lower_priority_reclaims_an_idle_lease_once_idle_reclaim_s_passed() -> None:
+    policy = Policy(idle_reclaim_s=60, starvation_s=NEVER)
+    sched = _with_leases(("warm", 20000, {"priority": "interactive"}), policy=policy)
+    sched.set_idle("warm", True, 5.0)
+    assert _preempt(sched, 10000, now=30.0, priority="batch") == []
+    assert sched.next_deadline() == 65.0  # the scheduler wakes itself when it may reclaim
+    assert revoked_ids(sched.decide(65.0)) == ["warm"]
+
+
+def test_idle_leases_are_reclaimed_least_recently_used_first_whatever_their_priority() -> None:
+    policy = Policy(idle_reclaim_s=60, starvation_s=NEVER)
+    sched = _with_leases(
+        ("critical_old", 12000, {"priority": "critical"}),
+        ("batch_recent", 12000, BATCH),
+        policy=policy,
+    )
+    sched.set_idle("critical_old", True, 2.0)
+    sched.set_idle("batch_recent", True, 3.0)
+    assert _preempt(sched, 10000, now=100.0, priority="batch") == ["critical_old"]
+
+
+def test_idle_reclaim_never_takes_a_busy_lease() -> None:
+    policy = Policy(idle_reclaim_s=0, starvation_s=0)
+    sched = _with_leases(("busy", 20000, {"priority": "normal"}), policy=policy)
+    sched.set_idle("busy", True, 1.0)
+    sched.set_idle("busy", False, 2.0)
+    assert _preempt(sched, 10000, now=10_000.0, priority="batch") == []
+    assert sched.decide(20_000.0).revocations == ()
+
+
+def test_a_starving_request_reclaims_any_idle_lease() -> None:
+    policy = Policy(idle_reclaim_s=NEVER, starvation_s=100)
+    sched = _with_leases(("warm", 20000, {"priority": "interactive"}), policy=policy)
+    sched.set_idle("warm", True, 1.0)
+    assert _preempt(sched, 10000, now=10.0, priority="batch") == []
+    assert sched.next_deadline() == 110.0
+    decisions = sched.decide(110.0)
+    assert revoked_ids(decisions) == ["warm"]
+    assert decisions.revocations[0].preempted_for == "p"
+
+
+def test_starvation_gives_no_rights_over_busy_work() -> None:
+    policy = Policy(idle_reclaim_s=0, starvation_s=0)
+    sched = _with_leases(("busy", 20000, {"priority": "normal"}), policy=policy)
+    assert _preempt(sched, 10000, now=10.0, priority="batch") == []
+    assert sched.decide(100_000.0).revocations == ()
+
+
+def test_busy_work_is_preempted_only_for_a_request_that_waited_preempt_patience_s() -> None:
+    sched = _with_leases(("job", 20000, BATCH), policy=Policy(preempt_patience_s=30))
+    assert _preempt(sched, 10000, now=100.0, priority="interactive") == []
+    assert sched.next_deadline() == 130.0
+    assert revoked_ids(sched.decide(129.0)) == []
+    assert revoked_ids(sched.decide(130.0)) == ["job"]
+
+
+def test_preempt_patience_s_does_not_delay_reclaiming_idle_leases() -> None:
+    sched = _with_leases(("warm", 20000, BATCH), policy=Policy(preempt_patience_s=30))
+    sched.set_idle("warm", True, 50.0)
+    assert _preempt(sched, 10000, now=100.0, priority="interactive") == ["warm"]
+
+
+def test_a_release_before_the_patience_ends_means_no_preemption() -> None:
+    sched = _with_leases(("job", 20000, BATCH), policy=Policy(preempt_patience_s=30))
+    assert _preempt(sched, 10000, now=100.0, priority="interactive") == []
+    sched.release("job", 110.0)
+    assert granted_ids(sched.decide(110.0)) == ["p"]
+    assert sched.decide(130.0).revocations == ()

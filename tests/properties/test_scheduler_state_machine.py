@@ -6,6 +6,7 @@ machine itself fed in, not from the scheduler's own accounting.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -62,6 +63,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.revoking: set[str] = set()
         self.revoked_at: dict[str, float] = {}
         self.probes: dict[GpuId, GpuProbe] = {}
+        self.idle_since: dict[str, float] = {}  # idle leases: when their holder said so
         self.stale: set[GpuId] = set()
         self.last_token = 0
         self.counter = 0
@@ -70,14 +72,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         loads=st.sampled_from([1, 2]),
         placement=st.sampled_from(["binpack", "spread"]),
         exempt=st.sampled_from([0.0, 5.0]),
+        idle_reclaim=st.sampled_from([math.inf, 0.0, 10.0, 40.0]),
+        starvation=st.sampled_from([math.inf, 0.0, 20.0]),
+        patience=st.sampled_from([0.0, 0.0, 3.0]),
     )
-    def setup(self, loads: int, placement: str, exempt: float) -> None:
+    def setup(
+        self,
+        loads: int,
+        placement: str,
+        exempt: float,
+        idle_reclaim: float,
+        starvation: float,
+        patience: float,
+    ) -> None:
         policy = Policy(
             max_concurrent_loads=loads,
             placement=placement,  # type: ignore[arg-type]
             preempt_exempt_s=exempt,
             aging_interval_s=10.0,
             aging_step=50,
+            idle_reclaim_s=idle_reclaim,
+            starvation_s=starvation,
+            preempt_patience_s=patience,
         )
         self.sched = Scheduler(policy)
         for name in WORKERS:
@@ -116,6 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert lease_id in self.held, f"{lease_id} released twice or never granted"
         assert lease_id not in self.ended
         del self.held[lease_id]
+        self.idle_since.pop(lease_id, None)
         self.ended.add(lease_id)
         self.revoking.discard(lease_id)
 
@@ -284,19 +301,37 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert old.state is not LeaseState.REVOKING, "revoked twice"
             if lease.revoke_reason == "preempted":
                 assert lease.preempted_for is not None
-                preemptor = self.requests[lease.preempted_for].priority
                 assert lease.id not in granted, "revoked in the cycle that granted it"
-                if old.idle:  # the holder consented: equal or higher priority may reclaim it
-                    assert old.base_priority <= preemptor, "I5: idle lease by lower priority"
+                if old.idle:
+                    self._check_reclaim(lease.id, self.requests[lease.preempted_for], now)
                 else:
-                    assert old.request.preemptible, "I5: a non-preemptible lease was preempted"
-                    assert old.base_priority < preemptor, "I5: busy lease by equal/lower priority"
-                    assert now - old.granted_at >= self.policy.preempt_exempt_s
+                    self._check_preemption(old, self.requests[lease.preempted_for], now)
             else:
                 assert lease.revoke_reason == "drain_deadline"
         expired = {lease.id for lease in decisions.expired}
         # a drain deadline that fell before a TTL: revoked, then expired, in one cycle
         self._track_revoked([lease for lease in decisions.revocations if lease.id not in expired])
+
+    def _check_reclaim(self, lease_id: str, preemptor: Request, now: float) -> None:
+        """I5 for an idle lease (a cache, not a claim): equal or higher priority at once; any
+        priority once it has been idle ``idle_reclaim_s`` or the preemptor has waited
+        ``starvation_s``."""
+        assert lease_id in self.idle_since, "I5: a busy lease was taken as an idle one"
+        idle_for = now - self.idle_since[lease_id]
+        waited = now - preemptor.submitted_at
+        assert (
+            self.held[lease_id].base_priority <= preemptor.priority
+            or idle_for >= self.policy.idle_reclaim_s
+            or waited >= self.policy.starvation_s
+        ), f"I5: idle {lease_id} (idle {idle_for} s) reclaimed by lower priority {preemptor.id}"
+
+    def _check_preemption(self, old: Lease, preemptor: Request, now: float) -> None:
+        """I5 for busy work: strictly downward, never by aging, idle time or starvation."""
+        assert old.id not in self.idle_since, "I5: a busy lease seen as idle"
+        assert old.request.preemptible, "I5: a non-preemptible lease was preempted"
+        assert old.base_priority < preemptor.priority, "I5: busy lease by equal/lower priority"
+        assert now - old.granted_at >= self.policy.preempt_exempt_s
+        assert now - preemptor.submitted_at >= self.policy.preempt_patience_s, "patience"
 
     def _occupied_without(self, gpu_id: GpuId, gone: set[str]) -> int:
         """Occupied memory once the leases ``gone`` have stopped and the probe shows it."""
@@ -396,6 +431,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def set_idle(self, data: st.DataObject, idle: bool) -> None:
         lease_id = self._pick(data, set(self.held))
         assert self.sched.set_idle(lease_id, idle, self.now).idle is idle
+        if not idle:
+            self.idle_since.pop(lease_id, None)
+        elif lease_id not in self.idle_since:
+            self.idle_since[lease_id] = self.now
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())

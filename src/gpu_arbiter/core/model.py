@@ -492,6 +492,16 @@ class Policy:
     aging_cap             ... but never above ``aging_cap`` (below ``interactive``).
                           Aging orders the queue; it never gives preemption rights.
     preempt_exempt_s      a lease younger than this is not preempted unless idle.
+    idle_reclaim_s        an idle (keep-warm) lease idle this long is reclaimable by a
+                          request of any priority, least recently used first; before
+                          that only by equal or higher priority. ``inf``: never.
+    starvation_s          a request that has waited this long may reclaim any idle
+                          lease, whatever its priority. ``inf``: never. Neither
+                          setting gives rights over busy work (I5).
+    preempt_patience_s    busy work is preempted only for a request that has waited
+                          this long (0: at once), so that a short request does not
+                          kill a long job when a warm copy or a release would serve
+                          it a moment later. Idle leases are reclaimed at once.
     grace_s               how long a revoked holder has to stop before it is killed;
                           a revoked lease can be renewed only within it, and never
                           past ``revoked_at + grace_s + ttl_s``: a holder that ignores
@@ -505,6 +515,10 @@ class Policy:
     aging_cap: int = 799
     preempt_exempt_s: float = 0.0
     grace_s: float = 10.0
+    # Provisional defaults, to be settled by measurement on the real-trace benchmark.
+    idle_reclaim_s: float = 300.0
+    starvation_s: float = 600.0
+    preempt_patience_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_concurrent_loads, int) or self.max_concurrent_loads < 1:
@@ -521,6 +535,10 @@ class Policy:
             raise InvalidInput("preempt_exempt_s", "must be >= 0")
         if self.grace_s < 0:
             raise InvalidInput("grace_s", "must be >= 0")
+        for name in ("idle_reclaim_s", "starvation_s", "preempt_patience_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise InvalidInput(name, "must be a number of seconds >= 0 (inf: never)")
 
     def effective_priority(self, request: Request, now: float) -> int:
         """Base priority plus aging, capped at ``aging_cap`` (never lowered by the cap)."""

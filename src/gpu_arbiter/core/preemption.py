@@ -1,14 +1,18 @@
 """Victim selection (I5): which leases to revoke so that a request fits.
 
 Eligible victims of a request with base priority ``p``:
-  - idle leases (keep-warm) with base priority <= p. Marking a lease idle is its
-    holder's consent to have the memory reclaimed: there is no work to interrupt,
-    so ``preemptible`` (which protects work in progress) does not apply. This is
+  - idle leases (keep-warm) with base priority <= p; any idle lease once it has
+    been idle ``idle_reclaim_s``, or once the request has waited ``starvation_s``.
+    Idle memory is a cache, not a claim. Marking a lease idle is its holder's
+    consent to have the memory reclaimed: there is no work to interrupt, so
+    ``preemptible`` (which protects work in progress) does not apply. This is
     what lets a non-preemptible interactive model server keep its model warm
     between requests without pinning the GPU against its peers;
   - busy leases that are preemptible with base priority < p and older than
-    ``preempt_exempt_s``, and not granted in the same scheduling cycle.
-Aging never enters here: only base priorities count.
+    ``preempt_exempt_s``, not granted in the same scheduling cycle, for a
+    request that has waited ``preempt_patience_s``.
+Aging never enters here: only base priorities count, and waiting gives rights
+over idle leases only, never over busy work.
 
 On one GPU, idle leases are tried alone first (least recently used first): a
 warm cache is reclaimed before any busy work is interrupted. Otherwise the
@@ -20,12 +24,13 @@ enough memory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .model import Lease, Policy
+from .model import Lease, Policy, Request
 
-__all__ = ["Plan", "eligible", "plan_for_gpu"]
+__all__ = ["Plan", "eligible", "eligible_from", "plan_for_gpu"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +45,30 @@ class Plan:
         return (busy, len(self.victims), priorities, -sum(v.granted_at for v in self.victims))
 
 
-def eligible(lease: Lease, priority: int, policy: Policy, now: float) -> bool:
+def eligible_from(lease: Lease, request: Request, policy: Policy) -> float:
+    """From when ``request`` may take ``lease`` if nothing else changes (``-inf``: always,
+    ``inf``: never). Only the clock moves it: the lease's idle time, the lease's age, the
+    request's wait."""
     if lease.revoke_reason is not None:
-        return False
+        return math.inf
     if lease.idle:
-        return lease.base_priority <= priority
-    return (
-        lease.request.preemptible
-        and lease.base_priority < priority
-        and now - lease.granted_at >= policy.preempt_exempt_s
+        if lease.base_priority <= request.priority:
+            return -math.inf
+        return min(
+            lease.last_used_at + policy.idle_reclaim_s,
+            request.submitted_at + policy.starvation_s,
+        )
+    if not lease.request.preemptible or lease.base_priority >= request.priority:
+        return math.inf
+    return max(
+        lease.granted_at + policy.preempt_exempt_s,
+        request.submitted_at + policy.preempt_patience_s,
     )
+
+
+def eligible(lease: Lease, request: Request, policy: Policy, now: float) -> bool:
+    """Whether ``request`` may take ``lease`` at ``now`` (I5)."""
+    return eligible_from(lease, request, policy) <= now
 
 
 def _cost_key(lease: Lease) -> tuple[int, float, int, float, int]:

@@ -57,7 +57,7 @@ from .model import (
     WorkerStatus,
     evolve,
 )
-from .preemption import Plan, eligible, plan_for_gpu
+from .preemption import Plan, eligible_from, plan_for_gpu
 from .queue import PendingQueue
 from .reasons import GpuVerdict, PendingReason, summarize
 from .units import format_mb
@@ -136,6 +136,7 @@ class Scheduler:
         self._idle: Counter[int] = Counter()  # base priority -> idle preemptible leases
         self._timers: list[tuple[float, int, str, str]] = []
         self._timer_seq = 0
+        self._retries: set[float] = set()  # times of pending "retry" timers
         self._match_cache: dict[tuple[Constraints, int, int], frozenset[GpuId]] = {}
         self._drain_check: set[str] = set()  # draining workers that may have become empty
         self._journal: list[tuple[str, tuple[GpuId, ...], int]] = []
@@ -526,6 +527,8 @@ class Scheduler:
                 revoked += self._revoke_worker(key, "drain_deadline", now)
             elif kind == "wait":
                 waits.append(key)
+            elif kind == "retry":
+                self._retries.discard(entry[0])
         return expired, loaded, revoked, waits
 
     def _timer_live(self, entry: tuple[float, int, str, str]) -> bool:
@@ -541,6 +544,12 @@ class Scheduler:
         if kind == "drain":
             return self._drain_deadlines.get(key) == at
         return True  # "retry": re-run the cycle once
+
+    def _retry_at(self, at: float) -> None:
+        """Runs the cycle again at ``at`` (once, however often asked)."""
+        if at not in self._retries and math.isfinite(at):
+            self._retries.add(at)
+            self._push_timer(at, "retry", "")
 
     def _push_timer(self, at: float, kind: str, key: str) -> None:
         if not math.isfinite(at):
@@ -635,9 +644,15 @@ class Scheduler:
         return best
 
     def _could_preempt(self, highest_pending: int) -> bool:
+        """Whether a request of this base priority might find a victim (now or, for idle
+        leases, once time has passed: the plan then says when)."""
         if self._victims and min(self._victims) < highest_pending:
             return True
-        return bool(self._idle) and min(self._idle) <= highest_pending
+        if not self._idle:
+            return False
+        policy = self.policy
+        reclaim_later = math.isfinite(policy.idle_reclaim_s) or math.isfinite(policy.starvation_s)
+        return reclaim_later or min(self._idle) <= highest_pending
 
     def _usable(self, gpu_id: GpuId) -> bool:
         """A GPU that may take new grants: worker online (I7), probe fresh (I2)."""
@@ -864,12 +879,11 @@ class Scheduler:
             lease = self.leases[lid]
             if lid in cycle.granted:
                 continue  # never take back in the cycle that granted it
-            if eligible(lease, request.priority, self.policy, cycle.now):
+            since = eligible_from(lease, request, self.policy)
+            if since <= cycle.now:
                 candidates.append(lease)
-            elif eligible(
-                lease, request.priority, self.policy, cycle.now + self.policy.preempt_exempt_s
-            ):
-                self._push_timer(lease.granted_at + self.policy.preempt_exempt_s, "retry", lid)
+            else:  # eligible later (age, idle time, wait): run the cycle again then
+                self._retry_at(since)
 
         def fits(victims: set[str]) -> bool:
             return self._ledger.free_after(gpu_id, victims | revoking) - held >= request.vram_mb

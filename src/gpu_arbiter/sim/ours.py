@@ -11,7 +11,7 @@ Keep-warm: when a run finishes, the holder marks its lease idle instead of
 releasing it; a later request for the same model takes the idle lease back
 (``set_idle(False)``) without a load. Idle leases are reclaimed by the core's
 own preemption (reason ``preempted``) when memory is needed, least recently
-used first: by equal or higher priority at once, by any once idle
+used first: by equal or higher priority at once, by any priority once idle
 ``idle_reclaim_s`` or for a request that has waited ``starvation_s``.
 """
 
