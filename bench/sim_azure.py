@@ -76,6 +76,7 @@ _FIGURES = (
     "violations",
     "unfinished",
     "preemptions",
+    "loads",
 )
 
 
@@ -121,9 +122,9 @@ def _wait(s: dict[str, Any], cls: str, key: str) -> str:
 def table(summaries: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| policy | interactive p99 s | normal p99 s | longest batch s | busy mem "
-        "| mem util | mem util no idle | over-commit | concurrent loads | violations "
+        "| mem util | mem util no idle | loads | over-commit | concurrent loads | violations "
         "| unfinished |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         checked = f"{s['violations']:g}" if s["policy"] == "ours" else "-"
@@ -131,7 +132,7 @@ def table(summaries: list[dict[str, Any]]) -> list[str]:
             f"| {s['policy']} | {_wait(s, 'interactive', 'p99_s')} "
             f"| {_wait(s, 'normal', 'p99_s')} | {_wait(s, 'batch', 'max_s')} "
             f"| {s['busy_mem_util']:.1%} | {s['mem_util']:.1%} | {s['mem_util_no_idle']:.1%} "
-            f"| {s['overcommits']:g} | {s['concurrent_loads']:g} "
+            f"| {s['loads']:.0f} | {s['overcommits']:g} | {s['concurrent_loads']:g} "
             f"| {checked} | {s['unfinished']:g} |"
         )
     return lines
