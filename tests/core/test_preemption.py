@@ -92,9 +92,10 @@ def test_equal_priority_never_preempts_a_busy_lease() -> None:
 
 
 def test_lower_priority_never_reclaims_an_idle_lease() -> None:
+    """... before ``idle_reclaim_s`` (60 s by default): idle 25 s here."""
     sched = _with_leases(("warm", 20000, {}))
     sched.set_idle("warm", True, 5.0)
-    assert _preempt(sched, 10000, priority="background") == []
+    assert _preempt(sched, 10000, now=30.0, priority="background") == []
 
 
 def test_busy_non_preemptible_leases_are_never_victims() -> None:

@@ -48,7 +48,15 @@ def test_generated_comparison_as_json_with_plots(tmp_path: Path) -> None:
         "--save-trace",
         str(trace_file),
     )
-    assert [p["policy"] for p in out["policies"]] == ["ours", "fifo", "priority", "slots", "lru"]
+    assert [p["policy"] for p in out["policies"]] == [
+        "ours",
+        "fifo",
+        "priority",
+        "slots",
+        "lru",
+        "prio-warm",
+        "ollama",
+    ]
     assert (out["generate"], out["seed"], out["cluster"]) == ("mixed", 5, "4w:1x24G")
     ours = out["policies"][0]
     assert ours["violations"] == ours["overcommits"] == ours["concurrent_loads"] == 0
@@ -59,6 +67,38 @@ def test_generated_comparison_as_json_with_plots(tmp_path: Path) -> None:
     replay = _json(str(trace_file), "--cluster", "4w:1x24G")
     assert replay["policies"] == out["policies"]
     assert replay["requests"] == out["requests"] == len(trace_file.read_text().splitlines())
+
+
+def test_azure_slice_replays_with_its_mapping(tmp_path: Path) -> None:
+    trace_file = tmp_path / "azure.jsonl"
+    args = (
+        "--azure",
+        "tests/data/azure-llm-2023",
+        "--azure-load",
+        "0.5",
+        "--azure-conv",
+        "chat-8b:10G:interactive:8",
+        "--azure-code",
+        "none",
+        "--azure-concurrency",
+        "4",
+        "--azure-batch",
+        "20:12G:5:30-60",
+        "--cluster",
+        "2x24G",
+    )
+    out = _json(*args, "--save-trace", str(trace_file))
+    assert (out["azure"], out["load"], out["seed"]) == ("tests/data/azure-llm-2023", 0.5, 1)
+    saved = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    assert {r["model"] for r in saved if r["holder"].startswith("conv")} == {"chat-8b"}
+    assert not any(r["holder"].startswith("code") for r in saved)
+    assert {r["holder"] for r in saved} >= {"conv-1", "conv-2", "batch"}
+    for summary in out["policies"]:
+        assert set(summary) >= {"busy_mem_util", "mem_util", "mem_util_no_idle"}
+        assert summary["mem_util_no_idle"] <= summary["mem_util"]
+    assert set(out["targets"]) >= {"interactive_p99", "busy_mem", "batch_max", "safety"}
+    replay = _json(str(trace_file), "--cluster", "2x24G")
+    assert replay["policies"] == out["policies"]
 
 
 def test_table_output_and_policy_choice(tmp_path: Path) -> None:
@@ -83,7 +123,17 @@ def test_table_output_and_policy_choice(tmp_path: Path) -> None:
         (["--keep-alive", "nan"], "error: keep-alive: "),
         (["-o", "yaml"], "error: output: "),
         (["missing.jsonl"], "error: trace: cannot read"),
-        (["missing.jsonl", "--generate", "chat"], "error: give a TRACE file or --generate"),
+        (["missing.jsonl", "--generate", "chat"], "error: give one of a TRACE file"),
+        (["--azure", "tests/data/azure-llm-2023", "--generate", "chat"], "error: give one of"),
+        (["--azure", "tests/data"], "error: azure: "),
+        (["--azure", "tests/data/azure-llm-2023", "--azure-load", "2"], "error: azure-load: "),
+        (
+            ["--azure", "tests/data/azure-llm-2023", "--azure-conv", "x:1G"],
+            "error: azure service: ",
+        ),
+        (["--azure", "tests/data/azure-llm-2023", "--azure-batch", "5"], "error: azure batch: "),
+        (["--azure", "tests/data/azure-llm-2023", "--azure-tokens", "9"], "error: azure-tokens: "),
+        (["--azure", "tests/data/azure-llm-2023", "--azure-gap", "-1"], "error: azure-gap: "),
     ],
 )
 def test_bad_input_is_one_line_and_non_zero(args: list[str], message: str) -> None:

@@ -93,7 +93,16 @@ def test_bad_cluster_specs(spec: str) -> None:
 
 
 def test_policies_and_kinds() -> None:
-    assert parse_policies("all") == ["ours", "fifo", "priority", "slots", "lru"]
+    assert parse_policies("all") == [
+        "ours",
+        "fifo",
+        "priority",
+        "slots",
+        "lru",
+        "prio-warm",
+        "ollama",
+    ]
+    assert parse_policies("Prio-Warm,ollama") == ["prio-warm", "ollama"]
     assert parse_policies("lru, ours,lru") == ["lru", "ours"]
     with pytest.raises(InvalidInput, match="policy"):
         parse_policies("ours,best")

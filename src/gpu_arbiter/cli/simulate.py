@@ -25,6 +25,7 @@ from ..sim import (
     parse_policies,
     summarize,
 )
+from ..sim.azure import AzureMapping, convert, parse_batch, parse_pair, parse_service, read_azure
 from ..sim.report import targets
 
 GENERATE_HELP = f"Generate a seeded trace of this kind ({', '.join(KINDS)}; join with +)."
@@ -33,6 +34,12 @@ CLUSTER_HELP = (
     f"by +, or a preset ({', '.join(PRESETS)})."
 )
 POLICY_HELP = f"'all' or names joined by ',' ({', '.join(POLICIES)})."
+AZURE_HELP = (
+    "Replay the Azure LLM inference trace (2023, CC-BY 4.0): a folder holding "
+    "AzureLLMInferenceTrace_conv.csv and/or _code.csv. Mapping: the --azure-* options; "
+    "--seed seeds the thinning and the batch jobs."
+)
+SERVICE_HELP = "MODEL:SIZE:PRIORITY:LOAD_S the {} service maps to, or 'none'."
 
 
 def _fail(message: str) -> NoReturn:
@@ -62,12 +69,30 @@ def simulate(
     output: str = typer.Option("table", "--output", "-o", help="table or json."),
     plots: str = typer.Option(None, help="Write wait_cdf.png and memory_utilization.png here."),
     save_trace: str = typer.Option(None, help="Also write the trace used to this file."),
+    azure: str = typer.Option(None, help=AZURE_HELP),
+    azure_load: str = typer.Option("1", help="Fraction of the trace's requests kept (0..1]."),
+    azure_conv: str = typer.Option(
+        "chat-14b:16G:interactive:12", help=SERVICE_HELP.format("conversation")
+    ),
+    azure_code: str = typer.Option("code-14b:16G:normal:12", help=SERVICE_HELP.format("code")),
+    azure_tokens: str = typer.Option(
+        "4000:40", help="PREFILL:DECODE tokens/s of one request on a replica."
+    ),
+    azure_concurrency: str = typer.Option("16", help="Requests one replica serves at once."),
+    azure_gap: str = typer.Option(
+        "30", help="Requests closer than this (s) join one busy period of a replica."
+    ),
+    azure_batch: str = typer.Option(
+        "1200:20G:30:600-2400",
+        help="Synthetic batch jobs EVERY_S:SIZE:LOAD_S:MIN_S-MAX_S (mean seconds between "
+        "arrivals, size, load, run), or 'none'.",
+    ),
 ) -> None:
     """Compare ours with the baselines on one trace: waits, memory use, safety."""
     if output not in ("table", "json"):
         _fail(f"output: {output!r} is not table or json")
-    if trace is not None and generate_kind is not None:
-        _fail("give a TRACE file or --generate, not both")
+    if sum(x is not None for x in (trace, generate_kind, azure)) > 1:
+        _fail("give one of a TRACE file, --generate or --azure")
     options = {
         "keep_alive_s": _number("keep-alive", keep_alive, low=0, high=86400),
         "stop_s": _number("stop", stop, low=0, high=3600),
@@ -78,6 +103,19 @@ def simulate(
         if trace is not None:
             requests = load_trace(trace)
             source: dict[str, Any] = {"trace": trace}
+        elif azure is not None:
+            number = int(_number("seed", seed, low=0, high=2**63, integer=True))
+            mapping = _azure_mapping(
+                number,
+                azure_load,
+                (azure_conv, azure_code),
+                azure_tokens,
+                azure_concurrency,
+                azure_gap,
+                azure_batch,
+            )
+            requests = convert(read_azure(azure), mapping)
+            source = {"azure": azure, "seed": number, "load": mapping.load}
         else:
             kind = generate_kind or "mixed"
             number = int(_number("seed", seed, low=0, high=2**63, integer=True))
@@ -102,7 +140,7 @@ def simulate(
     if plots is not None:
         from ..sim.plots import write_plots
 
-        title = f"{generate_kind or 'mixed' if trace is None else Path(trace).name} on {spec.spec}"
+        title = f"{_source(result)} on {spec.spec}"
         try:
             result["plots"] = [str(p) for p in write_plots(recordings, Path(plots), title)]
         except OSError as exc:
@@ -111,6 +149,33 @@ def simulate(
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
         _render(Console(highlight=False, width=None if sys.stdout.isatty() else 160), result)
+
+
+def _azure_mapping(
+    seed: int,
+    load: str,
+    services: tuple[str, str],
+    tokens: str,
+    concurrency: str,
+    gap: str,
+    batch: str,
+) -> AzureMapping:
+    prefill, decode = parse_pair(tokens, "azure-tokens")
+    chosen = {
+        name: parse_service(text)
+        for name, text in zip(("conv", "code"), services, strict=True)
+        if text.strip().lower() != "none"
+    }
+    return AzureMapping(
+        services=chosen,
+        load=_number("azure-load", load, low=1e-9, high=1),
+        seed=seed,
+        prefill_tps=prefill,
+        decode_tps=decode,
+        concurrency=int(_number("azure-concurrency", concurrency, low=1, high=10**6, integer=True)),
+        gap_s=_number("azure-gap", gap, low=0, high=86400),
+        batch=parse_batch(batch),
+    )
 
 
 def _fmt_wait(summary: dict[str, Any], cls: str, *figures: str) -> str:
@@ -124,20 +189,23 @@ def _seconds(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
+def _source(result: dict[str, Any]) -> str:
+    if "trace" in result:
+        return f"trace {result['trace']}"
+    if "azure" in result:
+        return f"--azure {result['azure']} --azure-load {result['load']:g} --seed {result['seed']}"
+    return f"--generate {result['generate']} --seed {result['seed']} --hours {result['hours']:g}"
+
+
 def _render(console: Console, result: dict[str, Any]) -> None:
-    what = (
-        f"trace {result['trace']}"
-        if "trace" in result
-        else f"--generate {result['generate']} --seed {result['seed']} --hours {result['hours']:g}"
-    )
-    table = Table(title=f"{what} on {result['cluster']}: {result['requests']} requests")
+    table = Table(title=f"{_source(result)} on {result['cluster']}: {result['requests']} requests")
     columns = (
         "policy",
         "interactive wait s\np50 / p95 / p99",
         "normal wait s\np50 / p99",
         "batch wait s\np99 / max",
-        "mem\nutil",
         "busy\nmem",
+        "mem util\n(no idle)",
         "GPU-h\nper h",
         "preempted\n(wasted GPU-s)",
         "over-\ncommit",
@@ -153,8 +221,8 @@ def _render(console: Console, result: dict[str, Any]) -> None:
             _fmt_wait(s, "interactive", "p50_s", "p95_s", "p99_s"),
             _fmt_wait(s, "normal", "p50_s", "p99_s"),
             _fmt_wait(s, "batch", "p99_s", "max_s"),
-            f"{s['mem_util']:.0%}",
             f"{s['busy_mem_util']:.0%}",
+            f"{s['mem_util']:.0%} ({s['mem_util_no_idle']:.0%})",
             f"{s['work_per_hour']:.2f}",
             f"{s['preemptions']} ({s['wasted_run_s']:.0f})",
             str(s["overcommits"]),
@@ -172,35 +240,27 @@ def _verdict(met: bool | None) -> str:
     return "[green]met[/green]" if met else "[red]not met[/red]"
 
 
+_GOAL_LINES = {
+    "interactive_p99": ("interactive p99 wait <= best safe baseline's", "{:.1f} s"),
+    "normal_p99": ("normal p99 wait <= best safe baseline's", "{:.1f} s"),
+    "batch_max": ("longest batch wait <= 1.5 x best safe baseline's", "{:.1f} s"),
+    "busy_mem": ("busy memory >= 95 % of best safe baseline's", "{:.1%}"),
+}
+
+
 def _render_targets(console: Console, t: dict[str, Any]) -> None:
     if not t:
         return
-    p99 = t.get("interactive_p99")
-    if p99 is not None and "best_baseline" in p99:
-        line = (
-            f"interactive p99 <= 1/10 of best baseline: ours {_seconds(p99['ours_s'])} s vs "
-            f"{p99['best_baseline']} {_seconds(p99['best_s'])} s: {_verdict(p99['met_vs_best'])}"
-        )
-        if "best_safe_baseline" in p99:
-            line += (
-                f"; vs best safe baseline {p99['best_safe_baseline']} "
-                f"{_seconds(p99['best_safe_s'])} s: {_verdict(p99['met_vs_best_safe'])}"
-            )
-        console.print(line)
-    util = t["mem_util"]
-    if "best_baseline" in util:
+    for name, (label, unit) in _GOAL_LINES.items():
+        goal = t.get(name)
+        if goal is None:
+            continue
         console.print(
-            f"memory utilization >= 95 % of best baseline: ours {util['ours']:.1%} vs "
-            f"{util['best_baseline']} {util['best']:.1%}: {_verdict(util['met_vs_best'])}"
+            f"{label}: ours {unit.format(goal['ours'])} vs {goal['baseline']} "
+            f"{unit.format(goal['theirs'])}: {_verdict(goal['met'])}"
         )
     safety = t["safety"]
     console.print(
         f"zero over-commit, concurrent loads, violations: {safety['overcommits']}, "
         f"{safety['concurrent_loads']}, {safety['violations']}: {_verdict(safety['met'])}"
     )
-    batch = t.get("batch_wait")
-    if batch is not None:
-        console.print(
-            f"longest batch wait (bounded: every batch request started): ours "
-            f"{_seconds(batch['ours_longest_s'])} s: {_verdict(batch['met'])}"
-        )

@@ -515,9 +515,9 @@ class Policy:
     aging_cap: int = 799
     preempt_exempt_s: float = 0.0
     grace_s: float = 10.0
-    # Provisional defaults, to be settled by measurement on the real-trace benchmark.
-    idle_reclaim_s: float = 300.0
-    starvation_s: float = 600.0
+    # Defaults chosen on the real-trace benchmark (bench/README.md, bench/sim_azure.py).
+    idle_reclaim_s: float = 60.0
+    starvation_s: float = 120.0
     preempt_patience_s: float = 0.0
 
     def __post_init__(self) -> None:

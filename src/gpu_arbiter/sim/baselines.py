@@ -11,27 +11,46 @@ the world's ``stop_s`` to do so).
     First in, first out, without preemption: the oldest pending request is
     placed when it fits; while it does not, nothing behind it is (no
     overtaking, hence no starvation, but head-of-line blocking). Loads are not
-    serialized. A finished run releases its lease.
+    serialized. A finished run releases its lease (a batch queue's jobs).
 ``priority``
-    Strict priority (as priority classes in Kubernetes): the queue is walked by
-    (base priority desc, arrival asc) and every request that fits is placed
-    (small requests overtake a large one: no nominations, no aging). A request
-    that fits nowhere preempts the cheapest set of preemptible leases of
-    strictly lower priority on one worker (fewest, lowest priority, youngest),
-    unless memory already being revoked will make room. Loads are not
-    serialized. A finished run releases its lease.
+    Strict priority with nominations, as priority classes in Kubernetes: the
+    queue is walked by (base priority desc, arrival asc) and every request that
+    fits is placed (small requests overtake a large one that has no
+    nomination; no aging). A request that fits nowhere preempts the cheapest
+    set of preemptible leases of strictly lower priority on one worker (fewest,
+    lowest priority, youngest), unless memory already being revoked will make
+    room, and is nominated to the GPUs that memory frees: no request of lower
+    or equal priority behind it takes that memory meanwhile. Loads are not
+    serialized (a Kubernetes scheduler knows nothing of loads). A finished run
+    releases its lease (a job's pod ends; no keep-warm: see ``prio-warm``).
 ``slots``
     Fixed, equal-size slots per GPU, counted as a generic resource (the way
     count-based schedulers and device plugins share a GPU): each GPU has
     ``slots_per_gpu`` slots of ``capacity / slots_per_gpu``; a request takes
     ``ceil(vram / slot)`` whole slots on each of its GPUs. Scheduled as
-    ``priority`` (same order, same preemption) over slots.
+    ``priority`` (same order, same preemption, same nominations) over slots.
+``prio-warm``
+    ``priority`` run the way a competent operator runs model servers on
+    Kubernetes: a finished model stays loaded (keep-warm) and serves the next
+    request for it; idle models are reclaimed by a request of *any* priority,
+    least recently used first, before any busy lease is preempted; at most one
+    load at a time per GPU (a request that fits only on a GPU that is loading
+    waits for it, nominated there).
 ``lru``
     Keep-loaded with LRU eviction (the way single-host model servers work): a
     finished model stays loaded (idle) and serves the next request for it
     without a load; requests are served first come, first served; when the
     oldest does not fit, idle models are evicted least recently used first
-    (never a busy one; no priorities). One load at a time per worker.
+    (never a busy one; no priorities). One load at a time per worker. A request
+    for a model that is busy loads another copy.
+``ollama``
+    As Ollama's scheduler: ``lru`` with one runner per model (a request for a
+    model that has a runner, busy or loading, waits for that runner instead of
+    loading a copy; requests for other models are not held up by it), one load
+    at a time per GPU, idle runners unloaded least recently used first when
+    the oldest request does not fit, and after the keep-alive. Not modelled:
+    ``OLLAMA_MAX_LOADED_MODELS`` (a cap on the count of runners; memory binds
+    first on these traces).
 """
 
 from __future__ import annotations
@@ -45,7 +64,15 @@ from ..core.filters import mismatch
 from .base import Attempt, Step
 from .cluster import Cluster
 
-__all__ = ["BASELINES", "Fifo", "KeepLoadedLru", "Slots", "StrictPriority"]
+__all__ = [
+    "BASELINES",
+    "Fifo",
+    "KeepLoadedLru",
+    "Ollama",
+    "PriorityWarm",
+    "Slots",
+    "StrictPriority",
+]
 
 
 @dataclass(slots=True)
@@ -91,7 +118,10 @@ class _Books:
         return [self.leases[lid] for lid in self.reserved.get(gpu_id, {})]
 
     def loading_on(self, worker: str) -> bool:
-        return any(lease.loading for g in self.workers[worker] for lease in self.on(g))
+        return any(self.loading_gpu(g) for g in self.workers[worker])
+
+    def loading_gpu(self, gpu_id: GpuId) -> bool:
+        return any(lease.loading for lease in self.on(gpu_id))
 
 
 class _Baseline:
@@ -170,14 +200,20 @@ class _Baseline:
         return bool(self._matching(attempt))
 
     def _fit(
-        self, attempt: Attempt, room: Mapping[GpuId, int], skip_loading_workers: bool = False
+        self, attempt: Attempt, room: Mapping[GpuId, int], gate: str | None = None
     ) -> tuple[GpuId, ...] | None:
-        """Binpack: on the worker whose best GPUs are left with the least room."""
+        """Binpack: on the worker whose best GPUs are left with the least room. ``gate``:
+        ``worker`` skips workers with a load under way, ``gpu`` GPUs with one."""
         best: tuple[tuple[int, str], tuple[GpuId, ...]] | None = None
         for worker, ids in self._matching(attempt).items():
-            if skip_loading_workers and self.books.loading_on(worker):
+            if gate == "worker" and self.books.loading_on(worker):
                 continue
-            fits = [g for g in ids if room[g] >= self._reserve_mb(attempt, g)]
+            fits = [
+                g
+                for g in ids
+                if room[g] >= self._reserve_mb(attempt, g)
+                and not (gate == "gpu" and self.books.loading_gpu(g))
+            ]
             if len(fits) < attempt.item.gpus:
                 continue
             ranked = sorted(fits, key=lambda g: (room[g], g))[: attempt.item.gpus]
@@ -212,8 +248,12 @@ class Fifo(_Baseline):
         return Step(grants=tuple(grants))
 
 
+_Plan = tuple[tuple[GpuId, ...], list[_Lease]]
+
+
 class StrictPriority(_Baseline):
     name: ClassVar[str] = "priority"
+    gate: ClassVar[str | None] = None
 
     def decide(self, now: float) -> Step:
         room = self._room()
@@ -221,36 +261,56 @@ class StrictPriority(_Baseline):
         revocations: list[tuple[str, str]] = []
         order = sorted(self.pending.values(), key=lambda a: (-a.item.priority, a.seq))
         for attempt in order:
-            gpus = self._fit(attempt, room)
+            gpus = self._fit(attempt, room, self.gate)
             if gpus is not None:
                 self._grant(attempt, gpus, now)
                 grants.append((attempt.id, gpus))
-                for g in gpus:
-                    room[g] -= self._reserve_mb(attempt, g)
+                self._take(attempt, gpus, room)
                 continue
-            for victim in self._victims(attempt, room):
+            gated = self._fit(attempt, room) if self.gate else None
+            plan = (gated, []) if gated is not None else self._victims(attempt, room)
+            if plan is None:
+                continue  # nothing to preempt: it waits, and others may overtake
+            held, victims = plan
+            for victim in victims:
                 victim.revoking = True
                 revocations.append((victim.attempt.id, "preempted"))
+            self._take(attempt, held, room)  # nominated: no lower request takes this memory
         return Step(grants=tuple(grants), revocations=tuple(revocations))
 
-    def _victims(self, attempt: Attempt, room: Mapping[GpuId, int]) -> list[_Lease]:
-        """The cheapest victims on one worker (none while revoked memory will do)."""
-        best: tuple[tuple[int, int, str], list[_Lease]] | None = None
+    def _take(self, attempt: Attempt, gpus: tuple[GpuId, ...], room: dict[GpuId, int]) -> None:
+        for g in gpus:
+            room[g] -= self._reserve_mb(attempt, g)
+
+    def _victim_key(self, attempt: Attempt, lease: _Lease) -> tuple[float, ...] | None:
+        """Where ``lease`` comes in the order of victims for ``attempt`` (None: it may not be
+        one): preemptible leases of strictly lower priority, lowest and youngest first."""
+        if lease.revoking or lease.idle:
+            return None
+        if not lease.attempt.item.preemptible or lease.priority >= attempt.item.priority:
+            return None
+        return (1, lease.priority, -lease.granted_at, lease.attempt.seq)
+
+    def _victims(self, attempt: Attempt, room: Mapping[GpuId, int]) -> _Plan | None:
+        """The cheapest victims on one worker, and the GPUs they free (no victims while
+        revoked memory will do); None when no set of victims makes room."""
+        best: tuple[tuple[int, int, int, str], _Plan] | None = None
         for worker, ids in self._matching(attempt).items():
             plans = []
             for gpu_id in ids:
                 plan = self._victims_on(attempt, gpu_id, room[gpu_id])
                 if plan is not None:
-                    plans.append((len(plan), sum(v.priority for v in plan), gpu_id, plan))
+                    plans.append((_cost(plan), gpu_id, plan))
             if len(plans) < attempt.item.gpus:
                 continue
-            plans.sort(key=lambda p: (p[0], p[1], p[2]))
+            plans.sort(key=lambda p: (p[0], p[1]))
             chosen = plans[: attempt.item.gpus]
             victims = {v.attempt.id: v for *_, plan in chosen for v in plan}
-            key = (len(victims), sum(v.priority for v in victims.values()), worker)
+            key = (*_cost(list(victims.values())), worker)
             if best is None or key < best[0]:
-                best = (key, sorted(victims.values(), key=lambda v: v.attempt.id))
-        return [] if best is None else best[1]
+                gpus = tuple(sorted(gpu_id for _, gpu_id, _ in chosen))
+                best = (key, (gpus, sorted(victims.values(), key=lambda v: v.attempt.id)))
+        return None if best is None else best[1]
 
     def _victims_on(self, attempt: Attempt, gpu_id: GpuId, room: int) -> list[_Lease] | None:
         need = self._reserve_mb(attempt, gpu_id)
@@ -258,23 +318,23 @@ class StrictPriority(_Baseline):
         room += sum(lease.reserved_mb for lease in leases if lease.revoking)
         if room >= need:
             return []
-        candidates = sorted(
-            (
-                lease
-                for lease in leases
-                if not lease.revoking
-                and lease.attempt.item.preemptible
-                and lease.priority < attempt.item.priority
-            ),
-            key=lambda lease: (lease.priority, -lease.granted_at, lease.attempt.seq),
-        )
+        keyed = [(key, lease) for lease in leases if (key := self._victim_key(attempt, lease))]
         chosen = []
-        for lease in candidates:
+        for _, lease in sorted(keyed, key=lambda pair: pair[0]):
             if room >= need:
                 break
             chosen.append(lease)
             room += lease.reserved_mb
         return chosen if room >= need else None
+
+
+def _cost(victims: list[_Lease]) -> tuple[int, int, int]:
+    """How much a set of victims costs: busy ones, then how many, then their priorities."""
+    return (
+        sum(not v.idle for v in victims),
+        len(victims),
+        sum(v.priority for v in victims),
+    )
 
 
 class Slots(StrictPriority):
@@ -287,29 +347,56 @@ class Slots(StrictPriority):
         return min(slots * slot_mb, self.books.capacity[gpu_id])
 
 
+class PriorityWarm(StrictPriority):
+    name: ClassVar[str] = "prio-warm"
+    keeps_warm: ClassVar[bool] = True
+    gate: ClassVar[str | None] = "gpu"
+
+    def _victim_key(self, attempt: Attempt, lease: _Lease) -> tuple[float, ...] | None:
+        """Idle models first, by anyone, least recently used first; then busy ones as
+        ``priority``."""
+        if lease.idle and not lease.revoking:
+            return (0, 0, lease.last_used_at, lease.attempt.seq)
+        return super()._victim_key(attempt, lease)
+
+
 class KeepLoadedLru(_Baseline):
     name: ClassVar[str] = "lru"
     keeps_warm: ClassVar[bool] = True
+    gate: ClassVar[str] = "worker"
+    one_runner_per_model: ClassVar[bool] = False
 
     def decide(self, now: float) -> Step:
         room = self._room()
         grants: list[tuple[str, tuple[GpuId, ...]]] = []
+        runners = self._runners()
         for attempt in sorted(self.pending.values(), key=lambda a: a.seq):
-            gpus = self._fit(attempt, room, skip_loading_workers=True)
+            if attempt.item.model in runners:
+                continue  # the model's one runner serves it when it is free
+            gpus = self._fit(attempt, room, self.gate)
             if gpus is not None:
                 self._grant(attempt, gpus, now)
                 grants.append((attempt.id, gpus))
                 for g in gpus:
                     room[g] -= attempt.item.vram_mb
+                if self.one_runner_per_model:
+                    runners.add(attempt.item.model)
                 continue
             if self._fit(attempt, room) is not None:
-                break  # it fits, once the load under way on that worker is done
+                break  # it fits, once the load under way there is done
             victims = self._evict(attempt, room)
             return Step(
                 grants=tuple(grants),
                 revocations=tuple((v.attempt.id, "preempted") for v in victims),
             )  # first come, first served: the oldest waits for its memory
         return Step(grants=tuple(grants))
+
+    def _runners(self) -> set[str]:
+        """Models that have a runner (loading, running, idle or unloading) when each model
+        has one runner at most; none otherwise (a busy model gets another copy)."""
+        if not self.one_runner_per_model:
+            return set()
+        return {lease.attempt.item.model for lease in self.books.leases.values()}
 
     def _evict(self, attempt: Attempt, room: Mapping[GpuId, int]) -> list[_Lease]:
         """Idle models, least recently used first, until the request fits on one worker;
@@ -350,6 +437,12 @@ class KeepLoadedLru(_Baseline):
         return chosen if room >= need else None
 
 
+class Ollama(KeepLoadedLru):
+    name: ClassVar[str] = "ollama"
+    gate: ClassVar[str] = "gpu"
+    one_runner_per_model: ClassVar[bool] = True
+
+
 BASELINES: dict[str, type[_Baseline]] = {
-    cls.name: cls for cls in (Fifo, StrictPriority, Slots, KeepLoadedLru)
+    cls.name: cls for cls in (Fifo, StrictPriority, Slots, KeepLoadedLru, PriorityWarm, Ollama)
 }

@@ -8,11 +8,14 @@ wait            seconds from a request's (re)submission until its run starts:
                 the longest (starvation). A preempted request is re-queued as a
                 new attempt whose wait counts from its re-submission.
                 ``queue_p99_s``: p99 of the wait until the grant alone (no load).
-mem_util        time-weighted memory held by holders' processes (loading,
-                running, idle-warm, stopping) over the cluster's capacity, while
-                the trace arrives (0 to the last arrival: the same window for
-                every policy; the span when everything arrives at once).
-busy_mem_util   the same for memory of processes loading or running only.
+busy_mem_util   the headline utilization: time-weighted memory of processes
+                loading or running (doing work) over the cluster's capacity,
+                while the trace arrives (0 to the last arrival: the same window
+                for every policy; the span when everything arrives at once).
+mem_util        the same for all memory held by holders' processes (loading,
+                running, idle-warm, stopping).
+mem_util_no_idle  the same without idle-warm memory (loading, running,
+                stopping): memory held by work, started or ending.
 work_per_hour   GPU-hours of completed runs per hour (run_s x gpus over the span).
 preemptions     runs and loads interrupted; ``wasted_run_s`` the GPU-seconds of
                 run they had done (lost). ``evictions``: idle models reclaimed.
@@ -73,7 +76,8 @@ class Recording:
     window_s: float = 0.0
     held_mb: int = 0
     busy_mb: int = 0
-    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    idle_mb: int = 0
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
 
     def count(self, what: str, gpu: str) -> None:
         """One over-commit or concurrent load (``what``) on ``gpu``."""
@@ -83,14 +87,16 @@ class Recording:
         else:
             self.concurrent_loads += 1
 
-    def change(self, now: float, *, held: int, busy: int) -> None:
-        """Memory held (and busy) changed at ``now`` by these deltas."""
+    def change(self, now: float, *, held: int, busy: int, idle: int = 0) -> None:
+        """Memory held (and of it busy, idle-warm) changed at ``now`` by these deltas."""
         self.held_mb += held
         self.busy_mb += busy
+        self.idle_mb += idle
+        point = (now, self.held_mb, self.busy_mb, self.idle_mb)
         if self.timeline and self.timeline[-1][0] == now:
-            self.timeline[-1] = (now, self.held_mb, self.busy_mb)
+            self.timeline[-1] = point
         else:
-            self.timeline.append((now, self.held_mb, self.busy_mb))
+            self.timeline.append(point)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -102,22 +108,26 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def _integral(timeline: Sequence[tuple[float, int, int]], end: float) -> tuple[float, float]:
-    held = busy = 0.0
-    for (t, h, b), following in zip(timeline, [*timeline[1:], None], strict=True):
+def _integral(
+    timeline: Sequence[tuple[float, int, int, int]], end: float
+) -> tuple[float, float, float]:
+    """MiB-seconds held, busy and idle-warm from 0 to ``end``."""
+    held = busy = idle = 0.0
+    for (t, h, b, i), following in zip(timeline, [*timeline[1:], None], strict=True):
         if t >= end:
             break
         until = end if following is None else min(following[0], end)
         held += h * (until - t)
         busy += b * (until - t)
-    return held, busy
+        idle += i * (until - t)
+    return held, busy, idle
 
 
 def summarize(rec: Recording) -> dict[str, Any]:
     """The figures of one run, as plain JSON-ready values."""
     end = rec.last_completion
     window = rec.window_s if rec.window_s > 0 else end  # all arrived at once: the span
-    held, busy = _integral(rec.timeline, window)
+    held, busy, idle = _integral(rec.timeline, window)
     denominator = rec.capacity_mb * window if window > 0 else 1.0
     classes: dict[str, dict[str, float | int]] = {}
     for name in CLASSES:
@@ -137,8 +147,9 @@ def summarize(rec: Recording) -> dict[str, Any]:
     return {
         "policy": rec.policy,
         "wait": classes,
-        "mem_util": round(held / denominator, 4),
         "busy_mem_util": round(busy / denominator, 4),
+        "mem_util": round(held / denominator, 4),
+        "mem_util_no_idle": round((held - idle) / denominator, 4),
         "work_per_hour": round(rec.work_gpu_s / end, 4) if end > 0 else 0.0,
         "span_s": round(end, 3),
         "window_s": round(rec.window_s, 3),
@@ -171,7 +182,7 @@ def utilization_series(
     starts, held_out, busy_out = [], [], []
     previous_held = previous_busy = 0.0
     for i in range(bins):
-        held, busy = _integral(rec.timeline, (i + 1) * width)
+        held, busy, _ = _integral(rec.timeline, (i + 1) * width)
         starts.append(i * width / 3600)
         held_out.append((held - previous_held) / (width * rec.capacity_mb))
         busy_out.append((busy - previous_busy) / (width * rec.capacity_mb))

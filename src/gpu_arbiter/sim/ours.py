@@ -4,7 +4,8 @@ Nothing of the core's logic is copied here: this adapter submits requests,
 reports ``ready``/``set_idle``/``release`` and runs ``decide`` exactly as the
 asyncio engine does, then checks the invariants I1, I3, I4, I5 and I6 on the
 core's own books after every step (I2 reduces to I1: the simulated GPUs are
-declared by hand, without a probe).
+declared by hand, without a probe); I5 as the policy's settings extend it
+(``idle_reclaim_s``, ``starvation_s``, ``preempt_patience_s``).
 
 Keep-warm: when a run finishes, the holder marks its lease idle instead of
 releasing it; a later request for the same model takes the idle lease back
@@ -35,8 +36,7 @@ class Ours:
         for worker, gpus in cluster.workers:
             self.scheduler.put_worker(worker, gpus)
         self._capacity = cluster.capacity_mb()
-        self._priority: dict[str, int] = {}
-        self._submitted_at: dict[str, float] = {}
+        self._asked: dict[str, tuple[int, float]] = {}  # request id: (priority, submitted)
 
     def submit(self, attempt: Attempt, now: float) -> str | None:
         item = attempt.item
@@ -56,8 +56,7 @@ class Ours:
             self.scheduler.submit(request, now)
         except Unschedulable as exc:
             return str(exc.reason.message)
-        self._priority[attempt.id] = item.priority
-        self._submitted_at[attempt.id] = now
+        self._asked[attempt.id] = (item.priority, now)
         return None
 
     def cancel(self, attempt_id: str) -> None:
@@ -71,8 +70,7 @@ class Ours:
 
     def release(self, lease_id: str, now: float) -> None:
         self.scheduler.release(lease_id, now)
-        self._priority.pop(lease_id, None)
-        self._submitted_at.pop(lease_id, None)
+        self._asked.pop(lease_id, None)
 
     def decide(self, now: float) -> Step:
         decisions = self.scheduler.decide(now)
@@ -122,34 +120,38 @@ class Ours:
         return problems
 
     def _check_preemptions(self, now: float, step: Step) -> list[str]:
-        """I5: busy victims are preemptible, of strictly lower base priority, taken for a
-        request that waited ``preempt_patience_s``; idle victims (their holder consented to
-        reclaim) of lower or equal base priority, or idle ``idle_reclaim_s``, or taken for a
-        request that waited ``starvation_s``."""
+        """I5: busy victims are preemptible, of strictly lower base priority, and taken
+        for a request that has waited ``preempt_patience_s``; idle victims (their holder
+        consented to reclaim) of lower or equal base priority, or idle ``idle_reclaim_s``,
+        or taken for a request that has waited ``starvation_s``."""
         policy = self.scheduler.policy
         problems = []
         for lease_id, reason in step.revocations:
             if reason != "preempted":
                 continue
             victim = self.scheduler.leases[lease_id]
-            preemptor = self._priority.get(victim.preempted_for or "")
-            if preemptor is None:
+            asked = self._asked.get(victim.preempted_for or "")
+            if asked is None:
                 problems.append(f"I5: {lease_id} preempted for an unknown request")
                 continue
-            waited = now - self._submitted_at[victim.preempted_for or ""]
-            allowed = (
-                victim.base_priority <= preemptor
-                or now - victim.last_used_at >= policy.idle_reclaim_s
-                or waited >= policy.starvation_s
-                if victim.idle
-                else victim.request.preemptible
-                and victim.base_priority < preemptor
-                and waited >= policy.preempt_patience_s
-            )
+            preemptor, submitted = asked
+            if victim.idle:  # deadlines written as the core does, to compare equal floats
+                allowed = (
+                    victim.base_priority <= preemptor
+                    or victim.last_used_at + policy.idle_reclaim_s <= now
+                    or submitted + policy.starvation_s <= now
+                )
+            else:
+                allowed = (
+                    victim.request.preemptible
+                    and victim.base_priority < preemptor
+                    and submitted + policy.preempt_patience_s <= now
+                )
             if not allowed:
                 problems.append(
                     f"I5: {lease_id} (priority {victim.base_priority}, idle={victim.idle}, "
-                    f"preemptible={victim.request.preemptible}) preempted for priority {preemptor}"
+                    f"preemptible={victim.request.preemptible}) preempted for priority "
+                    f"{preemptor} after {now - submitted:g} s"
                 )
         return problems
 

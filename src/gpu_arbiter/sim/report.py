@@ -1,16 +1,18 @@
-"""The targets ours is held to, judged from the figures of one comparison.
+"""The goals ours is held to, judged from the figures of one comparison.
 
-Against the best baseline on each figure (and, separately, the best *safe*
-baseline: one with no over-commit and no concurrent loads):
+Each goal compares ours with the best *safe* baseline on that figure (safe: no
+over-commit and no concurrent loads; a baseline that crashes GPUs is no
+yardstick), whichever baseline that is:
 
-interactive_p99   ours' interactive p99 wait is at most a tenth of the best
-                  baseline's.
-mem_util          ours' memory utilization is at least 95 % of the best
-                  baseline's.
+interactive_p99   ours' interactive p99 wait is no worse than the best one's.
+normal_p99        ours' normal p99 wait is no worse than the best one's.
+batch_max         ours' longest batch wait is at most 1.5 times the best one's.
+busy_mem          ours' busy memory (memory loading or running) is at least
+                  95 % of the best one's.
 safety            ours has zero over-commit, zero concurrent loads and zero
                   invariant violations.
-batch_wait        ours' longest batch wait is bounded: every batch request
-                  started before the run ended (it is reported either way).
+
+A goal whose figure no safe baseline (or ours) has is left out.
 """
 
 from __future__ import annotations
@@ -18,81 +20,93 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["targets"]
+__all__ = ["GOALS", "goal_lines", "safe", "targets"]
 
 Summary = dict[str, Any]
+_Figure = Callable[[Summary], float | None]
 
 
-def _wait(summary: Summary, cls: str, figure: str) -> float | None:
-    value = summary["wait"].get(cls, {}).get(figure)
-    return None if value is None else float(value)
+def _wait(cls: str, figure: str) -> _Figure:
+    def value(summary: Summary) -> float | None:
+        found = summary["wait"].get(cls, {}).get(figure)
+        return None if found is None else float(found)
+
+    return value
 
 
-def _best(
-    baselines: Sequence[Summary], value: Callable[[Summary], float | None], *, highest: bool
-) -> tuple[str, float] | None:
-    scored = [(v, b["policy"]) for b in baselines if (v := value(b)) is not None]
-    if not scored:
-        return None
-    v, name = max(scored) if highest else min(scored, key=lambda item: (item[0], item[1]))
-    return name, v
+def _busy(summary: Summary) -> float | None:
+    return float(summary["busy_mem_util"])
 
 
-def _safe(summary: Summary) -> bool:
+# name: (figure, higher is better, the bound on ours / best)
+GOALS: dict[str, tuple[_Figure, bool, float]] = {
+    "interactive_p99": (_wait("interactive", "p99_s"), False, 1.0),
+    "normal_p99": (_wait("normal", "p99_s"), False, 1.0),
+    "batch_max": (_wait("batch", "max_s"), False, 1.5),
+    "busy_mem": (_busy, True, 0.95),
+}
+
+
+def safe(summary: Summary) -> bool:
+    """No over-commit and no concurrent loads."""
     return bool(summary["overcommits"] == 0 and summary["concurrent_loads"] == 0)
 
 
-def _p99_target(ours: Summary, baselines: Sequence[Summary]) -> dict[str, Any] | None:
-    mine = _wait(ours, "interactive", "p99_s")
-    if mine is None:
+def _judge(ours: Summary, pool: Sequence[Summary], name: str) -> dict[str, Any] | None:
+    figure, higher, bound = GOALS[name]
+    mine = figure(ours)
+    scored = [(v, b["policy"]) for b in pool if (v := figure(b)) is not None]
+    if mine is None or not scored:
         return None
-    out: dict[str, Any] = {"ours_s": mine}
-    for label, pool in (("best", baselines), ("best_safe", [b for b in baselines if _safe(b)])):
-        best = _best(pool, lambda b: _wait(b, "interactive", "p99_s"), highest=False)
-        if best is None:
-            continue
-        out[f"{label}_baseline"], theirs = best
-        out[f"{label}_s"] = theirs
-        out[f"{label}_ratio"] = round(mine / theirs, 4) if theirs > 0 else None
-        out[f"met_vs_{label}"] = mine <= theirs / 10
-    return out
-
-
-def _util_target(ours: Summary, baselines: Sequence[Summary]) -> dict[str, Any]:
-    out: dict[str, Any] = {"ours": ours["mem_util"]}
-    for label, pool in (("best", baselines), ("best_safe", [b for b in baselines if _safe(b)])):
-        best = _best(pool, lambda b: float(b["mem_util"]), highest=True)
-        if best is None:
-            continue
-        out[f"{label}_baseline"], theirs = best
-        out[f"{label}"] = theirs
-        out[f"{label}_ratio"] = round(ours["mem_util"] / theirs, 4) if theirs > 0 else None
-        out[f"met_vs_{label}"] = ours["mem_util"] >= 0.95 * theirs
-    return out
+    theirs, baseline = max(scored) if higher else min(scored)
+    ratio = round(mine / theirs, 4) if theirs > 0 else None
+    met = mine >= bound * theirs if higher else mine <= bound * theirs
+    return {
+        "ours": mine,
+        "baseline": baseline,
+        "theirs": theirs,
+        "ratio": ratio,
+        "bound": bound,
+        "met": met,
+    }
 
 
 def targets(summaries: Sequence[Summary]) -> dict[str, Any]:
-    """The targets, judged; {} when ours or every baseline is missing."""
+    """The goals, judged; {} when ours or every baseline is missing."""
     ours = next((s for s in summaries if s["policy"] == "ours"), None)
-    baselines = [s for s in summaries if s["policy"] != "ours"]
-    if ours is None or not baselines:
+    pool = [s for s in summaries if s["policy"] != "ours" and safe(s)]
+    if ours is None or len(summaries) < 2:
         return {}
     out: dict[str, Any] = {}
-    p99 = _p99_target(ours, baselines)
-    if p99 is not None:
-        out["interactive_p99"] = p99
-    out["mem_util"] = _util_target(ours, baselines)
+    for name in GOALS:
+        judged = _judge(ours, pool, name)
+        if judged is not None:
+            out[name] = judged
     out["safety"] = {
         "overcommits": ours["overcommits"],
         "concurrent_loads": ours["concurrent_loads"],
         "violations": ours["violations"],
         "met": ours["overcommits"] == ours["concurrent_loads"] == ours["violations"] == 0,
     }
-    batch = _wait(ours, "batch", "max_s")
-    if batch is not None:
-        out["batch_wait"] = {
-            "ours_longest_s": batch,
-            "baselines_longest_s": {b["policy"]: _wait(b, "batch", "max_s") for b in baselines},
-            "met": ours["unfinished"] == 0,
-        }
+    return out
+
+
+def goal_lines(t: dict[str, Any]) -> list[str]:
+    """The judged goals (:func:`gpu_arbiter.sim.report.targets`) as markdown bullets."""
+    yes = {True: "met", False: "**not met**"}
+    out = []
+    for name, goal in t.items():
+        if name == "safety":
+            continue
+        ratio = "-" if goal["ratio"] is None else f"{goal['ratio']:.2f}"
+        out.append(
+            f"- {name}: ours {goal['ours']:.3g} vs {goal['baseline']} {goal['theirs']:.3g} "
+            f"(ratio {ratio}, bound {goal['bound']:g}): {yes[goal['met']]}"
+        )
+    safety = t["safety"]
+    out.append(
+        f"- zero over-commit / concurrent loads / invariant violations: "
+        f"{safety['overcommits']} / {safety['concurrent_loads']} / {safety['violations']}: "
+        f"{yes[safety['met']]}"
+    )
     return out

@@ -206,7 +206,8 @@ class Simulation:
 
     def _run(self, proc: _Process, attempt: Attempt, now: float, *, warm_start: bool) -> None:
         if proc.phase == "idle":
-            self.rec.change(now, held=0, busy=proc.vram_mb * len(proc.gpus))
+            total = proc.vram_mb * len(proc.gpus)
+            self.rec.change(now, held=0, busy=total, idle=-total)
         if warm_start:
             proc.granted_at = now
         proc.attempt = attempt
@@ -241,7 +242,8 @@ class Simulation:
             del self.pending[attempt.id]
             self._run(proc, attempt, now, warm_start=True)
             return
-        self.rec.change(now, held=0, busy=-proc.vram_mb * len(proc.gpus))
+        total = proc.vram_mb * len(proc.gpus)
+        self.rec.change(now, held=0, busy=-total, idle=total)
         proc.phase = "idle"
         proc.since = now
         proc.version += 1
@@ -262,6 +264,7 @@ class Simulation:
                     self.loads[gpu_id] -= 1
         else:
             self.rec.evictions += 1
+            self.rec.change(now, held=0, busy=0, idle=-proc.vram_mb * len(proc.gpus))
         proc.phase = "stopping"
         proc.since = now
         proc.version += 1
@@ -269,12 +272,13 @@ class Simulation:
 
     def _free(self, proc: _Process, now: float) -> None:
         busy = proc.phase in ("loading", "running")
+        idle = proc.phase == "idle"
         if proc.phase == "loading":
             for gpu_id in proc.gpus:
                 self.loads[gpu_id] -= 1
         for gpu_id in proc.gpus:
             self.mem[gpu_id] -= proc.vram_mb
         total = proc.vram_mb * len(proc.gpus)
-        self.rec.change(now, held=-total, busy=-total if busy else 0)
+        self.rec.change(now, held=-total, busy=-total if busy else 0, idle=-total if idle else 0)
         del self.procs[proc.lease_id]
         self.allocator.release(proc.lease_id, now)

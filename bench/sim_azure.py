@@ -1,0 +1,217 @@
+"""The Azure LLM inference trace (2023, one hour) on three clusters at three load levels.
+
+    PYTHONPATH=src python bench/sim_azure.py [--data ../shared/data/azure-llm-2023]
+        [--loads 0.01,0.03,0.1] [--seeds 1] [--clusters 1x24G,2x24G,4x80G]
+        [--policy KEY=VALUE,...]
+
+Per cluster and load it prints, per policy, the figures the goals are judged on
+(interactive and normal p99 wait, longest batch wait, busy memory, memory
+utilization with and without idle-warm memory, over-commits, concurrent loads,
+invariant violations), then the goals against the best safe baseline of each
+figure. With several seeds (each thins the trace and draws the batch jobs anew)
+the figures are means over the seeds. ``--policy`` sets ours' Policy fields
+(``idle_reclaim_s=120,starvation_s=600``) to measure other settings.
+
+The mapping of the trace (``gpu_arbiter.sim.azure``), per cluster class:
+
+- 24 GiB GPUs: ``conv`` -> ``chat-14b`` (16 GiB, interactive, 12 s load), ``code`` ->
+  ``code-14b`` (16 GiB, normal, 12 s load), batch jobs of 20 GiB (30 s load) every 20
+  minutes on average, running 10-40 minutes;
+- 80 GiB GPUs: ``conv`` -> ``chat-70b`` (70 GiB, interactive, 40 s load), ``code`` ->
+  ``code-34b`` (36 GiB, normal, 20 s load), batch jobs of 76 GiB (60 s load) every 10
+  minutes on average, running 10-40 minutes;
+- both: 4000 prefill and 40 decode tokens/s per request, 16 requests per replica at
+  once, requests closer than 30 s join one busy period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_arbiter.core import Policy
+from gpu_arbiter.sim import POLICIES, Simulation, parse_cluster, summarize
+from gpu_arbiter.sim.azure import AzureMapping, BatchJobs, Service, convert, read_azure
+from gpu_arbiter.sim.ours import Ours
+from gpu_arbiter.sim.report import goal_lines, targets
+
+_G = 1024
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mapping_for(spec: str, load: float, seed: int) -> AzureMapping:
+    """The mapping of the module docstring for the cluster's class of GPU."""
+    if parse_cluster(spec).largest_gpu_mb >= 64 * _G:
+        services = {
+            "conv": Service("chat-70b", 70 * _G, 800, 40.0),
+            "code": Service("code-34b", 36 * _G, 500, 20.0),
+        }
+        batch = BatchJobs(every_s=600.0, vram_mb=76 * _G, load_s=60.0)
+    else:
+        services = {
+            "conv": Service("chat-14b", 16 * _G, 800, 12.0),
+            "code": Service("code-14b", 16 * _G, 500, 12.0),
+        }
+        batch = BatchJobs(every_s=1200.0, vram_mb=20 * _G, load_s=30.0)
+    return AzureMapping(services=services, load=load, seed=seed, batch=batch)
+
+
+_KEYS = (
+    ("interactive", "p99_s"),
+    ("normal", "p99_s"),
+    ("batch", "max_s"),
+)
+_FIGURES = (
+    "busy_mem_util",
+    "mem_util",
+    "mem_util_no_idle",
+    "overcommits",
+    "concurrent_loads",
+    "violations",
+    "unfinished",
+    "preemptions",
+    "loads",
+)
+
+
+def _mean(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary whose figures are the means of the seeds' figures."""
+    first = summaries[0]
+    out: dict[str, Any] = {"policy": first["policy"], "wait": {}}
+    for cls, key in _KEYS:
+        values = [s["wait"][cls][key] for s in summaries if cls in s["wait"]]
+        if values:
+            out["wait"].setdefault(cls, {})[key] = statistics.fmean(values)
+    for name in _FIGURES:
+        out[name] = statistics.fmean(s[name] for s in summaries)
+    return out
+
+
+def _runs(
+    services: dict[str, Any],
+    spec: str,
+    load: float,
+    seeds: int,
+    names: list[str],
+    policy: Policy | None,
+) -> list[dict[str, Any]]:
+    """The named policies' summaries on ``spec`` at ``load``, averaged over the seeds."""
+    cluster = parse_cluster(spec)
+    per_seed = []
+    for seed in range(1, seeds + 1):
+        trace = convert(services, mapping_for(spec, load, seed))
+        row = []
+        for name in names:
+            allocator = Ours(cluster, policy) if name == "ours" else POLICIES[name](cluster)
+            row.append(summarize(Simulation(trace, cluster, allocator).run()))
+        per_seed.append(row)
+    return [_mean(list(runs)) for runs in zip(*per_seed, strict=True)]
+
+
+def _wait(s: dict[str, Any], cls: str, key: str) -> str:
+    value = s["wait"].get(cls, {}).get(key)
+    return "-" if value is None else f"{value:.0f}"
+
+
+def table(summaries: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| policy | interactive p99 s | normal p99 s | longest batch s | busy mem "
+        "| mem util | mem util no idle | loads | over-commit | concurrent loads | violations "
+        "| unfinished |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        checked = f"{s['violations']:g}" if s["policy"] == "ours" else "-"
+        lines.append(
+            f"| {s['policy']} | {_wait(s, 'interactive', 'p99_s')} "
+            f"| {_wait(s, 'normal', 'p99_s')} | {_wait(s, 'batch', 'max_s')} "
+            f"| {s['busy_mem_util']:.1%} | {s['mem_util']:.1%} | {s['mem_util_no_idle']:.1%} "
+            f"| {s['loads']:.0f} | {s['overcommits']:g} | {s['concurrent_loads']:g} "
+            f"| {checked} | {s['unfinished']:g} |"
+        )
+    return lines
+
+
+def _policy(text: str) -> Policy | None:
+    if not text:
+        return None
+    settings: dict[str, Any] = {}
+    for pair in text.split(","):
+        key, _, value = pair.partition("=")
+        settings[key.strip()] = float(value)
+    return Policy(**settings)
+
+
+GRID = {
+    "idle_reclaim_s": (30.0, 60.0, 120.0, 300.0, math.inf),
+    "starvation_s": (120.0, 300.0, 600.0, 1200.0, math.inf),
+    "preempt_patience_s": (0.0, 10.0, 30.0, 120.0),
+}
+
+
+def sweep(services: dict[str, Any], configs: list[tuple[str, float]], seeds: int) -> None:
+    """Ours under every setting of GRID: goals met (of all judged) and the worst ratio of
+    each goal to its bound over all clusters and loads (<= 1 met for waits, >= 1 for busy
+    memory)."""
+    baselines = [n for n in POLICIES if n != "ours"]
+    pools = {c: _runs(services, *c, seeds, baselines, None) for c in configs}
+    print("| " + " | ".join(GRID) + " | goals met | worst ratio / bound per goal |")
+    print("|---" * (len(GRID) + 2) + "|")
+    for values in itertools.product(*GRID.values()):
+        policy = Policy(**dict(zip(GRID, values, strict=True)))
+        met = judged = 0
+        worst: dict[str, float] = {}
+        for config in configs:
+            ours = _runs(services, *config, seeds, ["ours"], policy)
+            for name, goal in targets(ours + pools[config]).items():
+                judged += 1
+                met += bool(goal["met"])
+                if name == "safety" or goal["ratio"] is None:
+                    continue
+                scaled = goal["ratio"] / goal["bound"]
+                higher = name == "busy_mem"
+                previous = worst.get(name, scaled)
+                worst[name] = min(previous, scaled) if higher else max(previous, scaled)
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in worst.items())
+        print(f"| {' | '.join(f'{v:g}' for v in values)} | {met}/{judged} | {shown} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", default=str(ROOT.parent / "shared/data/azure-llm-2023"))
+    parser.add_argument("--loads", default="0.01,0.03,0.1")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--clusters", default="1x24G,2x24G,4x80G")
+    parser.add_argument("--policy", default="", help="ours' Policy fields, KEY=VALUE,...")
+    parser.add_argument("--sweep", action="store_true", help="ours under every GRID setting")
+    args = parser.parse_args()
+    services = read_azure(args.data)
+    started = time.perf_counter()
+    configs = [
+        (spec, float(load)) for spec in args.clusters.split(",") for load in args.loads.split(",")
+    ]
+    if args.sweep:
+        sweep(services, configs, args.seeds)
+    for spec, load in [] if args.sweep else configs:
+        sizes = [
+            len(convert(services, mapping_for(spec, load, s))) for s in range(1, args.seeds + 1)
+        ]
+        summaries = _runs(services, spec, load, args.seeds, list(POLICIES), _policy(args.policy))
+        print(
+            f"\n#### {spec}, load {load:g} ({args.seeds} seed(s), "
+            f"{statistics.fmean(sizes):.0f} requests on average)\n"
+        )
+        print("\n".join(table(summaries)))
+        print()
+        print("\n".join(goal_lines(targets(summaries))))
+    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
