@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -201,6 +202,24 @@ def test_demo_piped_keeps_each_sentence_on_one_line() -> None:
     )
     assert lines[-1].startswith("done: ") and lines[-1].endswith("never two loads at once.")
     assert not any(line.startswith(("place", "take the", "loads at", "until it")) for line in lines)
+
+
+def test_a_report_piped_into_head_ends_quietly() -> None:
+    """``gpu-arbiter demo | head -3``: the reader stops; the demo ends with no traceback."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("GPU_ARBITER_")}
+    full["PYTHONPATH"] = str(SRC)
+    with subprocess.Popen(
+        [sys.executable, "-m", "gpu_arbiter", "demo", "--speed", "0.02"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=full,
+    ) as demo:
+        assert demo.stdout is not None and demo.stderr is not None
+        demo.stdout.readline()
+        demo.stdout.close()  # as `head -1` does once it has its line
+        demo.wait(timeout=60)
+        assert demo.stderr.read() == b""
+    assert demo.returncode == -signal.SIGPIPE
 
 
 # ---------------------------------------------------------------- a simulated GPU

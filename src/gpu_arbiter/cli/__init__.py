@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -96,7 +98,15 @@ def _name_values(command: Any) -> None:
         _name_values(sub)
 
 
+_SERVICES = frozenset({"serve", "agent", "run", "gateway"})
+"""Commands that run on: a closed pipe must not end them (their logs say so instead)."""
+
+
 def main() -> None:
+    if not _SERVICES.intersection(sys.argv[1:2]):
+        # A report piped into `head` ends quietly when the reader has had enough, as Unix
+        # tools do, instead of a traceback from the next write (Python ignores SIGPIPE).
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     command = typer.main.get_command(app)
     _name_values(command)
     command()
