@@ -548,6 +548,32 @@ async def test_tables_lead_with_the_holder_and_say_why_in_words(
     dashboard.assert_clean()
 
 
+async def test_a_blocker_sizes_and_counters_are_shown_in_words(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    """Two loads hold both GPUs' load gates: the waiting request names whose load it waits
+    on (never the blocker's raw fields); events give sizes as the CLI does; the summary
+    leaves out the scheduler's own work counters."""
+    alice = lease(admin, "20G", holder="alice")
+    lease(admin, "20G", holder="bob")
+    waiting = lease(admin, "2G", holder="carol")
+    reason = admin.get(f"/v1/leases/{waiting['id']}").json()["reason"]
+    assert reason["code"] == "load_in_progress" and reason["blocker"]["kind"] == "loading"
+    blocker = reason["blocker"]["id"]
+    holder = "alice" if blocker == alice["id"] else "bob"
+    await dashboard.open(server.admin_token)
+    page = dashboard.page
+    lines = page.locator(f'#queue tr[data-id="{waiting["id"]}"] td.reason .verdicts li')
+    await expect(lines.filter(has_text="waits on")).to_have_text(f"waits on {holder} ({blocker})")
+    for line in await lines.all_inner_texts():
+        assert "{" not in line and "blocker" not in line, line
+    granted = page.locator('#events li[data-kind="lease.granted"]').filter(has_text=alice["id"])
+    await expect(granted).to_contain_text("vram_mb=20.0GiB")
+    assert "examined" in admin.get("/v1/status").json()["counters"]
+    await expect(page.locator("#summary")).not_to_contain_text("examined")
+    dashboard.assert_clean()
+
+
 async def test_many_gpus_that_say_the_same_are_one_line(
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:

@@ -167,7 +167,8 @@ function fieldText(key, value) {
 }
 
 const VERDICT_KEYS = ["gpu", "code", "need_mb", "free_mb", "committed_mb", "observed_mb", "held_mb"];
-const REASON_KEYS = ["code", "message", "gpus", "nominated", "blocked_by"];
+// Shown in words already (the sentence names the blocker; "waits on" names its holder).
+const REASON_KEYS = ["code", "message", "gpus", "nominated", "blocked_by", "blocker"];
 
 function verdictText(verdict) {
   const parts = [words(verdict.code)];
@@ -213,7 +214,8 @@ function reasonView(reason) {
     else for (const v of verdicts) lines.push(el("li", {}, el("b", {}, v.gpu), " ", verdictText(v)));
   }
   if ((reason.nominated || []).length) lines.push(el("li", {}, `first in line on ${listOfGpus(reason.nominated)}`));
-  if (reason.blocked_by) lines.push(el("li", {}, `waits on ${holderOf(reason.blocked_by)}`));
+  const blocker = reason.blocked_by || (reason.blocker && reason.blocker.id);
+  if (blocker) lines.push(el("li", {}, `waits on ${holderOf(blocker)}`));
   for (const [key, value] of Object.entries(reason)) {
     if (REASON_KEYS.includes(key)) continue;
     const text = fieldText(key, value);
@@ -537,6 +539,8 @@ function renderLeases(leases) {
   ], leases, "No lease is held."));
 }
 
+const INTERNAL_COUNTERS = ["examined"]; // the scheduler's own work, not the operator's news
+
 function renderSummary(status) {
   $("paused").hidden = !status.paused;
   $("standby").hidden = status.role !== "standby";
@@ -552,6 +556,7 @@ function renderSummary(status) {
   }
   for (const [key, n] of Object.entries(counters)) {
     const [what, why] = key.split(":");
+    if (INTERNAL_COUNTERS.includes(what)) continue;
     parts.push(`${n} ${words(what)}` + (why ? ` (${words(why)})` : ""));
   }
   if (status.paused) parts.push("paused: nothing is granted until resume");
@@ -637,6 +642,14 @@ function goLive(generation) {
 
 // ---------------------------------------------------------------- the event stream
 
+// An event's datum as the CLI shows it: sizes and durations in words, leases by holder.
+function eventValue(key, value) {
+  if (typeof value === "number" && key.endsWith("_mb")) return mib(value).replace(" ", "");
+  if (typeof value === "number" && key.endsWith("_s")) return duration(value);
+  if (typeof value === "string" && state.holders.has(value)) return holderOf(value);
+  return value;
+}
+
 function addEvent(event) {
   if (event.lease_id && event.data && event.data.holder) state.holders.set(event.lease_id, event.data.holder);
   const holder = event.lease_id ? state.holders.get(event.lease_id) : null;
@@ -646,7 +659,7 @@ function addEvent(event) {
   if (event.worker) parts.push("worker " + event.worker);
   for (const [key, value] of Object.entries(event.data || {})) {
     if (value === null || typeof value === "object" || key === "holder") continue;
-    parts.push(`${key}=${typeof value === "string" && state.holders.has(value) ? holderOf(value) : value}`);
+    parts.push(`${key}=${eventValue(key, value)}`);
   }
   const list = $("events");
   list.prepend(el("li", { "data-kind": event.kind, "data-seq": event.seq }, parts.join(" ")));
