@@ -216,3 +216,7 @@ def lease_of(client: httpx.Client, holder: str) -> dict[str, Any] | None:
 def worker_state(client: httpx.Client, name: str) -> str | None:
     answer = client.get(f"/v1/workers/{name}")
     return str(answer.json()["state"]) if answer.status_code == 200 else None
+
+
+Started = list[AgentProcess | RunProcess | httpx.Client]
+"""What a test started; the ``cleanup`` fixture (conftest) ends it, last first."""

@@ -177,3 +177,20 @@ def events(client: httpx.Client, kind: str | None = None) -> list[dict[str, Any]
                 if event["seq"] >= last:
                     break
     return [e for e in found if kind is None or e["kind"] == kind]
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Any]]:
+    """Agents, ``run`` wrappers and clients a test started, ended last first when it ends:
+    a wrapper killed, an agent stopped, a client closed."""
+    from .agents import AgentProcess, RunProcess
+
+    started: list[Any] = []
+    yield started
+    for item in reversed(started):
+        if isinstance(item, RunProcess):
+            item.kill()
+        elif isinstance(item, AgentProcess):
+            item.stop()
+        else:
+            item.close()

@@ -6,10 +6,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gpu_arbiter.agent.supervisor import process_alive
@@ -18,6 +17,7 @@ from .agents import (
     AgentProcess,
     ExitWatch,
     RunProcess,
+    Started,
     env_for,
     free_port,
     lease_of,
@@ -26,22 +26,6 @@ from .agents import (
 from .conftest import Server, events, gpu_figures, wait_for
 
 pytestmark = pytest.mark.timeout(180)
-
-
-Started = list[AgentProcess | RunProcess | httpx.Client]
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Started]:
-    started: Started = []
-    yield started
-    for item in reversed(started):
-        if isinstance(item, RunProcess):
-            item.kill()
-        elif isinstance(item, AgentProcess):
-            item.stop()
-        else:
-            item.close()
 
 
 def test_run_holds_a_lease_for_the_life_of_its_command(

@@ -9,7 +9,7 @@ wrappers whose children record every signal they receive.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,25 +17,10 @@ import pytest
 
 from gpu_arbiter.agent.supervisor import process_alive
 
-from .agents import AgentProcess, ExitWatch, RunProcess, lease_of, worker_state
+from .agents import AgentProcess, ExitWatch, RunProcess, Started, lease_of, worker_state
 from .conftest import Server, gpu_figures, wait_for
 
 pytestmark = pytest.mark.timeout(180)
-
-Started = list[AgentProcess | RunProcess | httpx.Client]
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Started]:
-    started: Started = []
-    yield started
-    for item in reversed(started):
-        if isinstance(item, RunProcess):
-            item.kill()
-        elif isinstance(item, AgentProcess):
-            item.stop()
-        else:
-            item.close()
 
 
 def _cluster(
