@@ -21,11 +21,19 @@ LISTENING = re.compile(r"gateway on http://127\.0\.0\.1:(\d+)")
 
 
 def model_entry(
-    name: str, record: Path, *, mb: int = 1000, load_s: float = 0.2, **keys: Any
+    name: str,
+    record: Path,
+    *,
+    mb: int = 1000,
+    load_s: float = 0.2,
+    drain: bool = True,
+    **keys: Any,
 ) -> str:
-    """One ``[models.NAME]`` table running the test model server."""
+    """One ``[models.NAME]`` table running the test model server (``drain``: whether it
+    lets its requests finish on SIGTERM)."""
     command = [sys.executable, str(MODEL_SERVER), "--port", "{port}", "--name", name]
     command += ["--mb", str(mb), "--load-s", str(load_s), "--record", str(record)]
+    command += [] if drain else ["--no-drain"]
     keys = {"idle_after": "0.1s", "grace": "1s", "queue_timeout": "60s", **keys}
     lines = [f"[models.{name}]", f"command = {json.dumps(command)}"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]

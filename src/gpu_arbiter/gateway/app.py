@@ -11,8 +11,10 @@ cancels the request to the model server (its connection is closed).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 404 for an
 unknown model (naming the known ones), 503 with ``Retry-After`` when no replica was
-ready within ``queue_timeout`` or the replica was revoked before it could answer,
-502 when the model server failed, 413 for a body over 64 MiB.
+ready within ``queue_timeout``, or when its replica was stopped (revoked, preempted,
+the gateway stopping) before the request could finish within the model's ``grace``,
+502 when the model server failed, 413 for a body over 64 MiB. An answer already
+streaming when its replica stops ends early.
 """
 
 from __future__ import annotations
@@ -61,6 +63,18 @@ _STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_ali
 
 class _ClientGone(Exception):
     """The client went away before its request's body had arrived."""
+
+
+class _Exchange:
+    """One relayed request: the status sent (0 while none was), whether it is over,
+    and whether its client went away."""
+
+    __slots__ = ("done", "gone", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.done = False
+        self.gone = False
 
 
 class GatewayApp:
@@ -164,18 +178,24 @@ class GatewayApp:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
         relay = asyncio.current_task()
         assert relay is not None
-        state = {"done": False, "gone": False}
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, relay, state))
+        exchange = _Exchange()
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, relay, exchange))
+        replica.relays.add(relay)
         try:
-            return await self._relay(send, scope["method"], target, headers, body, replica)
+            await self._relay(send, scope["method"], target, headers, body, replica, exchange)
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not (exchange.gone or replica.cut):
                 raise
             relay.uncancel()
-            return 0
+            if exchange.gone:
+                return 0
+            if not exchange.status:  # cut off before its answer began: say why
+                exchange.status = await self._stopped(send, replica)
         finally:
-            state["done"] = True
+            replica.relays.discard(relay)
+            exchange.done = True
             watcher.cancel()
+        return exchange.status
 
     async def _relay(
         self,
@@ -185,14 +205,17 @@ class GatewayApp:
         headers: Headers,
         body: bytes,
         replica: Replica,
-    ) -> int:
+        exchange: _Exchange,
+    ) -> None:
         try:
             answer = await replica.upstream.request(method, target, headers, body)
         except UpstreamError as error:
-            return await self._failed(send, replica, error)
+            exchange.status = await self._failed(send, replica, error)
+            return
         try:
             kept = [(k, v) for k, v in answer.headers if k.lower() not in _HOP_OUT]
             await send({"type": "http.response.start", "status": answer.status, "headers": kept})
+            exchange.status = answer.status
             more = True
             while more:  # the last bytes go with the end: one write less
                 chunk = await answer.read()
@@ -202,7 +225,18 @@ class GatewayApp:
             pass  # cut mid-body: the client sees the stream end early, as the server did
         finally:
             answer.close()
-        return answer.status
+
+    async def _stopped(self, send: Send, replica: Replica) -> int:
+        """503 for a request the replica's stop cut off at the end of its grace."""
+        ending = replica.ending
+        why = ending.reason if ending is not None else "stopped"
+        grace_s = replica.model.config.grace_s
+        reason = (
+            f"model {replica.model.name} stopped: {why}; the request did not finish "
+            f"within its {grace_s:g}s grace"
+        )
+        await _error(send, 503, reason, "unavailable", 1.0)
+        return 503
 
     async def _failed(self, send: Send, replica: Replica, error: Exception) -> int:
         with contextlib.suppress(TimeoutError):  # did the server exit? Then say why.
@@ -230,13 +264,13 @@ def _target(scope: Scope, path: bytes) -> bytes:
 
 
 async def _watch_disconnect(
-    receive: Receive, relay: asyncio.Task[Any], state: dict[str, bool]
+    receive: Receive, relay: asyncio.Task[Any], exchange: _Exchange
 ) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not state["done"]:
-                state["gone"] = True
+            if not exchange.done:
+                exchange.gone = True
                 relay.cancel()
             return
 

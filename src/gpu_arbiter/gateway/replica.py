@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..agent.local import agent_request
+from ..agent.local import agent_request, attach
 from ..client import ApiError, ControllerUnreachable, NotGranted
 from .upstream import Upstream
 
@@ -86,6 +86,10 @@ class Replica:
         self._quiet_task: asyncio.Task[None] | None = None
         self.upstream = Upstream(0, model.config.max_parallel)  # its server's, once started
         self._process: subprocess.Popen[bytes] | None = None
+        # the tasks relaying a request to the server (the gateway's app adds and removes
+        # them); those left at the end of the grace are cancelled, and ``cut`` set
+        self.relays: set[asyncio.Task[Any]] = set()
+        self.cut = False
         self._by_agent = False  # the local agent supervises the process
 
     # ------------------------------------------------------------------ routing
@@ -333,28 +337,40 @@ class Replica:
 
     async def _attach(self) -> bool:
         """Puts the process group under the local agent's supervision: the controller then
-        knows its memory is the lease's (I2), and the agent stops it when the lease is
-        revoked or lapses, even if this gateway is gone."""
+        knows its memory is the lease's (I2), and the agent stops it when the lease lapses
+        or this gateway is gone. On a revocation the gateway stops it itself, after the
+        requests in flight had their grace (``holder_stops_s``): the agent's own SIGTERM
+        comes only if it has not by then."""
         assert self.pid is not None
-        body = {"op": "attach", "lease": self.lease["id"], "pid": self.pid, "pgid": self.pid}
-        answer = await agent_request(str(self.lease["worker"]), body)
-        return bool(answer and answer.get("ok"))
+        worker, grace_s = str(self.lease["worker"]), self.model.config.grace_s
+        return await attach(worker, self.lease["id"], self.pid, holder_stops_s=grace_s)
 
     async def _drain(self) -> None:
-        """No new requests; those in flight get the grace to finish (on a revocation the
-        agent has sent the server its SIGTERM: a server that drains on SIGTERM finishes
-        them); then the process group is stopped: SIGTERM once, SIGKILL after the grace."""
+        """No new requests; those in flight get the grace to finish, and those still in
+        flight after it are cut off (503, naming why the replica stops); then the process
+        group is stopped: SIGTERM once, SIGKILL after the grace."""
         assert self.ending is not None
         grace_s = self.model.config.grace_s
         if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown"):
             deadline = time.monotonic() + grace_s
             while self.in_flight and time.monotonic() < deadline and not self.exited.is_set():
                 await asyncio.sleep(0.05)
+            self._cut_relays()
         self.state = "stopping"
         self.model.notify()
         if self.pid is None or self.exited.is_set():
             return
         await self._stop_process(grace_s)
+
+    def _cut_relays(self) -> None:
+        self.cut = bool(self.relays)
+        for relay in self.relays:
+            relay.cancel()
+        if self.cut:
+            log.info(
+                "model %s replica %d: %d request(s) did not finish within the %gs grace",
+                self.model.name, self.number, len(self.relays), self.model.config.grace_s,
+            )  # fmt: skip
 
     async def _stop_process(self, grace_s: float) -> None:
         """By the agent where it supervises the process (one SIGTERM, whoever asks), else
