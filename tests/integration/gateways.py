@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from .agents import env_for
 from .conftest import ManagedProcess, wait_for
@@ -94,3 +95,12 @@ def records(directory: Path, name: str) -> list[dict[str, Any]]:
 
 def chat(model: str, **body: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], **body}
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of sample ``name`` with ``labels`` in a Prometheus text page."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None

@@ -351,6 +351,8 @@ class Replica:
         group is stopped: SIGTERM once, SIGKILL after the grace."""
         assert self.ending is not None
         grace_s = self.model.config.grace_s
+        if self.pid is not None and not self.exited.is_set():
+            await self.model.measure(self)  # its last figure, for the next lease
         if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown"):
             deadline = time.monotonic() + grace_s
             while self.in_flight and time.monotonic() < deadline and not self.exited.is_set():
