@@ -244,10 +244,10 @@ async def test_a_holder_that_stops_its_process_itself_gets_to_do_it(runtime: Pat
     controller = Controller()
     async with _running(_agent(runtime, controller, grace_s=5.0)):
         await controller.until(lambda hb: True)
-        with _term_counter(terms, linger_s=1.5) as child:
+        with _term_counter(terms, linger_s=3.0) as child:
             controller.held.add("lease-1")
             attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
-            assert await agent_request("box", {**attach, "holder_stops_s": 1.0}) == {"ok": True}
+            assert await agent_request("box", {**attach, "holder_stops_s": 2.0}) == {"ok": True}
             controller.revoking.add("lease-1")
             beats = len(controller.heartbeats)
             await controller.until(lambda hb: len(controller.heartbeats) > beats + 3)
@@ -258,7 +258,7 @@ async def test_a_holder_that_stops_its_process_itself_gets_to_do_it(runtime: Pat
             beat = await controller.until(lambda hb: hb["stopped"] == ["lease-1"])
             assert child.poll() is not None  # exited before it was reported
             assert beat["leases"] == []
-        [term] = _terms(terms)  # the agent's own (due after 1 s) was not sent: one SIGTERM
+        [term] = _terms(terms)  # the agent's own (due after 2 s) was not sent: one SIGTERM
         assert term >= stopped_at
 
 
