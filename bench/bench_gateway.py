@@ -1,5 +1,5 @@
 """The model gateway's added latency and throughput, against the model server called
-directly: ``python bench/bench_gateway.py [--seconds 5]``.
+directly: ``python bench/bench_gateway.py [--seconds 5] [--runs 3]``.
 
 A controller (memory store, one simulated 24 GiB GPU), a gateway process with one
 model (tests/integration/model_server.py, warm before measuring: the first request
@@ -8,8 +8,9 @@ keep-alive HTTP/1.1 connection (a minimal client on asyncio streams) sending
 ``POST /v1/completions`` one after the other; with 1 and 50 concurrent callers it
 prints the median and p99 latency and requests/s, direct and through the gateway,
 and what the gateway adds (the goal: at most 1 ms at p50, 5 ms at p99, at least
-1,500 requests/s). Everything shares this machine's cores: the figures include the
-contention of client, gateway and server for them.
+1,500 requests/s): medians over ``--runs`` runs, direct and gateway measured in turn
+in each. Everything shares this machine's cores: the figures include the contention
+of client, gateway and server for them.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def wait_log(log: Path, pattern: str, proc: subprocess.Popen[bytes]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--runs", type=int, default=3, help="medians over this many runs")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-gw-"))
     py = sys.executable
@@ -135,22 +137,38 @@ def main() -> None:
                    work / "direct.log")  # fmt: skip
     try:
         time.sleep(1.5)  # the direct server listens
-        asyncio.run(report(gateway_port, direct_port, args.seconds))
+        asyncio.run(report(gateway_port, direct_port, args.seconds, args.runs))
     finally:
         for proc in (gateway, direct, server):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
 
 
-async def report(gateway_port: int, direct_port: int, seconds: float) -> None:
+async def report(gateway_port: int, direct_port: int, seconds: float, runs: int) -> None:
+    """Direct and gateway measured in turn, ``runs`` times: the medians of each figure
+    and of what the gateway adds in each run (the machine's load changes from run to
+    run; within one run both paths see about the same)."""
     await measure(gateway_port, 1, 0.5)  # the first request loads the model: warm it
-    print(f"{'callers':>7} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    print(f"{'callers':>7} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}   ({runs} runs)")
     for callers in (1, 50):
-        d50, d99, drps = await measure(direct_port, callers, seconds)
-        g50, g99, grps = await measure(gateway_port, callers, seconds)
+        direct, gateway, added = [], [], []
+        for _ in range(runs):
+            d = await measure(direct_port, callers, seconds)
+            g = await measure(gateway_port, callers, seconds)
+            direct.append(d)
+            gateway.append(g)
+            added.append((g[0] - d[0], g[1] - d[1], g[2] / d[2]))
+        d50, d99, drps = _medians(direct)
+        g50, g99, grps = _medians(gateway)
+        a50, a99, ratio = _medians(added)
         print(f"{callers:>7} {'direct':>8} {d50:8.2f} {d99:8.2f} {drps:8.0f}")
         print(f"{callers:>7} {'gateway':>8} {g50:8.2f} {g99:8.2f} {grps:8.0f}")
-        print(f"{callers:>7} {'added':>8} {g50 - d50:8.2f} {g99 - d99:8.2f} {grps / drps:7.2f}x")
+        print(f"{callers:>7} {'added':>8} {a50:8.2f} {a99:8.2f} {ratio:7.2f}x")
+
+
+def _medians(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    p50, p99, rps = (statistics.median(column) for column in zip(*rows, strict=True))
+    return p50, p99, rps
 
 
 if __name__ == "__main__":

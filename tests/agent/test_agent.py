@@ -70,12 +70,12 @@ def child() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-def _agent(runtime: Path, controller: Controller) -> Agent:
+def _agent(runtime: Path, controller: Controller, grace_s: float = 0.5) -> Agent:
     usage = runtime / "usage"
     usage.mkdir(exist_ok=True)
     client = ArbiterClient("http://ctl", transport=httpx.MockTransport(controller))
     probe = FakeProbe.from_spec("2x24G:sm_86", usage_dir=usage)
-    config = AgentConfig(name="box", heartbeat_s=0.1, grace_s=0.5, headroom_mb=0)
+    config = AgentConfig(name="box", heartbeat_s=0.1, grace_s=grace_s, headroom_mb=0)
     return Agent(config, probe, client=client)
 
 
@@ -204,6 +204,94 @@ async def test_a_second_agent_of_the_same_name_refuses_to_start(runtime: Path) -
         await controller.until(lambda hb: True)
         with pytest.raises(RuntimeError, match="another agent"):
             await _agent(runtime, controller).run(asyncio.Event())
+
+
+# Appends the time of each SIGTERM to a file; exits LINGER seconds after the first.
+TERM_COUNTER = """
+import signal, sys, time
+terms = []
+def term(*_):
+    terms.append(time.time())
+    with open(sys.argv[1], "a") as out:
+        out.write(f"{terms[-1]}\\n")
+signal.signal(signal.SIGTERM, term)
+while not terms or time.time() - terms[0] < float(sys.argv[2]):
+    time.sleep(0.01)
+"""
+
+
+@contextlib.contextmanager
+def _term_counter(path: Path, linger_s: float) -> Iterator[subprocess.Popen[bytes]]:
+    command = [sys.executable, "-c", TERM_COUNTER, str(path), str(linger_s)]
+    proc = subprocess.Popen(command, process_group=0)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _terms(path: Path) -> list[float]:
+    return [float(line) for line in path.read_text().split()] if path.exists() else []
+
+
+async def test_a_holder_that_stops_its_process_itself_gets_to_do_it(runtime: Path) -> None:
+    """attach with holder_stops_s: on a revocation the agent does not SIGTERM at once;
+    the holder's own stop (the ``stop`` op) is the one SIGTERM, even when the agent's
+    deferred stop comes due while the process is still exiting; the lease is reported
+    stopped only once the process has exited."""
+    terms = runtime / "terms"
+    controller = Controller()
+    async with _running(_agent(runtime, controller, grace_s=5.0)):
+        await controller.until(lambda hb: True)
+        with _term_counter(terms, linger_s=3.0) as child:
+            controller.held.add("lease-1")
+            attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+            assert await agent_request("box", {**attach, "holder_stops_s": 2.0}) == {"ok": True}
+            controller.revoking.add("lease-1")
+            beats = len(controller.heartbeats)
+            await controller.until(lambda hb: len(controller.heartbeats) > beats + 3)
+            assert _terms(terms) == []  # the holder's requests are finishing
+            stop = {"op": "stop", "lease": "lease-1", "grace_s": 5.0}
+            stopped_at = time.time()
+            assert await agent_request("box", stop) == {"ok": True}
+            beat = await controller.until(lambda hb: hb["stopped"] == ["lease-1"])
+            assert child.poll() is not None  # exited before it was reported
+            assert beat["leases"] == []
+        [term] = _terms(terms)  # the agent's own (due after 2 s) was not sent: one SIGTERM
+        assert term >= stopped_at
+
+
+async def test_a_holder_that_does_not_stop_its_process_is_stopped_after_at_most_the_grace(
+    runtime: Path,
+) -> None:
+    """The holder's seconds are bounded by the agent's --grace-s: a holder that says an
+    hour, then never stops its process, has it stopped after the agent's grace."""
+    terms = runtime / "terms"
+    controller = Controller()
+    async with _running(_agent(runtime, controller, grace_s=1.0)):
+        await controller.until(lambda hb: True)
+        with _term_counter(terms, linger_s=0.2) as child:
+            controller.held.add("lease-1")
+            attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+            assert await agent_request("box", {**attach, "holder_stops_s": 3600}) == {"ok": True}
+            revoked_at = time.time()
+            controller.revoking.add("lease-1")
+            await controller.until(lambda hb: hb["stopped"] == ["lease-1"])
+            assert child.poll() == 0  # SIGTERM, not SIGKILL
+        [term] = _terms(terms)
+        assert 1.0 <= term - revoked_at < 5.0
+
+
+async def test_attach_refuses_holder_stops_s_that_is_not_seconds(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    agent = _agent(runtime, Controller())
+    attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+    for bad in ("10", True, -1, 3601, [1]):
+        answer = await agent._local({**attach, "holder_stops_s": bad}, 0)
+        assert answer == {"ok": False, "error": "holder_stops_s must be seconds, 0 to 3600"}
+        assert agent.supervisor.get("lease-1") is None
 
 
 def _start_time(pid: int) -> int:

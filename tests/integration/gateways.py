@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from .agents import env_for
 from .conftest import ManagedProcess, wait_for
@@ -21,11 +22,19 @@ LISTENING = re.compile(r"gateway on http://127\.0\.0\.1:(\d+)")
 
 
 def model_entry(
-    name: str, record: Path, *, mb: int = 1000, load_s: float = 0.2, **keys: Any
+    name: str,
+    record: Path,
+    *,
+    mb: int = 1000,
+    load_s: float = 0.2,
+    drain: bool = True,
+    **keys: Any,
 ) -> str:
-    """One ``[models.NAME]`` table running the test model server."""
+    """One ``[models.NAME]`` table running the test model server (``drain``: whether it
+    lets its requests finish on SIGTERM)."""
     command = [sys.executable, str(MODEL_SERVER), "--port", "{port}", "--name", name]
     command += ["--mb", str(mb), "--load-s", str(load_s), "--record", str(record)]
+    command += [] if drain else ["--no-drain"]
     keys = {"idle_after": "0.1s", "grace": "1s", "queue_timeout": "60s", **keys}
     lines = [f"[models.{name}]", f"command = {json.dumps(command)}"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
@@ -86,3 +95,12 @@ def records(directory: Path, name: str) -> list[dict[str, Any]]:
 
 def chat(model: str, **body: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], **body}
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of sample ``name`` with ``labels`` in a Prometheus text page."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None

@@ -1,6 +1,7 @@
 """A small OpenAI-compatible model server for the gateway's tests and bench.
 
-``python model_server.py --port P --name N [--mb MB] [--load-s S] [--record DIR]``
+``python model_server.py --port P --name N [--mb MB] [--load-s S] [--record DIR]
+[--no-drain]``
 
 On start it takes ``--mb`` MiB on each GPU of ``CUDA_VISIBLE_DEVICES`` in the fake
 probe (half at once, all after ``--load-s``, as a real server grows while it loads),
@@ -12,8 +13,10 @@ tokens (``"stream": true``) or answer once; a request's body steers it:
 - ``crash``: the process exits with code 3 at once
 
 ``GET /stats`` says how many requests it served and how many its clients cancelled.
-With ``--record DIR`` it writes ``DIR/<name>-<pid>.json`` with its start, ready and
-exit times (each process of a model its own file).
+With ``--record DIR`` it writes ``DIR/<name>-<pid>.json`` with its start, ready,
+SIGTERM and exit times and how many SIGTERMs it got (each process of a model its own
+file). On SIGTERM it drains (the requests in flight finish, then it exits), or with
+``--no-drain`` exits half a second later whatever is in flight, as many servers do.
 """
 
 from __future__ import annotations
@@ -37,13 +40,15 @@ from starlette.routing import Route
 STATE: dict[str, Any] = {"ready": False, "requests": 0, "cancelled": 0, "in_flight": 0}
 
 
-def record(key: str) -> None:
+def record(key: str, count: str | None = None) -> None:
     directory = STATE.get("record")
     if not directory:
         return
     path = Path(directory) / f"{STATE['name']}-{os.getpid()}.json"
     found = json.loads(path.read_text()) if path.exists() else {"pid": os.getpid()}
     found[key] = time.time()
+    if count is not None:
+        found[count] = found.get(count, 0) + 1
     partial = path.with_suffix(".tmp")
     partial.write_text(json.dumps(found))
     os.replace(partial, path)
@@ -142,10 +147,19 @@ async def _load(mb: int, load_s: float) -> None:
     record("ready_at")
 
 
-def _on_term(server: uvicorn.Server) -> None:
-    """Drains: no new connections, the requests in flight finish, then it exits."""
-    record("term_at")
-    server.should_exit = True
+def _on_term(server: uvicorn.Server, drain: bool) -> None:
+    """Drains (no new connections, the requests in flight finish, then it exits), or
+    exits half a second later without waiting for them."""
+    record("term_at", count="terms")
+    if drain:
+        server.should_exit = True
+    else:
+        asyncio.get_running_loop().call_later(0.5, _exit_now)
+
+
+def _exit_now() -> None:
+    record("exit_at")
+    os._exit(0)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -153,7 +167,8 @@ async def main(args: argparse.Namespace) -> None:
         app, port=args.port, http="httptools", log_level="warning", lifespan="off"
     )
     server = _Server(config)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _on_term, server)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, _on_term, server, args.drain)
     loading = asyncio.ensure_future(_load(args.mb, args.load_s))
     await server.serve()
     loading.cancel()
@@ -167,6 +182,7 @@ if __name__ == "__main__":
     parser.add_argument("--mb", type=int, default=0)
     parser.add_argument("--load-s", type=float, default=0.2)
     parser.add_argument("--record", default="")
+    parser.add_argument("--no-drain", dest="drain", action="store_false")
     arguments = parser.parse_args()
     STATE["name"], STATE["record"] = arguments.name, arguments.record
     record("started_at")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from ..gateway.test_estimate import write_gguf
 from .agents import AgentProcess, ExitWatch, worker_state
 from .conftest import SRC, Server, wait_for
-from .gateways import LISTENING, GatewayProcess, chat, model_entry, records
+from .gateways import LISTENING, GatewayProcess, chat, metric, model_entry, records
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,6 +85,15 @@ def test_cold_start_warm_reuse_and_keep_alive(setup: Setup) -> None:
     wait_for(lambda: "term_at" in records(setup.record, "chat")[0], 20, "keep-alive stop")
     wait_for(lambda: not setup.held("chat"), 10, "the lease released")
     assert gateway.model_state("chat")["state"] == "cold"
+    page = httpx.get(gateway.url + "/metrics").text
+    chat_ = {"model": "chat"}
+    assert metric(page, "gpu_arbiter_gateway_requests_total", **chat_, status="200") == 2
+    assert metric(page, "gpu_arbiter_gateway_cold_starts_total", **chat_) == 1
+    assert metric(page, "gpu_arbiter_gateway_load_seconds_count", **chat_) == 1
+    assert 0.2 <= metric(page, "gpu_arbiter_gateway_load_seconds_sum", **chat_) < 30  # type: ignore[operator]
+    assert metric(page, "gpu_arbiter_gateway_queue_seconds_count", **chat_) == 2
+    assert metric(page, "gpu_arbiter_gateway_stops_total", **chat_, reason="keep_alive") == 1
+    assert metric(page, "gpu_arbiter_gateway_in_flight", **chat_) == 0
     unknown = httpx.post(gateway.url + "/v1/completions", json={"model": "nope"})
     assert unknown.status_code == 404
     assert "chat" in unknown.json()["error"]["message"]
@@ -118,10 +128,13 @@ def test_an_idle_model_is_reclaimed_by_another_models_request(setup: Setup) -> N
 
 
 def test_a_busy_model_is_preempted_by_a_more_important_one(setup: Setup) -> None:
-    setup.agent("1x24G:sm_86", "--grace-s", "3")  # the agent stops revoked servers
+    """The batch server does not drain on SIGTERM (it exits half a second later): the
+    gateway lets its requests finish within the grace before the one SIGTERM, and what
+    could not finish gets 503 naming the preemption."""
+    setup.agent("1x24G:sm_86", "--grace-s", "3")  # it supervises the servers
     models = model_entry(
         "batch", setup.record, mb=15000, vram="16G", priority="batch", grace="3s",
-        queue_timeout="3s",
+        queue_timeout="3s", drain=False,
     )  # fmt: skip
     models += model_entry("chat", setup.record, mb=15000, vram="16G", priority="interactive")
     gateway = setup.gateway(models)
@@ -129,17 +142,27 @@ def test_a_busy_model_is_preempted_by_a_more_important_one(setup: Setup) -> None
     long, long_answer = _post_later(url, chat("batch", tokens=1, token_s=30))
     wait_for(lambda: gateway.model_state("batch")["state"] == "busy", 30, "batch busy")
     victim = ExitWatch(records(setup.record, "batch")[0]["pid"])
-    short, short_answer = _post_later(url, chat("batch", tokens=1, token_s=1.0))
+    short, short_answer = _post_later(url, chat("batch", tokens=1, token_s=2.0))
     wait_for(lambda: gateway.model_state("batch")["replicas"][0]["in_flight"] == 2, 10, "two")
+    asked_at = time.time()
     answer = httpx.post(url, json=chat("chat"), timeout=60)
     assert answer.status_code == 200, answer.text
     short.join(30)
     long.join(30)
-    assert short_answer[0].status_code == 200  # the server drained it within the grace
+    assert short_answer[0].status_code == 200, short_answer[0].text  # within the grace
     assert long_answer[0].status_code == 503  # it could not finish: 503 with the reason
-    assert "preempted" in long_answer[0].json()["error"]["message"]
+    message = long_answer[0].json()["error"]["message"]
+    assert "preempted for" in message and "did not finish within its 3s grace" in message
+    [batch_server] = records(setup.record, "batch")
+    assert batch_server["terms"] == 1  # one SIGTERM, from the gateway, after the grace
+    assert batch_server["term_at"] - asked_at >= 2.5
     [chat_server] = records(setup.record, "chat")
     assert victim.wait() < chat_server["started_at"]  # I4: only after the victim exited
+    page = httpx.get(gateway.url + "/metrics").text
+    batch = {"model": "batch"}
+    assert metric(page, "gpu_arbiter_gateway_stops_total", **batch, reason="preempted") == 1
+    assert metric(page, "gpu_arbiter_gateway_requests_total", **batch, status="200") == 1
+    assert metric(page, "gpu_arbiter_gateway_requests_total", **batch, status="503") == 1
     # a new batch request queues for a new lease; the warm chat (800) is not reclaimable
     # by batch (100): after queue_timeout, 503 with Retry-After and the pending reason
     late = httpx.post(url, json=chat("batch"), timeout=60)
@@ -147,6 +170,30 @@ def test_a_busy_model_is_preempted_by_a_more_important_one(setup: Setup) -> None
     assert late.headers["retry-after"] == "3"
     assert "not ready after 3s" in late.json()["error"]["message"]
     wait_for(lambda: not setup.held("batch"), 10, "the queued request cancelled")
+
+
+def test_after_a_load_the_measured_peak_replaces_a_lower_estimate(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """vram = "auto": the first lease asks for the estimate from the model file; the
+    server then takes more (the probe sees 3000 MiB in its process group), and the next
+    lease asks for that."""
+    setup.agent()
+    model = tmp_path / "m.gguf"
+    write_gguf(model)
+    models = model_entry(
+        "chat", setup.record, mb=3000, model_file=str(model), ctx=8192, keep_alive="3s"
+    )
+    gateway = setup.gateway(models)
+    with gateway.client() as client:
+        assert client.post("/v1/completions", json=chat("chat")).status_code == 200
+        [first] = setup.held("chat")
+        assert first["vram_mb"] == 529  # weights 8 + KV cache 8 + overhead 513
+        wait_for(lambda: gateway.model_state("chat")["vram_mb"] == 3000, 20, "the peak")
+        wait_for(lambda: not setup.held("chat"), 20, "the keep-alive stop")
+        assert client.post("/v1/completions", json=chat("chat")).status_code == 200
+        [second] = setup.held("chat")
+    assert second["vram_mb"] == 3000
 
 
 def test_streaming_passes_each_chunk_at_once_and_a_disconnect_cancels(setup: Setup) -> None:
@@ -282,9 +329,10 @@ def test_serve_local_runs_the_gateway_beside_the_agent(
     models = tmp_path / "models.toml"
     models.write_text("[gateway]\nport = 0\n" + model_entry("chat", record, vram="4G"))
     server = start_server("--local", "--simulate", "1x24G", "--models", str(models))
-    port = wait_for(lambda: LISTENING.findall(server.log.read_text()), 30, "the gateway")[-1]
+    [port] = wait_for(lambda: LISTENING.findall(server.log.read_text()), 30, "the gateway")
     answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=chat("chat"), timeout=60)
     assert answer.status_code == 200, answer.text
     with server.client() as admin:
         [lease] = [x for x in admin.get("/v1/leases").json() if x["ended_at"] is None]
     assert lease["holder"].startswith("gateway chat #1@")
+    assert len(LISTENING.findall(server.log.read_text())) == 1  # said once in the shared log

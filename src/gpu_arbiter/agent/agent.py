@@ -37,7 +37,7 @@ from typing import Any
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from .local import LocalEndpoint, process_uid, socket_path
 from .probes import FakeProbe, Probe, ProbeSnapshot, process_alive, to_gpus
-from .supervisor import ProcessSupervisor
+from .supervisor import ProcessSupervisor, Supervised
 
 __all__ = ["Agent", "AgentConfig", "read_version"]
 
@@ -97,6 +97,8 @@ class Agent:
         self._registered_gpus: set[int] = set()
         self._updating: str | None = None
         self._update_task: asyncio.Task[None] | None = None
+        self._holder_stops: dict[str, float] = {}  # lease -> seconds its holder takes
+        self._deferred: dict[str, asyncio.Task[None]] = {}  # stops after those seconds
 
     # ------------------------------------------------------------------ life cycle
 
@@ -123,9 +125,12 @@ class Agent:
                     delay, backoff = backoff, min(backoff * 2, self.config.max_backoff_s)
                 await self._sleep(stop, delay)
         finally:
+            waiting = [*self._deferred.values()]
             if self._update_task is not None:
-                self._update_task.cancel()
-                await asyncio.gather(self._update_task, return_exceptions=True)
+                waiting.append(self._update_task)
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
             await self.supervisor.close()
             await self.endpoint.close()
             await self.client.aclose()
@@ -227,14 +232,50 @@ class Agent:
                     entry.lease_id,
                     entry.pid,
                 )
-            task = self.supervisor.stop(entry.lease_id, self.config.grace_s)
-            if task is not None:
-                task.add_done_callback(lambda _t: self._kick.set())
+            elif entry.lease_id in self._holder_stops:
+                self._defer_stop(entry)
+                continue
+            self._stop(entry.lease_id)
         done = [e for e in self.supervisor.leases() if e.lease_id not in held and e.stopped]
         for entry in done:
             self.supervisor.forget(entry.lease_id)  # released, or confirmed stopped
+            self._holder_stops.pop(entry.lease_id, None)
+            deferred = self._deferred.pop(entry.lease_id, None)
+            if deferred is not None:
+                deferred.cancel()
         if done:
             self._persist()
+
+    def _stop(self, lease_id: str, grace_s: float | None = None) -> None:
+        """SIGTERM to the lease's group, SIGKILL after the grace (once, whoever asks)."""
+        task = self.supervisor.stop(lease_id, self.config.grace_s if grace_s is None else grace_s)
+        if task is not None:
+            task.add_done_callback(lambda _t: self._kick.set())
+
+    def _defer_stop(self, entry: Supervised) -> None:
+        """A revoked lease whose holder stops its process itself (it lets its requests
+        finish first): the agent's own SIGTERM comes only if the process still runs, and
+        no stop is under way, after the holder's seconds (at most ``--grace-s``)."""
+        lease_id = entry.lease_id
+        if lease_id in self._deferred:
+            return
+        wait_s = min(self._holder_stops[lease_id], self.config.grace_s)
+        log.info(
+            "lease %s revoked: its holder stops pid %d itself; SIGTERM here in %.1fs if not",
+            lease_id, entry.pid, wait_s,
+        )  # fmt: skip
+        self._deferred[lease_id] = asyncio.create_task(self._stop_after(entry, wait_s))
+
+    async def _stop_after(self, entry: Supervised, wait_s: float) -> None:
+        await asyncio.sleep(wait_s)
+        self.supervisor.refresh()
+        if entry.stopped or entry.stopping or self.supervisor.get(entry.lease_id) is not entry:
+            return
+        log.warning(
+            "lease %s: its holder has not stopped pid %d in %.1fs: stopping it",
+            entry.lease_id, entry.pid, wait_s,
+        )  # fmt: skip
+        self._stop(entry.lease_id)
 
     # ------------------------------------------------------------------ attachments
 
@@ -300,17 +341,17 @@ class Agent:
             return {"ok": False, "error": f"lease {lease_id} has no process supervised here"}
         if peer_uid != 0 and process_uid(entry.pid) != peer_uid:
             return {"ok": False, "error": f"process {entry.pid} belongs to another user"}
-        valid = isinstance(grace_s, int | float) and not isinstance(grace_s, bool)
-        grace = float(grace_s) if valid and 0 <= grace_s <= 3600 else self.config.grace_s
-        task = self.supervisor.stop(lease_id, grace)
-        if task is not None:
-            task.add_done_callback(lambda _t: self._kick.set())
+        grace = float(grace_s) if _seconds(grace_s) else self.config.grace_s
+        self._stop(lease_id, grace)
         return {"ok": True}
 
     def _attach(self, lease_id: str, request: Json, peer_uid: int) -> Json:
         pid, pgid = request.get("pid"), request.get("pgid")
         if not isinstance(pid, int) or not isinstance(pgid, int) or pid <= 1 or pgid <= 1:
             return {"ok": False, "error": "pid and pgid must be process ids"}
+        holder_stops = request.get("holder_stops_s")
+        if holder_stops is not None and not _seconds(holder_stops):
+            return {"ok": False, "error": "holder_stops_s must be seconds, 0 to 3600"}
         owner = process_uid(pid)
         if owner is None:
             return {"ok": False, "error": f"no process {pid}"}
@@ -320,6 +361,10 @@ class Agent:
         if entry is None or entry.pid != pid:
             log.info("lease %s: supervising pid %d (group %d)", lease_id, pid, pgid)
         self.supervisor.watch(lease_id, pid, pgid)
+        if holder_stops is None:
+            self._holder_stops.pop(lease_id, None)
+        else:
+            self._holder_stops[lease_id] = float(holder_stops)
         self._persist()
         return {"ok": True}
 
@@ -405,6 +450,12 @@ def _reexec() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def _seconds(value: Any) -> bool:
+    """A number of seconds the local endpoint accepts: 0 to 3600."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and 0 <= value <= 3600
 
 
 def _start_time(pid: int) -> int | None:

@@ -7,6 +7,7 @@ The agent listens on a unix socket, ``<runtime dir>/agent-<worker>.sock`` (mode
     {"op": "env"}                                   -> {"ok": true, "env": {...},
                                                         "simulated": bool}
     {"op": "attach", "lease": ID, "pid": P, "pgid": G} -> {"ok": true}
+    {"op": "attach", ..., "holder_stops_s": S}      -> the same; the holder stops it
     {"op": "usage", "lease": ID}                    -> {"ok": true, "used_mb": N | null}
     {"op": "usage", "pgid": G}                      -> the same for a process group
     {"op": "stop", "lease": ID, "grace_s": S}       -> {"ok": true} | {"ok": false, ...}
@@ -15,7 +16,15 @@ The agent listens on a unix socket, ``<runtime dir>/agent-<worker>.sock`` (mode
 whether this agent's GPUs are simulated;
 ``attach`` puts the process group under the agent's supervision for that lease
 (idempotent; ``run`` repeats it with every renewal, so a restarted agent learns
-its processes again); ``usage`` is the lease's GPU memory as the probe sees it;
+its processes again). With ``holder_stops_s``, the holder says that on a
+revocation it stops the process itself, within S seconds (the gateway lets the
+requests in flight finish first, then asks for the stop with ``stop``): the agent
+then sends its own SIGTERM only if the process still runs, and no stop is under
+way, ``min(S, --grace-s)`` seconds after its heartbeat saw the revocation, and
+SIGKILL after its grace as always. The lease is released once the agent has seen
+the process group exit, either way (I4). Each attach says it again (one without
+it is ``run``'s behaviour: SIGTERM as soon as the revocation is seen).
+``usage`` is the lease's GPU memory as the probe sees it;
 ``stop`` asks the agent to stop a supervised lease's process (SIGTERM, SIGKILL after
 ``grace_s``) unless it already is: ``run`` leaves the signals to the agent, so that the
 process gets one SIGTERM however many supervisors see its lease revoked.
@@ -41,6 +50,7 @@ __all__ = [
     "RUNTIME_DIR_ENV",
     "LocalEndpoint",
     "agent_request",
+    "attach",
     "local_workers",
     "runtime_dir",
     "socket_path",
@@ -172,3 +182,16 @@ async def agent_request(worker: str, request: Json, timeout_s: float = 5.0) -> J
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def attach(
+    worker: str, lease_id: str, pid: int, *, holder_stops_s: float | None = None
+) -> bool:
+    """Puts process group ``pid`` under the supervision of ``worker``'s local agent for
+    the lease; with ``holder_stops_s`` the caller stops it itself on a revocation (see
+    the module's docstring). False when no agent of that name runs here, or it refused."""
+    body: Json = {"op": "attach", "lease": lease_id, "pid": pid, "pgid": pid}
+    if holder_stops_s is not None:
+        body["holder_stops_s"] = holder_stops_s
+    answer = await agent_request(worker, body)
+    return bool(answer and answer.get("ok"))

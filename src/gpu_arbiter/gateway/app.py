@@ -11,8 +11,10 @@ cancels the request to the model server (its connection is closed).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 404 for an
 unknown model (naming the known ones), 503 with ``Retry-After`` when no replica was
-ready within ``queue_timeout`` or the replica was revoked before it could answer,
-502 when the model server failed, 413 for a body over 64 MiB.
+ready within ``queue_timeout``, or when its replica was stopped (revoked, preempted,
+the gateway stopping) before the request could finish within the model's ``grace``,
+502 when the model server failed, 413 for a body over 64 MiB. An answer already
+streaming when its replica stops ends early.
 """
 
 from __future__ import annotations
@@ -20,16 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
+from urllib.parse import quote
 
-import httpx
+import httptools
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .metrics import GatewayMetrics
 from .model import ModelServer, Refused
 from .replica import Replica
+from .upstream import UpstreamError
 
 __all__ = ["GatewayApp"]
 
@@ -37,6 +40,7 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _HOP = frozenset(
     {
@@ -50,6 +54,7 @@ _HOP = frozenset(
         b"upgrade",
         b"host",
         b"content-length",
+        b"expect",
     }
 )
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
@@ -60,6 +65,18 @@ class _ClientGone(Exception):
     """The client went away before its request's body had arrived."""
 
 
+class _Exchange:
+    """One relayed request: the status sent (0 while none was), whether it is over,
+    and whether its client went away."""
+
+    __slots__ = ("done", "gone", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.done = False
+        self.gone = False
+
+
 class GatewayApp:
     def __init__(
         self, models: Mapping[str, ModelServer], routes: Mapping[str, str], metrics: GatewayMetrics
@@ -67,19 +84,6 @@ class GatewayApp:
         self.models = models
         self.routes = routes  # a model's name and aliases -> its name
         self.metrics = metrics
-        # TCP_NODELAY: a request's head and body leave in two writes, which Nagle's
-        # algorithm would hold back for the server's delayed ACK (40 ms).
-        transport = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000),
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-        )
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-            transport=transport,
-        )
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -96,8 +100,9 @@ class GatewayApp:
         if path.startswith("/v1/") and method == "POST":
             await self._openai(scope, receive, send)
         elif path.startswith("/models/"):
-            name, _, rest = path[len("/models/") :].partition("/")
-            await self._route(scope, receive, send, name, "/" + rest)
+            name = path[len("/models/") :].partition("/")[0]
+            rest = _raw_path(scope)[len("/models/") :].partition(b"/")[2]
+            await self._route(scope, receive, send, name, _target(scope, b"/" + rest))
         elif path == "/v1/models" and method == "GET":
             data = [model.describe() for model in self.models.values()]
             await _json(send, 200, {"object": "list", "data": data})
@@ -121,7 +126,7 @@ class GatewayApp:
         if not isinstance(name, str):
             await _error(send, 400, "the body must be a JSON object naming a model", "no_model")
             return
-        await self._route(scope, receive, send, name, scope["path"], body)
+        await self._route(scope, receive, send, name, _target(scope, _raw_path(scope)), body)
 
     async def _route(
         self,
@@ -129,15 +134,15 @@ class GatewayApp:
         receive: Receive,
         send: Send,
         name: str,
-        path: str,
+        target: bytes,
         body: bytes | None = None,
     ) -> None:
-        target = self.routes.get(name)
-        if target is None:
+        found = self.routes.get(name)
+        if found is None:
             known = ", ".join(sorted(self.models))
             await _error(send, 404, f"model {name!r} is not known; known: {known}", "not_found")
             return
-        model = self.models[target]
+        model = self.models[found]
         if body is None:
             body = await _body(receive)
             if body is None:
@@ -146,64 +151,92 @@ class GatewayApp:
         try:
             replica, queued_s = await model.acquire()
         except Refused as refused:
-            self.metrics.requests.labels(target, str(refused.status)).inc()
+            self.metrics.requests.labels(found, str(refused.status)).inc()
             await _error(send, refused.status, refused.reason, "unavailable", refused.retry_after_s)
             return
-        self.metrics.queue_seconds.labels(target).observe(queued_s)
-        gauge = self.metrics.in_flight.labels(target)
+        self.metrics.queue_seconds.labels(found).observe(queued_s)
+        gauge = self.metrics.in_flight.labels(found)
         gauge.inc()
         try:
-            status = await self._forward(scope, receive, send, replica, path, body)
+            status = await self._forward(scope, receive, send, replica, target, body)
         finally:
             gauge.dec()
             replica.leave()
         if status:
-            self.metrics.requests.labels(target, str(status)).inc()
+            self.metrics.requests.labels(found, str(status)).inc()
 
     async def _forward(
-        self, scope: Scope, receive: Receive, send: Send, replica: Replica, path: str, body: bytes
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        replica: Replica,
+        target: bytes,
+        body: bytes,
     ) -> int:
         """Relays the request; the status sent (0 when the client went away)."""
-        query = scope.get("query_string") or b""
-        url = f"http://127.0.0.1:{replica.port}{path}" + (f"?{query.decode()}" if query else "")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
-        request = self.http.build_request(scope["method"], url, headers=headers, content=body)
         relay = asyncio.current_task()
         assert relay is not None
-        state = {"started": False, "done": False, "gone": False}
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, relay, state))
+        exchange = _Exchange()
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, relay, exchange))
+        replica.relays.add(relay)
         try:
-            return await self._relay(send, request, replica, state)
+            await self._relay(send, scope["method"], target, headers, body, replica, exchange)
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not (exchange.gone or replica.cut):
                 raise
             relay.uncancel()
-            return 0
+            if exchange.gone:
+                return 0
+            if not exchange.status:  # cut off before its answer began: say why
+                exchange.status = await self._stopped(send, replica)
         finally:
-            state["done"] = True
+            replica.relays.discard(relay)
+            exchange.done = True
             watcher.cancel()
+        return exchange.status
 
     async def _relay(
-        self, send: Send, request: httpx.Request, replica: Replica, state: dict[str, bool]
-    ) -> int:
+        self,
+        send: Send,
+        method: str,
+        target: bytes,
+        headers: Headers,
+        body: bytes,
+        replica: Replica,
+        exchange: _Exchange,
+    ) -> None:
         try:
-            response = await self.http.send(request, stream=True)
-        except httpx.TransportError as error:
-            return await self._failed(send, replica, error)
+            answer = await replica.upstream.request(method, target, headers, body)
+        except UpstreamError as error:
+            exchange.status = await self._failed(send, replica, error)
+            return
         try:
-            headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_OUT]
-            await send(
-                {"type": "http.response.start", "status": response.status_code, "headers": headers}
-            )
-            state["started"] = True
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.TransportError:
+            kept = [(k, v) for k, v in answer.headers if k.lower() not in _HOP_OUT]
+            await send({"type": "http.response.start", "status": answer.status, "headers": kept})
+            exchange.status = answer.status
+            more = True
+            while more:  # the last bytes go with the end: one write less
+                chunk = await answer.read()
+                more = not answer.ended
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        except (OSError, httptools.HttpParserError):
             pass  # cut mid-body: the client sees the stream end early, as the server did
         finally:
-            await response.aclose()
-        return response.status_code
+            answer.close()
+
+    async def _stopped(self, send: Send, replica: Replica) -> int:
+        """503 for a request the replica's stop cut off at the end of its grace."""
+        ending = replica.ending
+        why = ending.reason if ending is not None else "stopped"
+        grace_s = replica.model.config.grace_s
+        reason = (
+            f"model {replica.model.name} stopped: {why}; the request did not finish "
+            f"within its {grace_s:g}s grace"
+        )
+        await _error(send, 503, reason, "unavailable", 1.0)
+        return 503
 
     async def _failed(self, send: Send, replica: Replica, error: Exception) -> int:
         with contextlib.suppress(TimeoutError):  # did the server exit? Then say why.
@@ -218,14 +251,26 @@ class GatewayApp:
         return 502
 
 
+def _raw_path(scope: Scope) -> bytes:
+    raw: bytes | None = scope.get("raw_path")
+    return raw if raw else quote(scope["path"]).encode()
+
+
+def _target(scope: Scope, path: bytes) -> bytes:
+    """The request target for the model server: the path as the client sent it
+    (percent-encoded), and its query."""
+    query: bytes = scope.get("query_string") or b""
+    return path + b"?" + query if query else path
+
+
 async def _watch_disconnect(
-    receive: Receive, relay: asyncio.Task[Any], state: dict[str, bool]
+    receive: Receive, relay: asyncio.Task[Any], exchange: _Exchange
 ) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not state["done"]:
-                state["gone"] = True
+            if not exchange.done:
+                exchange.gone = True
                 relay.cancel()
             return
 

@@ -29,6 +29,7 @@ __all__ = ["ModelServer", "Refused"]
 log = logging.getLogger("gpu_arbiter.gateway")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
+MEASURE_S = 2.0
 
 
 class Refused(Exception):
@@ -175,13 +176,21 @@ class ModelServer:
             self.spawn(self._measure(replica))
 
     async def _measure(self, replica: Replica) -> None:
-        """After a load: the measured peak replaces the estimate when it is higher."""
+        """After a load, every ``MEASURE_S`` while the replica serves (and once more when
+        it stops: see :meth:`measure`)."""
         while replica.live and replica.ending is None:
-            used = await replica.used_mb()
-            if used is not None and used > self.vram_mb:
-                log.info("model %s: measured %d MiB, above %d MiB", self.name, used, self.vram_mb)
-                self.vram_mb = used
-            await asyncio.sleep(2.0)
+            await self.measure(replica)
+            await asyncio.sleep(MEASURE_S)
+
+    async def measure(self, replica: Replica) -> None:
+        """The replica's memory as the agent's probe last saw it replaces the size asked
+        for when it is higher (``vram = "auto"`` only: a given size is the user's)."""
+        if self.config.vram is not None:
+            return
+        used = await replica.used_mb()
+        if used is not None and used > self.vram_mb:
+            log.info("model %s: measured %d MiB, above %d MiB", self.name, used, self.vram_mb)
+            self.vram_mb = used
 
     def ended(self, replica: Replica) -> None:
         assert replica.ending is not None

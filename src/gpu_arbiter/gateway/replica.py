@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..agent.local import agent_request
+from ..agent.local import agent_request, attach
 from ..client import ApiError, ControllerUnreachable, NotGranted
+from .upstream import Upstream
 
 if TYPE_CHECKING:
     from .model import ModelServer
@@ -80,8 +81,15 @@ class Replica:
         self._end = asyncio.Event()
         self._idle_marked = False
         self._mark = asyncio.Lock()
-        self._quiet_generation = 0
+        self._arrivals = 0  # requests that took a slot
+        self._quiet_since = 0.0  # when the last one left
+        self._quiet_task: asyncio.Task[None] | None = None
+        self.upstream = Upstream(0, model.config.max_parallel)  # its server's, once started
         self._process: subprocess.Popen[bytes] | None = None
+        # the tasks relaying a request to the server (the gateway's app adds and removes
+        # them); those left at the end of the grace are cancelled, and ``cut`` set
+        self.relays: set[asyncio.Task[Any]] = set()
+        self.cut = False
         self._by_agent = False  # the local agent supervises the process
 
     # ------------------------------------------------------------------ routing
@@ -98,8 +106,8 @@ class Replica:
         """Takes a slot (the caller checked it has room); False if the lease was lost
         meanwhile. Marks the lease busy first when it was marked idle."""
         self.in_flight += 1
+        self._arrivals += 1
         self.state = "busy"
-        self._quiet_generation += 1
         if not self._idle_marked:
             return True
         async with self._mark:
@@ -118,24 +126,50 @@ class Replica:
         if self.in_flight == 0:
             if self.state == "busy":
                 self.state = "warm"
-            self._quiet_generation += 1
-            self.model.spawn(self._quiet(self._quiet_generation))
+            self._quiet_since = time.monotonic()
+            self._start_quiet()
         self.model.notify()
 
-    async def _quiet(self, generation: int) -> None:
-        """No request in flight: idle after ``idle_after``, stopped after ``keep_alive``."""
+    def _start_quiet(self) -> None:
+        if self._quiet_task is None or self._quiet_task.done():
+            self._quiet_task = asyncio.ensure_future(self._quiet())
+
+    async def _quiet(self) -> None:
+        """No request in flight: idle after ``idle_after``, stopped after ``keep_alive``.
+        One timer per replica (not one per request): it ends while a request is in
+        flight, and the next request to leave starts it again."""
         config = self.model.config
-        await asyncio.sleep(config.idle_after_s)
-        async with self._mark:
-            if generation != self._quiet_generation or self.ending is not None:
+        while not self.in_flight and self.ending is None:
+            arrivals = self._arrivals
+            if not await self._stays_quiet(config.idle_after_s, arrivals):
+                continue  # a request came: from the start once none is in flight
+            await self._mark_idle(arrivals)
+            if await self._stays_quiet(config.keep_alive_s, arrivals):
+                idle_s = config.keep_alive_s
+                self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
                 return
+
+    async def _stays_quiet(self, quiet_s: float, arrivals: int) -> bool:
+        """Waits until no request has come for ``quiet_s`` since the last one left;
+        False as soon as one comes (or the replica is ending)."""
+        while self._arrivals == arrivals and self.ending is None:
+            left = self._quiet_since + quiet_s - time.monotonic()
+            if left <= 0:
+                return True
+            await asyncio.sleep(left)
+        return False
+
+    async def _mark_idle(self, arrivals: int) -> None:
+        async with self._mark:
+            if self._arrivals != arrivals or self.ending is not None:
+                return
+            lease_id = self.lease["id"]
             with contextlib.suppress(ApiError, ControllerUnreachable):
-                self.lease = await self.model.client.idle(self.lease["id"])
+                self.lease = await self.model.client.idle(lease_id)
                 self._idle_marked = True
-        await asyncio.sleep(max(0.0, config.keep_alive_s - config.idle_after_s))
-        if generation == self._quiet_generation and self.in_flight == 0:
-            idle_s = config.keep_alive_s
-            self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
+                if self._arrivals != arrivals:  # one came meanwhile, and did not wait
+                    self.lease = await self.model.client.busy(lease_id)
+                    self._idle_marked = False
 
     def cancel_if_queued(self) -> None:
         if self.state == "queued":
@@ -208,18 +242,23 @@ class Replica:
             if loaded:
                 self.model.loaded(self, time.monotonic() - started)
                 self.state = "warm"
-                self.model.spawn(self._quiet(self._quiet_generation))
+                self._quiet_since = time.monotonic()
+                self._start_quiet()
                 self.model.notify()
                 await self._end.wait()
             await self._drain()
         finally:
+            if self._quiet_task is not None:
+                helpers.append(self._quiet_task)
             for task in helpers:
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
+            self.upstream.close()
 
     async def _start_process(self) -> None:
         model = self.model
         self.port = _free_port()
+        self.upstream = Upstream(self.port, model.config.max_parallel)
         command = [part.replace("{port}", str(self.port)) for part in model.config.command]
         env = dict(os.environ)
         local = await agent_request(str(self.lease["worker"]), {"op": "env"})
@@ -298,28 +337,42 @@ class Replica:
 
     async def _attach(self) -> bool:
         """Puts the process group under the local agent's supervision: the controller then
-        knows its memory is the lease's (I2), and the agent stops it when the lease is
-        revoked or lapses, even if this gateway is gone."""
+        knows its memory is the lease's (I2), and the agent stops it when the lease lapses
+        or this gateway is gone. On a revocation the gateway stops it itself, after the
+        requests in flight had their grace (``holder_stops_s``): the agent's own SIGTERM
+        comes only if it has not by then."""
         assert self.pid is not None
-        body = {"op": "attach", "lease": self.lease["id"], "pid": self.pid, "pgid": self.pid}
-        answer = await agent_request(str(self.lease["worker"]), body)
-        return bool(answer and answer.get("ok"))
+        worker, grace_s = str(self.lease["worker"]), self.model.config.grace_s
+        return await attach(worker, self.lease["id"], self.pid, holder_stops_s=grace_s)
 
     async def _drain(self) -> None:
-        """No new requests; those in flight get the grace to finish (on a revocation the
-        agent has sent the server its SIGTERM: a server that drains on SIGTERM finishes
-        them); then the process group is stopped: SIGTERM once, SIGKILL after the grace."""
+        """No new requests; those in flight get the grace to finish, and those still in
+        flight after it are cut off (503, naming why the replica stops); then the process
+        group is stopped: SIGTERM once, SIGKILL after the grace."""
         assert self.ending is not None
         grace_s = self.model.config.grace_s
+        if self.pid is not None and not self.exited.is_set():
+            await self.model.measure(self)  # its last figure, for the next lease
         if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown"):
             deadline = time.monotonic() + grace_s
             while self.in_flight and time.monotonic() < deadline and not self.exited.is_set():
                 await asyncio.sleep(0.05)
+            self._cut_relays()
         self.state = "stopping"
         self.model.notify()
         if self.pid is None or self.exited.is_set():
             return
         await self._stop_process(grace_s)
+
+    def _cut_relays(self) -> None:
+        self.cut = bool(self.relays)
+        for relay in self.relays:
+            relay.cancel()
+        if self.cut:
+            log.info(
+                "model %s replica %d: %d request(s) did not finish within the %gs grace",
+                self.model.name, self.number, len(self.relays), self.model.config.grace_s,
+            )  # fmt: skip
 
     async def _stop_process(self, grace_s: float) -> None:
         """By the agent where it supervises the process (one SIGTERM, whoever asks), else

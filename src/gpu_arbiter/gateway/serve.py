@@ -97,7 +97,8 @@ async def run_gateway(
         server = _Server(
             uvicorn.Config(
                 app, http="httptools", log_config=None, access_log=False, lifespan="off",
-                timeout_graceful_shutdown=1, timeout_keep_alive=30,
+                timeout_graceful_shutdown=1, timeout_keep_alive=30, proxy_headers=False,
+                server_header=False, date_header=False,  # the model server's own pass
             )
         )  # fmt: skip
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -114,7 +115,6 @@ async def run_gateway(
             grace_s = max(m.grace_s for m in config.models.values())
             await _settle(list(models.values()), tasks, grace_s)
             await serving
-            await app.aclose()
             await supervisor.close()
             sock.close()
 

@@ -1,0 +1,157 @@
+"""The gateway's HTTP/1.1 client to model servers, against scripted servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import httptools
+import pytest
+
+from gpu_arbiter.gateway.upstream import Upstream, UpstreamError
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+UNTIL_CLOSE = b"HTTP/1.1 200 OK\r\n\r\nall of it"
+CLOSING = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"
+CUT = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"
+# (connection number, request number on it) -> (answer, close after it), or None: close
+# the connection without answering
+Script = Callable[[int, int], tuple[bytes, bool] | None]
+
+
+class Scripted:
+    """A server that answers as its script says, and counts requests and connections."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.closed = asyncio.Event()
+        self.port = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = self.connections
+        self.connections += 1
+        try:
+            for request in range(1000):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                step = self.script(number, request)
+                if step is None:
+                    break
+                writer.write(step[0])
+                await writer.drain()
+                if step[1]:
+                    break
+            else:
+                await reader.read()  # until the client closes
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[Script], Scripted]]:
+    listeners: list[asyncio.AbstractServer] = []
+
+    async def start(script: Script) -> Scripted:
+        found = Scripted(script)
+        listener = await asyncio.start_server(found.serve, "127.0.0.1", 0)
+        found.port = listener.sockets[0].getsockname()[1]
+        listeners.append(listener)
+        return found
+
+    yield start  # type: ignore[misc]
+    for listener in listeners:
+        listener.close()
+
+
+async def _body(upstream: Upstream, method: str = "POST", body: bytes = b"{}") -> bytes:
+    answer = await upstream.request(method, b"/v1/x?q=1", [(b"x-a", b"1")], body)
+    try:
+        data = b""
+        while chunk := await answer.read():
+            data += chunk
+        assert answer.ended
+        return data
+    finally:
+        answer.close()
+
+
+async def test_one_write_per_request_and_the_connection_is_kept(scripted: Callable) -> None:
+    server = await scripted(lambda c, r: (CHUNKED if r == 1 else OK, False))
+    upstream = Upstream(server.port, keep=4)
+    assert [await _body(upstream) for _ in range(3)] == [b"ok", b"abcde", b"ok"]
+    assert server.connections == 1  # chunked (decoded) or not, the connection was kept
+    assert server.requests[0] == (
+        b"POST /v1/x?q=1 HTTP/1.1\r\nhost: 127.0.0.1:%d\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n{}"
+        % server.port
+    )
+    upstream.close()
+
+
+async def test_connection_close_and_a_body_up_to_the_close_are_not_kept(
+    scripted: Callable,
+) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+    answers = {(0, 0): (CLOSING, True), (1, 0): (UNTIL_CLOSE, True), (2, 1): (head, False)}
+    server = await scripted(lambda c, r: answers.get((c, r), (OK, False)))
+    upstream = Upstream(server.port, keep=4)
+    assert await _body(upstream) == b"ok"
+    assert await _body(upstream) == b"all of it"
+    assert await _body(upstream) == b"ok"
+    assert server.connections == 3  # neither of the first two was used again
+    assert await _body(upstream, "HEAD") == b""  # no body, whatever its content-length says
+    assert await _body(upstream) == b"ok"
+    assert server.connections == 4  # not after a HEAD
+    upstream.close()
+
+
+async def test_a_connection_closed_while_idle_is_retried_once_on_a_new_one(
+    scripted: Callable,
+) -> None:
+    server = await scripted(lambda c, r: (OK, False) if r == 0 else None)
+    upstream = Upstream(server.port, keep=4)
+    assert await _body(upstream) == b"ok"
+    assert await _body(upstream) == b"ok"  # the kept one failed unanswered: sent on a new one
+    assert server.connections == 2
+    upstream.close()
+
+
+async def test_no_answer_on_a_new_connection_is_an_error_and_not_retried(
+    scripted: Callable,
+) -> None:
+    server = await scripted(lambda c, r: None)
+    upstream = Upstream(server.port, keep=4)
+    with pytest.raises(UpstreamError, match="without answering"):
+        await _body(upstream)
+    assert server.connections == 1
+    with pytest.raises(UpstreamError, match="ConnectionRefused"):
+        await _body(Upstream(1, keep=1))
+
+
+async def test_a_body_cut_short_raises_and_its_connection_is_not_kept(scripted: Callable) -> None:
+    server = await scripted(lambda c, r: (CUT, True))
+    upstream = Upstream(server.port, keep=4)
+    answer = await upstream.request("POST", b"/", [], b"")
+    assert answer.status == 200
+    assert await answer.read() == b"abc"
+    with pytest.raises((OSError, httptools.HttpParserError)):
+        await answer.read()
+    answer.close()
+    assert server.connections == 1
+
+
+async def test_a_cancelled_request_closes_its_connection(scripted: Callable) -> None:
+    server = await scripted(lambda c, r: (b"HTTP/1.1 200 OK\r\n", False))  # the head never ends
+    upstream = Upstream(server.port, keep=4)
+    task = asyncio.ensure_future(upstream.request("POST", b"/", [], b""))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(server.closed.wait(), 5)  # the server saw the connection closed
