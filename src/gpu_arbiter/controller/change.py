@@ -1,8 +1,9 @@
 """The change and its commit: the one path by which anything the controller holds
 changes, and the gate that says whether a change may run now.
 
-Owns the decision core (``scheduler``, replaced only by :mod:`.roles` when it reloads),
-the stored counters (``meta``), the grant histograms, and the :class:`Gate`. A change
+Owns the decision core (``scheduler``) and the stored counters (``meta``), both
+replaced only by :mod:`.roles` when it reloads, the grant histograms, and the
+:class:`Gate`. A change
 runs as: the caller applies its event to the core in the body of :meth:`Changes.change`;
 then each sweep runs (offline workers, late updates), the core decides, and what it
 decided is absorbed; each encoder writes its slice of the :class:`~..store.Batch`

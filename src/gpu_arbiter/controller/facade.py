@@ -1,9 +1,11 @@
 """``Controller``: the facade the service talks to; each call is one line into the
-module that owns it.
+module that owns it, but for pause, resume and the status summary, which concern the
+whole arbiter and are a change (or a read) of the core alone.
 
-Calls only the public calls of :mod:`.change`, :mod:`.leases`, :mod:`.workers`,
-:mod:`.updates`, :mod:`.events`, :mod:`.timer` and :mod:`.roles`, which it builds and
-connects; it holds no state of its own beyond them.
+Builds :mod:`.change`, :mod:`.leases`, :mod:`.workers`, :mod:`.updates`,
+:mod:`.events`, :mod:`.timer` and :mod:`.roles`, connects them (the change's sweeps,
+encoders and callbacks; the workers' listener) and calls only their public calls; it
+holds no state of its own beyond its configuration.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ pending requests, and how a cycle's decisions are recorded.
 Owns the live lease records, the recently ended ones, the idempotency keys in memory
 and the pending counts by (token, holder). Its part of every change: :meth:`Leases.absorb`
 records what the core decided, :meth:`Leases.encode` writes the leases a change touched.
-Other modules end or revoke leases only through :meth:`Leases.end` and
-:meth:`Leases.revoked`, and read them through :meth:`Leases.record` and :meth:`Leases.lease`.
+Other modules record a lease's end or revocation only through :meth:`Leases.end` and
+:meth:`Leases.revoked`, a cycle's decisions through :meth:`Leases.absorb`, and read
+leases through :meth:`Leases.record` and :meth:`Leases.lease`.
 
 Calls the core through ``changes.scheduler``, runs changes through
 :meth:`~.change.Changes.change`, and reads ended leases from the store.

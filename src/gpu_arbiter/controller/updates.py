@@ -9,8 +9,10 @@ may end an update, a cancelled drain or a removal fails one.
 
 Drives drains only through the calls an operator's drain and cancel-drain run
 (:meth:`~.workers.Workers.drain_in`, :meth:`~.workers.Workers.cancel_drain_in`), so the
-drain and the operation's record are one transaction; reads workers through
-:class:`~.workers.Workers`' public calls and older operations from the store.
+drain and the operation's record are one transaction; runs the core's cycle once
+more in that change (is the worker drained already?) through ``changes.scheduler`` and
+:meth:`~.leases.Leases.absorb`; reads workers through :class:`~.workers.Workers`'
+public calls and older operations from the store.
 """
 
 from __future__ import annotations

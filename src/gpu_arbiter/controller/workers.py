@@ -8,9 +8,10 @@ drain a worker or cancel its drain only in a change, through :meth:`Workers.drai
 and :meth:`Workers.cancel_drain_in` (what :meth:`Workers.drain` and
 :meth:`Workers.cancel_drain` run for an operator).
 
-Calls the core through ``changes.scheduler``, ends and revokes leases through
-:class:`~.leases.Leases`' public calls, and tells a :class:`WorkerListener` (the update
-operations) of registrations, cancelled drains and removals; it never imports them.
+Calls the core through ``changes.scheduler``, records ended and revoked leases and
+a cycle's decisions through :class:`~.leases.Leases`' public calls, and tells a
+:class:`WorkerListener` (the update operations) of registrations, cancelled drains and
+removals; it never imports them.
 """
 
 from __future__ import annotations
