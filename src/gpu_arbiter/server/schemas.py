@@ -45,6 +45,7 @@ from ..core import (
     priority_name,
 )
 from ..store import Event, LeaseRecord, OperationRecord, WorkerRecord
+from ..store.codec import constraints_to_doc, event_to_doc, operation_to_doc
 
 # ---------------------------------------------------------------- strict JSON bodies
 
@@ -409,9 +410,17 @@ def lease_out(
     *,
     position: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """A lease as JSON; a pending one with its position (and reason, when ``pending``)."""
+    """A lease as JSON; a pending one with its position (and reason, when ``pending``).
+
+    Not the stored document (``store.codec.lease_to_doc``), on purpose: the store keeps
+    a lease nested (request, grant) and lossless, to be read back exactly; the API shows
+    it flat, as a client reads it (its worker, ``gpu_count``, ``priority_name``, the
+    compute capability as ``"8.0"``, no loading flag once it ended, its place in the
+    queue). Its constraints are the stored document but for that one field."""
     request, lease = record.request, record.lease
-    c = request.constraints
+    cc = request.constraints.min_compute_capability
+    constraints = constraints_to_doc(request.constraints)
+    constraints["min_compute_capability"] = "{}.{}".format(*cc) if cc else None
     out: dict[str, Any] = {
         "id": record.id,
         "state": str(record.state),
@@ -425,16 +434,7 @@ def lease_out(
         "preemptible": request.preemptible,
         "holder": request.holder,
         "metadata": dict(request.metadata),
-        "constraints": {
-            "vendor": c.vendor,
-            "min_compute_capability": "{}.{}".format(*c.min_compute_capability)
-            if c.min_compute_capability
-            else None,
-            "gpu_arch": list(c.gpu_arch),
-            "gpu_model": c.gpu_model,
-            "worker": c.worker,
-            "labels": dict(c.labels),
-        },
+        "constraints": constraints,
         "ttl_s": request.ttl_s,
         "submitted_at": request.submitted_at,
         "granted_at": None if lease is None else lease.granted_at,
@@ -501,20 +501,8 @@ def heartbeat_out(
 
 
 def operation_out(op: OperationRecord) -> dict[str, Any]:
-    return {
-        "id": op.id,
-        "kind": op.kind,
-        "worker": op.worker,
-        "state": op.state,
-        "created_at": op.created_at,
-        "steps": [
-            {"name": s.name, "outcome": s.outcome, "at": s.at, "detail": s.detail} for s in op.steps
-        ],
-        "reason": op.reason,
-        "from_version": op.from_version,
-        "to_version": op.to_version,
-        "deadline": op.deadline,
-    }
+    """An operation as the API shows it: the stored document itself."""
+    return operation_to_doc(op)
 
 
 def gpu_out(f: GpuFigures) -> dict[str, Any]:
@@ -552,14 +540,8 @@ def drain_out(outcome: DrainOutcome) -> dict[str, Any]:
 
 
 def event_out(event: Event) -> dict[str, Any]:
-    return {
-        "seq": event.seq,
-        "at": event.at,
-        "kind": event.kind,
-        "lease_id": event.lease_id,
-        "worker": event.worker,
-        "data": dict(event.data),
-    }
+    """An event as the API shows it: the stored document itself."""
+    return event_to_doc(event)
 
 
 # ---------------------------------------------------------------- history and access

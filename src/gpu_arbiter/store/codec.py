@@ -1,5 +1,9 @@
 """Records <-> JSON documents (plain dicts), the one encoding every store keeps.
 
+The API answers with the same documents where the two are the same (an event, an
+operation, a request's constraints but for one field); a lease differs on purpose: see
+``lease_out`` in the server's schemas.
+
 :func:`dumps` writes a document as strict JSON text: a value JSON cannot hold
 (NaN, a lone surrogate, a non-text key) raises ``ValueError``/``TypeError`` here,
 before anything is written, and the controller's commit rule undoes the change.
@@ -15,6 +19,7 @@ from ..core import Constraints, Gpu, GpuId, Lease, LeaseState, Request, WorkerSt
 from .records import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
 
 __all__ = [
+    "constraints_to_doc",
     "dumps",
     "event_from_doc",
     "event_to_doc",
@@ -38,7 +43,7 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _constraints_to_doc(c: Constraints) -> dict[str, Any]:
+def constraints_to_doc(c: Constraints) -> dict[str, Any]:
     return {
         "vendor": c.vendor,
         "min_compute_capability": list(c.min_compute_capability)
@@ -70,7 +75,7 @@ def request_to_doc(r: Request) -> dict[str, Any]:
         "gpus": r.gpus,
         "priority": r.priority,
         "preemptible": r.preemptible,
-        "constraints": _constraints_to_doc(r.constraints),
+        "constraints": constraints_to_doc(r.constraints),
         "holder": r.holder,
         "metadata": dict(r.metadata),
         "ttl_s": r.ttl_s,

@@ -1,0 +1,424 @@
+"""Leases: requests and held leases, their verbs, the queue views, the limits on
+pending requests, and how a cycle's decisions are recorded.
+
+Owns the live lease records, the recently ended ones, the idempotency keys in memory
+and the pending counts by (token, holder). Its part of every change: :meth:`Leases.absorb`
+records what the core decided, :meth:`Leases.encode` writes the leases a change touched.
+Other modules record a lease's end or revocation only through :meth:`Leases.end` and
+:meth:`Leases.revoked`, a cycle's decisions through :meth:`Leases.absorb`, and read
+leases through :meth:`Leases.record` and :meth:`Leases.lease`.
+
+Calls the core through ``changes.scheduler``, runs changes through
+:meth:`~.change.Changes.change`, and reads ended leases from the store.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..core import (
+    ArbiterError,
+    Conflict,
+    Constraints,
+    Decisions,
+    Lease,
+    LeaseState,
+    NotFound,
+    Request,
+    Scheduler,
+    Unschedulable,
+)
+from ..store import Batch, LeaseRecord, Store
+from .change import Change, Changes
+from .values import Limits, PendingView, TooManyRequests
+
+__all__ = ["Leases"]
+
+log = logging.getLogger("gpu_arbiter.controller")
+
+
+class _PendingCounts(Counter[tuple[str, str]]):
+    """Pending requests by (owner, holder), and their totals by owner, kept as they
+    change: the per-token limit is one look-up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_owner: Counter[str] = Counter()
+
+    def __setitem__(self, key: tuple[str, str], value: int) -> None:
+        self.by_owner[key[0]] += value - self[key]
+        super().__setitem__(key, value)
+
+    def clear(self) -> None:
+        super().clear()
+        self.by_owner.clear()
+
+
+def _holder_key(record: LeaseRecord) -> tuple[str, str]:
+    return (record.owner or "", record.request.holder)
+
+
+class Leases:
+    def __init__(self, changes: Changes, store: Store, limits: Limits) -> None:
+        self._changes = changes
+        self._store = store
+        self._limits = limits
+        self._records: dict[str, LeaseRecord] = {}
+        self._recent: OrderedDict[str, LeaseRecord] = OrderedDict()
+        self._keys: dict[tuple[str, str], str] = {}
+        self._pending_by_holder = _PendingCounts()
+
+    @property
+    def _scheduler(self) -> Scheduler:
+        return self._changes.scheduler
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self, owner: str | None, fields: Mapping[str, Any], constraints: Mapping[str, Any]
+    ) -> tuple[LeaseRecord, bool]:
+        """Queues a request and runs a cycle. Returns the record and whether it is new
+        (False: an earlier request with the same idempotency key). Raises
+        :class:`Unschedulable` when no known GPU could ever satisfy it."""
+        self._changes.gate.check_available()
+        request = Request.build(
+            f"lease-{secrets.token_hex(8)}",
+            constraints=Constraints.build(**constraints),
+            **fields,
+        )
+        if request.idempotency_key is not None:
+            earlier = self._by_key(owner, request.idempotency_key)
+            if earlier is not None:
+                return self._replay(earlier, request), False
+        self._check_limits(owner, request)
+        record = LeaseRecord(request=request, state=LeaseState.PENDING, owner=owner)
+        with self._changes.change() as change:
+            queued = self._scheduler.submit(request, change.now)
+            record = replace(record, request=queued)
+            self.remember(record)
+            self._pending_by_holder[_holder_key(record)] += 1
+            change.leases.add(record.id)
+            change.event(
+                "lease.requested",
+                record.id,
+                vram_mb=request.vram_mb,
+                gpus=request.gpus,
+                priority=request.priority,
+                holder=request.holder,
+            )
+        return self.lease(record.id), True
+
+    def _replay(self, earlier: LeaseRecord, request: Request) -> LeaseRecord:
+        mine = (request.vram_mb, request.gpus, request.priority, request.constraints)
+        theirs = (
+            earlier.request.vram_mb,
+            earlier.request.gpus,
+            earlier.request.priority,
+            earlier.request.constraints,
+        )
+        if mine != theirs or request.holder != earlier.request.holder:
+            raise Conflict(
+                f"idempotency_key {request.idempotency_key!r} was used for a different request",
+                lease_id=earlier.id,
+            )
+        return earlier
+
+    def _by_key(self, owner: str | None, key: str) -> LeaseRecord | None:
+        lease_id = self._keys.get((owner or "", key))
+        if lease_id is not None:
+            return self.lease(lease_id)
+        return self._store.lease_by_key(owner, key)
+
+    def _check_limits(self, owner: str | None, request: Request) -> None:
+        """Refuses a request past the per-token, then the global, then the per-holder
+        limit on pending requests. A token is the caller's authenticated identity (with
+        auth off every caller is one: ``anonymous``), so no name the caller picks can
+        take a share of another caller's limit."""
+        holder = _holder_key(LeaseRecord(request, LeaseState.PENDING, owner))
+        counts = (
+            ("max_pending_per_token", self._pending_by_holder.by_owner[holder[0]]),
+            ("max_pending", len(self._scheduler.queue)),
+            ("max_pending_per_holder", self._pending_by_holder[holder]),
+        )
+        for name, current in counts:
+            value = getattr(self._limits, name)
+            if current >= value:
+                raise TooManyRequests(
+                    f"{current} requests are already pending ({name} is {value}); retry later",
+                    limit=name,
+                    value=value,
+                    current=current,
+                )
+
+    # ------------------------------------------------------------------ reading
+
+    def lease(self, lease_id: str) -> LeaseRecord:
+        """The current record of a lease, live or ended. Raises NotFound."""
+        record = self._records.get(lease_id)
+        if record is not None:
+            return self._current(record)
+        record = self._recent.get(lease_id) or self._store.lease(lease_id)
+        if record is None:
+            raise NotFound(f"no lease {lease_id!r}", lease_id=lease_id)
+        return record
+
+    def record(self, lease_id: str) -> LeaseRecord:
+        """The record of a live lease as last stored (KeyError if not live)."""
+        return self._records[lease_id]
+
+    def leases(
+        self,
+        *,
+        state: LeaseState | None = None,
+        worker: str | None = None,
+        holder: str | None = None,
+    ) -> list[LeaseRecord]:
+        """Live leases, and recently ended ones, oldest first."""
+        found = [self._current(r) for r in self._records.values()]
+        found += list(self._recent.values())
+        return sorted(
+            (
+                r
+                for r in found
+                if (state is None or r.state is state)
+                and (worker is None or r.worker == worker)
+                and (holder is None or r.request.holder == holder)
+            ),
+            key=lambda r: r.request.seq,
+        )
+
+    def pending_view(self, lease_id: str) -> PendingView | None:
+        if lease_id not in self._scheduler.queue:
+            return None
+        now = self._changes.clock()
+        for position, request, effective in self._scheduler.pending(now):
+            if request.id == lease_id:
+                return PendingView(position, effective, self._scheduler.explain(lease_id, now))
+        return None
+
+    def positions(self) -> dict[str, tuple[int, int]]:
+        """Every pending request's (position, effective priority), in one pass."""
+        now = self._changes.clock()
+        return {r.id: (pos, eff) for pos, r, eff in self._scheduler.pending(now)}
+
+    def queue(self, limit: int = 100) -> list[tuple[LeaseRecord, PendingView]]:
+        """The first ``limit`` pending requests in order, each with its reason."""
+        now = self._changes.clock()
+        scheduler = self._scheduler
+        return [
+            (
+                self._current(self._records[request.id]),
+                PendingView(position, effective, scheduler.explain(request.id, now)),
+            )
+            for position, request, effective in itertools.islice(scheduler.pending(now), limit)
+        ]
+
+    # ------------------------------------------------------------------ verbs
+
+    def held_verb(self, lease_id: str, verb: str, ttl_s: float | None = None) -> LeaseRecord:
+        """``renew`` (with ``ttl_s``), ``ready``, ``idle`` or ``busy`` on a held lease."""
+        self._changes.gate.check_available()
+        held = self._scheduler.leases.get(lease_id)
+        if held is not None and held.expires_at <= self._changes.clock():
+            with self._changes.change():  # its TTL lapsed just before its timer ran: run it first
+                pass
+        record = self.lease(lease_id)
+        if lease_id not in self._scheduler.leases:
+            raise Conflict(
+                f"lease {lease_id} is {record.state}, not held",
+                lease_id=lease_id,
+                state=str(record.state),
+            )
+        with self._changes.change() as change:
+            scheduler = self._scheduler
+            if verb == "renew":
+                scheduler.renew(lease_id, change.now, ttl_s)
+            elif verb == "ready":
+                if scheduler.leases[lease_id].loading:
+                    change.event("lease.ready", lease_id)
+                scheduler.ready(lease_id, change.now)
+            else:
+                if scheduler.leases[lease_id].idle != (verb == "idle"):
+                    change.event(f"lease.{verb}", lease_id)
+                scheduler.set_idle(lease_id, verb == "idle", change.now)
+            change.leases.add(lease_id)
+        return self.lease(lease_id)
+
+    def release(self, lease_id: str) -> LeaseRecord:
+        """Releases a held lease, cancels a pending one; an ended one is returned as is."""
+        self._changes.gate.check_available()
+        record = self.lease(lease_id)
+        if record.state.is_final:
+            return record
+        with self._changes.change() as change:
+            if lease_id in self._scheduler.queue:
+                self._scheduler.cancel(lease_id)
+                self.end(change, record, LeaseState.CANCELLED, "cancelled")
+            else:
+                ended = self._scheduler.release(lease_id, change.now)
+                self.end(change, record, LeaseState.RELEASED, "released", ended)
+        return self.lease(lease_id)
+
+    def revoke(self, lease_id: str, reason: str = "revoked_by_admin") -> LeaseRecord:
+        self._changes.gate.check_available()
+        record = self.lease(lease_id)
+        if lease_id not in self._scheduler.leases:
+            raise Conflict(f"lease {lease_id} is {record.state}, not held", state=str(record.state))
+        with self._changes.change() as change:
+            lease = self._scheduler.revoke(lease_id, reason, change.now)
+            self.revoked(change, [lease])
+        return self.lease(lease_id)
+
+    # ------------------------------------------------------------------ in a change
+
+    def absorb(self, change: Change, decisions: Decisions) -> None:
+        """Records what one cycle decided, causes before their effects: the leases that
+        ended (expired, timed out, rejected) and the loads that finished, then the drains
+        that their end completed, the revocations, and last the grants they made room for."""
+        for lease in decisions.expired:
+            self.end(change, self._records[lease.id], LeaseState.EXPIRED, "expired", lease)
+        for request in decisions.timed_out:
+            self.end(change, self._records[request.id], LeaseState.TIMED_OUT, "max_wait")
+        for request, why in decisions.rejected:  # the cluster shrank under it
+            record = self._records[request.id]
+            self.end(change, record, LeaseState.REJECTED, why.code, message=why.message)
+        for lease in decisions.loaded:
+            change.leases.add(lease.id)
+            change.event("lease.loaded", lease.id, lease.worker, reason="load_timeout")
+        for name, previous, status in decisions.workers:
+            change.workers.add(name)
+            change.event("worker.drained", worker=name, previous=str(previous), state=str(status))
+        self.revoked(change, decisions.revocations)
+        for lease in decisions.grants:
+            self._granted(change, lease)
+
+    def _granted(self, change: Change, lease: Lease) -> None:
+        change.leases.add(lease.id)
+        self._pending_by_holder[_holder_key(self._records[lease.id])] -= 1
+        change.grants += 1
+        waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
+        change.waited_s.append(waited_s)
+        change.event(
+            "lease.granted",
+            lease.id,
+            lease.worker,
+            gpus=[str(g) for g in lease.gpus],
+            token=lease.token,
+            vram_mb=lease.vram_mb,
+            waited_s=round(waited_s, 6),
+        )
+
+    def revoked(self, change: Change, leases: Sequence[Lease]) -> None:
+        """Leases the core just revoked: stored, with an event each."""
+        for lease in leases:
+            change.leases.add(lease.id)
+            change.event(
+                "lease.revoked",
+                lease.id,
+                lease.worker,
+                reason=lease.revoke_reason,
+                for_request=lease.preempted_for,
+            )
+
+    def end(
+        self,
+        change: Change,
+        record: LeaseRecord,
+        state: LeaseState,
+        reason: str,
+        lease: Lease | None = None,
+        *,
+        message: str | None = None,
+    ) -> None:
+        """A record reaches a final state: it leaves the live set, kept as recent.
+        ``message``: the reason in words, for the event."""
+        if lease is None and record.lease is None and record.id in self._records:  # never granted
+            self._pending_by_holder[_holder_key(record)] -= 1
+        ended = replace(
+            record,
+            state=state,
+            lease=lease if lease is not None else record.lease,
+            ended_at=change.now,
+            end_reason=reason,
+        )
+        self._records.pop(record.id, None)
+        if record.request.idempotency_key is not None:  # the store answers for ended ones
+            self._keys.pop((record.owner or "", record.request.idempotency_key), None)
+        self._recent[record.id] = ended
+        while len(self._recent) > self._limits.recent_final_leases:
+            self._recent.popitem(last=False)
+        change.ended[record.id] = ended
+        worker = None if ended.lease is None else ended.lease.worker
+        more = {} if message is None else {"message": message}
+        change.event(f"lease.{state}", record.id, worker, reason=reason, **more)
+
+    def encode(self, change: Change, batch: Batch) -> None:
+        """The leases ``change`` touched, as they are now, and those it ended."""
+        for lease_id in change.leases - change.ended.keys():
+            if lease_id in self._records:
+                record = self._current(self._records[lease_id])
+                self._records[lease_id] = record
+                batch.leases[lease_id] = record
+        batch.leases.update(change.ended)
+
+    def remember(self, record: LeaseRecord) -> None:
+        self._records[record.id] = record
+        if record.request.idempotency_key is not None:
+            self._keys[(record.owner or "", record.request.idempotency_key)] = record.id
+
+    def _current(self, record: LeaseRecord) -> LeaseRecord:
+        lease = self._scheduler.leases.get(record.id)
+        if lease is not None:
+            if record.lease is lease:
+                return record
+            return replace(record, request=lease.request, state=lease.state, lease=lease)
+        if record.id in self._scheduler.queue:
+            request = self._scheduler.queue.get(record.id)
+            return record if record.request is request else replace(record, request=request)
+        return record
+
+    # ------------------------------------------------------------------ restore
+
+    def clear(self) -> None:
+        self._records.clear()
+        self._recent.clear()
+        self._keys.clear()
+        self._pending_by_holder.clear()
+
+    def restore(self, records: Sequence[LeaseRecord], change: Change) -> None:
+        """Gives the (new) core the stored leases, held ones by token, then the pending
+        ones in order; one that no longer fits ends in ``change``."""
+        held = sorted((r.lease.token, r.lease, r) for r in records if r.lease is not None)
+        for _, lease, record in held:
+            try:
+                self._scheduler.restore_lease(lease)
+            except (ArbiterError, KeyError) as error:
+                log.warning("lease %s cannot be restored (%s); ending it", record.id, error)
+                self.end(change, record, LeaseState.EXPIRED, "gpu_gone")
+                continue
+            self.remember(record)
+        pending = sorted((r for r in records if r.lease is None), key=lambda r: r.request.seq)
+        for record in pending:
+            try:
+                self._scheduler.submit(record.request, record.request.submitted_at)
+            except Unschedulable as error:
+                self.end(change, record, LeaseState.REJECTED, error.reason.code)
+                continue
+            self.remember(record)
+            self._pending_by_holder[_holder_key(record)] += 1
+
+    def renew_restored(self, change: Change) -> None:
+        """No holder could renew while no controller led (a restart, a failover): each
+        restored lease gets at least its TTL from now, so that none lapses for the outage
+        and frees memory its holder still uses (I4). A dead holder's lapses one TTL later."""
+        for lease in list(self._scheduler.leases.values()):
+            ttl = lease.request.ttl_s
+            if ttl is not None and lease.expires_at < change.now + ttl:
+                self._scheduler.extend(lease.id, change.now + ttl)  # a revoked one too
+                change.leases.add(lease.id)
