@@ -21,18 +21,14 @@ import asyncio
 import json
 import os
 import resource
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
-from pathlib import Path
 from typing import Any
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from bench_http import Server
+
 OPEN_TIMEOUT_S = 60.0
 
 
@@ -42,43 +38,6 @@ def raise_file_limit() -> int:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return hard
-
-
-class Server:
-    def __init__(self, *args: str) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-"))
-        log = (self.dir / "server.log").open("wb")
-        env = {**os.environ, "PYTHONPATH": str(SRC)}
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        command = [sys.executable, "-m", "gpu_arbiter", "serve", "--port", str(self.port)]
-        command += ["--state-dir", str(self.dir), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(
-            command, stdout=log, stderr=log, env=env, preexec_fn=raise_file_limit
-        )
-        self._wait_ready()
-        self.token = (self.dir / "admin.token").read_text().strip()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit((self.dir / "server.log").read_text())
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise SystemExit("the server did not become ready")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 class Discard(asyncio.Protocol):
@@ -230,7 +189,13 @@ def main() -> None:
         f"{'KiB/stream':>10}"
     )
     server = Server(
-        "--simulate", "1x80G", "--store", "sqlite", "--max-streams-per-token", str(max(counts) + 1)
+        "--simulate",
+        "1x80G",
+        "--store",
+        "sqlite",
+        "--max-streams-per-token",
+        str(max(counts) + 1),
+        preexec_fn=raise_file_limit,
     )
     base: dict[str, float] | None = None
     try:

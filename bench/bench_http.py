@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,10 @@ class Conn:
 
 
 class Server:
-    def __init__(self, *args: str) -> None:
+    """A real ``gpu-arbiter serve`` on a free loopback port (``preexec_fn`` runs in the
+    server's process before it starts: e.g. a raised limit of open files)."""
+
+    def __init__(self, *args: str, preexec_fn: Callable[[], object] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-"))
         log = (self.dir / "server.log").open("wb")
         env = {**os.environ, "PYTHONPATH": str(SRC)}
@@ -81,7 +85,9 @@ class Server:
             self.port = probe.getsockname()[1]
         command = [sys.executable, "-m", "gpu_arbiter", "serve", "--port", str(self.port)]
         command += ["--state-dir", str(self.dir), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+        self.proc = subprocess.Popen(
+            command, stdout=log, stderr=log, env=env, preexec_fn=preexec_fn
+        )
         self._wait_ready()
         self.token = (self.dir / "admin.token").read_text().strip()
 
