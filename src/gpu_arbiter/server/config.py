@@ -33,7 +33,7 @@ from ..store import is_postgres_url
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
 
 SIMULATED_WORKER = "local"
-_COUNT_LIMITS = (
+COUNT_LIMITS = (
     "max_pending",
     "max_pending_per_token",
     "max_pending_per_holder",
@@ -125,7 +125,7 @@ class ServeConfig:
 
     def check_limits(self) -> None:
         """Every bound is a number in its range, named when it is not."""
-        for name in _COUNT_LIMITS:
+        for name in COUNT_LIMITS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(name, f"must be a whole number of at least 1, not {value!r}")

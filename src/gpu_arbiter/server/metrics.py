@@ -43,6 +43,7 @@ from .. import __version__
 from ..controller import Controller, Histogram
 from ..core import GpuFigures, LeaseState, WorkerStatus
 from ..core.units import PRIORITY_NAMES, priority_name
+from .config import COUNT_LIMITS
 
 __all__ = [
     "GRANT_LATENCY_HELP",
@@ -241,16 +242,7 @@ def metrics_registry(controller: Controller) -> CollectorRegistry:
 
 
 #  Limits a request can be refused for (429); each is exposed from the start.
-REFUSAL_LIMITS = (
-    "max_pending",
-    "max_pending_per_token",
-    "max_pending_per_holder",
-    "max_streams",
-    "max_streams_per_token",
-    "max_long_polls",
-    "max_long_polls_per_token",
-    "max_workers",
-)
+REFUSAL_LIMITS = (*COUNT_LIMITS, "max_workers")
 
 
 def refusal_counter(registry: CollectorRegistry) -> Callable[[str], None]:
