@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -244,3 +246,17 @@ def test_pending_limit_per_holder_answers_429(start_server: Any, tmp_path: Any) 
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "too_many_requests"
         assert create(admin, vram_mb="8G", holder="other").status_code == 202
+
+
+def test_the_config_files_policy_reaches_the_scheduler(
+    start_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    """The load gate: one load per GPU by default; ``max_concurrent_loads = 2`` in the
+    file's ``[policy]`` lets two loads run at once on the one GPU."""
+    config = tmp_path / "arbiter.toml"
+    config.write_text("[policy]\nmax_concurrent_loads = 2\n")
+    for file, loading in ((None, 1), (config, 2)):
+        args = ("--simulate", "1x24G") + (("--config", str(file)) if file else ())
+        with start_server(*args).client() as admin:
+            states = [create(admin, vram_mb="4G").json()["state"] for _ in range(3)]
+            assert states == ["loading"] * loading + ["pending"] * (3 - loading)

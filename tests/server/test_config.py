@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_arbiter.core import InvalidInput
+from gpu_arbiter.core import InvalidInput, Policy
 from gpu_arbiter.server.auth import TOKEN_RECHECK_S, Authenticator, Unauthorized, create_token
 from gpu_arbiter.server.config import ServeConfig, is_loopback, parse_simulate
 from gpu_arbiter.store import MemoryStore
@@ -143,3 +143,37 @@ def test_the_history_sample_interval_comes_from_the_file_and_is_checked(tmp_path
         config.write_text(f"history_sample_s = {bad}\n")
         with pytest.raises(InvalidInput, match="history_sample_s"):
             ServeConfig.resolve({}, config)
+
+
+def test_the_policy_comes_from_the_files_policy_table(tmp_path: Path) -> None:
+    config = tmp_path / "arbiter.toml"
+    config.write_text(
+        '[serve]\nport = 9000\n[policy]\ngrace_s = "30s"\nidle_reclaim_s = "5m"\n'
+        "starvation_s = inf\nmax_concurrent_loads = 2\n"
+    )
+    policy = ServeConfig.resolve({}, config).policy
+    assert (policy.grace_s, policy.idle_reclaim_s) == (30.0, 300.0)
+    assert policy.starvation_s == float("inf") and policy.max_concurrent_loads == 2
+    flat = tmp_path / "flat.toml"
+    flat.write_text('port = 9000\n[policy]\nplacement = "spread"\n')
+    assert ServeConfig.resolve({}, flat).policy.placement == "spread"
+    assert ServeConfig.resolve({}, None).policy == Policy()
+
+
+@pytest.mark.parametrize(
+    ("table", "field"),
+    [
+        ("grace = 3", "policy"),  # not a setting: named with the known ones
+        ('grace_s = "soon"', "policy.grace_s"),
+        ('idle_reclaim_s = "١٢m"', "policy.idle_reclaim_s"),  # ASCII digits only
+        ("max_concurrent_loads = 0", "policy.max_concurrent_loads"),
+        ('placement = "random"', "policy.placement"),
+        ("aging_interval_s = -1", "policy.aging_interval_s"),
+    ],
+)
+def test_a_bad_policy_setting_is_named(tmp_path: Path, table: str, field: str) -> None:
+    config = tmp_path / "arbiter.toml"
+    config.write_text(f"[policy]\n{table}\n")
+    with pytest.raises(InvalidInput) as refused:
+        ServeConfig.resolve({}, config)
+    assert refused.value.field == field

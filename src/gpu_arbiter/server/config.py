@@ -21,16 +21,17 @@ from __future__ import annotations
 import ipaddress
 import re
 import tomllib
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from ..core import Gpu, InvalidInput, parse_mb, parse_seconds
+from ..core import Gpu, InvalidInput, Policy, parse_mb, parse_seconds
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..paths import default_state_dir
 from ..store import is_postgres_url
 
-__all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate"]
+__all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate", "policy_from"]
 
 SIMULATED_WORKER = "local"
 COUNT_LIMITS = (
@@ -73,6 +74,7 @@ class ServeConfig:
     header_timeout_s: float = 10.0
     max_connections: int = 10_000
     history_sample_s: float = 10.0
+    policy: Policy = field(default_factory=Policy)  # the file's [policy] table: policy_from
 
     def __post_init__(self) -> None:
         sample_s = self.history_sample_s
@@ -95,6 +97,9 @@ class ServeConfig:
             with config_file.open("rb") as handle:
                 loaded = tomllib.load(handle)
             from_file = loaded.get("serve", loaded)
+            table = from_file.pop("policy", None) or loaded.get("policy")
+            if table is not None:
+                from_file["policy"] = policy_from(table)
         names = {f.name for f in fields(cls)}
         unknown = set(from_file) - names
         if unknown:
@@ -150,6 +155,33 @@ class ServeConfig:
     @property
     def state_path(self) -> Path:
         return self.state_dir or default_state_dir()
+
+
+def policy_from(table: Any) -> Policy:
+    """The scheduling policy of a config file's ``[policy]`` table: the settings of
+    :class:`~..core.Policy` by name; durations (``*_s``) as seconds or ``"90s"``,
+    ``"10m"``; ``inf`` (TOML's) for never. Errors name ``policy.KEY``."""
+    if not isinstance(table, Mapping):
+        raise InvalidInput("policy", "must be a table: [policy] with one setting a line")
+    known = {f.name for f in fields(Policy)}
+    unknown = set(table) - known
+    if unknown:
+        raise InvalidInput(
+            "policy",
+            f"unknown settings {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})",
+        )
+    values: dict[str, Any] = {
+        key: parse_seconds(value, f"policy.{key}")
+        if key.endswith("_s") and isinstance(value, str)
+        else value
+        for key, value in table.items()
+    }
+    try:
+        return Policy(**values)
+    except InvalidInput as error:
+        raise InvalidInput(f"policy.{error.field}", error.reason) from None
+    except TypeError as error:
+        raise InvalidInput("policy", f"a setting has the wrong type: {error}") from None
 
 
 def parse_simulate(spec: str) -> list[Gpu]:

@@ -159,6 +159,7 @@ def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | N
         say(f"admin token {'created in' if created else 'in'} {path}")
     controller = Controller(
         store,
+        policy=config.policy,
         limits=Limits(
             max_pending=config.max_pending,
             max_pending_per_token=config.max_pending_per_token,
