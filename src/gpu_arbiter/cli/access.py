@@ -10,14 +10,13 @@ a missing or unknown token (401) says where tokens come from.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..client import ApiError, parse_urls
-from ..paths import ADMIN_TOKEN_FILE, STATE_DIR_ENV, state_dir
+from ..paths import ADMIN_TOKEN_FILE, STATE_DIR_ENV, is_loopback, state_dir
 
 __all__ = ["TOKEN_HELP", "Credentials", "credentials", "refusal"]
 
@@ -34,16 +33,6 @@ class Credentials:
     found_in: Path | None = None  # the admin token file it came from, if found by itself
 
 
-def _loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def credentials(controller: str | None, token: str | None) -> Credentials:
     """The token given (``--token`` or ``GPU_ARBITER_TOKEN``), else this machine's admin
     token when every controller URL is on this machine and the file can be read."""
@@ -51,7 +40,7 @@ def credentials(controller: str | None, token: str | None) -> Credentials:
         token = os.environ.get(TOKEN_ENV) or None
     if token is not None:
         return Credentials(token)
-    if not all(_loopback(url) for url in parse_urls(controller)):
+    if not all(is_loopback(urlsplit(url).hostname or "") for url in parse_urls(controller)):
         return Credentials(None)
     path = state_dir() / ADMIN_TOKEN_FILE
     try:

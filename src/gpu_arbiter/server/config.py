@@ -18,7 +18,6 @@ is sampled; the last 360 samples are kept (an hour at 10 s; see ``history.py``).
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from typing import Any, Literal
 
 from ..core import Gpu, InvalidInput, Policy, parse_mb, parse_seconds
 from ..logs import LOG_FORMATS, LOG_LEVELS
-from ..paths import default_state_dir
+from ..paths import default_state_dir, is_loopback
 from ..store import is_postgres_url
 
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate", "policy_from"]
@@ -210,12 +209,3 @@ def parse_simulate(spec: str) -> list[Gpu]:
     if not gpus or len(gpus) > 64:
         raise InvalidInput("simulate", "must describe 1..64 GPUs")
     return gpus
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
