@@ -37,6 +37,7 @@ __all__ = [
     "NotGranted",
     "SseEvent",
     "parse_urls",
+    "pending_text",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:7070"
@@ -80,6 +81,14 @@ class SseEvent:
     id: str | None
     type: str
     data: Any
+
+
+def pending_text(lease: Json) -> str:
+    """A pending lease's wait in words, as the API's reason says it, with its position."""
+    reason = lease.get("reason") or {}
+    text = str(reason.get("message") or reason.get("code") or "waiting")
+    position = lease.get("position")
+    return text if position is None else f"position {position}: {text}"
 
 
 def parse_urls(value: str | Sequence[str] | None) -> list[str]:

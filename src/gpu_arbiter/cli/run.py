@@ -40,7 +40,7 @@ from rich.live import Live
 from rich.text import Text
 
 from ..agent.local import agent_request, local_workers
-from ..client import ApiError, ArbiterClient, ControllerUnreachable, NotGranted
+from ..client import ApiError, ArbiterClient, ControllerUnreachable, NotGranted, pending_text
 from ..core import ArbiterError, InvalidInput, format_mb, format_s, parse_mb, parse_priority
 from .access import TOKEN_HELP, Credentials, credentials, refusal
 
@@ -134,7 +134,7 @@ class Runner:
         console = Console(stderr=True)
         try:
             if not live:
-                say(f"waiting for lease {self.lease['id']}: {_reason(self.lease)}")
+                say(f"waiting for lease {self.lease['id']}: {pending_text(self.lease)}")
                 await self._poll(30.0)
                 return
             with Live(_waiting(self.lease, 0.0), console=console, transient=True) as view:
@@ -417,20 +417,13 @@ def _group_has_live_member(pgid: int) -> bool:
     return False
 
 
-def _reason(lease: Json) -> str:
-    reason = lease.get("reason") or {}
-    text = str(reason.get("message") or reason.get("code") or "waiting")
-    position = lease.get("position")
-    return text if position is None else f"position {position}: {text}"
-
-
 def _waiting(lease: Json, waited_s: float) -> Text:
     line = Text()
     line.append("waiting ", style="bold yellow")
     line.append(f"{format_s(waited_s):>5} ", style="bold")
     gpus = f" x {lease['gpu_count']} GPUs" if lease["gpu_count"] > 1 else ""
     line.append(f"for {format_mb(lease['vram_mb'])}{gpus} ({lease['id']}) - ")
-    line.append(_reason(lease))
+    line.append(pending_text(lease))
     return line
 
 

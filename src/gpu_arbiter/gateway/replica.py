@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..agent.local import agent_request, attach
-from ..client import ApiError, ControllerUnreachable, NotGranted
+from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
 from .upstream import Upstream
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class Replica:
             self._stop(Ending("failed", f"lease refused ({error.code}): {error}"))
             return False
         while self.lease["state"] == "pending" and self.ending is None:
-            self.pending_reason = _pending_reason(self.lease)
+            self.pending_reason = pending_text(self.lease)
             self.model.notify()
             waiting = asyncio.ensure_future(
                 client.lease(self.lease["id"], wait_s=30.0, state="pending")
@@ -470,13 +470,6 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def _pending_reason(lease: Json) -> str:
-    reason = lease.get("reason") or {}
-    text = str(reason.get("message") or reason.get("code") or "waiting")
-    position = lease.get("position")
-    return text if position is None else f"position {position}: {text}"
 
 
 async def _end_group(pgid: int) -> None:
