@@ -1,0 +1,123 @@
+"""The four things a replica's life touches, each behind a small interface, so that the
+life itself (``replica.py``) is unit-tested with ten-line fakes on a virtual clock:
+
+- :class:`Clock`: the time and sleeping (real: the event loop's monotonic clock);
+- :class:`Launcher` and :class:`ServerProcess`: starting a model server in its own
+  process group and learning that it exited (real: ``process.py``);
+- :class:`AgentLink`: the local agent's endpoint (real: ``agent/local.py``'s socket);
+- :class:`LeaseApi`: the controller's lease routes (real: :class:`~gpu_arbiter.client.
+  ArbiterClient`, which has these very methods).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["AgentLink", "Clock", "Launcher", "LeaseApi", "LoopClock", "ServerProcess"]
+
+Json = dict[str, Any]
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Monotonic seconds."""
+        ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class LoopClock:
+    """The event loop's own clock."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class ServerProcess(Protocol):
+    """A started model server; ``pid`` leads its own process group (the lease covers the
+    whole group)."""
+
+    pid: int
+
+    async def wait(self) -> int:
+        """Waits until the leader exited and nothing is left of its group; its exit code."""
+        ...
+
+    def signal(self, signum: int) -> None:
+        """Sends ``signum`` to the whole group (nothing if it is gone)."""
+        ...
+
+    def tail(self, lines: int) -> list[str]:
+        """The last ``lines`` lines the server wrote (stdout and stderr), oldest first."""
+        ...
+
+
+class Launcher(Protocol):
+    def port(self) -> int:
+        """A free loopback port, reserved for one server until :meth:`unreserve`."""
+        ...
+
+    def unreserve(self, port: int) -> None: ...
+
+    async def start(
+        self,
+        model: str,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        lease_id: str,
+        grace_s: float,
+    ) -> ServerProcess:
+        """Starts ``command`` in a new process group, its output to the model's log; the
+        group is stopped (SIGTERM, SIGKILL after ``grace_s``) if the gateway dies, and the
+        next gateway on this state directory finds what is left of it (with ``lease_id``).
+        Raises ``OSError`` when it cannot be started (the program is missing, say)."""
+        ...
+
+
+class AgentLink(Protocol):
+    async def env(self, worker: str) -> Mapping[str, str]:
+        """What a process on ``worker`` must inherit (empty when no agent runs here)."""
+        ...
+
+    async def attach(self, worker: str, lease_id: str, pid: int, holder_stops_s: float) -> bool:
+        """Puts group ``pid`` under the agent's supervision; False if no agent took it."""
+        ...
+
+    async def stop(self, worker: str, lease_id: str, grace_s: float) -> bool:
+        """Asks the agent to stop the lease's group (one SIGTERM whoever asks); False if
+        it does not supervise it."""
+        ...
+
+    async def used_mb(self, worker: str, pid: int) -> int | None:
+        """The group's GPU memory as the agent's probe saw it last."""
+        ...
+
+
+class LeaseApi(Protocol):
+    async def create_lease(self, **request: Any) -> Json: ...
+
+    async def lease(
+        self, lease_id: str, *, wait_s: float | None = None, state: str | None = None
+    ) -> Json: ...
+
+    async def renew(self, lease_id: str, ttl_s: float | None = None) -> Json: ...
+
+    async def ready(self, lease_id: str) -> Json: ...
+
+    async def idle(self, lease_id: str) -> Json: ...
+
+    async def busy(self, lease_id: str) -> Json: ...
+
+    async def release(self, lease_id: str) -> Json: ...
+
+
+def log_path(state_dir: Path, model: str) -> Path:
+    """Where model ``model``'s server writes its output (rotated beside, ``.1``)."""
+    return state_dir / "gateway" / "logs" / f"{model}.log"
