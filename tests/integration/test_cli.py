@@ -14,6 +14,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -136,8 +137,17 @@ def test_actions_change_the_state_seen_through_the_api(server: Server, admin: ht
 
 
 def test_an_update_is_followed_step_by_step_until_it_ends(
-    server: Server, admin: httpx.Client
+    start_server: Callable[..., Server],
 ) -> None:
+    # box-1 has no agent: registered once, it never heartbeats. The default heartbeat
+    # timeout (15 s) would send it offline mid-test on a loaded machine (a dozen CLI
+    # processes take longer there), so the server's outlasts the test.
+    server = start_server("--simulate", "2x24G:sm_86", "--heartbeat-timeout-s", "3600")
+    with server.client() as admin:
+        _follow_an_update(server, admin)
+
+
+def _follow_an_update(server: Server, admin: httpx.Client) -> None:
     register(admin, "box-1")  # no agent: the update waits for its command
     started = ok_json(server, "update", "box-1", "--timeout", "1h", "--drain-deadline", "10m")
     assert (started["worker"], started["state"]) == ("box-1", "running")
