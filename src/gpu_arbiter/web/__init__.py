@@ -1,0 +1,4 @@
+"""What the project's HTTP listeners (the controller's and the gateway's) accept before
+any app sees a request: bounded heads and connections (:mod:`.connections`), and the
+``Host`` and simple-request rules that keep browsers out (:mod:`.guards`). One
+implementation for both; neither imports the other's package."""

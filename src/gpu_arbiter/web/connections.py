@@ -1,0 +1,171 @@
+"""What one HTTP connection may cost: bounded request heads, timed-out slow clients, and
+as many open files as the system lets the process have.
+
+uvicorn's httptools protocol buffers a request head for as long as it takes and as large
+as it comes. :func:`bounded_http` subclasses it minimally:
+
+- the head (request line and headers) is counted in bytes as it arrives, before the
+  parser sees it: beyond ``max_header_bytes`` the answer is 431 and the connection is
+  closed, so a head never costs more than that plus one read;
+- beyond ``max_headers`` headers, 431 too;
+- a connection has ``header_timeout_s`` from its opening, and from the first byte of each
+  further request, to complete the head; a client that sends nothing or sends it slowly
+  (slowloris) gets 408 and is closed then. Idle keep-alive between requests is uvicorn's
+  ``timeout_keep_alive``.
+
+Beyond the cap on connections (uvicorn's ``limit_concurrency``), a request is answered
+503 (uvicorn) and a new connection is answered 503 and closed at once (here), so that
+connections never take the descriptors the store needs; the cap is kept below the limit
+of open files, raised to its hard limit at start (:func:`raise_open_files_limit`).
+
+Two listeners in one process (``serve --local --models``: the controller and the
+gateway) share its descriptors. The second one sets its share aside before the first
+sizes its cap (:func:`set_aside_files`), so that together they stay below the limit and
+connections to one can never make the other unreachable. The limit is the process's,
+so the record of what was set aside is the process's too (a module variable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+__all__ = ["HeadLimits", "bounded_http", "raise_open_files_limit", "set_aside_files"]
+
+RESERVED_FILES = 64
+"""Descriptors kept for the store, logs and the agent beside the connections."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLimits:
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: the head broke a limit (the parser stops there)."""
+
+
+class _BoundedHttp(HttpToolsProtocol):
+    limits = HeadLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        self._header_count = 0
+        self._reading_head = True
+        self._refusal: tuple[int, str] | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
+            self._refuse(503, "too many connections")  # so connections never use up the files
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return
+        if self._reading_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._refuse(431, "request head larger than the limit")
+                return
+        super().data_received(data)  # a callback's _Refused comes back as send_400_response
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading_head = True
+        self._header_count = 0
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_headers:
+            self._refusal = (431, "more request headers than the limit")
+            raise _Refused
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._head_bytes = 0
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(*(self._refusal or (400, msg)))  # a parser error, or a limit's refusal
+
+    def _refuse(self, status: int, text: str) -> None:
+        """Answers ``status`` with ``text`` and closes the connection."""
+        self._refusal = (status, text)
+        self._cancel_head_timer()
+        if self.transport.is_closing():
+            return
+        body = text.encode("ascii")
+        self.transport.write(
+            STATUS_LINE[status]
+            + b"content-type: text/plain; charset=utf-8\r\n"
+            + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            + body
+        )
+        self.transport.close()
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_late)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._reading_head:
+            self._refuse(408, "request head not received in time")
+
+
+def bounded_http(limits: HeadLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with ``limits`` (pass it as ``uvicorn.Config(http=)``)."""
+    return type("BoundedHttp", (_BoundedHttp,), {"limits": limits})
+
+
+_set_aside: list[int] = [0]
+"""Descriptors set aside in this process for a second listener (:func:`set_aside_files`)."""
+
+
+def raise_open_files_limit() -> int:
+    """Raises the soft limit of open files to the hard limit; returns how many of them
+    connections may use (the rest is kept for the store, the logs and the agent, and
+    for what another listener of this process set aside)."""
+    return max(1, _open_files_limit() - RESERVED_FILES - _set_aside[0])
+
+
+def set_aside_files(wanted: int) -> int:
+    """Sets aside up to ``wanted`` descriptors for a listener started later in this
+    process, at most half of those :func:`raise_open_files_limit` offers (the listener
+    already there keeps the other half); returns how many were set aside."""
+    share = max(1, min(wanted, raise_open_files_limit() // 2))
+    _set_aside[0] += share
+    return share
+
+
+def _open_files_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # the soft limit stays as it is
+    return soft
