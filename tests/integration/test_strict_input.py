@@ -27,6 +27,15 @@ BODIES: dict[str, tuple[bytes, str]] = {
     "a number beyond a float": (b'{"vram_mb": "8G", "metadata": {"x": 1e400}}', "metadata.x"),
     "NaN for a number": (b'{"vram_mb": "8G", "ttl_s": NaN}', "ttl_s"),
     "a lone surrogate": (b'{"vram_mb": "8G", "holder": "a\\ud800"}', "holder"),
+    "a lone surrogate in a metadata key": (
+        b'{"vram_mb": 100, "metadata": {"\\ud800": 1}}',
+        "metadata",
+    ),
+    "a lone surrogate in a nested key beside NaN": (
+        b'{"vram_mb": "8G", "metadata": {"x": {"a\\ud800": NaN}}}',
+        "metadata.x",
+    ),
+    "a lone surrogate in a key of the body": (b'{"vram_mb": "8G", "\\udfff": 1}', "body"),
     "deep metadata": (
         b'{"vram_mb": "8G", "metadata": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"}",
         "metadata.a.a.a.a.a.a.a.a",

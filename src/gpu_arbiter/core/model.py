@@ -80,6 +80,8 @@ def json_value_problem(value: Any, max_depth: int) -> tuple[str, str] | None:
             for key, inner in item.items():
                 if not isinstance(key, str):
                     return path, f"has a key that is not text ({type(key).__name__})"
+                if not _encodable(key):  # named by its parent: the key cannot be written
+                    return path, "has a key holding a lone surrogate: not valid Unicode text"
                 stack.append((f"{path}.{key}" if path else key, inner, depth + 1))
         elif isinstance(item, list):
             stack.extend((f"{path}[{i}]", inner, depth + 1) for i, inner in enumerate(item))

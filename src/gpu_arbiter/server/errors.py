@@ -52,9 +52,26 @@ _HTTP_CODES = {
 def error_response(
     status: int, code: str, message: str, details: dict[str, Any] | None = None
 ) -> JSONResponse:
+    """The one rendering of an error. A message may echo the request's text (a field's
+    name, a metadata key), which need not be valid Unicode: what cannot be written as
+    UTF-8 (a lone surrogate) is written as its escape (``\\ud800``), never a 500."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     body = {"error": {"code": code, "message": message, "details": details or {}}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    try:
+        return JSONResponse(body, status_code=status, headers=headers)
+    except UnicodeEncodeError:
+        return JSONResponse(_writable(body), status_code=status, headers=headers)
+
+
+def _writable(value: Any) -> Any:
+    """``value`` with every text made encodable: lone surrogates backslash-escaped."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_writable(k): _writable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_writable(item) for item in value]
+    return value
 
 
 def _details(error: ArbiterError) -> dict[str, Any]:
