@@ -111,14 +111,40 @@ async def test_connection_close_and_a_body_up_to_the_close_are_not_kept(
     upstream.close()
 
 
-async def test_a_connection_closed_while_idle_is_retried_once_on_a_new_one(
+async def test_an_idempotent_request_unanswered_on_a_kept_connection_is_sent_once_more(
+    scripted: Callable,
+) -> None:
+    server = await scripted(lambda c, r: (OK, False) if r == 0 else None)
+    upstream = Upstream(server.port, keep=4)
+    assert await _body(upstream, "GET") == b"ok"
+    assert await _body(upstream, "GET") == b"ok"  # the kept one failed unanswered: a new one
+    assert server.connections == 2
+    assert len(server.requests) == 3  # the server read the second GET twice
+    upstream.close()
+
+
+async def test_a_post_unanswered_on_a_kept_connection_is_an_error_and_sent_once(
     scripted: Callable,
 ) -> None:
     server = await scripted(lambda c, r: (OK, False) if r == 0 else None)
     upstream = Upstream(server.port, keep=4)
     assert await _body(upstream) == b"ok"
-    assert await _body(upstream) == b"ok"  # the kept one failed unanswered: sent on a new one
+    with pytest.raises(UpstreamError, match="a POST is not sent twice"):
+        await _body(upstream)  # the server read it: sending it again could run it twice
+    assert server.connections == 1
+    assert len(server.requests) == 2
+    upstream.close()
+
+
+async def test_a_connection_the_server_closed_after_answering_is_not_written_on(
+    scripted: Callable,
+) -> None:
+    server = await scripted(lambda c, r: (OK, True))  # keep-alive said, yet closed at once
+    upstream = Upstream(server.port, keep=4)
+    assert await _body(upstream) == b"ok"
+    assert await _body(upstream) == b"ok"  # its end seen before writing: a POST, on a new one
     assert server.connections == 2
+    assert len(server.requests) == 2
     upstream.close()
 
 

@@ -9,14 +9,20 @@ body again) or up to the close. A connection goes back to the pool only after a 
 answer that lets it stay open; one cut short, abandoned (the caller went away) or
 answered with ``Connection: close`` is closed.
 
-A request that fails on a reused connection before any byte of the answer came (the
-server closed that connection while it was idle) is sent once more, on a new one.
+A kept connection is used again only while it is quiet: one the server closed while
+it was idle (its end read by the loop, or still waiting in the socket: a zero-wait
+poll) is dropped before anything is written on it. Should a request still fail on a
+reused connection before any byte of the answer came, it is sent once more, on a new
+one, only if its method is idempotent (RFC 9110: GET, HEAD, OPTIONS, TRACE, PUT,
+DELETE): the server may have received it. Any other (a POST) is never sent twice: the
+caller gets the :class:`UpstreamError` (the gateway answers 502).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 
 import httptools
 
@@ -25,6 +31,8 @@ __all__ = ["Answer", "Upstream", "UpstreamError"]
 Headers = list[tuple[bytes, bytes]]
 READ_BYTES = 256 * 1024
 _FRAMING = (b"content-length", b"transfer-encoding")
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+"""Methods whose request may be sent again (RFC 9110, 9.2.2): all others at most once."""
 
 
 class UpstreamError(Exception):
@@ -41,6 +49,8 @@ class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self._quiet = select.poll()  # readable while idle = closed (or junk): not reusable
+        self._quiet.register(writer.get_extra_info("socket").fileno(), select.POLLIN)
         self.reused = False
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
@@ -81,7 +91,11 @@ class _Connection:
     # ------------------------------------------------------------------ exchange
 
     def usable(self) -> bool:
-        return not self.reader.at_eof() and not self.writer.is_closing()
+        """Not closed, and nothing waiting to be read: an idle connection's server sends
+        nothing unless it closes it (its end may not have reached the loop yet)."""
+        if self.reader.at_eof() or self.writer.is_closing():
+            return False
+        return not self._quiet.poll(0)
 
     async def send(self, data: bytes, head_only: bool) -> None:
         """Sends a request and reads up to the end of the answer's head."""
@@ -190,6 +204,11 @@ class Upstream:
             if not connection.usable():
                 connection.close()
                 continue
+            if method not in IDEMPOTENT:  # at most once: a failure is the caller's
+                try:
+                    return await self._exchange(connection, data, head_only)
+                except _Unanswered as error:
+                    raise UpstreamError(f"{error} (a {method} is not sent twice)") from None
             with contextlib.suppress(_Unanswered):  # closed while idle: the next one
                 return await self._exchange(connection, data, head_only)
         return await self._exchange(await self._connect(), data, head_only)
