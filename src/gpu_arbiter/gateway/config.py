@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds
+from .estimate import gpus_of
 
 __all__ = ["GatewayConfig", "ModelConfig", "load_config", "parse_config"]
 
@@ -154,7 +155,17 @@ def _model(name: str, spec: Any) -> ModelConfig:
             values[attribute] = _parsed(parse, spec[key], f"{where}.{key}")
     vram = spec.get("vram", "auto")
     values["vram"] = None if vram == "auto" else _parsed(_vram, vram, f"{where}.vram")
+    if "gpus" not in spec:  # a tensor parallel server's command says how many it needs
+        values["gpus"] = _command_gpus(values["command"], where)
     return ModelConfig(**values)
+
+
+def _command_gpus(command: tuple[str, ...], where: str) -> int:
+    """The GPUs of ``vllm serve M -tp 2`` (and the like): its lease's ``gpus``."""
+    try:
+        return gpus_of(command) or 1
+    except InvalidInput as error:
+        raise InvalidInput(f"{where}.command", error.reason) from None
 
 
 def _parsed(parse: Callable[[Any, str], Any], value: Any, where: str) -> Any:
