@@ -309,10 +309,13 @@ def test_a_bad_config_exits_2_naming_the_model_and_key(tmp_path: Path) -> None:
 def test_check_shows_each_models_estimate_and_its_parts(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     write_gguf(model)
+    for program in ("llama-server", "embedder"):  # --check wants the programs there
+        (tmp_path / program).write_text("#!/bin/sh\n")
+        (tmp_path / program).chmod(0o755)
     config = tmp_path / "models.toml"
     config.write_text(
-        f'[models.chat]\ncommand = "llama-server -m {model} -c 8192 --port {{port}}"\n'
-        '[models.embed]\ncommand = "embedder --port {port}"\nvram = "2G"\n'
+        f'[models.chat]\ncommand = "{tmp_path}/llama-server -m {model} -c 8192 --port {{port}}"\n'
+        f'[models.embed]\ncommand = "{tmp_path}/embedder --port {{port}}"\nvram = "2G"\n'
     )
     done = _gateway_command("--config", str(config), "--check")
     assert done.returncode == 0, done.stderr

@@ -1,12 +1,16 @@
 """``gpu-arbiter gateway --config models.toml``: model servers on demand, under leases.
 
 Exit codes: 0 after a clean stop (SIGINT/SIGTERM); 2 when the config is wrong (the
-message names the model, the key and the reason); 69 when it cannot listen.
+message names the model, the key and the reason), or with ``--check`` when a model's
+program is not found (at a start it is only a warning: it may be installed later);
+69 when it cannot listen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -19,7 +23,7 @@ from ..core import InvalidInput, format_mb, priority_name
 from ..gateway.config import GatewayConfig, load_config
 from ..gateway.estimate import Estimate
 from ..gateway.serve import estimates, run_gateway
-from ..logs import setup_logging
+from ..logs import say, setup_logging
 
 EXIT_CONFIG = 2
 EXIT_CANNOT_LISTEN = 69
@@ -29,14 +33,39 @@ def _opt(text: str, *names: str, envvar: str | None = None, **more: Any) -> Any:
     return typer.Option(*names, envvar=envvar, help=text, show_default=False, **more)
 
 
-def checked_config(path: Path) -> tuple[GatewayConfig, dict[str, Estimate | None]]:
-    """The config and its estimates, or a line naming model, key and reason and exit 2."""
+def checked_config(
+    path: Path, *, warn: bool = True
+) -> tuple[GatewayConfig, dict[str, Estimate | None]]:
+    """The config and its estimates, or a line naming model, key and reason and exit 2.
+    With ``warn``, a warning line for each model whose program is not found (both ways
+    of starting a gateway come here): its requests fail until it is installed."""
     try:
         config = load_config(path)
-        return config, estimates(config)
+        found = estimates(config)
     except InvalidInput as error:
         typer.echo(f"gpu-arbiter gateway: {path}: {error}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
+    for field, reason in missing_programs(config).items() if warn else ():
+        say(f"gateway: warning: {path}: {field}: {reason}; its requests fail until it is")
+    return config, found
+
+
+def missing_programs(config: GatewayConfig) -> dict[str, str]:
+    """Each model whose command's program cannot be run, as ``models.NAME.command`` ->
+    why: not on the PATH it starts with (the model's ``env`` PATH, else the gateway's),
+    or, given as a path, not an executable file there."""
+    missing: dict[str, str] = {}
+    for name, model in config.models.items():
+        program = model.command[0]
+        search = model.env.get("PATH", os.environ.get("PATH", os.defpath))
+        if shutil.which(program, path=search) is not None:
+            continue
+        if os.sep in program:
+            why = f"{program} is not an executable file"
+        else:
+            why = f"{program} is not on PATH: install it, or give its full path"
+        missing[f"models.{name}.command"] = why
+    return missing
 
 
 def sizes_of(config: GatewayConfig, found: dict[str, Estimate | None]) -> dict[str, int]:
@@ -48,18 +77,34 @@ def sizes_of(config: GatewayConfig, found: dict[str, Estimate | None]) -> dict[s
 
 
 def _show(config: GatewayConfig, found: dict[str, Estimate | None]) -> None:
+    """Each model's line (its size: given, or the estimate's parts and the flags read
+    from its command), the estimate's notes under it."""
     for name, model in config.models.items():
         estimate = found[name]
         if estimate is None:
             size = f"{format_mb(model.vram or 0)} (given)"
         else:
             size = f"{format_mb(estimate.total_mb)} (auto: {estimate.describe()})"
+        gpus = f" on each of {model.gpus} GPUs" if model.gpus > 1 else ""
         aliases = f", aliases {', '.join(model.aliases)}" if model.aliases else ""
         typer.echo(
-            f"{name}: vram {size}; priority {priority_name(model.priority)}; "
+            f"{name}: vram {size}{gpus}; priority {priority_name(model.priority)}; "
             f"keep_alive {model.keep_alive_s:g}s; {model.replicas} replica(s) x "
             f"{model.max_parallel} in flight{aliases}"
         )
+        for note in estimate.notes if estimate is not None else ():
+            typer.echo(f"  note: {note}")
+
+
+def _check(path: Path) -> None:
+    """``--check``: every model shown, then exit 2 if a program is missing."""
+    settings, found = checked_config(path, warn=False)
+    _show(settings, found)
+    missing = missing_programs(settings)
+    for field, reason in missing.items():
+        typer.echo(f"gpu-arbiter gateway: {path}: {field}: {reason}", err=True)
+    if missing:
+        raise typer.Exit(EXIT_CONFIG)
 
 
 def gateway(
@@ -79,10 +124,10 @@ def gateway(
     log_level: Annotated[str, _opt("debug, info, warning or error.")] = "info",
 ) -> None:
     """Route OpenAI-style requests to model servers started on demand under leases."""
-    settings, found = checked_config(config)
     if check:
-        _show(settings, found)
+        _check(config)
         return
+    settings, found = checked_config(config)
     changes: dict[str, Any] = {}
     if host is not None:
         changes["host"] = host

@@ -1,0 +1,79 @@
+"""``gpu-arbiter gateway``'s checks of a models file, through the real command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from ..gateway.test_estimate import write_gguf
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "GPU_ARBITER_RUNTIME_DIR": str(tmp_path)}
+    env["GPU_ARBITER_STATE_DIR"] = str(tmp_path / "state")
+    return env
+
+
+def _gateway(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "gpu_arbiter", "gateway", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), timeout=60)
+
+
+def test_check_says_which_server_it_read_and_which_flags(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    write_gguf(model)
+    config = tmp_path / "models.toml"
+    server = f"{sys.executable} -m llama_cpp.server --model {model}"
+    config.write_text(f'[models.chat]\ncommand = "{server} --n_ctx 512 --port {{port}}"\n')
+    done = _gateway(tmp_path, "--config", str(config), "--check")
+    assert done.returncode == 0, done.stderr
+    read = "read as llama-cpp-python: model file from --model, ctx 512 from --n_ctx"
+    assert f"({model}; {read})" in done.stdout
+    assert "\n  note: no --n_gpu_layers (llama-cpp-python's default: 0): no layer on the GPU" in (
+        done.stdout
+    )
+
+
+def test_check_exits_2_naming_each_command_whose_program_is_not_found(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srv").write_text("#!/bin/sh\n")
+    (bin_dir / "srv").chmod(0o755)
+    config = tmp_path / "models.toml"
+    config.write_text(
+        '[models.a]\ncommand = "no-such-server-7f3 --port {port}"\nvram = "1G"\n'
+        '[models.b]\ncommand = "/nowhere/bin/srv --port {port}"\nvram = "1G"\n'
+        f'[models.c]\ncommand = "srv --port {{port}}"\nvram = "1G"\nenv = {{PATH = "{bin_dir}"}}\n'
+    )
+    done = _gateway(tmp_path, "--config", str(config), "--check")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"gpu-arbiter gateway: {config}: models.a.command: no-such-server-7f3 is not on PATH: "
+        "install it, or give its full path",
+        f"gpu-arbiter gateway: {config}: models.b.command: /nowhere/bin/srv is not an "
+        "executable file",
+    ]  # c's is found on the PATH its env gives it
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == ["a", "b", "c"]
+
+
+def test_a_gateway_starts_with_a_warning_for_a_program_not_found(tmp_path: Path) -> None:
+    config = tmp_path / "models.toml"
+    config.write_text('[models.a]\ncommand = "no-such-server-7f3 --port {port}"\nvram = "1G"\n')
+    command = [sys.executable, "-m", "gpu_arbiter", "gateway", "--config", str(config)]
+    command += ["--port", "0", "--controller", "http://127.0.0.1:1"]
+    with subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=_env(tmp_path), text=True
+    ) as gateway:
+        assert gateway.stderr is not None
+        first = gateway.stderr.readline()  # said before it starts: it starts all the same
+        gateway.send_signal(signal.SIGTERM)
+        gateway.communicate(timeout=60)
+    assert first == (
+        f"gateway: warning: {config}: models.a.command: no-such-server-7f3 is not on PATH: "
+        "install it, or give its full path; its requests fail until it is\n"
+    )
