@@ -32,12 +32,13 @@ Each falls back to the first argument ending in ``.gguf`` or ``.safetensors`` fo
 model, and to the context the model was trained for. The config's ``model_file`` and
 ``ctx`` keys override what the command says (``ctx`` stands for the context flag).
 
-llama.cpp's cache (checked against its server at commit 0c1e570): ``-c`` is the
-total for all slots, rounded up to 256 cells. With ``-np N`` the cache is split into N
-streams (unless ``-kvu``) of ``-c / N`` cells each, each rounded up to 256; with no
-``-np`` (auto: 4 slots) one cache is shared by all. Without ``-c`` (or ``-c 0``) the
-context is the model's, and with ``-np N`` each slot gets all of it (``--fit``, on by
-default; with ``--fit off`` the model's context is split in N).
+llama.cpp's cache (its ``llama_context`` and ``common/fit.cpp`` at commit 0c1e570,
+checked against its server): ``-c`` is the total for all slots, rounded up to 256
+cells. With ``-np N`` the cache is split into N streams (unless ``-kvu``) of that
+total / N cells each, each rounded up to 256; with no ``-np`` (auto: 4 slots) one
+cache is shared by all. Without ``-c`` (or ``-c 0``) the context is the model's, and
+with ``-np N`` each slot gets all of it (``--fit``, on by default; with ``--fit off``
+the model's context is split in N).
 
 With ``-ngl N`` (llama.cpp) or ``--n_gpu_layers N`` (llama-cpp-python) below the
 layer count, only that share of the weights and cache is on the GPU; with 0 it all
@@ -425,9 +426,10 @@ def _llama_cpp_cells(
         whole = unified or (fit is not None and fit[0] == "off")
         ctx = trained if whole else trained * slots
         why = f"ctx {trained}: the model's own" + ("" if whole else f", for each of {slots} slots")
+    total = _round_up(ctx, _LLAMA_CELLS)  # as llama_context pads it, then splits it
     if unified:
-        return _round_up(ctx, _LLAMA_CELLS), why
-    each = _round_up(ctx // slots, _LLAMA_CELLS)
+        return total, why
+    each = _round_up(total // slots, _LLAMA_CELLS)
     return each * slots, why or f"{slots} slots of {each} cells"
 
 
