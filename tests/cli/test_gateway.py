@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 from ..gateway.test_estimate import write_gguf
+from ..integration.conftest import Server
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -77,3 +81,33 @@ def test_a_gateway_starts_with_a_warning_for_a_program_not_found(tmp_path: Path)
         f"gateway: warning: {config}: models.a.command: no-such-server-7f3 is not on PATH: "
         "install it, or give its full path; its requests fail until it is\n"
     )
+
+
+def test_a_gateway_beside_a_local_controller_finds_its_admin_token(tmp_path: Path) -> None:
+    server = Server(tmp_path / "state", "--simulate", "1x24G").start()
+    config = tmp_path / "models.toml"
+    config.write_text('[models.chat]\ncommand = "no-such-server-7f3 --port {port}"\nvram = "1G"\n')
+    env = {**_env(tmp_path), "GPU_ARBITER_STATE_DIR": str(server.state_dir)}
+    env["GPU_ARBITER_URL"] = server.url
+    env.pop("GPU_ARBITER_TOKEN", None)  # none given: the state directory's admin token
+    command = [sys.executable, "-m", "gpu_arbiter", "gateway", "--config", str(config)]
+    try:
+        with subprocess.Popen(
+            [*command, "--port", "0"], stderr=subprocess.PIPE, env=env, text=True
+        ) as gateway:
+            assert gateway.stderr is not None
+            port = next(m[1] for line in gateway.stderr if (m := LISTENING.search(line)))
+            chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            answer = httpx.post(url, json=chat, timeout=60)
+            gateway.send_signal(signal.SIGTERM)
+            gateway.communicate(timeout=60)
+        assert "unauthorized" not in answer.text  # its lease was granted: it could not start
+        with server.client() as admin:
+            holders = [lease["holder"] for lease in admin.get("/v1/leases").json()]
+        assert any(holder.startswith("gateway chat #1@") for holder in holders), holders
+    finally:
+        server.stop()
+
+
+LISTENING = re.compile(r"gateway on http://127\.0\.0\.1:(\d+)")

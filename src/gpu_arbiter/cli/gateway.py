@@ -19,11 +19,12 @@ from typing import Annotated, Any
 
 import typer
 
-from ..core import InvalidInput, format_mb, priority_name
+from ..core import ArbiterError, InvalidInput, format_mb, priority_name
 from ..gateway.config import GatewayConfig, load_config
 from ..gateway.estimate import Estimate
 from ..gateway.serve import estimates, run_gateway
 from ..logs import say, setup_logging
+from .access import credentials
 
 EXIT_CONFIG = 2
 EXIT_CANNOT_LISTEN = 69
@@ -136,6 +137,7 @@ def gateway(
     if worker is not None:
         changes["worker"] = worker
     settings = _replace(settings, changes)
+    token = _token(controller or settings.controller, token)
     setup_logging("text", log_level)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -143,6 +145,16 @@ def gateway(
     except OSError as error:
         print(f"gpu-arbiter gateway: cannot listen: {error}", file=sys.stderr)
         raise typer.Exit(EXIT_CANNOT_LISTEN) from None
+
+
+def _token(controller: str | None, token: str | None) -> str | None:
+    """The token given, else this machine's admin token for a controller on this machine,
+    as every command finds it; exit 2 for a malformed controller URL."""
+    try:
+        return credentials(controller, token).token
+    except ArbiterError as error:
+        typer.echo(f"gpu-arbiter gateway: {error}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
