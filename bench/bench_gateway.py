@@ -128,7 +128,8 @@ def main() -> None:
     )
     gateway = start(
         [py, "-m", "gpu_arbiter", "gateway", "--config", str(work / "models.toml"), "--port",
-         "0", "--controller", url, "--worker", "local", "--log-level", "warning"],
+         "0", "--controller", url, "--worker", "local", "--log-level", "warning",
+         "--state-dir", str(work / "state")],
         work / "gateway.log",
     )  # fmt: skip
     gateway_port = int(wait_log(work / "gateway.log", r"gateway on http://[\d.]+:(\d+)", gateway))

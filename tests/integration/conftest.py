@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,38 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 _LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+TEST_MARK = "GPU_ARBITER_TEST_MARK"
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every process a test starts (servers, agents, gateways, and what they start in
+    turn: model servers, watchdogs) inherits a mark in its environment; whatever carries
+    it at the end of the test is SIGKILLed with its whole group, so that no test leaves
+    a process running (one that ignores SIGTERM, say)."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(TEST_MARK, mark)
+    yield
+    kill_marked(mark)
+
+
+def kill_marked(mark: str) -> None:
+    needle = f"{TEST_MARK}={mark}".encode()
+    own_group = os.getpgrp()
+    with os.scandir("/proc") as entries:
+        pids = [int(e.name) for e in entries if e.name.isdigit() and int(e.name) != os.getpid()]
+    for pid in pids:
+        try:
+            marked = needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            group = os.getpgid(pid)
+        except OSError:
+            continue  # gone, or not ours to read
+        if marked:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if group == own_group:
+                    os.kill(pid, signal.SIGKILL)  # started without a group of its own
+                else:
+                    os.killpg(group, signal.SIGKILL)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:

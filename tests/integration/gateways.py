@@ -48,6 +48,7 @@ class GatewayProcess(ManagedProcess):
         self.models = models
         self.command = [sys.executable, "-m", "gpu_arbiter", "gateway", "--config"]
         self.command += [str(self.config), "--port", "0", "--controller", url, "--token", token]
+        self.command += ["--state-dir", str(runtime / "state")]  # its lock, servers and logs
         self.log = runtime / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""

@@ -1,7 +1,7 @@
 """A small OpenAI-compatible model server for the gateway's tests and bench.
 
 ``python model_server.py --port P --name N [--mb MB] [--load-s S] [--record DIR]
-[--no-drain]``
+[--no-drain] [--ignore-term]``
 
 On start it takes ``--mb`` MiB on each GPU of ``CUDA_VISIBLE_DEVICES`` in the fake
 probe (half at once, all after ``--load-s``, as a real server grows while it loads),
@@ -16,7 +16,8 @@ tokens (``"stream": true``) or answer once; a request's body steers it:
 With ``--record DIR`` it writes ``DIR/<name>-<pid>.json`` with its start, ready,
 SIGTERM and exit times and how many SIGTERMs it got (each process of a model its own
 file). On SIGTERM it drains (the requests in flight finish, then it exits), or with
-``--no-drain`` exits half a second later whatever is in flight, as many servers do.
+``--no-drain`` exits half a second later whatever is in flight, as many servers do; with
+``--ignore-term`` it records the SIGTERM and carries on (only SIGKILL ends it).
 """
 
 from __future__ import annotations
@@ -147,10 +148,12 @@ async def _load(mb: int, load_s: float) -> None:
     record("ready_at")
 
 
-def _on_term(server: uvicorn.Server, drain: bool) -> None:
-    """Drains (no new connections, the requests in flight finish, then it exits), or
-    exits half a second later without waiting for them."""
+def _on_term(server: uvicorn.Server, drain: bool, ignore: bool) -> None:
+    """Drains (no new connections, the requests in flight finish, then it exits), exits
+    half a second later without waiting for them, or ignores it."""
     record("term_at", count="terms")
+    if ignore:
+        return
     if drain:
         server.should_exit = True
     else:
@@ -168,7 +171,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     server = _Server(config)
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, _on_term, server, args.drain)
+    loop.add_signal_handler(signal.SIGTERM, _on_term, server, args.drain, args.ignore_term)
     loading = asyncio.ensure_future(_load(args.mb, args.load_s))
     await server.serve()
     loading.cancel()
@@ -183,6 +186,7 @@ if __name__ == "__main__":
     parser.add_argument("--load-s", type=float, default=0.2)
     parser.add_argument("--record", default="")
     parser.add_argument("--no-drain", dest="drain", action="store_false")
+    parser.add_argument("--ignore-term", action="store_true")
     arguments = parser.parse_args()
     STATE["name"], STATE["record"] = arguments.name, arguments.record
     record("started_at")

@@ -12,6 +12,7 @@ import typer.main
 from .agent import agent
 from .demo import demo
 from .gateway import gateway
+from .logs import logs
 from .ops import COMMANDS
 from .run import run
 from .serve import serve, token_app
@@ -31,6 +32,7 @@ app.command()(serve)
 app.command()(agent)
 app.command()(run)
 app.command()(gateway)
+app.command()(logs)
 app.add_typer(token_app, name="token")
 for _name, _command in COMMANDS.items():
     app.command(_name)(_command)

@@ -3,7 +3,8 @@
 Exit codes: 0 after a clean stop (SIGINT/SIGTERM); 2 when the config is wrong (the
 message names the model, the key and the reason), or with ``--check`` when a model's
 program is not found (at a start it is only a warning: it may be installed later);
-69 when it cannot listen.
+69 when it cannot listen; 73 when another gateway uses its state directory. A second
+SIGINT/SIGTERM while it stops kills the model servers at once.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import typer
 from ..core import ArbiterError, InvalidInput, format_mb, priority_name
 from ..gateway.config import GatewayConfig, load_config
 from ..gateway.estimate import Estimate
+from ..gateway.process import GatewayRefused
 from ..gateway.serve import estimates, run_gateway
 from ..logs import say, setup_logging
+from ..paths import STATE_DIR_ENV, default_state_dir
 from .access import credentials
 
 EXIT_CONFIG = 2
@@ -123,6 +126,14 @@ def gateway(
     ] = None,
     token: Annotated[str | None, _opt("Bearer token.", envvar="GPU_ARBITER_TOKEN")] = None,
     log_level: Annotated[str, _opt("debug, info, warning or error.")] = "info",
+    state_dir: Annotated[
+        Path | None,
+        _opt(
+            "Where its servers' list, their logs and its lock live (default "
+            "$XDG_STATE_HOME/gpu-arbiter); one gateway per directory.",
+            envvar=STATE_DIR_ENV,
+        ),
+    ] = None,
 ) -> None:
     """Route OpenAI-style requests to model servers started on demand under leases."""
     if check:
@@ -141,7 +152,11 @@ def gateway(
     setup_logging("text", log_level)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_main(settings, controller, token, sizes_of(settings, found)))
+            sizes = sizes_of(settings, found)
+            runner.run(_main(settings, controller, token, sizes, state_dir or default_state_dir()))
+    except GatewayRefused as refused:
+        print(f"gpu-arbiter gateway: {refused}", file=sys.stderr)
+        raise typer.Exit(refused.exit_code) from None
     except OSError as error:
         print(f"gpu-arbiter gateway: cannot listen: {error}", file=sys.stderr)
         raise typer.Exit(EXIT_CANNOT_LISTEN) from None
@@ -174,10 +189,18 @@ def _replace(settings: GatewayConfig, changes: dict[str, Any]) -> GatewayConfig:
 
 
 async def _main(
-    settings: GatewayConfig, controller: str | None, token: str | None, sizes: dict[str, int]
+    settings: GatewayConfig,
+    controller: str | None,
+    token: str | None,
+    sizes: dict[str, int],
+    state_dir: Path,
 ) -> None:
-    stop = asyncio.Event()
+    """Until SIGINT or SIGTERM; the next one hurries the stop (no more graces)."""
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await run_gateway(settings, controller=controller, token=token, stop=stop, sizes=sizes)
+        loop.add_signal_handler(signum, lambda: (hurry if stop.is_set() else stop).set())
+    await run_gateway(
+        settings, controller=controller, token=token, stop=stop, hurry=hurry, sizes=sizes,
+        state_dir=state_dir,
+    )  # fmt: skip

@@ -6,6 +6,8 @@ The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import shlex
 import shutil
 import sys
@@ -26,8 +28,11 @@ from ..paths import default_state_dir
 from .agent import open_agent_probe, worker_name
 
 if TYPE_CHECKING:
-    from ..server.serve import Companion
+    from ..server.serve import Companion, Stopping
     from ..store import Store
+
+Gateway = Callable[..., Awaitable[None]]
+"""``gateway(worker, url, token, stop, hurry=)``: ``serve --local --models``'s gateway."""
 
 ENV = "GPU_ARBITER_"
 token_app = typer.Typer(help="Bearer tokens for the controller.", no_args_is_help=True)
@@ -195,6 +200,7 @@ def serve(
         "max_header_bytes": max_header_bytes,
         "header_timeout_s": header_timeout_s,
     }
+    from ..gateway.process import GatewayRefused
     from ..server.config import ServeConfig
     from ..server.serve import ServeRefused
     from ..server.serve import serve as run_server
@@ -208,12 +214,12 @@ def serve(
     if models is not None and not local:
         raise typer.BadParameter("--models runs the gateway beside the local agent: add --local")
     companion = None
-    if local:
-        token_file = settings.state_path / "admin.token" if settings.auth else None
-        companion = local_agent(spec, token_file, models)
+    token_file = settings.state_path / "admin.token" if settings.auth else None
     try:
+        if local:
+            companion = local_agent(spec, token_file, models, settings.state_path)
         run_server(settings, companion)
-    except ServeRefused as refused:  # one line, and its exit code (see server/serve.py)
+    except (ServeRefused, GatewayRefused) as refused:  # one line, and its exit code
         typer.echo(f"gpu-arbiter serve: {refused}", err=True)
         raise typer.Exit(refused.exit_code) from None
     except StoreError as error:  # at start: once serving, the store's failures are 503s
@@ -221,12 +227,17 @@ def serve(
 
 
 def local_agent(
-    simulate: str | None, token_file: Path | None, models: Path | None = None
+    simulate: str | None,
+    token_file: Path | None,
+    models: Path | None = None,
+    state_dir: Path | None = None,
 ) -> Companion:
     """``serve --local``'s agent for this machine, in the controller's process; with
-    ``models``, the model gateway beside it (a config error exits 2 before anything
-    starts)."""
-    gateway = None if models is None else local_gateway(models)
+    ``models``, the model gateway beside it, on ``state_dir`` (a config error exits 2,
+    another gateway on the directory 73, before anything starts). On stop the gateway
+    stops first (its servers stopped, their leases released, the agent still there to
+    stop them), then the agent."""
+    gateway = None if models is None else local_gateway(models, state_dir or default_state_dir())
     if simulate is not None:
         try:
             parse_fake_spec(simulate)
@@ -237,7 +248,7 @@ def local_agent(
     except typer.BadParameter:
         name = "local"
 
-    async def companion(url: str, token: str | None, stop: asyncio.Event) -> None:
+    async def companion(url: str, token: str | None, stopping: Stopping) -> None:
         probe = await open_agent_probe(name, simulate)
         simulated = isinstance(probe, FakeProbe)
         if simulate is not None:
@@ -251,24 +262,67 @@ def local_agent(
         say("try it from another shell:")
         for line in usage_lines(url, token_file):
             say(f"  {line}")
-        if gateway is None:
-            await Agent(settings, probe).run(stop)
-            return
-        await asyncio.gather(Agent(settings, probe).run(stop), gateway(name, url, token, stop))
+        agent_stop = asyncio.Event()
+        agent = asyncio.ensure_future(Agent(settings, probe).run(agent_stop))
+        try:
+            if gateway is None:
+                await _until_asked(stopping, [agent])
+            else:
+                run = functools.partial(gateway, name, url, token, hurry=stopping.hurry)
+                await _gateway_beside(run, agent, stopping)
+        finally:
+            agent_stop.set()
+            await agent
 
     return companion
 
 
-def local_gateway(models: Path) -> Callable[[str, str, str | None, asyncio.Event], Awaitable[None]]:
+async def _until_asked(stopping: Stopping, running: list[asyncio.Future[None]]) -> None:
+    """Until ``serve`` is asked to stop, or one of ``running`` has ended (failed)."""
+    asked = asyncio.ensure_future(stopping.asked.wait())
+    try:
+        either: list[asyncio.Future[Any]] = [asked, *running]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        asked.cancel()
+
+
+async def _gateway_beside(
+    run: Callable[[asyncio.Event], Awaitable[None]],
+    agent: asyncio.Future[None],
+    stopping: Stopping,
+) -> None:
+    """Runs the gateway until ``serve`` stops (or the agent failed), then waits until it
+    has stopped its servers and released their leases; its failure is raised."""
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(run(stop))
+    try:
+        await _until_asked(stopping, [agent, serving])
+    finally:
+        stop.set()
+        await asyncio.wait([serving])
+    serving.result()
+
+
+def local_gateway(models: Path, state_dir: Path) -> Gateway:
+    """``serve --local --models``'s gateway on ``state_dir``; a config error exits 2 and
+    another gateway on the directory is refused, before anything starts."""
+    from ..gateway.process import lock_state_dir
     from ..gateway.serve import run_gateway
     from .gateway import checked_config, sizes_of
 
     config, found = checked_config(models)
     sizes = sizes_of(config, found)
+    os.close(lock_state_dir(state_dir))  # taken for good once the gateway starts
 
-    async def gateway(worker: str, url: str, token: str | None, stop: asyncio.Event) -> None:
+    async def gateway(
+        worker: str, url: str, token: str | None, stop: asyncio.Event, hurry: asyncio.Event
+    ) -> None:
         settings = replace(config, worker=config.worker or worker)
-        await run_gateway(settings, controller=url, token=token, stop=stop, sizes=sizes)
+        await run_gateway(
+            settings, controller=url, token=token, stop=stop, hurry=hurry, sizes=sizes,
+            state_dir=state_dir,
+        )  # fmt: skip
 
     return gateway
 

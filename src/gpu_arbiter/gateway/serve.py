@@ -2,8 +2,10 @@
 
 ``gpu-arbiter gateway --config models.toml`` runs :func:`run_gateway` on its own;
 ``serve --local --models models.toml`` runs it beside the controller and the local
-agent (:func:`gateway_companion`). On stop, every replica is stopped (SIGTERM, SIGKILL
-after its grace) and its lease released before it returns.
+agent. At start, before it serves, it takes its state directory (one gateway per
+directory) and stops what a previous gateway there left running, then releases those
+leases (``process.py``). On stop, every replica is stopped (SIGTERM, SIGKILL after its
+grace; SIGKILL at once when ``hurry`` is set) and its lease released before it returns.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import contextlib
 import logging
 import socket
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from ..agent.local import local_workers
 from ..agent.supervisor import ProcessSupervisor
-from ..client import ArbiterClient
+from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import InvalidInput
 from ..logs import say
 from .app import GatewayApp
@@ -27,6 +30,7 @@ from .config import GatewayConfig, ModelConfig
 from .estimate import Estimate, estimate_vram
 from .metrics import GatewayMetrics
 from .model import ModelServer
+from .process import ProcessLauncher
 
 __all__ = ["estimates", "run_gateway"]
 
@@ -65,8 +69,29 @@ async def run_gateway(
     token: str | None,
     stop: asyncio.Event,
     sizes: dict[str, int],
+    state_dir: Path,
+    hurry: asyncio.Event | None = None,
 ) -> None:
-    """Serves until ``stop`` is set; ``sizes``: each model's MiB per GPU to ask for."""
+    """Serves until ``stop`` is set; ``sizes``: each model's MiB per GPU to ask for;
+    ``state_dir``: where its servers' list, their logs and its lock are (a second
+    gateway there: :class:`~.process.GatewayRefused`); ``hurry``: once set while it
+    stops, what still runs is killed without waiting for its grace."""
+    launcher = ProcessLauncher(state_dir)  # the lock first: a refused gateway starts nothing
+    try:
+        await _serve(config, controller, token, stop, sizes, launcher, hurry)
+    finally:
+        await launcher.close()
+
+
+async def _serve(
+    config: GatewayConfig,
+    controller: str | None,
+    token: str | None,
+    stop: asyncio.Event,
+    sizes: dict[str, int],
+    launcher: ProcessLauncher,
+    hurry: asyncio.Event | None,
+) -> None:
     worker = config.worker
     if worker is None:
         here = await local_workers()
@@ -83,6 +108,7 @@ async def run_gateway(
     metrics = GatewayMetrics()
     supervisor = ProcessSupervisor()
     async with ArbiterClient(controller or config.controller, token=token) as client:
+        await _release(client, await launcher.stop_leftovers())
         models = {
             name: ModelServer(
                 model, client=client, supervisor=supervisor, metrics=metrics, spawn=spawn,
@@ -113,7 +139,9 @@ async def run_gateway(
             for model in models.values():
                 model.shutdown()
             grace_s = max(m.grace_s for m in config.models.values())
+            hurried = asyncio.ensure_future(_kill_when(hurry, launcher))
             await _settle(list(models.values()), tasks, grace_s)
+            hurried.cancel()
             await serving
             await supervisor.close()
             sock.close()
@@ -129,6 +157,26 @@ async def _settle(
     for task in set(tasks):
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _release(client: ArbiterClient, leases: list[str]) -> None:
+    """Releases the leases of a previous run's servers (their groups are gone)."""
+    for lease_id in leases:
+        try:
+            await client.release(lease_id)
+            log.info("lease %s of the previous gateway released", lease_id)
+        except ApiError:
+            continue  # ended already
+        except ControllerUnreachable as error:
+            log.warning("lease %s of the previous gateway not released (%s)", lease_id, error)
+
+
+async def _kill_when(hurry: asyncio.Event | None, launcher: ProcessLauncher) -> None:
+    """A second stop signal: every server SIGKILLed now (its lease is then released)."""
+    if hurry is not None:
+        await hurry.wait()
+        log.warning("stopping at once: SIGKILL to every model server")
+        launcher.kill_all()
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -7,6 +7,13 @@ store. Either refusal is one line and an exit code (:class:`ServeRefused`)::
     73  another process holds the state directory, or it cannot be written
         (EXIT_STATE_DIR_IN_USE)
     98  the address cannot be listened on: in use, or not this machine's (EXIT_CANNOT_LISTEN)
+
+Stopping: SIGINT or SIGTERM stops it gracefully and it exits 0 (uvicorn would raise the
+signal again once stopped: ``_Server`` does not). With companions (``serve --local``'s
+agent and gateway) the signal goes to them first: they stop while the server still
+answers them (the gateway stops its model servers and releases their leases, then the
+agent stops), and only then does the server stop. A second signal hurries them
+(:class:`Stopping`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ import errno
 import fcntl
 import logging
 import os
+import signal
 import socket
-from collections.abc import Callable, Coroutine
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,6 +52,7 @@ __all__ = [
     "EXIT_STATE_DIR_IN_USE",
     "Companion",
     "ServeRefused",
+    "Stopping",
     "lock_state_dir",
     "open_store",
     "serve",
@@ -56,8 +67,27 @@ KEEP_ALIVE_S = 65
 """Idle keep-alive: longer than clients keep idle connections (httpx: 5 s; load balancers:
 60 s), so that the server never closes a connection a client is about to reuse."""
 
-Companion = Callable[[str, str | None, asyncio.Event], Coroutine[Any, Any, None]]
-"""Runs beside the server once it listens: ``companion(url, admin_token, stop)``."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HURRIED_S = 5.0
+"""After a second stop signal, how long the companions have before they are cancelled."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stopping:
+    """How companions learn that ``serve`` stops: ``asked`` at the first SIGINT or
+    SIGTERM (finish what is under way, within its own bounds), ``hurry`` at the next
+    (no more graces: SIGKILL what still runs)."""
+
+    asked: asyncio.Event = field(default_factory=asyncio.Event)
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def signalled(self) -> None:
+        (self.hurry if self.asked.is_set() else self.asked).set()
+
+
+Companion = Callable[[str, str | None, Stopping], Coroutine[Any, Any, None]]
+"""Runs beside the server once it listens: ``companion(url, admin_token, stopping)``;
+returns once it has stopped."""
 
 
 def open_store(config: ServeConfig) -> Store:
@@ -203,6 +233,22 @@ class _Server(uvicorn.Server):
     def __init__(self, end_streams: Callable[[], None], config: uvicorn.Config) -> None:
         super().__init__(config)
         self.end_streams = end_streams
+        self.own_signals = True  # False: whoever runs it handles SIGINT and SIGTERM
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's handlers while it serves (SIGINT, SIGTERM: a graceful stop; SIGINT
+        again: at once), without raising the signal again once stopped, as uvicorn does:
+        a stop that was asked for is a clean exit (0)."""
+        if not self.own_signals or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {signum: signal.signal(signum, self.handle_exit) for signum in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for signum, handler in originals.items():
+                signal.signal(signum, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -243,43 +289,81 @@ def _uvicorn_config(app: Any, config: ServeConfig) -> uvicorn.Config:
 def _coordinate(controller: Controller, store: LeaderStore, config: ServeConfig) -> Companion:
     """Leader election beside the server (a shared store: several controllers)."""
 
-    async def coordinate(url: str, token: str | None, stop: asyncio.Event) -> None:
+    async def coordinate(url: str, token: str | None, stopping: Stopping) -> None:
         advertised = (config.advertise_url or url).rstrip("/")
         coordinator = Coordinator(controller, store, url=advertised, ttl_s=config.leader_ttl_s)
-        await coordinator.run(stop)
+        await coordinator.run(stopping.asked)
 
     return coordinate
 
 
 async def _serve_with(
-    server: uvicorn.Server,
+    server: _Server,
     sockets: list[socket.socket],
     companions: list[Companion],
     token: str | None,
 ) -> None:
+    """Serves with ``companions`` beside it; a stop signal stops them first, then the
+    server (see the module)."""
+    stopping = Stopping()
+    loop = asyncio.get_running_loop()
+    server.own_signals = False
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, stopping.signalled)
+    try:
+        await _serve_beside(server, sockets, companions, token, stopping)
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+
+async def _serve_beside(
+    server: _Server,
+    sockets: list[socket.socket],
+    companions: list[Companion],
+    token: str | None,
+    stopping: Stopping,
+) -> None:
     serving = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
-        if serving.done():
+        if serving.done() or stopping.asked.is_set():
+            server.should_exit = True
             await serving
             return
         await asyncio.sleep(0.05)
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     if host in ("0.0.0.0", "::"):
         host = socket.getfqdn()
-    stop = asyncio.Event()
     url = f"http://{host}:{port}"
     beside: asyncio.Future[list[None]] = asyncio.ensure_future(
-        asyncio.gather(*(companion(url, token, stop) for companion in companions))
+        asyncio.gather(*(companion(url, token, stopping) for companion in companions))
     )
+    asked = asyncio.ensure_future(stopping.asked.wait())
     try:
-        running: list[asyncio.Future[Any]] = [serving, beside]
+        running: list[asyncio.Future[Any]] = [serving, beside, asked]
         await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        stop.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(beside), 5.0)
-        if not serving.done():
-            server.should_exit = True
+        asked.cancel()
+        stopping.asked.set()
+        await _companions_stopped(beside, stopping)
+        server.should_exit = True
         await serving
-        if beside.done() and not beside.cancelled():
-            beside.result()  # an agent that failed says why
+    if not beside.cancelled():
+        beside.result()  # a companion that failed says why
+
+
+async def _companions_stopped(beside: asyncio.Future[list[None]], stopping: Stopping) -> None:
+    """Waits for the companions (each bounds its own stop); once hurried, for at most
+    ``HURRIED_S`` more before they are cancelled."""
+    hurry = asyncio.ensure_future(stopping.hurry.wait())
+    try:
+        either: list[asyncio.Future[Any]] = [beside, hurry]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not beside.done():
+            await asyncio.wait([beside], timeout=HURRIED_S)
+        if not beside.done():
+            log.warning("the companions did not stop in %gs after the second signal", HURRIED_S)
+            beside.cancel()
+            await asyncio.gather(beside, return_exceptions=True)
+    finally:
+        hurry.cancel()
