@@ -388,3 +388,17 @@ async def test_a_reserved_port_is_not_handed_out_again_until_unreserved(
     assert (first, launcher.port()) == (5001, 5002)  # 5001 again: reserved, skipped
     launcher.unreserve(first)
     assert launcher.port() == 5001
+
+
+async def test_a_gateway_that_stops_before_taking_over_keeps_the_last_runs_list(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state" / "gateway" / "servers.json"
+    state.parent.mkdir(parents=True)
+    entry = {"model": "chat", "lease": "L1", "pid": 1, "pgid": 1, "start_time": 1, "grace_s": 1}
+    state.write_text(json.dumps({"boot_id": watchdog.boot_id(), "servers": [entry]}))
+    launcher = ProcessLauncher(tmp_path / "state")
+
+    await launcher.close()  # its start failed (it could not listen, say)
+
+    assert json.loads(state.read_text())["servers"] == [entry]  # the next start finds it

@@ -462,7 +462,8 @@ class ProcessLauncher:
             self._watchdog = None
         for model_log in self._logs.values():
             model_log.close()
-        self._save()
+        if self._taken_over:  # else the previous run's list stays for the next start
+            self._save()
         os.close(self._lock_fd)
 
     # -------------------------------------------------------------- the watchdog
@@ -483,7 +484,8 @@ class ProcessLauncher:
         try:
             self._watchdog = subprocess.Popen(
                 [sys.executable, "-I", "-S", watchdog.__file__], stdin=read_fd,
-                start_new_session=True, pass_fds=(lock_fd,), close_fds=True,
+                stdout=subprocess.DEVNULL, start_new_session=True, pass_fds=(lock_fd,),
+                close_fds=True,
             )  # fmt: skip
         finally:
             os.close(read_fd)
