@@ -12,7 +12,7 @@
     vram = "auto"                  # or "6G": auto = estimated from the model file
     priority = "interactive"
     keep_alive = "5m"              # idle this long -> stopped and released
-    ready = "/health"              # 2xx here = loaded
+    ready = "/health"              # 2xx here = loaded (default: /health, else /v1/models)
     max_parallel = 4               # requests in flight per replica
     replicas = 2                   # at most this many replicas (each its own lease)
     aliases = ["gpt-4o-mini"]
@@ -72,7 +72,7 @@ class ModelConfig:
     vram: int | None  # MiB per GPU; None: estimated from the model file ("auto")
     priority: int = 500
     keep_alive_s: float = 300.0
-    ready: str = "/health"
+    ready: str | None = None  # None: /health, then /v1/models where /health is a 404
     max_parallel: int = 4
     replicas: int = 1
     aliases: tuple[str, ...] = ()

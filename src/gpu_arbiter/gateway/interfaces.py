@@ -6,17 +6,31 @@ life itself (``replica.py``) is unit-tested with ten-line fakes on a virtual clo
   process group and learning that it exited (real: ``process.py``);
 - :class:`AgentLink`: the local agent's endpoint (real: ``agent/local.py``'s socket);
 - :class:`LeaseApi`: the controller's lease routes (real: :class:`~gpu_arbiter.client.
-  ArbiterClient`, which has these very methods).
+  ArbiterClient`, which has these very methods);
+- :class:`HealthCheck`: asking a model server whether it has loaded (real: HTTP).
+
+:class:`Parts` bundles them for a gateway's models.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["AgentLink", "Clock", "Launcher", "LeaseApi", "LoopClock", "ServerProcess"]
+__all__ = [
+    "AgentLink",
+    "Clock",
+    "HealthCheck",
+    "Launcher",
+    "LeaseApi",
+    "LoopClock",
+    "Parts",
+    "ServerProcess",
+    "log_path",
+]
 
 Json = dict[str, Any]
 
@@ -116,6 +130,21 @@ class LeaseApi(Protocol):
     async def busy(self, lease_id: str) -> Json: ...
 
     async def release(self, lease_id: str) -> Json: ...
+
+
+class HealthCheck(Protocol):
+    async def status(self, port: int, path: str) -> int | None:
+        """The HTTP status of ``GET path`` on the server's port; None when nothing answered."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    clock: Clock
+    launcher: Launcher
+    agent: AgentLink
+    leases: LeaseApi
+    health: HealthCheck
 
 
 def log_path(state_dir: Path, model: str) -> Path:

@@ -14,19 +14,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ..agent.supervisor import ProcessSupervisor
-from ..client import ArbiterClient
 from .config import ModelConfig
+from .interfaces import Parts
 from .metrics import GatewayMetrics
-from .replica import Replica
+from .replica import Replica, ReplicaState, sleep_or
 
 __all__ = ["ModelServer", "Refused"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
+_MOST_ADVANCED = (
+    ReplicaState.BUSY,
+    ReplicaState.WARM,
+    ReplicaState.LOADING,
+    ReplicaState.QUEUED,
+    ReplicaState.STOPPING,
+)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 MEASURE_S = 2.0
@@ -47,8 +52,7 @@ class ModelServer:
         self,
         config: ModelConfig,
         *,
-        client: ArbiterClient,
-        supervisor: ProcessSupervisor,
+        parts: Parts,
         metrics: GatewayMetrics,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
         worker: str | None,
@@ -56,8 +60,8 @@ class ModelServer:
     ) -> None:
         self.config = config
         self.name = config.name
-        self.client = client
-        self.supervisor = supervisor
+        self.parts = parts
+        self.clock = parts.clock
         self.metrics = metrics
         self.spawn = spawn
         self.worker = worker
@@ -75,7 +79,7 @@ class ModelServer:
     async def acquire(self) -> tuple[Replica, float]:
         """A replica with a slot taken for the caller, and the seconds it queued.
         Raises :class:`Refused` (503 after ``queue_timeout``, 502 when its start failed)."""
-        started = time.monotonic()
+        started = self.clock.now()
         deadline = started + self.config.queue_timeout_s
         failures_before = self.failures
         self.waiting += 1
@@ -84,20 +88,17 @@ class ModelServer:
                 replica = self._free_replica()
                 if replica is not None:
                     if await replica.enter():
-                        return replica, time.monotonic() - started
+                        return replica, self.clock.now() - started
                     continue
                 if self.failures > failures_before and not self._live():
                     raise Refused(502, f"model {self.name}: {self.failure}")
                 self._refuse_while_backing_off()
                 self._start_if_needed()
                 changed = self._changed
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.now()
                 if remaining <= 0:
                     raise Refused(503, self._queue_timeout_reason(), self.config.queue_timeout_s)
-                try:
-                    await asyncio.wait_for(changed.wait(), remaining)
-                except TimeoutError:
-                    continue
+                await sleep_or(self.clock.sleep(remaining), changed)
         finally:
             self.waiting -= 1
             if self.waiting == 0:
@@ -126,11 +127,11 @@ class ModelServer:
         if not self.failures:
             return 0.0
         backoff = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2.0 ** (self.failures - 1))
-        return max(0.0, self.failed_at + backoff - time.monotonic())
+        return max(0.0, self.failed_at + backoff - self.clock.now())
 
     def _start_if_needed(self) -> None:
         holding = [r for r in self.replicas if r.live]  # a stopping one still holds memory
-        coming = [r for r in self._live() if r.state in ("queued", "loading")]
+        coming = [r for r in self._live() if r.state in (ReplicaState.QUEUED, ReplicaState.LOADING)]
         slots = len(coming) * self.config.max_parallel
         if self.waiting > slots and len(holding) < self.config.replicas:
             self._numbers += 1
@@ -140,7 +141,7 @@ class ModelServer:
             self.spawn(replica.run())
 
     def _queue_timeout_reason(self) -> str:
-        queued = [r.pending_reason for r in self.replicas if r.state == "queued"]
+        queued = [r.pending_reason for r in self.replicas if r.state is ReplicaState.QUEUED]
         why = queued[0] if queued else self.state()
         return f"model {self.name} not ready after {self.config.queue_timeout_s:g}s: {why}"
 
@@ -172,15 +173,6 @@ class ModelServer:
             "model %s replica %d: ready in %.1fs (lease %s)",
             self.name, replica.number, load_s, replica.lease.get("id"),
         )  # fmt: skip
-        if self.config.vram is None:
-            self.spawn(self._measure(replica))
-
-    async def _measure(self, replica: Replica) -> None:
-        """After a load, every ``MEASURE_S`` while the replica serves (and once more when
-        it stops: see :meth:`measure`)."""
-        while replica.live and replica.ending is None:
-            await self.measure(replica)
-            await asyncio.sleep(MEASURE_S)
 
     async def measure(self, replica: Replica) -> None:
         """The replica's memory as the agent's probe last saw it replaces the size asked
@@ -197,7 +189,7 @@ class ModelServer:
         kind, reason = replica.ending.kind, replica.ending.reason
         if kind == "failed":
             self.failures += 1
-            self.failed_at = time.monotonic()
+            self.failed_at = self.clock.now()
             self.failure = reason
         if kind != "cancelled":
             self.metrics.stops.labels(self.name, kind).inc()
@@ -214,9 +206,9 @@ class ModelServer:
     def state(self) -> str:
         """cold, queued, loading, warm, busy (or backoff): the most advanced replica's."""
         states = {r.state for r in self.replicas}
-        for state in ("busy", "warm", "loading", "queued", "stopping"):
+        for state in _MOST_ADVANCED:
             if state in states:
-                return state
+                return str(state)
         return "backoff" if self.backoff_left_s() > 0 else "cold"
 
     def describe(self) -> dict[str, Any]:
@@ -227,19 +219,25 @@ class ModelServer:
             "state": self.state(),
             "aliases": list(self.config.aliases),
             "vram_mb": self.vram_mb,
-            "replicas": [
-                {
-                    "state": r.state,
-                    "in_flight": r.in_flight,
-                    "lease": r.lease.get("id"),
-                    "gpus": r.lease.get("gpus"),
-                }
-                for r in self.replicas
-            ],
+            "replicas": [_replica(r) for r in self.replicas],
         }
-        queued = [r.pending_reason for r in self.replicas if r.state == "queued"]
+        queued = [r.pending_reason for r in self.replicas if r.state is ReplicaState.QUEUED]
         if queued:
             found["pending_reason"] = queued[0]
         if self.failure and self.backoff_left_s() > 0:
             found["failure"] = self.failure
         return found
+
+
+def _replica(replica: Replica) -> dict[str, Any]:
+    found: dict[str, Any] = {
+        "state": str(replica.state),
+        "in_flight": replica.in_flight,
+        "lease": replica.lease.get("id"),
+        "gpus": replica.lease.get("gpus"),
+        "pid": replica.pid,
+    }
+    left = replica.keep_alive_left_s()
+    if left is not None:
+        found["keep_alive_left_s"] = round(left, 1)
+    return found

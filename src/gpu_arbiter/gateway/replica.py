@@ -2,22 +2,29 @@
 
 ::
 
-    queued --granted--> loading --ready 2xx--> warm <--> busy
-      |                   |                     |  idle keep_alive: stop
-      | nobody waits:     | exited / not ready  |  revoked: no new requests, in-flight
-      | cancelled         | in load_timeout:    |  ones get the grace, then stop
+    queued --granted--> loading --ready 2xx--> warm <--request in / all out--> busy
+      |                   |                     |
+      | nobody waits:     | exited, not ready   | keep_alive quiet, revoked, reclaimed,
+      | cancelled         | in load_timeout:    | preempted, shutdown, the server exited
       v                   v failed              v
-                    stop (SIGTERM, SIGKILL after grace) -> exited -> release -> ended
+    ended <--released-- stopping <--------------+   (requests in flight get the grace)
 
-Busy and idle: the lease is marked busy before a request is forwarded to a replica
-marked idle, and idle once no request has been in flight for ``idle_after`` (so that
-back-to-back requests do not cost two controller calls each). The revocation is
-learnt by long-polling the lease (``GET /v1/leases/{id}?wait=&state=``): it goes
-through the client's failover and leader following, and ``state=`` answers at once
-when the state already changed, so no change is missed between two polls.
+Timers are driven by events, never by a sleep that nothing can wake: a request that
+arrives or leaves wakes the replica's keep-warm task, which re-arms from the moment the
+last request left: marked ``idle`` after ``idle_after`` with nothing in flight (so that
+back-to-back requests do not cost two controller calls each), stopped after
+``keep_alive``. A request marks the lease ``busy`` again before it is forwarded.
 
-The memory of a revoked lease stays committed until the process group has exited
-(I4): the lease is released only after that.
+Structure (Trio's nursery is the model): :meth:`Replica.run` is the whole life; while a
+lease is held, one ``asyncio.TaskGroup`` owns the replica's own work (renewing the lease,
+watching it for a revocation, reaping the process, keep-warm, measuring its memory), and
+that work ends before the lease is released. One revocation has one watcher (the
+long-poll of the lease) and one stopper (the life itself, after the grace). Time, the
+process, the agent, the controller and the health check are the :mod:`.interfaces`, so
+that all of this runs in unit tests on a virtual clock.
+
+The memory of a revoked lease stays committed until the process group has exited (I4):
+the lease is released only after that.
 """
 
 from __future__ import annotations
@@ -27,22 +34,19 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
-import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from ..agent.local import agent_request, attach
 from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
+from .interfaces import ServerProcess
 from .upstream import Upstream
 
 if TYPE_CHECKING:
     from .model import ModelServer
 
-__all__ = ["Replica"]
+__all__ = ["Ending", "Replica", "ReplicaState", "sleep_or"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 VISIBLE_DEVICES = (
@@ -53,10 +57,23 @@ VISIBLE_DEVICES = (
 )
 READY_POLL_S = 0.1
 AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agent did not
+RELEASE_TRIES = 20
+PORT_TRIES = 3  # a server that could not bind its port is started again on another
+TAIL_LINES = 8
+DEFAULT_READY = ("/health", "/v1/models")  # llama.cpp, vLLM, SGLang / llama-cpp-python
 Json = dict[str, Any]
 
 
-@dataclass(slots=True)
+class ReplicaState(StrEnum):
+    QUEUED = "queued"
+    LOADING = "loading"
+    WARM = "warm"
+    BUSY = "busy"
+    STOPPING = "stopping"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True, slots=True)
 class Ending:
     """Why a replica stops: ``kind`` (keep_alive, reclaimed, preempted, revoked, failed,
     cancelled, shutdown) and the words for logs and error bodies."""
@@ -65,57 +82,89 @@ class Ending:
     reason: str
 
 
+async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
+    """Waits for ``sleeping`` (a clock's sleep) or ``event``; True when the event came."""
+    if event.is_set():
+        if asyncio.iscoroutine(sleeping):
+            sleeping.close()
+        return True
+    sleeper = asyncio.ensure_future(sleeping)
+    woken = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({sleeper, woken}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        woken.cancel()
+    return event.is_set()
+
+
 class Replica:
     def __init__(self, model: ModelServer, number: int) -> None:
         self.model = model
         self.number = number
-        self.state = "queued"
+        self.parts = model.parts
+        self.state = ReplicaState.QUEUED
         self.lease: Json = {}
         self.port = 0
-        self.pid: int | None = None
+        self.process: ServerProcess | None = None
         self.in_flight = 0
         self.ending: Ending | None = None
         self.pending_reason = "waiting for a lease"
         self.exited = asyncio.Event()
         self.returncode: int | None = None
-        self._end = asyncio.Event()
-        self._idle_marked = False
-        self._mark = asyncio.Lock()
-        self._arrivals = 0  # requests that took a slot
-        self._quiet_since = 0.0  # when the last one left
-        self._quiet_task: asyncio.Task[None] | None = None
+        self.last_used = self.parts.clock.now()
         self.upstream = Upstream(0, model.config.max_parallel)  # its server's, once started
-        self._process: subprocess.Popen[bytes] | None = None
         # the tasks relaying a request to the server (the gateway's app adds and removes
         # them); those left at the end of the grace are cancelled, and ``cut`` set
         self.relays: set[asyncio.Task[Any]] = set()
         self.cut = False
+        self._end = asyncio.Event()
+        self._activity = asyncio.Event()  # a request came or left, or the replica ends
+        self._arrivals = 0  # requests that took a slot
+        self._quiet_since = self.last_used  # when the last one left
+        self._idle_marked = False
+        self._mark = asyncio.Lock()
         self._by_agent = False  # the local agent supervises the process
 
     # ------------------------------------------------------------------ routing
 
     @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
     def accepting(self) -> bool:
-        return self.state in ("warm", "busy") and self.ending is None
+        return self.state in (ReplicaState.WARM, ReplicaState.BUSY) and self.ending is None
 
     @property
     def live(self) -> bool:
-        return self.state != "ended"
+        return self.state is not ReplicaState.ENDED
+
+    def keep_alive_left_s(self) -> float | None:
+        """Seconds until keep_alive stops it, while nothing is in flight."""
+        if self.state is not ReplicaState.WARM or self.in_flight:
+            return None
+        left = self._quiet_since + self.model.config.keep_alive_s - self.parts.clock.now()
+        return max(0.0, left)
 
     async def enter(self) -> bool:
         """Takes a slot (the caller checked it has room); False if the lease was lost
         meanwhile. Marks the lease busy first when it was marked idle."""
         self.in_flight += 1
         self._arrivals += 1
-        self.state = "busy"
+        self.state = ReplicaState.BUSY
+        self.last_used = self.parts.clock.now()
+        self._activity.set()
         if not self._idle_marked:
             return True
         async with self._mark:
             if self._idle_marked:
                 try:
-                    self.lease = await self.model.client.busy(self.lease["id"])
+                    self.lease = await self.parts.leases.busy(self.lease["id"])
                     self._idle_marked = False
-                except (ApiError, ControllerUnreachable) as error:
+                except ControllerUnreachable:
+                    pass  # still ours until the controller says otherwise: marked next time
+                except ApiError as error:
                     self.leave()
                     self._stop(Ending("revoked", f"lease {self.lease['id']} lost: {error}"))
                     return False
@@ -124,55 +173,14 @@ class Replica:
     def leave(self) -> None:
         self.in_flight -= 1
         if self.in_flight == 0:
-            if self.state == "busy":
-                self.state = "warm"
-            self._quiet_since = time.monotonic()
-            self._start_quiet()
+            if self.state is ReplicaState.BUSY:
+                self.state = ReplicaState.WARM
+            self._quiet_since = self.last_used = self.parts.clock.now()
+            self._activity.set()
         self.model.notify()
 
-    def _start_quiet(self) -> None:
-        if self._quiet_task is None or self._quiet_task.done():
-            self._quiet_task = asyncio.ensure_future(self._quiet())
-
-    async def _quiet(self) -> None:
-        """No request in flight: idle after ``idle_after``, stopped after ``keep_alive``.
-        One timer per replica (not one per request): it ends while a request is in
-        flight, and the next request to leave starts it again."""
-        config = self.model.config
-        while not self.in_flight and self.ending is None:
-            arrivals = self._arrivals
-            if not await self._stays_quiet(config.idle_after_s, arrivals):
-                continue  # a request came: from the start once none is in flight
-            await self._mark_idle(arrivals)
-            if await self._stays_quiet(config.keep_alive_s, arrivals):
-                idle_s = config.keep_alive_s
-                self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
-                return
-
-    async def _stays_quiet(self, quiet_s: float, arrivals: int) -> bool:
-        """Waits until no request has come for ``quiet_s`` since the last one left;
-        False as soon as one comes (or the replica is ending)."""
-        while self._arrivals == arrivals and self.ending is None:
-            left = self._quiet_since + quiet_s - time.monotonic()
-            if left <= 0:
-                return True
-            await asyncio.sleep(left)
-        return False
-
-    async def _mark_idle(self, arrivals: int) -> None:
-        async with self._mark:
-            if self._arrivals != arrivals or self.ending is not None:
-                return
-            lease_id = self.lease["id"]
-            with contextlib.suppress(ApiError, ControllerUnreachable):
-                self.lease = await self.model.client.idle(lease_id)
-                self._idle_marked = True
-                if self._arrivals != arrivals:  # one came meanwhile, and did not wait
-                    self.lease = await self.model.client.busy(lease_id)
-                    self._idle_marked = False
-
     def cancel_if_queued(self) -> None:
-        if self.state == "queued":
+        if self.state is ReplicaState.QUEUED:
             self._stop(Ending("cancelled", "nobody waits for it any more"))
 
     def shutdown(self) -> None:
@@ -182,6 +190,7 @@ class Replica:
         if self.ending is None:
             self.ending = ending
             self._end.set()
+            self._activity.set()
             self.model.notify()
 
     # ------------------------------------------------------------------ life
@@ -194,13 +203,16 @@ class Replica:
         except Exception as error:  # a bug or the controller gone: end cleanly, say why
             log.exception("model %s replica %d failed", self.model.name, self.number)
             self._stop(Ending("failed", f"{error.__class__.__name__}: {error}"))
+        except asyncio.CancelledError:  # the gateway gave up waiting for it to stop
+            self._stop(Ending("shutdown", "cancelled while the gateway stopped"))
+            raise
         finally:
             await self._finish()
 
     async def _acquire(self) -> bool:
-        client = self.model.client
+        leases = self.parts.leases
         try:
-            self.lease = await client.create_lease(**self.model.lease_request(self.number))
+            self.lease = await leases.create_lease(**self.model.lease_request(self.number))
         except NotGranted as error:
             self._stop(Ending("failed", f"lease not granted: {error.state} ({error.reason})"))
             return False
@@ -211,13 +223,9 @@ class Replica:
             self.pending_reason = pending_text(self.lease)
             self.model.notify()
             waiting = asyncio.ensure_future(
-                client.lease(self.lease["id"], wait_s=30.0, state="pending")
+                leases.lease(self.lease["id"], wait_s=30.0, state="pending")
             )
-            ended = asyncio.ensure_future(self._end.wait())
-            await asyncio.wait({waiting, ended}, return_when=asyncio.FIRST_COMPLETED)
-            ended.cancel()
-            if not waiting.done():
-                waiting.cancel()
+            if await sleep_or(waiting, self._end):
                 break
             with contextlib.suppress(ControllerUnreachable):
                 self.lease = waiting.result()
@@ -229,111 +237,78 @@ class Replica:
         return False
 
     async def _serve(self) -> None:
-        self.state = "loading"
+        """Holding the lease: load, serve until an ending, drain, stop the process. The
+        task group's work (renew, watch, reap, keep-warm, measure) ends before it returns."""
+        self.state = ReplicaState.LOADING
         self.model.notify()
-        started = time.monotonic()
-        helpers = [
-            asyncio.ensure_future(self._renew()),
-            asyncio.ensure_future(self._watch()),
-        ]
-        try:
-            await self._start_process()
-            loaded = await self._wait_ready()
-            if loaded:
-                self.model.loaded(self, time.monotonic() - started)
-                self.state = "warm"
-                self._quiet_since = time.monotonic()
-                self._start_quiet()
-                self.model.notify()
-                await self._end.wait()
-            await self._drain()
-        finally:
-            if self._quiet_task is not None:
-                helpers.append(self._quiet_task)
-            for task in helpers:
-                task.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
-            self.upstream.close()
+        started = self.parts.clock.now()
+        async with asyncio.TaskGroup() as group:
+            keepers = [group.create_task(self._renew()), group.create_task(self._watch())]
+            try:
+                if await self._load(group):
+                    self.model.loaded(self, self.parts.clock.now() - started)
+                    self._warm(group, keepers)
+                    await self._end.wait()
+                await self._drain()
+            finally:
+                for task in keepers:
+                    task.cancel()
+        self.upstream.close()
 
-    async def _start_process(self) -> None:
-        model = self.model
-        self.port = _free_port()
+    def _warm(self, group: asyncio.TaskGroup, keepers: list[asyncio.Task[None]]) -> None:
+        self.state = ReplicaState.WARM
+        self._quiet_since = self.parts.clock.now()
+        keepers.append(group.create_task(self._keep_warm()))
+        if self.model.config.vram is None:
+            keepers.append(group.create_task(self._measure()))
+        self.model.notify()
+
+    async def _load(self, group: asyncio.TaskGroup) -> bool:
+        """Starts the server and waits until it is ready; a server that could not bind
+        its port (another program took it meanwhile) is started again on another."""
+        for attempt in range(1, PORT_TRIES + 1):
+            process = await self._start_process()
+            if process is None:
+                return False
+            group.create_task(self._reap(process))
+            outcome = await self._wait_ready(process)
+            if outcome != "port_taken" or attempt == PORT_TRIES:
+                return outcome == "ready" and await self._mark_ready()
+            log.info("model %s: port %d was taken; another one", self.model.name, self.port)
+            self.exited.clear()
+        return False
+
+    async def _start_process(self) -> ServerProcess | None:
+        model, launcher = self.model, self.parts.launcher
+        if self.port:
+            launcher.unreserve(self.port)
+        self.port = launcher.port()
         self.upstream = Upstream(self.port, model.config.max_parallel)
         command = [part.replace("{port}", str(self.port)) for part in model.config.command]
+        worker = str(self.lease["worker"])
         env = dict(os.environ)
-        local = await agent_request(str(self.lease["worker"]), {"op": "env"})
-        if local and local.get("ok"):
-            env.update({str(k): str(v) for k, v in (local.get("env") or {}).items()})
-        indexes = ",".join(g.rpartition(":")[2] for g in self.lease["gpus"])
+        env.update(await self.parts.agent.env(worker))
+        indexes = ",".join(str(g).rpartition(":")[2] for g in self.lease["gpus"])
         env.update({name: indexes for name in VISIBLE_DEVICES})
         env.update(model.config.env)
         env["GPU_ARBITER_LEASE"] = str(self.lease["id"])
         env["GPU_ARBITER_FENCING_TOKEN"] = str(self.lease["token"])
         try:
-            self._process = await asyncio.to_thread(
-                subprocess.Popen, command, env=env, process_group=0, stdin=subprocess.DEVNULL
-            )
+            process = await launcher.start(
+                model.name, command, env, lease_id=str(self.lease["id"]),
+                grace_s=model.config.grace_s,
+            )  # fmt: skip
         except OSError as error:
             self._stop(Ending("failed", f"cannot start {command[0]}: {error.strerror or error}"))
-            self.exited.set()
-            return
-        self.pid = self._process.pid
-        model.supervisor.watch(self.lease["id"], self.pid, self.pid)
+            return None
+        self.process = process
         self._by_agent = await self._attach()
         log.info(
             "model %s replica %d: started pid %d on %s port %d (lease %s)",
-            model.name, self.number, self.pid, ", ".join(self.lease["gpus"]), self.port,
+            model.name, self.number, process.pid, ", ".join(self.lease["gpus"]), self.port,
             self.lease["id"],
         )  # fmt: skip
-        self.model.spawn(self._reap())
-
-    async def _reap(self) -> None:
-        """Waits for the process to exit (pidfd: woken by the kernel), keeps its exit code,
-        and ends what it left in its group: the lease covers the whole group."""
-        assert self.pid is not None and self._process is not None
-        loop = asyncio.get_running_loop()
-        woken = asyncio.Event()
-        fd = os.pidfd_open(self.pid)
-        loop.add_reader(fd, woken.set)
-        try:
-            await woken.wait()
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
-        code = self._process.wait()  # the supervisor may have reaped it: its code then
-        entry = self.model.supervisor.get(self.lease["id"])
-        self.returncode = entry.returncode if entry and entry.returncode is not None else code
-        await _end_group(self.pid)
-        self.exited.set()
-        if self.ending is None:
-            self._stop(Ending("failed", f"the server exited with code {self.returncode}"))
-
-    async def _wait_ready(self) -> bool:
-        config = self.model.config
-        deadline = time.monotonic() + config.load_timeout_s
-        url = f"http://127.0.0.1:{self.port}{config.ready}"
-        async with httpx.AsyncClient(timeout=2.0) as http:
-            while self.ending is None:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(url)).is_success:
-                        break
-                if time.monotonic() > deadline:
-                    self._stop(
-                        Ending(
-                            "failed", f"not ready at {config.ready} in {config.load_timeout_s:g}s"
-                        )
-                    )
-                    return False
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._end.wait(), READY_POLL_S)
-        if self.ending is not None:
-            return False
-        try:
-            self.lease = await self.model.client.ready(self.lease["id"])
-        except (ApiError, ControllerUnreachable) as error:
-            self._stop(Ending("revoked", f"lease lost while loading: {error}"))
-            return False
-        return True
+        return process
 
     async def _attach(self) -> bool:
         """Puts the process group under the local agent's supervision: the controller then
@@ -341,28 +316,143 @@ class Replica:
         or this gateway is gone. On a revocation the gateway stops it itself, after the
         requests in flight had their grace (``holder_stops_s``): the agent's own SIGTERM
         comes only if it has not by then."""
-        assert self.pid is not None
+        assert self.process is not None
         worker, grace_s = str(self.lease["worker"]), self.model.config.grace_s
-        return await attach(worker, self.lease["id"], self.pid, holder_stops_s=grace_s)
+        return await self.parts.agent.attach(worker, self.lease["id"], self.process.pid, grace_s)
+
+    async def _reap(self, process: ServerProcess) -> None:
+        """Waits for the process group to be gone and keeps the exit code. A server that
+        exits while it serves ends the replica (one that exits while loading is the
+        loader's to judge)."""
+        code = await process.wait()
+        if process is not self.process:
+            return
+        self.returncode = code
+        self.exited.set()
+        self._activity.set()
+        if self.ending is None and self.state is not ReplicaState.LOADING:
+            self._stop(Ending("failed", f"the server exited with code {code}{self._tail()}"))
+        self.model.notify()
+
+    async def _wait_ready(self, process: ServerProcess) -> str:
+        """``ready``, ``port_taken`` (it exited unable to bind), or ``failed`` (ending set).
+        With the default ``ready``, ``/health`` answering 404 moves on to ``/v1/models``;
+        a path of the config answering 404 is a configuration error, named at once."""
+        config, clock = self.model.config, self.parts.clock
+        deadline = clock.now() + config.load_timeout_s
+        paths = (config.ready,) if config.ready else DEFAULT_READY
+        at = 0
+        while self.ending is None:
+            if self.exited.is_set():
+                return self._exited_while_loading()
+            status = await self.parts.health.status(self.port, paths[at])
+            if status is not None and 200 <= status < 300:
+                return "ready"
+            if status == 404 and at + 1 < len(paths):
+                at += 1
+                continue
+            if status == 404:
+                self._stop(Ending("failed", _not_found(paths, config.ready is not None)))
+                return "failed"
+            if clock.now() > deadline:
+                why = f"not ready at {paths[at]} in {config.load_timeout_s:g}s{self._tail()}"
+                self._stop(Ending("failed", why))
+                return "failed"
+            self._activity.clear()  # set by an ending and by the exit
+            await sleep_or(clock.sleep(READY_POLL_S), self._activity)
+        return "failed"
+
+    def _exited_while_loading(self) -> str:
+        tail = self.process.tail(TAIL_LINES) if self.process is not None else []
+        if any("address already in use" in line.lower() for line in tail):
+            return "port_taken"
+        code = self.returncode
+        self._stop(Ending("failed", f"the server exited with code {code} while loading" + (
+            _last_lines(tail))))  # fmt: skip
+        return "failed"
+
+    async def _mark_ready(self) -> bool:
+        try:
+            self.lease = await self.parts.leases.ready(self.lease["id"])
+        except (ApiError, ControllerUnreachable) as error:
+            self._stop(Ending("revoked", f"lease lost while loading: {error}"))
+            return False
+        return True
+
+    def _tail(self) -> str:
+        return _last_lines(self.process.tail(TAIL_LINES)) if self.process is not None else ""
+
+    # ------------------------------------------------------------------ keep-warm
+
+    async def _keep_warm(self) -> None:
+        """Nothing in flight for ``idle_after``: the lease is marked idle (a cache the
+        arbiter may reclaim); for ``keep_alive``: the replica stops. Both counted from
+        the moment the last request left, re-armed by every request."""
+        config = self.model.config
+        while self.ending is None:
+            if self.in_flight:
+                self._activity.clear()
+                await self._activity.wait()
+                continue
+            since, arrivals = self._quiet_since, self._arrivals
+            if not self._idle_marked:
+                if await self._quiet_until(since + config.idle_after_s):
+                    await self._mark_idle(arrivals)
+                continue
+            if await self._quiet_until(since + config.keep_alive_s):
+                idle_s = config.keep_alive_s
+                self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
+                return
+
+    async def _quiet_until(self, at: float) -> bool:
+        """True once ``at`` has come with no request coming or leaving meanwhile."""
+        self._activity.clear()
+        left = at - self.parts.clock.now()
+        if left <= 0:
+            return True
+        return not await sleep_or(self.parts.clock.sleep(left), self._activity)
+
+    async def _mark_idle(self, arrivals: int) -> None:
+        async with self._mark:
+            if self._arrivals != arrivals or self.ending is not None:
+                return
+            lease_id, leases = self.lease["id"], self.parts.leases
+            with contextlib.suppress(ApiError, ControllerUnreachable):
+                self.lease = await leases.idle(lease_id)
+                self._idle_marked = True
+                if self._arrivals != arrivals:  # one came meanwhile, and did not wait
+                    self.lease = await leases.busy(lease_id)
+                    self._idle_marked = False
+
+    async def _measure(self) -> None:
+        """After a load, every ``MEASURE_S`` while the replica serves (once more when it
+        stops: see :meth:`_drain`)."""
+        from .model import MEASURE_S
+
+        while self.ending is None:
+            await self.model.measure(self)
+            await sleep_or(self.parts.clock.sleep(MEASURE_S), self._end)
+
+    # ------------------------------------------------------------------ the end
 
     async def _drain(self) -> None:
         """No new requests; those in flight get the grace to finish, and those still in
         flight after it are cut off (503, naming why the replica stops); then the process
         group is stopped: SIGTERM once, SIGKILL after the grace."""
         assert self.ending is not None
-        grace_s = self.model.config.grace_s
-        if self.pid is not None and not self.exited.is_set():
+        grace_s, clock = self.model.config.grace_s, self.parts.clock
+        if self.process is not None and not self.exited.is_set():
             await self.model.measure(self)  # its last figure, for the next lease
         if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown"):
-            deadline = time.monotonic() + grace_s
-            while self.in_flight and time.monotonic() < deadline and not self.exited.is_set():
-                await asyncio.sleep(0.05)
+            deadline = clock.now() + grace_s
+            while self.in_flight and not self.exited.is_set() and clock.now() < deadline:
+                self._activity.clear()
+                await sleep_or(clock.sleep(deadline - clock.now()), self._activity)
             self._cut_relays()
-        self.state = "stopping"
+        self.state = ReplicaState.STOPPING
         self.model.notify()
-        if self.pid is None or self.exited.is_set():
-            return
-        await self._stop_process(grace_s)
+        if self.process is not None and not self.exited.is_set():
+            await self._stop_process(self.process, grace_s)
 
     def _cut_relays(self) -> None:
         self.cut = bool(self.relays)
@@ -374,56 +464,70 @@ class Replica:
                 self.model.name, self.number, len(self.relays), self.model.config.grace_s,
             )  # fmt: skip
 
-    async def _stop_process(self, grace_s: float) -> None:
+    async def _stop_process(self, process: ServerProcess, grace_s: float) -> None:
         """By the agent where it supervises the process (one SIGTERM, whoever asks), else
-        by the gateway's own supervisor; SIGKILL here if the agent has not stopped it by
-        the grace and a margin."""
-        assert self.pid is not None
-        pgid = self.pid
-        body = {"op": "stop", "lease": self.lease["id"], "grace_s": grace_s}
-        by_agent = self._by_agent and bool(
-            (answer := await agent_request(str(self.lease["worker"]), body)) and answer.get("ok")
-        )
+        here; SIGKILL here if it has not exited by the grace (and a margin for the
+        agent's own)."""
+        worker = str(self.lease["worker"])
+        by_agent = self._by_agent and await self.parts.agent.stop(worker, self.lease["id"], grace_s)
         if not by_agent:
-            task = self.model.supervisor.stop(self.lease["id"], grace_s)
-            if task is not None:
-                await task
-        try:
-            await asyncio.wait_for(self.exited.wait(), grace_s + AGENT_MARGIN_S)
-        except TimeoutError:
-            log.warning("model %s: pid %s outlived its grace: SIGKILL", self.model.name, self.pid)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-            await self.exited.wait()
+            process.signal(signal.SIGTERM)
+        wait_s = grace_s + (AGENT_MARGIN_S if by_agent else 0.0)
+        if not await self._exits_within(process, wait_s):
+            name = self.model.name
+            log.warning("model %s: pid %d outlived its grace: SIGKILL", name, process.pid)
+            process.signal(signal.SIGKILL)
+            await self._exits_within(process, None)
+
+    async def _exits_within(self, process: ServerProcess, seconds: float | None) -> bool:
+        """Waits for the group to be gone (at most ``seconds``); True when it is."""
+        waiting = asyncio.ensure_future(process.wait())
+        if seconds is None:
+            self.returncode = await waiting
+        else:
+            sleeper = asyncio.ensure_future(self.parts.clock.sleep(seconds))
+            try:
+                await asyncio.wait({waiting, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeper.cancel()
+            if not waiting.done():
+                waiting.cancel()
+                return False
+            self.returncode = waiting.result()
+        self.exited.set()
+        return True
 
     async def _finish(self) -> None:
         """Process gone (or never started) -> release -> ended."""
-        if self.pid is not None:
-            await self.exited.wait()
-            self.model.supervisor.forget(self.lease["id"])
+        if self.process is not None:
+            if not self.exited.is_set():  # a failure left it running: stop it now
+                await self._stop_process(self.process, self.model.config.grace_s)
+            self.parts.launcher.unreserve(self.port)
         if self.lease.get("id"):
             await self._release()
         assert self.ending is not None
-        self.state = "ended"
+        self.state = ReplicaState.ENDED
         self.model.ended(self)
 
     async def _release(self) -> None:
-        for _ in range(20):
+        for _ in range(RELEASE_TRIES):
             try:
-                await self.model.client.release(self.lease["id"])
+                await self.parts.leases.release(self.lease["id"])
                 return
             except ControllerUnreachable:
-                await asyncio.sleep(1.0)
+                await self.parts.clock.sleep(1.0)
             except ApiError:
                 return
+
+    # ------------------------------------------------------------------ the lease
 
     async def _renew(self) -> None:
         ttl_s = float(self.lease.get("ttl_s") or 30.0)
         while True:
-            await asyncio.sleep(max(0.2, ttl_s / 3))
+            await self.parts.clock.sleep(max(0.2, ttl_s / 3))
             try:
-                await self.model.client.renew(self.lease["id"])
-                if self.pid is not None and not self.exited.is_set():
+                await self.parts.leases.renew(self.lease["id"])
+                if self.process is not None and not self.exited.is_set():
                     self._by_agent = await self._attach()  # a restarted agent learns it again
             except ControllerUnreachable:
                 continue  # not lost until the controller says so
@@ -433,12 +537,14 @@ class Replica:
                     return
 
     async def _watch(self) -> None:
+        """The one watcher of a revocation: a long-poll of the lease, which answers at
+        once when its state is no longer the one it last saw."""
         state = str(self.lease["state"])
         while True:
             try:
-                lease = await self.model.client.lease(self.lease["id"], wait_s=30.0, state=state)
+                lease = await self.parts.leases.lease(self.lease["id"], wait_s=30.0, state=state)
             except ControllerUnreachable:
-                await asyncio.sleep(0.5)
+                await self.parts.clock.sleep(0.5)
                 continue
             state = str(lease["state"])
             if state == "revoking" or lease.get("ended_at") is not None:
@@ -457,26 +563,21 @@ class Replica:
 
     async def used_mb(self) -> int | None:
         """The GPU memory of the process group now, as the local agent's probe sees it."""
-        if self.pid is None:
+        if self.process is None:
             return None
-        body = {"op": "usage", "pgid": self.pid}
-        answer = await agent_request(str(self.lease.get("worker")), body)
-        used = answer.get("used_mb") if answer else None
-        return used if isinstance(used, int) else None
+        return await self.parts.agent.used_mb(str(self.lease.get("worker")), self.process.pid)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _last_lines(lines: list[str]) -> str:
+    shown = [line.strip() for line in lines if line.strip()][-TAIL_LINES:]
+    return "; last output: " + " | ".join(shown) if shown else ""
 
 
-async def _end_group(pgid: int) -> None:
-    """Kills what is left of a group whose leader exited (its SIGTERM came before)."""
-    for _ in range(100):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
-        await asyncio.sleep(0.05)
+def _not_found(paths: tuple[str, ...], configured: bool) -> str:
+    if configured:
+        return (
+            f"the server answers 404 at ready = {paths[0]!r}: set ready to a path it "
+            "answers 2xx at once loaded"
+        )
+    tried = " and ".join(paths)
+    return f"the server answers 404 at {tried}: set ready to a path it answers 2xx at once loaded"

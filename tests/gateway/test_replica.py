@@ -1,0 +1,252 @@
+"""A replica's life on a virtual clock (fakes behind the gateway's interfaces): keep-warm
+timers driven by requests, the grace of a revocation, one SIGTERM, the lease released
+only once the process is gone, the ready path, a failed start's last output."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gpu_arbiter.gateway.model import Refused
+from gpu_arbiter.gateway.replica import ReplicaState
+
+from .fakes import World, settle
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    found = World(idle_after="0.5s", keep_alive="5m", grace="2s")
+    yield found
+    await found.close()
+
+
+async def warm(world: World) -> None:
+    await world.request()
+    assert world.replica.state is ReplicaState.WARM
+
+
+async def test_every_request_re_arms_idle_not_only_the_first(world: World) -> None:
+    await warm(world)
+    await world.clock.advance(0.6)
+    assert world.leases.verbs()[-1] == "idle"
+    for _ in range(3):  # the second request onwards was the bug: busy for keep_alive
+        await world.request()
+        assert world.leases.verbs()[-1] == "busy"
+        await world.clock.advance(0.4)
+        assert world.leases.verbs()[-1] == "busy"
+        await world.clock.advance(0.2)
+        assert world.leases.verbs()[-1] == "idle"
+    assert world.replica.state is ReplicaState.WARM
+
+
+async def test_back_to_back_requests_cost_no_controller_call(world: World) -> None:
+    await warm(world)
+    before = world.leases.verbs()
+    for _ in range(5):
+        await world.request()
+        await world.clock.advance(0.1)
+    assert world.leases.verbs() == before  # never idle between them: no idle, no busy
+
+
+async def test_keep_alive_counts_from_when_the_last_request_left(world: World) -> None:
+    await warm(world)
+    await world.clock.advance(200)
+    request = world.start(hold_s=50)  # in flight for 50 s: no keep_alive while busy
+    await world.clock.advance(50)
+    await request
+    assert world.replica.state is ReplicaState.WARM
+    await world.clock.advance(299)
+    assert world.replica.ending is None
+    assert world.process.signals == []
+    await world.clock.advance(2)
+    assert world.process.signals == [signal.SIGTERM]
+    await settle()
+    assert world.model.replicas == []
+    assert world.leases.verbs()[-1] == "release"
+
+
+async def test_a_request_in_flight_holds_off_idle_and_keep_alive(world: World) -> None:
+    await warm(world)
+    request = world.start(hold_s=1000)
+    await world.clock.advance(600)
+    assert world.replica.state is ReplicaState.BUSY
+    assert world.replica.ending is None
+    await world.clock.advance(400)
+    await request
+    assert world.replica.state is ReplicaState.WARM
+
+
+async def test_keep_alive_left_is_shown_while_warm(world: World) -> None:
+    await warm(world)
+    await world.clock.advance(100)
+    assert world.model.describe()["replicas"][0]["keep_alive_left_s"] == pytest.approx(200)
+
+
+async def test_a_revoked_busy_replica_finishes_within_the_grace_then_one_sigterm(
+    world: World,
+) -> None:
+    await warm(world)
+    lease_id = world.replica.lease["id"]
+    request = world.start(hold_s=1.5)
+    await world.clock.advance(0.1)
+    world.leases.revoke(lease_id)
+    await world.clock.advance(0.5)
+    assert world.process.signals == []  # its request still has the grace
+    assert not world.replica.accepting
+    await world.clock.advance(1.0)
+    await request
+    await settle()
+    assert world.process.signals == [signal.SIGTERM]
+    assert world.agent.stops == [lease_id]  # by the agent that supervises it: one SIGTERM
+    assert world.leases.verbs()[-1] == "release"
+
+
+async def test_requests_past_the_grace_are_cut_and_the_lease_waits_for_the_exit(
+    world: World,
+) -> None:
+    world.launcher.obeys_term = False
+    await warm(world)
+    replica = world.replica
+    request = world.start(hold_s=100)
+    await world.clock.advance(0.1)
+    replica.relays.add(request)
+    world.leases.revoke(replica.lease["id"])
+    await world.clock.advance(2.0)
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert replica.cut
+    assert world.process.signals == [signal.SIGTERM]
+    await world.clock.advance(6.9)
+    assert world.process.signals == [signal.SIGTERM]
+    await world.clock.advance(0.2)  # the grace and the agent's margin: SIGKILL
+    assert world.process.signals == [signal.SIGTERM, signal.SIGKILL]
+    await settle()
+    assert world.leases.verbs()[-1] == "release"
+
+
+async def test_the_lease_is_released_only_after_the_process_exited(world: World) -> None:
+    world.launcher.obeys_term = False
+    world.agent.supervises = False
+    await warm(world)
+    world.replica.shutdown()
+    await world.clock.advance(1.9)
+    assert world.process.signals == [signal.SIGTERM]
+    assert "release" not in world.leases.verbs()
+    await world.clock.advance(0.2)  # no agent: SIGKILL at the grace
+    assert world.process.signals == [signal.SIGTERM, signal.SIGKILL]
+    assert world.leases.verbs()[-1] == "release"
+
+
+async def test_a_release_is_retried_while_the_controller_is_unreachable(world: World) -> None:
+    await warm(world)
+    world.leases.unreachable = 3
+    world.replica.shutdown()
+    await world.clock.advance(5)
+    assert world.leases.verbs()[-4:] == ["unreachable"] * 3 + ["release"]
+
+
+async def test_default_ready_moves_from_a_404_health_to_v1_models(world: World) -> None:
+    world.health.answers["/health"] = 404  # llama-cpp-python has no /health
+    await world.request()
+    assert world.health.asked[:2] == ["/health", "/v1/models"]
+
+
+async def test_a_configured_ready_path_answering_404_fails_at_once() -> None:
+    world = World(ready="/healthz", load_timeout="5m")
+    world.health.answers["/healthz"] = 404
+    with pytest.raises(Refused) as refused:
+        await world.request()
+    assert refused.value.status == 502
+    assert "404 at ready = '/healthz'" in refused.value.reason
+    assert world.clock.now() < 1000 + 1  # not the whole load_timeout
+    await world.close()
+
+
+async def test_a_server_that_exits_while_loading_is_a_502_with_its_last_output() -> None:
+    world = World()
+    world.health.loaded = False
+
+    def crash(process: object) -> None:
+        world.launcher.processes[-1].lines = ["loading model", "error: unknown model arch"]
+        world.launcher.processes[-1].exit(1)
+
+    world.launcher.on_start = crash
+    with pytest.raises(Refused) as refused:
+        await world.request()
+    assert refused.value.status == 502
+    assert "exited with code 1 while loading" in refused.value.reason
+    assert "error: unknown model arch" in refused.value.reason
+    assert world.leases.verbs()[-1] == "release"
+    await world.close()
+
+
+async def test_a_server_whose_port_was_taken_starts_again_on_another() -> None:
+    world = World()
+
+    def first_cannot_bind(process: object) -> None:
+        if len(world.launcher.processes) == 1:
+            world.launcher.processes[0].lines = ["error: bind: Address already in use"]
+            world.launcher.processes[0].exit(1)
+
+    world.launcher.on_start = first_cannot_bind
+    await world.request()
+    first, second = world.launcher.processes
+    assert first.command[-1] != second.command[-1]
+    assert world.replica.state is ReplicaState.WARM
+    assert world.launcher.reserved == {int(second.command[-1])}
+    await world.close()
+
+
+async def test_a_missing_program_is_a_502_naming_it() -> None:
+    world = World()
+    world.launcher.missing = True
+    with pytest.raises(Refused) as refused:
+        await world.request()
+    assert "cannot start server: No such file or directory" in refused.value.reason
+    await world.close()
+
+
+async def test_a_crash_while_serving_ends_the_replica_and_releases(world: World) -> None:
+    await warm(world)
+    world.process.lines = ["segfault"]
+    world.process.exit(139)
+    await settle()
+    assert world.model.replicas == []
+    assert world.model.failure is not None
+    assert "code 139" in world.model.failure
+    assert world.leases.verbs()[-1] == "release"
+
+
+async def test_a_queued_replica_nobody_waits_for_is_cancelled_and_released() -> None:
+    world = World(queue_timeout="10s")
+    world.leases.grant = False
+    request = world.start()
+    await world.clock.advance(1)
+    assert world.replica.state is ReplicaState.QUEUED
+    await world.clock.advance(10)
+    with pytest.raises(Refused) as refused:
+        await request
+    assert refused.value.status == 503
+    await settle()
+    assert world.model.replicas == []
+    assert world.leases.verbs() == ["create", "release"]
+    await world.close()
+
+
+async def test_a_queued_replica_starts_once_granted() -> None:
+    world = World()
+    world.leases.grant = False
+    request = world.start()
+    await world.clock.advance(1)
+    world.leases.give("L1")
+    await world.clock.advance(0)
+    await request
+    assert world.replica.state is ReplicaState.WARM
+    assert world.process.env["FROM_AGENT"] == "1"  # type: ignore[attr-defined]
+    assert world.process.env["CUDA_VISIBLE_DEVICES"] == "0"  # type: ignore[attr-defined]
+    await world.close()
