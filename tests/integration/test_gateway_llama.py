@@ -1,0 +1,205 @@
+"""The gateway in front of llama.cpp's real server (``llama_server`` fixture: tests/llama.py)
+on tiny GGUF models, driven by the official ``openai`` SDK as its users drive it, with a
+real controller and agent (fake probe: the GPUs are simulated, the server runs on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gpu_arbiter.gateway.estimate import estimate_vram
+
+from .conftest import wait_for
+from .gateways import GatewayProcess, metric
+from .test_gateway import Setup, setup
+
+__all__ = ["setup"]
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def llama_entry(
+    name: str, server: Path, model: Path, *, ctx: int = 512, **keys: Any
+) -> tuple[str, list[str]]:
+    """One ``[models.NAME]`` table running the real llama-server, and its command."""
+    command = [str(server), "-m", str(model), "-c", str(ctx), "--port", "{port}", "-t", "1"]
+    keys = {"idle_after": "0.3s", "grace": "2s", "queue_timeout": "120s", **keys}
+    lines = [f"[models.{name}]", f"command = {json.dumps(command)}"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
+    return "\n".join(lines) + "\n", command
+
+
+@pytest.fixture
+def sdk() -> Iterator[Any]:
+    """``sdk(gateway)``: an OpenAI client of that gateway (no retries: a failure shows)."""
+    made: list[openai.OpenAI] = []
+
+    def make(gateway: GatewayProcess) -> openai.OpenAI:
+        client = openai.OpenAI(
+            base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def ask(client: openai.OpenAI, model: str, tokens: int = 8) -> str:
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=tokens
+    )
+    assert answer.choices[0].message.content is not None
+    return answer.choices[0].message.content
+
+
+def lease_of(setup: Setup, model: str) -> dict[str, Any]:
+    [lease] = setup.held(model)
+    return lease
+
+
+def test_a_cold_start_from_the_gguf_chat_and_stream_through_the_sdk(
+    setup: Setup, sdk: Any, llama_server: Path, tiny_models: Path
+) -> None:
+    setup.agent()
+    entry, command = llama_entry(
+        "chat", llama_server, tiny_models / "tiny-chat.gguf", vram="auto",
+        aliases=["gpt-4o-mini"], keep_alive="5m",
+    )  # fmt: skip
+    gateway = setup.gateway(entry)
+    client = sdk(gateway)
+    assert ask(client, "gpt-4o-mini")  # cold: the first request starts the server
+    expected = estimate_vram(tuple(command)).total_mb
+    assert lease_of(setup, "chat")["vram_mb"] == expected  # vram = "auto", from the file
+    chunks = list(
+        client.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+            stream=True,
+        )
+    )  # fmt: skip
+    assert len(chunks) >= 2
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    completion = client.completions.create(model="chat", prompt="once upon", max_tokens=4)
+    assert completion.choices[0].text is not None
+    listed = {model.id for model in client.models.list()}
+    assert {"chat", "gpt-4o-mini"} <= listed
+    assert client.models.retrieve("chat").id == "chat"
+    page = httpx.get(gateway.url + "/metrics").text
+    assert metric(page, "gpu_arbiter_gateway_cold_starts_total", model="chat") == 1
+
+
+def test_keep_warm_holds_across_many_requests_and_goes_idle_after_each(
+    setup: Setup, sdk: Any, llama_server: Path, tiny_models: Path
+) -> None:
+    """After every request, not only the first, the lease is marked idle within
+    ``idle_after`` (a cache the arbiter may reclaim) and busy again for the next one."""
+    setup.agent()
+    entry, _ = llama_entry("chat", llama_server, tiny_models / "tiny-chat.gguf", vram="1G")
+    gateway = setup.gateway(entry)
+    client = sdk(gateway)
+    pids = set()
+    for _ in range(4):
+        ask(client, "chat")
+        wait_for(lambda: lease_of(setup, "chat")["idle"] is True, 20, "the lease idle")
+        assert gateway.model_state("chat")["state"] == "warm"
+        pids.add(gateway.model_state("chat")["replicas"][0]["pid"])
+    assert len(pids) == 1  # one server, kept warm
+    page = httpx.get(gateway.url + "/metrics").text
+    assert metric(page, "gpu_arbiter_gateway_cold_starts_total", model="chat") == 1
+
+
+def test_keep_alive_stops_the_real_server_and_releases_its_lease(
+    setup: Setup, sdk: Any, llama_server: Path, tiny_models: Path
+) -> None:
+    setup.agent()
+    entry, _ = llama_entry(
+        "chat", llama_server, tiny_models / "tiny-chat.gguf", vram="1G", keep_alive="1s"
+    )
+    gateway = setup.gateway(entry)
+    ask(sdk(gateway), "chat")
+    pid = gateway.model_state("chat")["replicas"][0]["pid"]
+    wait_for(lambda: gateway.model_state("chat")["state"] == "cold", 30, "the keep-alive stop")
+    assert not Path(f"/proc/{pid}").exists()
+    assert setup.held("chat") == []
+    page = httpx.get(gateway.url + "/metrics").text
+    assert metric(page, "gpu_arbiter_gateway_stops_total", model="chat", reason="keep_alive") == 1
+
+
+def test_an_idle_real_server_is_reclaimed_by_another_models_request(
+    setup: Setup, sdk: Any, llama_server: Path, tiny_models: Path
+) -> None:
+    setup.agent()
+    chat, _ = llama_entry("chat", llama_server, tiny_models / "tiny-chat.gguf", vram="14G")
+    big, _ = llama_entry("big", llama_server, tiny_models / "tiny-big.gguf", vram="14G")
+    gateway = setup.gateway(chat + big)
+    client = sdk(gateway)
+    ask(client, "chat")
+    chat_pid = gateway.model_state("chat")["replicas"][0]["pid"]
+    wait_for(lambda: lease_of(setup, "chat")["idle"] is True, 20, "chat idle")
+    ask(client, "big")  # 14G + 14G > 24G: chat's idle lease is reclaimed for it
+    assert not Path(f"/proc/{chat_pid}").exists()
+    assert gateway.model_state("chat")["state"] == "cold"
+    assert setup.held("chat") == []
+    page = httpx.get(gateway.url + "/metrics").text
+    assert metric(page, "gpu_arbiter_gateway_stops_total", model="chat", reason="reclaimed") == 1
+
+
+def test_a_stream_of_a_batch_model_is_preempted_by_an_interactive_one(
+    setup: Setup, llama_server: Path, tiny_models: Path
+) -> None:
+    """A batch stream the client reads slowly is still in flight when an interactive
+    model needs the GPU: the batch server is stopped after its grace, its stream ends,
+    and the interactive server starts only once the batch one has exited (I4)."""
+    setup.agent("1x24G:sm_86", "--grace-s", "1")
+    batch, _ = llama_entry(
+        "batch", llama_server, tiny_models / "tiny-chat.gguf", ctx=2048, vram="14G",
+        priority="batch", grace="1s",
+    )  # fmt: skip
+    chat, _ = llama_entry(
+        "chat", llama_server, tiny_models / "tiny-big.gguf", vram="14G", priority="interactive"
+    )
+    gateway = setup.gateway(batch + chat)
+    body = {
+        "model": "batch", "messages": [{"role": "user", "content": "go"}], "stream": True,
+        "max_tokens": 1900, "ignore_eos": True,
+    }  # fmt: skip
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", gateway.url + "/v1/chat/completions", json=body) as stream,
+    ):
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # streaming; the rest is not read yet
+        batch_pid = gateway.model_state("batch")["replicas"][0]["pid"]
+        asked: list[httpx.Response] = []
+        thread = threading.Thread(
+            target=lambda: asked.append(
+                httpx.post(
+                    gateway.url + "/v1/chat/completions", timeout=120,
+                    json={"model": "chat", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 4},
+                )  # fmt: skip
+            )
+        )
+        thread.start()
+        wait_for(lambda: not Path(f"/proc/{batch_pid}").exists(), 60, "the batch server gone")
+        with pytest.raises(httpx.RemoteProtocolError):  # cut short: never a clean end
+            for _ in lines:
+                pass
+    thread.join(120)
+    assert asked and asked[0].status_code == 200, asked and asked[0].text
+    ended = [
+        lease for lease in setup.admin.get("/v1/leases").json()
+        if lease["holder"].startswith("gateway batch ")
+    ]  # fmt: skip
+    assert [lease["revoke_reason"] for lease in ended] == ["preempted"]
+    page = httpx.get(gateway.url + "/metrics").text
+    assert metric(page, "gpu_arbiter_gateway_stops_total", model="batch", reason="preempted") == 1
