@@ -180,14 +180,10 @@ def test_a_stream_of_a_batch_model_is_preempted_by_an_interactive_one(
         assert next(lines).startswith("data: ")  # streaming; the rest is not read yet
         batch_pid = gateway.model_state("batch")["replicas"][0]["pid"]
         asked: list[httpx.Response] = []
+        chat_body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+        url = gateway.url + "/v1/chat/completions"
         thread = threading.Thread(
-            target=lambda: asked.append(
-                httpx.post(
-                    gateway.url + "/v1/chat/completions", timeout=120,
-                    json={"model": "chat", "messages": [{"role": "user", "content": "hi"}],
-                          "max_tokens": 4},
-                )  # fmt: skip
-            )
+            target=lambda: asked.append(httpx.post(url, json=chat_body, timeout=120))
         )
         thread.start()
         wait_for(lambda: not Path(f"/proc/{batch_pid}").exists(), 60, "the batch server gone")
