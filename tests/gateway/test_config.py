@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,3 +66,75 @@ def test_a_name_routes_to_one_model_only() -> None:
         parse_config({"models": models})
     with pytest.raises(InvalidInput, match="no model"):
         parse_config({"models": {}})
+
+
+def test_the_ports_bounds_keys_and_host_names(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the chat UI\nfile-key-0123456789\n\n  second-file-key-42  \n")
+    gateway = {
+        "api_keys": ["plain-key-0123456789"],
+        "keys": [{"key": "named-key-0123456789", "name": "chat-ui"}],
+        "api_key_file": "keys.txt",
+        "allowed_hosts": ["gpu.example"],
+        "max_connections": 50,
+        "max_header_bytes": 8192,
+        "max_headers": 20,
+        "header_timeout": "2s",
+        "max_body_bytes": "8M",
+        "max_buffered_bytes": 1 << 30,
+    }
+    config = parse_config({"gateway": gateway, "models": MODELS}, base=tmp_path)
+    assert [key.name for key in config.keys] == [
+        "gateway.api_keys[0]", "chat-ui", f"{keys}:2", f"{keys}:4",
+    ]  # fmt: skip
+    assert config.keys[3].key == "second-file-key-42"
+    assert "key-0123456789" not in repr(config)  # a key is never shown
+    assert (config.max_connections, config.max_header_bytes, config.max_headers) == (50, 8192, 20)
+    assert (config.header_timeout_s, config.max_body_bytes) == (2.0, 8 << 20)
+    assert config.max_buffered_bytes == 1 << 30 and config.allowed_hosts == ("gpu.example",)
+    defaults = parse_config({"models": MODELS})
+    assert defaults.keys == () and defaults.max_connections == 1000
+    assert (defaults.max_body_bytes, defaults.max_buffered_bytes) == (64 << 20, 256 << 20)
+
+
+MODELS = {"m": {"command": COMMAND}}
+
+
+@pytest.mark.parametrize(
+    ("gateway", "field", "reason"),
+    [
+        ({"api_keys": "k" * 10}, "gateway.api_keys", "must be a list"),
+        ({"api_keys": ["short"]}, "gateway.api_keys[0]", "8 to 4096 printable ASCII"),
+        ({"api_keys": ["with space 123"]}, "gateway.api_keys[0]", "no space"),
+        ({"api_keys": ["k" * 10, "k" * 10]}, "gateway.api_keys[1]", "the same key as"),
+        ({"keys": [{"name": "ui"}]}, "gateway.keys[0].key", "missing"),
+        ({"keys": [{"key": "k" * 10, "owner": "x"}]}, "gateway.keys[0].owner", "unknown key"),
+        ({"api_key_file": "nowhere.txt"}, "gateway.api_key_file", "cannot read"),
+        ({"max_connections": 0}, "gateway.max_connections", "not an integer 1.."),
+        ({"max_header_bytes": 10}, "gateway.max_header_bytes", "between 1024 and"),
+        ({"max_headers": "many"}, "gateway.max_headers", "not an integer 8.."),
+        ({"header_timeout": "0s"}, "gateway.header_timeout", "between 0.1 and 3600"),
+        ({"max_body_bytes": "6X"}, "gateway.max_body_bytes", "not a size"),
+        (
+            {"max_body_bytes": "64M", "max_buffered_bytes": "32M"},
+            "gateway.max_buffered_bytes",
+            "at least max_body_bytes",
+        ),
+        ({"allowed_hosts": [""]}, "gateway.allowed_hosts", "list of host names"),
+        ({"api_keyz": []}, "gateway.api_keyz", "unknown key"),
+    ],
+)
+def test_port_errors_name_the_key_and_never_show_a_key(
+    gateway: dict[str, Any], field: str, reason: str, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidInput, match=reason) as raised:
+        parse_config({"gateway": gateway, "models": MODELS}, base=tmp_path)
+    assert raised.value.field == field
+    assert "k" * 10 not in str(raised.value)
+
+
+def test_a_key_file_without_keys_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "keys.txt").write_text("# nothing yet\n\n")
+    with pytest.raises(InvalidInput, match="holds no key") as raised:
+        parse_config({"gateway": {"api_key_file": "keys.txt"}, "models": MODELS}, base=tmp_path)
+    assert raised.value.field == "gateway.api_key_file"

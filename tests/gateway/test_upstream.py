@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httptools
 import pytest
@@ -181,3 +182,105 @@ async def test_a_cancelled_request_closes_its_connection(scripted: Callable) -> 
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.wait_for(server.closed.wait(), 5)  # the server saw the connection closed
+
+
+class Reader:
+    """A server that reads each request's body by its framing (chunked or sized) and
+    answers with its size; it records each request's head and body."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.connections = 0
+        self.closed = asyncio.Event()
+        self.port = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = await (
+                    self._chunked(reader) if b"chunked" in head else self._sized(reader, head)
+                )
+                self.requests.append((head, body))
+                size = b"%d" % len(body)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(size), size))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+    @staticmethod
+    async def _sized(reader: asyncio.StreamReader, head: bytes) -> bytes:
+        return await reader.readexactly(int(head.split(b"content-length: ")[1].split(b"\r\n")[0]))
+
+    @staticmethod
+    async def _chunked(reader: asyncio.StreamReader) -> bytes:
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += await reader.readexactly(size)
+            await reader.readexactly(2)
+        await reader.readexactly(2)
+        return body
+
+
+@pytest.fixture
+async def reading() -> AsyncIterator[Reader]:
+    found = Reader()
+    listener = await asyncio.start_server(found.serve, "127.0.0.1", 0)
+    found.port = listener.sockets[0].getsockname()[1]
+    yield found
+    listener.close()
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for part in parts:
+        await asyncio.sleep(0)
+        yield part
+
+
+async def _read_all(upstream: Upstream, body: Any, length: int | None = None) -> bytes:
+    answer = await upstream.request("POST", b"/up", [], body, length)
+    try:
+        data = b""
+        while chunk := await answer.read():
+            data += chunk
+        return data
+    finally:
+        answer.close()
+
+
+async def test_a_body_as_chunks_is_sent_as_they_come_chunked_or_by_its_length(
+    reading: Reader,
+) -> None:
+    upstream = Upstream(reading.port, keep=4)
+    assert await _read_all(upstream, _chunks(b"abc", b"", b"de")) == b"5"
+    assert await _read_all(upstream, _chunks(b"abc", b"de"), length=5) == b"5"
+    large = bytes(range(256)) * 1024  # beyond one write's size: written after the head
+    assert await _read_all(upstream, large) == b"%d" % len(large)
+    [(chunked, first), (sized, second), (_, third)] = reading.requests
+    assert b"transfer-encoding: chunked\r\n" in chunked and first == b"abcde"
+    assert b"content-length: 5\r\n" in sized and second == b"abcde"
+    assert third == large
+    assert reading.connections == 1  # each answer complete: the connection kept
+    upstream.close()
+
+
+async def test_an_error_of_the_body_closes_the_connection_and_passes_through(
+    reading: Reader,
+) -> None:
+    class Gone(Exception):
+        pass
+
+    async def failing() -> AsyncIterator[bytes]:
+        yield b"abc"
+        raise Gone
+
+    upstream = Upstream(reading.port, keep=4)
+    with pytest.raises(Gone):
+        await upstream.request("PUT", b"/up", [], failing())
+    await asyncio.wait_for(reading.closed.wait(), 5)  # closed: never half a body reused
+    assert not reading.requests
+    upstream.close()

@@ -12,6 +12,9 @@ tokens (``"stream": true``) or answer once; a request's body steers it:
 - ``hold``: a file path; after the first token it waits until that file exists
 - ``crash``: the process exits with code 3 at once
 
+``POST /v1/audio/transcriptions`` and ``POST|PUT /upload`` take any body (a multipart
+upload) and answer its size, SHA-256, content type and framing.
+
 ``GET /stats`` says how many requests it served and how many its clients cancelled.
 With ``--record DIR`` it writes ``DIR/<name>-<pid>.json`` with its start, ready,
 SIGTERM and exit times and how many SIGTERMs it got (each process of a model its own
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -108,6 +112,18 @@ async def embeddings(request: Request) -> Response:
     return JSONResponse({"model": STATE["name"], "data": [{"embedding": [0.1, 0.2]}]})
 
 
+async def upload(request: Request) -> Response:
+    digest, size = hashlib.sha256(), 0
+    async for chunk in request.stream():
+        digest.update(chunk)
+        size += len(chunk)
+    STATE["requests"] += 1
+    framing = "chunked" if "transfer-encoding" in request.headers else "length"
+    found = {"bytes": size, "sha256": digest.hexdigest(), "framing": framing}
+    found["content_type"] = request.headers.get("content-type", "")
+    return JSONResponse({"model": STATE["name"], **found})
+
+
 async def echo(request: Request) -> Response:
     body = await request.body()
     return JSONResponse(
@@ -122,6 +138,8 @@ app = Starlette(
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/audio/transcriptions", upload, methods=["POST"]),
+        Route("/upload", upload, methods=["POST", "PUT"]),
         Route("/{path:path}", echo, methods=["GET", "POST", "PUT"]),
     ]
 )

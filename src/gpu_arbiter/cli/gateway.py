@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from ..core import ArbiterError, InvalidInput, format_mb, priority_name
+from ..gateway.access import check_exposure
 from ..gateway.config import GatewayConfig, load_config
 from ..gateway.estimate import Estimate
 from ..gateway.process import GatewayRefused
@@ -52,6 +53,16 @@ def checked_config(
     for field, reason in missing_programs(config).items() if warn else ():
         say(f"gateway: warning: {path}: {field}: {reason}; its requests fail until it is")
     return config, found
+
+
+def checked_exposure(config: GatewayConfig, path: Path) -> None:
+    """Exit 2 with one line when the gateway would listen beyond loopback without API
+    keys (``--host`` included)."""
+    try:
+        check_exposure(config.host, config.keys)
+    except InvalidInput as error:
+        typer.echo(f"gpu-arbiter gateway: {path}: {error}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
 
 
 def missing_programs(config: GatewayConfig) -> dict[str, str]:
@@ -148,6 +159,7 @@ def gateway(
     if worker is not None:
         changes["worker"] = worker
     settings = _replace(settings, changes)
+    checked_exposure(settings, config)
     token = _token(controller or settings.controller, token)
     setup_logging("text", log_level)
     try:

@@ -308,10 +308,12 @@ def local_gateway(models: Path, state_dir: Path) -> Gateway:
     """``serve --local --models``'s gateway on ``state_dir``; a config error exits 2 and
     another gateway on the directory is refused, before anything starts."""
     from ..gateway.process import lock_state_dir
-    from ..gateway.serve import run_gateway
-    from .gateway import checked_config, sizes_of
+    from ..gateway.serve import beside_a_controller, run_gateway
+    from .gateway import checked_config, checked_exposure, sizes_of
 
     config, found = checked_config(models)
+    checked_exposure(config, models)
+    config = beside_a_controller(config)  # before the controller sizes its connection cap
     sizes = sizes_of(config, found)
     os.close(lock_state_dir(state_dir))  # taken for good once the gateway starts
 

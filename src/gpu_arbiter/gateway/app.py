@@ -1,20 +1,41 @@
 """The gateway's HTTP side: a plain ASGI app (no router: one dict lookup per request).
 
-    POST /v1/...              the model named by the JSON body's ``model`` (or an alias)
+    POST /v1/...              the model named by the body's ``model`` (or an alias): a
+                              JSON body's top-level key, a multipart body's form field
     ANY  /models/{name}/...   any HTTP server, by prefix (the prefix is taken off)
-    GET  /v1/models           the configured models with their state
+    GET  /v1/models           the configured models with their state, and each alias
+                              as an entry of its own (``alias_of``)
+    GET  /v1/models/{id}      one of them, by name or alias
     GET  /metrics, /healthz
+
+In front of every route: the ``Host`` check, the simple-request rule and the API keys
+(``access.py``); ``/healthz`` needs no key. Bodies are held only as far as finding the
+model needs, under ``max_body_bytes`` each and ``max_buffered_bytes`` in all
+(``bodies.py``); the rest streams to the model server as it comes, as every body to
+``/models/{name}/...`` does.
 
 Responses stream through as they come (server-sent events, chunked bodies): each
 chunk the model server sends is passed on at once. A client that disconnects
 cancels the request to the model server (its connection is closed).
 
-Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 404 for an
-unknown model (naming the known ones), 503 with ``Retry-After`` when no replica was
-ready within ``queue_timeout``, or when its replica was stopped (revoked, preempted,
-the gateway stopping) before the request could finish within the model's ``grace``,
-502 when the model server failed, 413 for a body over 64 MiB. An answer already
-streaming when its replica stops ends early.
+Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
+
+    400 no_model                the body names no model (not JSON, no ``model`` field)
+    401 invalid_api_key         no key, or not one of ``[gateway] api_keys``
+    404 model_not_found         an unknown model (naming the known ones)
+    404 not_found               no such route
+    413 too_large               a body over ``max_body_bytes``
+    415 unsupported_media_type  a change a cross-site page could send
+    421 misdirected_request     a ``Host`` that is not this gateway's
+    502 model_failed            the model server failed (exited, refused, reset), or
+                                its last starts did (backing off)
+    503 unavailable             no replica ready within ``queue_timeout``, or its replica
+                                stopped (revoked, preempted, the gateway stopping) before
+                                the request could finish within the model's ``grace``
+    503 overloaded              the bodies held in memory are at ``max_buffered_bytes``
+
+A 503 carries ``Retry-After``. An answer already streaming when its replica stops
+ends early.
 """
 
 from __future__ import annotations
@@ -22,17 +43,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import httptools
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .access import Access
+from .bodies import (
+    BodyBudget,
+    ClientGone,
+    HeldBody,
+    MultipartModel,
+    OverBudget,
+    TooLarge,
+    boundary_of,
+    json_model,
+    stream_rest,
+)
+from .config import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
 from .metrics import GatewayMetrics
 from .model import ModelServer, Refused
 from .replica import Replica
-from .upstream import UpstreamError
+from .upstream import Body, UpstreamError
 
 __all__ = ["GatewayApp"]
 
@@ -41,7 +77,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
-MAX_BODY_BYTES = 64 * 1024 * 1024
+SCAN_IN_THREAD_BYTES = 1024 * 1024
+"""A JSON body larger than this is scanned for its model in a thread: the event loop
+goes on relaying meanwhile."""
 _HOP = frozenset(
     {
         b"connection",
@@ -61,10 +99,6 @@ _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 _STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_alive"})
 
 
-class _ClientGone(Exception):
-    """The client went away before its request's body had arrived."""
-
-
 class _Exchange:
     """One relayed request: the status sent (0 while none was), whether it is over,
     and whether its client went away."""
@@ -77,13 +111,37 @@ class _Exchange:
         self.gone = False
 
 
+@dataclass(slots=True)
+class _Outbound:
+    """What goes to the model server: the target, the body (held bytes, or chunks as
+    the client sends them) and its length when known. ``body_read`` is set once a
+    streamed body has all been read: only then may anyone else wait on the client."""
+
+    target: bytes
+    body: Body
+    length: int | None = None
+    body_read: asyncio.Event | None = None
+
+
 class GatewayApp:
     def __init__(
-        self, models: Mapping[str, ModelServer], routes: Mapping[str, str], metrics: GatewayMetrics
+        self,
+        models: Mapping[str, ModelServer],
+        routes: Mapping[str, str],
+        metrics: GatewayMetrics,
+        access: Access | None = None,
+        *,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_buffered_bytes: int = MAX_BUFFERED_BYTES,
     ) -> None:
         self.models = models
         self.routes = routes  # a model's name and aliases -> its name
         self.metrics = metrics
+        self.access = access or Access((), "127.0.0.1", ())
+        self.max_body_bytes = max_body_bytes
+        self.budget = BodyBudget(max_buffered_bytes)
+        metrics.body_bytes_held.set_function(lambda: self.budget.held)
+        self.created = int(time.time())  # the models' "created", as OpenAI lists it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -91,21 +149,24 @@ class GatewayApp:
             return
         if scope["type"] != "http":
             return
-        with contextlib.suppress(_ClientGone):
+        with contextlib.suppress(ClientGone):
             await self._http(scope, receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        if path.startswith("/v1/") and method == "POST":
-            await self._openai(scope, receive, send)
+        headers = {name.lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        denial = self.access.check(method, path, headers)
+        if denial is not None:
+            await _error(send, denial.status, denial.message, denial.code)
+        elif _declared_length(headers) > self.max_body_bytes:
+            await self._too_large(send)
+        elif path.startswith("/v1/") and method == "POST":
+            await self._openai(scope, receive, send, headers)
         elif path.startswith("/models/"):
-            name = path[len("/models/") :].partition("/")[0]
-            rest = _raw_path(scope)[len("/models/") :].partition(b"/")[2]
-            await self._route(scope, receive, send, name, _target(scope, b"/" + rest))
-        elif path == "/v1/models" and method == "GET":
-            data = [model.describe() for model in self.models.values()]
-            await _json(send, 200, {"object": "list", "data": data})
+            await self._prefix(scope, receive, send, headers)
+        elif method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
+            await self._listing(send, path[len("/v1/models/") :])
         elif path == "/metrics":
             body = generate_latest(self.metrics.registry)
             await _send(send, 200, body, CONTENT_TYPE_LATEST.encode())
@@ -114,51 +175,132 @@ class GatewayApp:
         else:
             await _error(send, 404, f"no route {method} {path}", "not_found")
 
-    async def _openai(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _body(receive)
-        if body is None:
-            await _error(send, 413, "the body is over 64 MiB", "too_large")
+    # ------------------------------------------------------------------ the models
+
+    async def _listing(self, send: Send, wanted: str) -> None:
+        """``GET /v1/models`` (``wanted`` empty) or ``GET /v1/models/{wanted}``."""
+        entries = [
+            self._entry(model.name, alias)
+            for model in self.models.values()
+            for alias in (model.name, *model.config.aliases)
+        ]
+        if not wanted:
+            await _json(send, 200, {"object": "list", "data": entries})
             return
+        found = next((entry for entry in entries if entry["id"] == wanted), None)
+        if found is None:
+            await self._unknown(send, wanted)
+            return
+        await _json(send, 200, found)
+
+    def _entry(self, name: str, alias: str) -> dict[str, Any]:
+        """A model (``alias`` is its name) or one of its aliases as OpenAI lists models,
+        with the gateway's own fields."""
+        model = self.models[name]
+        if alias == name:
+            return {"created": self.created, **model.describe()}
+        return {
+            "id": alias,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "gpu-arbiter",
+            "alias_of": model.name,
+            "state": model.state(),
+        }
+
+    async def _unknown(self, send: Send, name: str) -> None:
+        known = ", ".join(sorted(self.models))
+        message = f"model {name!r} is not known; known: {known}"
+        await _error(send, 404, message, "model_not_found")
+
+    async def _too_large(self, send: Send) -> None:
+        message = f"the body is over {self.max_body_bytes} bytes ([gateway] max_body_bytes)"
+        await _error(send, 413, message, "too_large")
+
+    # ------------------------------------------------------------------ finding the model
+
+    async def _openai(
+        self, scope: Scope, receive: Receive, send: Send, headers: Mapping[bytes, str]
+    ) -> None:
+        held = HeldBody(self.budget, self.max_body_bytes)
         try:
-            name = json.loads(body).get("model")
-        except (ValueError, AttributeError):
-            name = None
-        if not isinstance(name, str):
-            await _error(send, 400, "the body must be a JSON object naming a model", "no_model")
-            return
-        await self._route(scope, receive, send, name, _target(scope, _raw_path(scope)), body)
+            if _media_type(headers) == "multipart/form-data":
+                name = await _multipart_model(receive, headers, held)
+                missing = "a multipart body must have a model field"
+            else:
+                await held.read_all(receive)
+                name = await _scan(held.data)
+                missing = "the body must be a JSON object naming a model"
+            if name is None:
+                await _error(send, 400, missing, "no_model")
+                return
+            outbound = self._outbound(_target(scope, _raw_path(scope)), receive, headers, held)
+            await self._route(scope, receive, send, name, outbound)
+        except TooLarge:
+            await self._too_large(send)
+        except OverBudget:
+            await self._overloaded(send)
+        finally:
+            held.release()
+
+    async def _prefix(
+        self, scope: Scope, receive: Receive, send: Send, headers: Mapping[bytes, str]
+    ) -> None:
+        """``/models/{name}/...``: the body streams on from its first part."""
+        name = scope["path"][len("/models/") :].partition("/")[0]
+        rest = _raw_path(scope)[len("/models/") :].partition(b"/")[2]
+        held = HeldBody(self.budget, self.max_body_bytes)
+        try:
+            await held.read(receive)
+            outbound = self._outbound(_target(scope, b"/" + rest), receive, headers, held)
+            await self._route(scope, receive, send, name, outbound)
+        except TooLarge:
+            await self._too_large(send)
+        except OverBudget:
+            await self._overloaded(send)
+        finally:
+            held.release()
+
+    def _outbound(
+        self, target: bytes, receive: Receive, headers: Mapping[bytes, str], held: HeldBody
+    ) -> _Outbound:
+        """The held part of the body, and the rest as the client sends it (if any)."""
+        if not held.more:
+            return _Outbound(target, held.data)
+        read = asyncio.Event()
+        declared = _declared_length(headers)
+        chunks = _chain(held.data, stream_rest(receive, len(held.data), self.max_body_bytes), read)
+        return _Outbound(target, chunks, declared if declared >= 0 else None, read)
+
+    async def _overloaded(self, send: Send) -> None:
+        message = (
+            f"the gateway holds {self.budget.limit} bytes of request bodies already "
+            "([gateway] max_buffered_bytes); try again"
+        )
+        await _error(send, 503, message, "overloaded", 1.0)
+
+    # ------------------------------------------------------------------ relaying
 
     async def _route(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        name: str,
-        target: bytes,
-        body: bytes | None = None,
+        self, scope: Scope, receive: Receive, send: Send, name: str, outbound: _Outbound
     ) -> None:
         found = self.routes.get(name)
         if found is None:
-            known = ", ".join(sorted(self.models))
-            await _error(send, 404, f"model {name!r} is not known; known: {known}", "not_found")
+            await self._unknown(send, name)
             return
         model = self.models[found]
-        if body is None:
-            body = await _body(receive)
-            if body is None:
-                await _error(send, 413, "the body is over 64 MiB", "too_large")
-                return
         try:
             replica, queued_s = await model.acquire()
         except Refused as refused:
             self.metrics.requests.labels(found, str(refused.status)).inc()
-            await _error(send, refused.status, refused.reason, "unavailable", refused.retry_after_s)
+            code = "model_failed" if refused.status == 502 else "unavailable"
+            await _error(send, refused.status, refused.reason, code, refused.retry_after_s)
             return
         self.metrics.queue_seconds.labels(found).observe(queued_s)
         gauge = self.metrics.in_flight.labels(found)
         gauge.inc()
         try:
-            status = await self._forward(scope, receive, send, replica, target, body)
+            status = await self._forward(scope, receive, send, replica, outbound)
         finally:
             gauge.dec()
             replica.leave()
@@ -166,23 +308,23 @@ class GatewayApp:
             self.metrics.requests.labels(found, str(status)).inc()
 
     async def _forward(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        replica: Replica,
-        target: bytes,
-        body: bytes,
+        self, scope: Scope, receive: Receive, send: Send, replica: Replica, outbound: _Outbound
     ) -> int:
         """Relays the request; the status sent (0 when the client went away)."""
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+        drop = _HOP | {b"authorization"} if self.access.auth else _HOP  # the key is ours
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
         relay = asyncio.current_task()
         assert relay is not None
         exchange = _Exchange()
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, relay, exchange))
+        watcher = asyncio.ensure_future(
+            _watch_disconnect(receive, relay, exchange, outbound.body_read)
+        )
         replica.relays.add(relay)
         try:
-            await self._relay(send, scope["method"], target, headers, body, replica, exchange)
+            await self._relay(send, scope["method"], headers, outbound, replica, exchange)
+        except TooLarge:  # a streamed body went over the limit before any answer
+            await self._too_large(send)
+            exchange.status = 413
         except asyncio.CancelledError:
             if not (exchange.gone or replica.cut):
                 raise
@@ -201,14 +343,15 @@ class GatewayApp:
         self,
         send: Send,
         method: str,
-        target: bytes,
         headers: Headers,
-        body: bytes,
+        outbound: _Outbound,
         replica: Replica,
         exchange: _Exchange,
     ) -> None:
         try:
-            answer = await replica.upstream.request(method, target, headers, body)
+            answer = await replica.upstream.request(
+                method, outbound.target, headers, outbound.body, outbound.length
+            )
         except UpstreamError as error:
             exchange.status = await self._failed(send, replica, error)
             return
@@ -247,8 +390,52 @@ class GatewayApp:
             await _error(send, status, reason, "unavailable", 1.0)
             return status
         why = ending.reason if ending is not None else f"{error.__class__.__name__} {error}"
-        await _error(send, 502, f"model server {replica.model.name} failed: {why}", "bad_gateway")
+        await _error(send, 502, f"model server {replica.model.name} failed: {why}", "model_failed")
         return 502
+
+
+async def _multipart_model(
+    receive: Receive, headers: Mapping[bytes, str], held: HeldBody
+) -> str | None:
+    """Holds a multipart body up to the end of its ``model`` field (the rest streams)."""
+    boundary = boundary_of(headers.get(b"content-type", ""))
+    if boundary is None:
+        return None
+    scan = MultipartModel(boundary)
+    name = None
+    while name is None and held.more and not scan.malformed:
+        await held.read(receive)
+        name = scan.feed(held.data)
+    return name
+
+
+async def _scan(body: bytearray) -> str | None:
+    if len(body) > SCAN_IN_THREAD_BYTES:
+        return await asyncio.to_thread(json_model, body)
+    return json_model(body)
+
+
+async def _chain(
+    held: bytearray, rest: AsyncIterator[bytes], read: asyncio.Event
+) -> AsyncIterator[bytes | bytearray]:
+    """The held part of a body, then the rest; ``read`` is set once it has all been read."""
+    try:
+        if held:
+            yield held
+        async for chunk in rest:
+            yield chunk
+    finally:
+        read.set()
+
+
+def _media_type(headers: Mapping[bytes, str]) -> str:
+    return headers.get(b"content-type", "").partition(";")[0].strip().lower()
+
+
+def _declared_length(headers: Mapping[bytes, str]) -> int:
+    """The ``Content-Length`` the client declared; -1 when none (uvicorn checked it)."""
+    value = headers.get(b"content-length", "")
+    return int(value) if value.isdigit() else -1
 
 
 def _raw_path(scope: Scope) -> bytes:
@@ -264,8 +451,12 @@ def _target(scope: Scope, path: bytes) -> bytes:
 
 
 async def _watch_disconnect(
-    receive: Receive, relay: asyncio.Task[Any], exchange: _Exchange
+    receive: Receive, relay: asyncio.Task[Any], exchange: _Exchange, after: asyncio.Event | None
 ) -> None:
+    """Cancels the relay when the client goes away; with a streamed body, only once it
+    has all been read (until then, reading it is how a disconnect is seen)."""
+    if after is not None:
+        await after.wait()
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -273,22 +464,6 @@ async def _watch_disconnect(
                 exchange.gone = True
                 relay.cancel()
             return
-
-
-async def _body(receive: Receive) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
@@ -315,6 +490,9 @@ async def _json(send: Send, status: int, value: Any, extra: Any = ()) -> None:
 async def _error(
     send: Send, status: int, message: str, code: str, retry_after_s: float | None = None
 ) -> None:
+    """An error in OpenAI's shape. Sent before the client's body has all come, the
+    connection stays open: uvicorn reads the rest and drops it (holding none of it),
+    as closing with unread bytes would reset the connection, the answer with it."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     extra = []
     if retry_after_s is not None:

@@ -6,6 +6,19 @@
     host = "127.0.0.1"
     port = 8080
     worker = "box-1"               # default: the one agent on this host
+    api_keys = ["..."]             # Authorization: Bearer KEY (required beyond loopback)
+    api_key_file = "keys.txt"      # one key a line, # comments (relative: to this file)
+    allowed_hosts = ["gpu.example"]  # Host names besides loopback names and addresses
+    max_connections = 1000         # open connections to the port
+    max_header_bytes = 65536       # request line + headers (431 beyond)
+    max_headers = 100              # (431 beyond)
+    header_timeout = "10s"         # to send the headers (408 beyond)
+    max_body_bytes = "64M"         # one request's body (413 beyond)
+    max_buffered_bytes = "256M"    # bodies held in memory at once, all requests (503)
+
+    [[gateway.keys]]               # a key with a name (beside or instead of api_keys)
+    key = "..."
+    name = "chat-ui"
 
     [models.chat]
     command = "llama-server -m /models/qwen.gguf -c 8192 --port {port}"
@@ -19,7 +32,8 @@
 
 Sizes, durations and priorities go through the project's parsers; every error is an
 :class:`~gpu_arbiter.core.InvalidInput` whose field names the model and the key
-(``models.chat.vram``) and whose reason says what is wrong.
+(``models.chat.vram``) and whose reason says what is wrong. API keys never appear in
+an error (a duplicate is named by where it is).
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds
+from .access import ApiKey
 from .estimate import gpus_of
 
 __all__ = ["GatewayConfig", "ModelConfig", "load_config", "parse_config"]
@@ -60,7 +75,24 @@ _MODEL_KEYS = frozenset(
         "env",
     }
 )
-_GATEWAY_KEYS = frozenset({"host", "port", "worker", "controller"})
+_PORT_KEYS = frozenset(
+    {
+        "api_keys",
+        "api_key_file",
+        "keys",
+        "allowed_hosts",
+        "max_connections",
+        "max_header_bytes",
+        "max_headers",
+        "header_timeout",
+        "max_body_bytes",
+        "max_buffered_bytes",
+    }
+)
+_GATEWAY_KEYS = frozenset({"host", "port", "worker", "controller"}) | _PORT_KEYS
+MIB = 1024 * 1024
+MAX_BODY_BYTES = 64 * MIB
+MAX_BUFFERED_BYTES = 256 * MIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +127,14 @@ class GatewayConfig:
     port: int = 8080
     worker: str | None = None
     controller: str | None = None
+    keys: tuple[ApiKey, ...] = ()  # none: no auth (loopback only)
+    allowed_hosts: tuple[str, ...] = ()
+    max_connections: int = 1000
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_buffered_bytes: int = MAX_BUFFERED_BYTES
 
     def find(self, name: str) -> ModelConfig | None:
         """The model called ``name`` or having it as an alias."""
@@ -115,10 +155,11 @@ def load_config(path: str | Path) -> GatewayConfig:
         raise InvalidInput(str(path), f"cannot read: {error.strerror or error}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise InvalidInput(str(path), f"not valid TOML: {error}") from None
-    return parse_config(data)
+    return parse_config(data, base=path.parent)
 
 
-def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
+def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayConfig:
+    """``base``: the directory a relative ``api_key_file`` is in (the config file's)."""
     unknown = sorted(set(data) - {"gateway", "models"})
     if unknown:
         raise InvalidInput(unknown[0], "unknown section; known: gateway, models")
@@ -138,7 +179,114 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         port=port,
         worker=_optional_text(gateway.get("worker"), "gateway.worker"),
         controller=_optional_text(gateway.get("controller"), "gateway.controller"),
+        **_port_settings(gateway, base or Path()),
     )
+
+
+def _port_settings(gateway: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """The keys of the gateway's port: its bounds, API keys and host names."""
+    found: dict[str, Any] = {}
+    for key, (attribute, parse) in _PORT_PARSERS.items():
+        if key in gateway:
+            found[attribute] = _parsed(parse, gateway[key], f"gateway.{key}")
+    body = found.get("max_body_bytes", MAX_BODY_BYTES)
+    if found.get("max_buffered_bytes", MAX_BUFFERED_BYTES) < body:
+        raise InvalidInput(
+            "gateway.max_buffered_bytes",
+            f"must be at least max_body_bytes ({body} bytes): else such a body never fits",
+        )
+    found["keys"] = _api_keys(gateway, base)
+    return found
+
+
+def _api_keys(gateway: Mapping[str, Any], base: Path) -> tuple[ApiKey, ...]:
+    """``api_keys``, ``[[gateway.keys]]`` and ``api_key_file``'s keys, each once."""
+    keys: list[tuple[str, ApiKey]] = []
+    listed = gateway.get("api_keys", [])
+    if not isinstance(listed, list):
+        raise InvalidInput("gateway.api_keys", "must be a list of keys")
+    for i, value in enumerate(listed):
+        where = f"gateway.api_keys[{i}]"
+        keys.append((where, ApiKey(where, _api_key(value, where))))
+    tables = gateway.get("keys", [])
+    if not isinstance(tables, list):
+        raise InvalidInput("gateway.keys", "must be [[gateway.keys]] tables (key, name)")
+    keys += [_key_table(i, table) for i, table in enumerate(tables)]
+    if "api_key_file" in gateway:
+        keys += _key_file(gateway["api_key_file"], base)
+    seen: dict[str, str] = {}
+    for where, key in keys:
+        if key.key in seen:
+            raise InvalidInput(where, f"the same key as {seen[key.key]}")
+        seen[key.key] = where
+    return tuple(key for _, key in keys)
+
+
+def _key_table(i: int, table: Any) -> tuple[str, ApiKey]:
+    where = f"gateway.keys[{i}]"
+    table = _table(table, where)
+    _known(table, frozenset({"key", "name"}), where)
+    if "key" not in table:
+        raise InvalidInput(f"{where}.key", "missing")
+    name = _text(table.get("name", where), f"{where}.name")
+    return where, ApiKey(name, _api_key(table["key"], f"{where}.key"))
+
+
+def _key_file(value: Any, base: Path) -> list[tuple[str, ApiKey]]:
+    path = base / _text(value, "gateway.api_key_file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        why = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise InvalidInput("gateway.api_key_file", f"cannot read {path}: {why}") from None
+    found = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if text and not text.startswith("#"):
+            where = f"{path}:{number}"
+            found.append((where, ApiKey(where, _api_key(text, where))))
+    if not found:
+        raise InvalidInput("gateway.api_key_file", f"{path} holds no key")
+    return found
+
+
+def _api_key(value: Any, where: str) -> str:
+    """A key: 8 to 4096 printable ASCII characters, no space (it goes in a header)."""
+    if not isinstance(value, str):
+        raise InvalidInput(where, "must be a string")
+    if not 8 <= len(value) <= 4096 or not all("!" <= c <= "~" for c in value):
+        raise InvalidInput(where, "must be 8 to 4096 printable ASCII characters, no space")
+    return value
+
+
+def _bytes_between(low: int, high: int) -> Callable[[Any, str], int]:
+    """A size in bytes: an integer, or ``"64M"``/``"1G"`` (binary units)."""
+
+    def parse(value: Any, where: str) -> int:
+        size = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if size is None:
+            size = parse_mb(value, where) * MIB
+        if not low <= size <= high:
+            raise InvalidInput(where, f"must be between {low} and {high} bytes, not {size}")
+        return size
+
+    return parse
+
+
+def _seconds_between(low: float, high: float) -> Callable[[Any, str], float]:
+    def parse(value: Any, where: str) -> float:
+        seconds = parse_seconds(value, where)
+        if not low <= seconds <= high:
+            raise InvalidInput(where, f"must be between {low:g} and {high:g} seconds")
+        return seconds
+
+    return parse
+
+
+def _hosts(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(h, str) and h.strip() for h in value):
+        raise InvalidInput(where, 'must be a list of host names ("*": any)')
+    return tuple(h.strip() for h in value)
 
 
 def _model(name: str, spec: Any) -> ModelConfig:
@@ -270,6 +418,17 @@ _PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "ttl": ("ttl_s", _positive_seconds),
     "preemptible": ("preemptible", _bool),
     "env": ("env", _env),
+}
+
+
+_PORT_PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
+    "allowed_hosts": ("allowed_hosts", _hosts),
+    "max_connections": ("max_connections", _int_between(1, 1 << 20)),
+    "max_header_bytes": ("max_header_bytes", _bytes_between(1024, 1 << 24)),
+    "max_headers": ("max_headers", _int_between(8, 10_000)),
+    "header_timeout": ("header_timeout_s", _seconds_between(0.1, 3600)),
+    "max_body_bytes": ("max_body_bytes", _bytes_between(1024, 1 << 40)),
+    "max_buffered_bytes": ("max_buffered_bytes", _bytes_between(1024, 1 << 42)),
 }
 
 

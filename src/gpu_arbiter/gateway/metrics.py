@@ -38,3 +38,8 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "gpu_arbiter_gateway_in_flight", "Requests in flight", ["model"], registry=r
         )
+        self.body_bytes_held = Gauge(
+            "gpu_arbiter_gateway_body_bytes_held",
+            "Bytes of request bodies held in memory now (at most max_buffered_bytes)",
+            registry=r,
+        )

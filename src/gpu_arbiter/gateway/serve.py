@@ -15,6 +15,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from ..agent.local import local_workers
 from ..agent.supervisor import ProcessSupervisor
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import InvalidInput
-from ..logs import say
+from ..logs import Redactor, say
+from ..web.connections import HeadLimits, bounded_http, raise_open_files_limit, set_aside_files
+from .access import Access, ApiKey, check_exposure
 from .app import GatewayApp
 from .config import GatewayConfig, ModelConfig
 from .estimate import Estimate, estimate_vram
@@ -32,7 +35,7 @@ from .metrics import GatewayMetrics
 from .model import ModelServer
 from .process import ProcessLauncher
 
-__all__ = ["estimates", "run_gateway"]
+__all__ = ["beside_a_controller", "estimates", "run_gateway"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 
@@ -118,15 +121,15 @@ async def _serve(
         }  # fmt: skip
         routes = {alias: m.name for m in config.models.values() for alias in m.aliases}
         routes.update({name: name for name in config.models})
-        app = GatewayApp(models, routes, metrics)
+        check_exposure(config.host, config.keys)  # the CLI said so already, in one line
         sock = _listen(config.host, config.port)
-        server = _Server(
-            uvicorn.Config(
-                app, http="httptools", log_config=None, access_log=False, lifespan="off",
-                timeout_graceful_shutdown=1, timeout_keep_alive=30, proxy_headers=False,
-                server_header=False, date_header=False,  # the model server's own pass
-            )
+        access = Access(config.keys, sock.getsockname()[0], (config.host, *config.allowed_hosts))
+        app = GatewayApp(
+            models, routes, metrics, access, max_body_bytes=config.max_body_bytes,
+            max_buffered_bytes=config.max_buffered_bytes,
         )  # fmt: skip
+        _hide(config.keys)
+        server = _Server(_uvicorn_config(app, config))
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
         say(f"gateway on http://{host}:{port} for {', '.join(models)} (worker {worker or 'any'})")
@@ -177,6 +180,46 @@ async def _kill_when(hurry: asyncio.Event | None, launcher: ProcessLauncher) -> 
         await hurry.wait()
         log.warning("stopping at once: SIGKILL to every model server")
         launcher.kill_all()
+
+
+def beside_a_controller(config: GatewayConfig) -> GatewayConfig:
+    """The config of a gateway run in the controller's process (``serve --local
+    --models``): its connections, and its own to its model servers, are set aside from
+    the process's descriptors before the controller sizes its cap, so that connections
+    to either listener can never make the other unreachable."""
+    upstream = _upstream_connections(config)
+    share = set_aside_files(config.max_connections + upstream)
+    return replace(config, max_connections=max(1, share - upstream))
+
+
+def _upstream_connections(config: GatewayConfig) -> int:
+    """The most connections to model servers at once: each replica's ``max_parallel``."""
+    return sum(model.max_parallel * model.replicas for model in config.models.values())
+
+
+def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
+    """uvicorn with the port's bounds: the controller's head limits and header timeout
+    (one implementation, ``web/connections.py``) and a cap on connections that leaves
+    room, under the open-files limit, for the connections to the model servers."""
+    room = max(1, raise_open_files_limit() - _upstream_connections(config))
+    cap = min(config.max_connections, room)
+    if cap < config.max_connections:
+        log.warning("gateway: at most %d connections: the limit of open files allows no more", cap)
+    limits = HeadLimits(config.max_header_bytes, config.max_headers, config.header_timeout_s)
+    return uvicorn.Config(
+        app, http=bounded_http(limits), limit_concurrency=cap, log_config=None,
+        access_log=False, lifespan="off", timeout_graceful_shutdown=1, timeout_keep_alive=30,
+        proxy_headers=False, server_header=False, date_header=False,  # the model server's
+    )  # fmt: skip
+
+
+def _hide(keys: tuple[ApiKey, ...]) -> None:
+    """No log line shows an API key, whoever writes it (the handlers' redactors)."""
+    for handler in logging.getLogger().handlers:
+        for found in handler.filters:
+            if isinstance(found, Redactor):
+                for key in keys:
+                    found.hide(key.key)
 
 
 def _listen(host: str, port: int) -> socket.socket:

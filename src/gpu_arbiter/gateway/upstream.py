@@ -2,7 +2,10 @@
 streams, one pool per replica (at most ``keep`` idle connections are kept: the
 replica's ``max_parallel``).
 
-A request's line, headers and body leave in one write. The answer's head is parsed
+A request's line, headers and a small body leave in one write; a large body follows
+the head as it is (never copied into one buffer with it), and a body given as chunks
+(the gateway streams a client's upload as it comes) is sent as they come, with the
+client's ``Content-Length`` or chunked, and at most once. The answer's head is parsed
 (httptools, llhttp's parser) and its body handed on as it arrives: by
 ``Content-Length``, chunked (the chunks decoded: the gateway's own server chunks the
 body again) or up to the close. A connection goes back to the pool only after a whole
@@ -23,16 +26,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
 
 import httptools
 
-__all__ = ["Answer", "Upstream", "UpstreamError"]
+__all__ = ["Answer", "Body", "Upstream", "UpstreamError"]
 
 Headers = list[tuple[bytes, bytes]]
+Body = bytes | bytearray | AsyncIterable[bytes | bytearray]
+"""A request's body: its bytes, or its chunks as they come."""
 READ_BYTES = 256 * 1024
+ONE_WRITE_BYTES = 64 * 1024
+"""A body up to this size leaves in the head's write; a larger one is written apart."""
 _FRAMING = (b"content-length", b"transfer-encoding")
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 """Methods whose request may be sent again (RFC 9110, 9.2.2): all others at most once."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """A request as it is written: its head, then its body (bytes, or chunks sent with
+    chunked framing when ``chunked``)."""
+
+    head: bytes
+    body: Body
+    chunked: bool
+    head_only: bool
+
+    @property
+    def streamed(self) -> bool:
+        return not isinstance(self.body, bytes | bytearray)
 
 
 class UpstreamError(Exception):
@@ -97,11 +121,12 @@ class _Connection:
             return False
         return not self._quiet.poll(0)
 
-    async def send(self, data: bytes, head_only: bool) -> None:
+    async def send(self, request: _Outgoing) -> None:
         """Sends a request and reads up to the end of the answer's head."""
-        self.head_only = head_only
+        self.head_only = request.head_only
         try:
-            self.writer.write(data)
+            self.writer.write(request.head)
+            await self._send_body(request)
             while not self.head_done:
                 if not await self.feed() and not self.head_done:
                     raise _Unanswered("the server closed the connection without answering")
@@ -109,6 +134,23 @@ class _Connection:
             got = self.status or self.headers or not isinstance(error, OSError)
             kind = UpstreamError if got else _Unanswered
             raise kind(f"{error.__class__.__name__}: {error}") from error
+
+    async def _send_body(self, request: _Outgoing) -> None:
+        body = request.body
+        if isinstance(body, bytes | bytearray):
+            if body:
+                self.writer.write(body)
+            return
+        async for chunk in body:  # the caller's errors (its client went away) pass through
+            if not chunk:
+                continue  # (an empty chunk would end a chunked body)
+            if request.chunked:
+                self.writer.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+            else:
+                self.writer.write(chunk)
+            await self.writer.drain()
+        if request.chunked:
+            self.writer.write(b"0\r\n\r\n")
 
     async def feed(self) -> bool:
         """Reads what came and parses it; False at the end of the connection (an
@@ -190,28 +232,30 @@ class Upstream:
         self._closed = False
         self._host_header = f"host: {host}:{port}\r\n".encode()
 
-    async def request(self, method: str, target: bytes, headers: Headers, body: bytes) -> Answer:
+    async def request(
+        self, method: str, target: bytes, headers: Headers, body: Body, length: int | None = None
+    ) -> Answer:
         """Sends a request; the answer once its head came. Raises :class:`UpstreamError`
-        when the server did not answer. Cancelled, the connection is closed."""
+        when the server did not answer. Cancelled, the connection is closed. ``body``
+        as chunks: ``length`` is their total when known (else they are sent chunked);
+        an exception they raise closes the connection and passes through."""
         head = [method.encode(), b" ", target, b" HTTP/1.1\r\n", self._host_header]
         for name, value in headers:
             head += (name, b": ", value, b"\r\n")
-        head.append(b"content-length: %d\r\n\r\n" % len(body))
-        data = b"".join(head) + body
-        head_only = method == "HEAD"
+        data = _outgoing(method, head, body, length)
         while self._idle:
             connection = self._idle.pop()
             if not connection.usable():
                 connection.close()
                 continue
-            if method not in IDEMPOTENT:  # at most once: a failure is the caller's
+            if method not in IDEMPOTENT or data.streamed:  # at most once: the caller's
                 try:
-                    return await self._exchange(connection, data, head_only)
+                    return await self._exchange(connection, data)
                 except _Unanswered as error:
                     raise UpstreamError(f"{error} (a {method} is not sent twice)") from None
             with contextlib.suppress(_Unanswered):  # closed while idle: the next one
-                return await self._exchange(connection, data, head_only)
-        return await self._exchange(await self._connect(), data, head_only)
+                return await self._exchange(connection, data)
+        return await self._exchange(await self._connect(), data)
 
     async def _connect(self) -> _Connection:
         try:
@@ -220,9 +264,9 @@ class Upstream:
             raise UpstreamError(f"{error.__class__.__name__}: {error}") from error
         return _Connection(reader, writer)
 
-    async def _exchange(self, connection: _Connection, data: bytes, head_only: bool) -> Answer:
+    async def _exchange(self, connection: _Connection, data: _Outgoing) -> Answer:
         try:
-            await connection.send(data, head_only)
+            await connection.send(data)
         except _Unanswered:
             connection.close()
             if connection.reused:
@@ -246,3 +290,18 @@ class Upstream:
         for connection in self._idle:
             connection.close()
         self._idle.clear()
+
+
+def _outgoing(method: str, head: list[bytes], body: Body, length: int | None) -> _Outgoing:
+    """The request's bytes: its framing by the body's kind and size (see above)."""
+    head_only = method == "HEAD"
+    if not isinstance(body, bytes | bytearray):
+        if length is None:
+            head.append(b"transfer-encoding: chunked\r\n\r\n")
+        else:
+            head.append(b"content-length: %d\r\n\r\n" % length)
+        return _Outgoing(b"".join(head), body, length is None, head_only)
+    head.append(b"content-length: %d\r\n\r\n" % len(body))
+    if len(body) <= ONE_WRITE_BYTES:
+        return _Outgoing(b"".join(head) + body, b"", False, head_only)
+    return _Outgoing(b"".join(head), body, False, head_only)

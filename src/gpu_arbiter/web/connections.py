@@ -77,10 +77,17 @@ class _BoundedHttp(HttpToolsProtocol):
         if self._refusal is not None:
             return
         if self._reading_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > self.limits.max_header_bytes:
-                self._refuse(431, "request head larger than the limit")
-                return
+            room = self.limits.max_header_bytes - self._head_bytes
+            if len(data) > room:  # the parser sees the head's allowance: does it end there?
+                self._head_bytes += room
+                super().data_received(data[:room])  # (a body may follow in the same read)
+                if self._refusal is None and self._reading_head:
+                    self._refuse(431, "request head larger than the limit")
+                if self._refusal is not None:
+                    return
+                data = data[room:]
+            else:
+                self._head_bytes += len(data)
         super().data_received(data)  # a callback's _Refused comes back as send_400_response
 
     def on_message_begin(self) -> None:
