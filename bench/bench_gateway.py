@@ -1,5 +1,12 @@
 """The model gateway's added latency and throughput, against the model server called
-directly: ``python bench/bench_gateway.py [--seconds 5] [--runs 3]``.
+directly: ``python bench/bench_gateway.py [--seconds 5] [--runs 3] [--server stub|llama]``.
+
+``--server llama`` puts llama.cpp's real server (``--llama-server``, default
+``$GPU_ARBITER_LLAMA_SERVER`` or ``../shared/bin/llama-server``) on a tiny GGUF model
+(``--model``, default ``../shared/models/tiny-chat.gguf``) behind the gateway and beside
+it, answering ``POST /v1/completions`` with one token, and also times cold starts: a
+request to a cold model through the gateway (lease, start, ready, answer) against
+starting the same server by hand, polling ``/health`` every 10 ms, then the request.
 
 A controller (memory store, one simulated 24 GiB GPU), a gateway process with one
 model (tests/integration/model_server.py, warm before measuring: the first request
@@ -32,7 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 MODEL_SERVER = ROOT / "tests" / "integration" / "model_server.py"
-BODY = json.dumps({"model": "chat", "prompt": "hi", "tokens": 1}).encode()
+SHARED = ROOT.parent / "shared"
+BODY = json.dumps({"model": "chat", "prompt": "hi", "tokens": 1, "max_tokens": 1}).encode()
+COLD_MODELS = 5
 
 
 def free_port() -> int:
@@ -51,8 +60,16 @@ class Conn:
         ).encode() + BODY
 
     async def call(self) -> int:
+        """One request; a connection the server closed (llama.cpp's server ends a
+        keep-alive connection after some requests) is opened again, uncounted."""
         self.writer.write(self.head)
-        status = int((await self.reader.readline()).split()[1])
+        first = await self.reader.readline()
+        if not first:
+            port = self.writer.get_extra_info("peername")[1]
+            self.writer.close()
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", port)
+            return await self.call()
+        status = int(first.split()[1])
         length = 0
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode().partition(":")
@@ -111,6 +128,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--runs", type=int, default=3, help="medians over this many runs")
+    parser.add_argument("--server", choices=("stub", "llama"), default="stub")
+    default_llama = os.environ.get("GPU_ARBITER_LLAMA_SERVER") or SHARED / "bin/llama-server"
+    parser.add_argument("--llama-server", type=Path, default=Path(default_llama))
+    parser.add_argument("--model", type=Path, default=SHARED / "models/tiny-chat.gguf")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-gw-"))
     py = sys.executable
@@ -122,10 +143,12 @@ def main() -> None:
     url = "http://127.0.0.1:" + wait_log(
         work / "server.log", r"Uvicorn running on http://127\.0\.0\.1:(\d+)", server
     )
-    command = [py, str(MODEL_SERVER), "--port", "{port}", "--name", "chat", "--load-s", "0"]
-    (work / "models.toml").write_text(
-        f'[models.chat]\ncommand = {json.dumps(command)}\nvram = "4G"\nmax_parallel = 64\n'
-    )
+    command = server_command(args, "{port}")
+    models = f'[models.chat]\ncommand = {json.dumps(command)}\nvram = "4G"\nmax_parallel = 64\n'
+    if args.server == "llama":
+        for n in range(COLD_MODELS):
+            models += f'[models.cold{n}]\ncommand = {json.dumps(command)}\nvram = "1G"\n'
+    (work / "models.toml").write_text(models)
     gateway = start(
         [py, "-m", "gpu_arbiter", "gateway", "--config", str(work / "models.toml"), "--port",
          "0", "--controller", url, "--worker", "local", "--log-level", "warning",
@@ -134,24 +157,77 @@ def main() -> None:
     )  # fmt: skip
     gateway_port = int(wait_log(work / "gateway.log", r"gateway on http://[\d.]+:(\d+)", gateway))
     direct_port = free_port()
-    direct = start([py, str(MODEL_SERVER), "--port", str(direct_port), "--load-s", "0"],
-                   work / "direct.log")  # fmt: skip
+    direct = start(server_command(args, str(direct_port)), work / "direct.log")
     try:
         time.sleep(1.5)  # the direct server listens
-        asyncio.run(report(gateway_port, direct_port, args.seconds, args.runs))
+        callers = (1, 50) if args.server == "stub" else (1, 4)  # llama.cpp: 4 slots
+        asyncio.run(report(gateway_port, direct_port, args.seconds, args.runs, callers))
+        if args.server == "llama":
+            cold_starts(args, gateway_port, work)
     finally:
         for proc in (gateway, direct, server):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
 
 
-async def report(gateway_port: int, direct_port: int, seconds: float, runs: int) -> None:
+def server_command(args: argparse.Namespace, port: str) -> list[str]:
+    if args.server == "stub":
+        return [
+            sys.executable,
+            str(MODEL_SERVER),
+            "--port",
+            port,
+            "--name",
+            "chat",
+            "--load-s",
+            "0",
+        ]
+    return [str(args.llama_server), "-m", str(args.model), "-c", "512", "--port", port, "-t", "1"]
+
+
+def cold_starts(args: argparse.Namespace, gateway_port: int, work: Path) -> None:
+    """Seconds from nothing running to the first answer: by hand, and through the gateway
+    (each cold model once: a lease, the server started, ready, the request relayed)."""
+    import httpx
+
+    by_hand, through = [], []
+    for n in range(COLD_MODELS):
+        port = free_port()
+        began = time.perf_counter()
+        proc = start(server_command(args, str(port)), work / f"hand{n}.log")
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.01)
+        body = {"model": "chat", "prompt": "hi", "max_tokens": 1}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        by_hand.append(time.perf_counter() - began)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        began = time.perf_counter()
+        body["model"] = f"cold{n}"
+        answer = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/completions", json=body,
+                            timeout=120)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        through.append(time.perf_counter() - began)
+    hand, gate = statistics.median(by_hand), statistics.median(through)
+    print(f"cold start (median of {COLD_MODELS}): by hand {hand * 1e3:.0f} ms, through the "
+          f"gateway {gate * 1e3:.0f} ms, added {(gate - hand) * 1e3:.0f} ms")  # fmt: skip
+
+
+async def report(
+    gateway_port: int, direct_port: int, seconds: float, runs: int, callers_list: tuple[int, ...]
+) -> None:
     """Direct and gateway measured in turn, ``runs`` times: the medians of each figure
     and of what the gateway adds in each run (the machine's load changes from run to
     run; within one run both paths see about the same)."""
     await measure(gateway_port, 1, 0.5)  # the first request loads the model: warm it
     print(f"{'callers':>7} {'path':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}   ({runs} runs)")
-    for callers in (1, 50):
+    for callers in callers_list:
         direct, gateway, added = [], [], []
         for _ in range(runs):
             d = await measure(direct_port, callers, seconds)

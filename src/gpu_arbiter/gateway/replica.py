@@ -55,7 +55,8 @@ VISIBLE_DEVICES = (
     "HIP_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
 )
-READY_POLL_S = 0.1
+READY_POLL_FIRST_S = 0.01  # a server that loads in a moment is seen at once; one that
+READY_POLL_MAX_S = 0.25  # takes minutes is asked four times a second, not a hundred
 AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agent did not
 RELEASE_TRIES = 20
 PORT_TRIES = 3  # a server that could not bind its port is started again on another
@@ -341,7 +342,7 @@ class Replica:
         config, clock = self.model.config, self.parts.clock
         deadline = clock.now() + config.load_timeout_s
         paths = (config.ready,) if config.ready else DEFAULT_READY
-        at = 0
+        at, poll_s = 0, READY_POLL_FIRST_S
         while self.ending is None:
             if self.exited.is_set():
                 return self._exited_while_loading()
@@ -359,7 +360,8 @@ class Replica:
                 self._stop(Ending("failed", why))
                 return "failed"
             self._activity.clear()  # set by an ending and by the exit
-            await sleep_or(clock.sleep(READY_POLL_S), self._activity)
+            await sleep_or(clock.sleep(poll_s), self._activity)
+            poll_s = min(READY_POLL_MAX_S, poll_s * 1.5)
         return "failed"
 
     def _exited_while_loading(self) -> str:
