@@ -20,7 +20,7 @@ import pytest
 from gpu_arbiter.gateway import process as process_module
 from gpu_arbiter.gateway import watchdog
 from gpu_arbiter.gateway.interfaces import log_path
-from gpu_arbiter.gateway.process import GatewayRefused, ProcessLauncher
+from gpu_arbiter.gateway.process import GatewayRefused, ModelLog, ProcessLauncher
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -364,6 +364,13 @@ async def test_the_log_is_capped_and_rotated_in_whole_lines(tmp_path: Path) -> N
     assert all(len(line) == 100 and line.startswith("line ") for line in served)
     numbers = [int(line.split()[1]) for line in served]
     assert numbers == list(range(numbers[0], 5000))  # the latest, in order, none cut
+
+
+def test_a_write_larger_than_the_cap_keeps_its_last_whole_lines(tmp_path: Path) -> None:
+    model_log = ModelLog(tmp_path / "chat.log", max_bytes=25)
+    model_log.write(b"line one\n" + b"line two\nline three\n")  # 29 bytes: one read
+    model_log.close()
+    assert (tmp_path / "chat.log").read_bytes() == b"line two\nline three\n"
 
 
 async def test_a_chatty_server_never_waits_while_the_event_loop_is_busy(

@@ -129,7 +129,9 @@ class ModelLog:
         return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
 
     def write(self, data: bytes) -> None:
-        data = data[-self.max_bytes :]
+        if len(data) > self.max_bytes:  # more than a whole file: its last whole lines
+            start = data.find(b"\n", len(data) - self.max_bytes - 1) + 1
+            data = data[start:] if 0 < start < len(data) else data[-self.max_bytes :]
         with self._lock:
             if self._fd < 0:
                 return
