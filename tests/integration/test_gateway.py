@@ -4,7 +4,9 @@ with a real controller and agent (fake probe: the servers' memory follows them).
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +23,7 @@ from .conftest import SRC, Server, wait_for
 from .gateways import LISTENING, GatewayProcess, chat, metric, model_entry, records
 
 pytestmark = pytest.mark.timeout(120)
+BODY_HELD = "gpu_arbiter_gateway_body_bytes_held"
 
 
 class Setup:
@@ -340,3 +343,29 @@ def test_serve_local_runs_the_gateway_beside_the_agent(
         [lease] = [x for x in admin.get("/v1/leases").json() if x["ended_at"] is None]
     assert lease["holder"].startswith("gateway chat #1@")
     assert len(LISTENING.findall(server.log.read_text())) == 1  # said once in the shared log
+
+
+def test_a_client_gone_while_its_request_queues_gives_its_body_and_lease_back_at_once(
+    setup: Setup,
+) -> None:
+    """The GPU is taken (another holder's 20G lease): the request queues for up to a
+    minute; its client hangs up after a few seconds, and its held body and its pending
+    lease are given back then, not when the queue timeout would have ended the wait."""
+    setup.agent()
+    taken = setup.admin.post("/v1/leases", json={"vram_mb": "20G", "holder": "other"})
+    assert taken.status_code == 201, taken.text
+    gateway = setup.gateway(model_entry("chat", setup.record, vram="10G", queue_timeout="60s"))
+    body = json.dumps(chat("chat", padding="x" * 100_000)).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    port = int(gateway.url.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head + body)
+        wait_for(lambda: len(setup.held("chat")) == 1, 20, "the request queued")
+        held = metric(httpx.get(gateway.url + "/metrics").text, BODY_HELD)
+        assert held is not None and held >= len(body)
+    wait_for(lambda: setup.held("chat") == [], 20, "the pending lease cancelled")
+    assert metric(httpx.get(gateway.url + "/metrics").text, BODY_HELD) == 0
+    assert records(setup.record, "chat") == []  # never started

@@ -68,6 +68,7 @@ from .config import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
 from .metrics import GatewayMetrics
 from .model import ModelServer, Refused
 from .replica import Replica
+from .scopes import CancelScope
 from .upstream import Body, UpstreamError
 
 __all__ = ["GatewayApp"]
@@ -290,12 +291,15 @@ class GatewayApp:
             return
         model = self.models[found]
         try:
-            replica, queued_s = await model.acquire()
+            acquired = await _acquire(model, receive, outbound)
         except Refused as refused:
             self.metrics.requests.labels(found, str(refused.status)).inc()
             code = "model_failed" if refused.status == 502 else "unavailable"
             await _error(send, refused.status, refused.reason, code, refused.retry_after_s)
             return
+        if acquired is None:
+            return  # the client went away while the request queued
+        replica, queued_s = acquired
         self.metrics.queue_seconds.labels(found).observe(queued_s)
         gauge = self.metrics.in_flight.labels(found)
         gauge.inc()
@@ -313,30 +317,27 @@ class GatewayApp:
         """Relays the request; the status sent (0 when the client went away)."""
         drop = _HOP | {b"authorization"} if self.access.auth else _HOP  # the key is ours
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
-        relay = asyncio.current_task()
-        assert relay is not None
         exchange = _Exchange()
+        cancel = CancelScope()  # by the replica's cut, or by the client's disconnect
         watcher = asyncio.ensure_future(
-            _watch_disconnect(receive, relay, exchange, outbound.body_read)
+            _watch_disconnect(receive, cancel, exchange, outbound.body_read)
         )
-        replica.relays.add(relay)
+        replica.relays.add(cancel)
         try:
-            await self._relay(send, scope["method"], headers, outbound, replica, exchange)
+            async with cancel:
+                await self._relay(send, scope["method"], headers, outbound, replica, exchange)
         except TooLarge:  # a streamed body went over the limit before any answer
             await self._too_large(send)
             exchange.status = 413
-        except asyncio.CancelledError:
-            if not (exchange.gone or replica.cut):
-                raise
-            relay.uncancel()
+        finally:
+            replica.relays.discard(cancel)
+            exchange.done = True
+            watcher.cancel()
+        if cancel.cancelled_caught:
             if exchange.gone:
                 return 0
             if not exchange.status:  # cut off before its answer began: say why
                 exchange.status = await self._stopped(send, replica)
-        finally:
-            replica.relays.discard(relay)
-            exchange.done = True
-            watcher.cancel()
         return exchange.status
 
     async def _relay(
@@ -450,11 +451,29 @@ def _target(scope: Scope, path: bytes) -> bytes:
     return path + b"?" + query if query else path
 
 
+async def _acquire(
+    model: ModelServer, receive: Receive, outbound: _Outbound
+) -> tuple[Replica, float] | None:
+    """A replica for the request; None when the client went away while it queued (its
+    held body is then given back at once, not after ``queue_timeout``). A streamed body
+    not read yet is the client's to send: its disconnect is seen by the relay."""
+    if outbound.body_read is not None:
+        return await model.acquire()
+    cancel = CancelScope()
+    watcher = asyncio.ensure_future(_watch_disconnect(receive, cancel, _Exchange(), None))
+    try:
+        async with cancel:
+            return await model.acquire()
+        return None
+    finally:
+        watcher.cancel()
+
+
 async def _watch_disconnect(
-    receive: Receive, relay: asyncio.Task[Any], exchange: _Exchange, after: asyncio.Event | None
+    receive: Receive, relay: CancelScope, exchange: _Exchange, after: asyncio.Event | None
 ) -> None:
-    """Cancels the relay when the client goes away; with a streamed body, only once it
-    has all been read (until then, reading it is how a disconnect is seen)."""
+    """Cancels the relay's scope when the client goes away; with a streamed body, only
+    once it has all been read (until then, reading it is how a disconnect is seen)."""
     if after is not None:
         await after.wait()
     while True:
@@ -462,7 +481,7 @@ async def _watch_disconnect(
         if message["type"] == "http.disconnect":
             if not exchange.done:
                 exchange.gone = True
-                relay.cancel()
+                relay.cancel("the client went away")
             return
 
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
 from .interfaces import ServerProcess
+from .scopes import CancelScope
 from .upstream import Upstream
 
 if TYPE_CHECKING:
@@ -115,9 +116,10 @@ class Replica:
         self.returncode: int | None = None
         self.last_used = self.parts.clock.now()
         self.upstream = Upstream(0, model.config.max_parallel)  # its server's, once started
-        # the tasks relaying a request to the server (the gateway's app adds and removes
-        # them); those left at the end of the grace are cancelled, and ``cut`` set
-        self.relays: set[asyncio.Task[Any]] = set()
+        # the cancel scopes of the requests being relayed to the server (the gateway's
+        # app adds and removes them); those left at the end of the grace are cancelled
+        # by the replica, and ``cut`` set
+        self.relays: set[CancelScope] = set()
         self.cut = False
         self._end = asyncio.Event()
         self._activity = asyncio.Event()  # a request came or left, or the replica ends
@@ -158,17 +160,20 @@ class Replica:
         self._activity.set()
         if not self._idle_marked:
             return True
-        async with self._mark:
-            if self._idle_marked:
-                try:
+        try:
+            async with self._mark:
+                if self._idle_marked:
                     self.lease = await self.parts.leases.busy(self.lease["id"])
                     self._idle_marked = False
-                except ControllerUnreachable:
-                    pass  # still ours until the controller says otherwise: marked next time
-                except ApiError as error:
-                    self.leave()
-                    self._stop(Ending("revoked", f"lease {self.lease['id']} lost: {error}"))
-                    return False
+        except ControllerUnreachable:
+            pass  # still ours until the controller says otherwise: marked next time
+        except ApiError as error:
+            self.leave()
+            self._stop(Ending("revoked", f"lease {self.lease['id']} lost: {error}"))
+            return False
+        except asyncio.CancelledError:  # its caller went away meanwhile: the slot back
+            self.leave()
+            raise
         return True
 
     def leave(self) -> None:
@@ -459,7 +464,7 @@ class Replica:
     def _cut_relays(self) -> None:
         self.cut = bool(self.relays)
         for relay in self.relays:
-            relay.cancel()
+            relay.cancel("the replica stopped")
         if self.cut:
             log.info(
                 "model %s replica %d: %d request(s) did not finish within the %gs grace",
