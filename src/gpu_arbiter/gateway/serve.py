@@ -22,7 +22,6 @@ from typing import Any
 import uvicorn
 
 from ..agent.local import local_workers
-from ..agent.supervisor import ProcessSupervisor
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import InvalidInput
 from ..logs import Redactor, say
@@ -31,6 +30,8 @@ from .access import Access, ApiKey, check_exposure
 from .app import GatewayApp
 from .config import GatewayConfig, ModelConfig
 from .estimate import Estimate, estimate_vram
+from .interfaces import LoopClock, Parts
+from .links import HttpHealthCheck, LocalAgentLink
 from .metrics import GatewayMetrics
 from .model import ModelServer
 from .process import ProcessLauncher
@@ -51,7 +52,9 @@ def estimates(config: GatewayConfig) -> dict[str, Estimate | None]:
 
 def _estimate(model: ModelConfig) -> Estimate:
     try:
-        return estimate_vram(model.command, model_file=model.model_file, ctx=model.ctx)
+        return estimate_vram(
+            model.command, model_file=model.model_file, ctx=model.ctx, gpus=model.gpus
+        )
     except InvalidInput as error:
         key = "ctx" if error.field == "ctx" else "vram"
         raise InvalidInput(f"models.{model.name}.{key}", error.reason) from None
@@ -109,13 +112,14 @@ async def _serve(
         task.add_done_callback(tasks.discard)
 
     metrics = GatewayMetrics()
-    supervisor = ProcessSupervisor()
+    health = HttpHealthCheck()
     async with ArbiterClient(controller or config.controller, token=token) as client:
         await _release(client, await launcher.stop_leftovers())
+        parts = Parts(LoopClock(), launcher, LocalAgentLink(), client, health)
         models = {
             name: ModelServer(
-                model, client=client, supervisor=supervisor, metrics=metrics, spawn=spawn,
-                worker=worker, vram_mb=sizes[name],
+                model, parts=parts, metrics=metrics, spawn=spawn, worker=worker,
+                vram_mb=sizes[name],
             )
             for name, model in config.models.items()
         }  # fmt: skip
@@ -146,7 +150,7 @@ async def _serve(
             await _settle(list(models.values()), tasks, grace_s)
             hurried.cancel()
             await serving
-            await supervisor.close()
+            await health.aclose()
             sock.close()
 
 
