@@ -93,3 +93,17 @@ async def test_refresh_reports_an_exit_once() -> None:
 
 def test_stop_of_unknown_lease_is_none() -> None:
     assert ProcessSupervisor().stop("nope", 1.0) is None
+
+
+async def test_a_child_of_this_process_is_seen_exited_but_left_to_its_starter() -> None:
+    """In ``serve --local`` the gateway's servers are children of the agent's process:
+    the supervisor must not reap them, or their starter loses the exit code."""
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    supervisor = ProcessSupervisor()
+    entry = supervisor.watch("L1", proc.pid, proc.pid)
+    for _ in range(200):
+        if supervisor.refresh():
+            break
+        await asyncio.sleep(0.05)
+    assert entry.stopped and entry.returncode == 3
+    assert proc.wait(timeout=10) == 3  # still there for its starter to reap

@@ -10,9 +10,10 @@ programs (they would lose the checkpoint they are writing). A stop already
 under way is never started again, whoever asks (the controller's revocation
 in a heartbeat answer, or ``gpu-arbiter run`` through the local endpoint).
 
-Liveness is checked with ``os.kill(pid, 0)``/``waitpid`` for children of this
-process, and ``/proc/<pid>`` for others, so the supervisor also watches
-processes that another program (``gpu-arbiter run``) started.
+Liveness is checked with ``waitid(WNOWAIT)`` for children of this process (never
+reaping them: whoever started one learns its exit code), and ``/proc/<pid>`` for
+others, so the supervisor also watches processes that another program
+(``gpu-arbiter run``) started.
 """
 
 from __future__ import annotations
@@ -138,15 +139,18 @@ class ProcessSupervisor:
 
     @staticmethod
     def _alive(entry: Supervised) -> bool:
-        """Reaps the process if it is our child (keeping its exit status), else looks it up."""
+        """For a child of this process, its exit status is read without reaping it
+        (``WNOWAIT``): whoever started it (the gateway's launcher, in ``serve --local``)
+        reaps it and learns its real exit code; any other process is looked up."""
         try:
-            waited, status = os.waitpid(entry.pid, os.WNOHANG)
+            found = os.waitid(os.P_PID, entry.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return process_alive(entry.pid)
-        if waited == entry.pid:
-            entry.returncode = os.waitstatus_to_exitcode(status)
-            return False
-        return True
+        if found is None:
+            return True
+        exited = found.si_code == os.CLD_EXITED
+        entry.returncode = found.si_status if exited else -found.si_status
+        return False
 
     @staticmethod
     def _signal(entry: Supervised, signum: int) -> None:
