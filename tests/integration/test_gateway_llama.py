@@ -177,7 +177,7 @@ def test_a_stream_of_a_batch_model_is_preempted_by_an_interactive_one(
         client.stream("POST", gateway.url + "/v1/chat/completions", json=body) as stream,
     ):
         lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")  # streaming; the rest is not read yet
+        assert next(line for line in lines if line.startswith("data: "))  # after the comments
         batch_pid = gateway.model_state("batch")["replicas"][0]["pid"]
         asked: list[httpx.Response] = []
         chat_body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}

@@ -36,6 +36,13 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
 
 A 503 carries ``Retry-After``. An answer already streaming when its replica stops
 ends early.
+
+A caller that waits for a replica sees why (:class:`_Wait`): a JSON request with
+``"stream": true`` gets a 200 event stream's head at once and SSE comment lines
+(``: queued, position 1: ...``, ``: loading chat (3.1s)``) until the model server's own
+stream; an error after that head is an SSE ``data:`` event in the shape above, with its
+``status``. Every relayed answer and every refusal from the queue carries
+``x-queue-seconds``.
 """
 
 from __future__ import annotations
@@ -44,7 +51,14 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -62,6 +76,7 @@ from .bodies import (
     TooLarge,
     boundary_of,
     json_model,
+    json_true,
     stream_rest,
 )
 from .config import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
@@ -98,6 +113,18 @@ _HOP = frozenset(
 )
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 _STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_alive"})
+HEARTBEAT_S = 3.0
+"""A streaming request that waits for a replica gets a comment line at once, when what it
+waits for changes, and at least this often: it says why, and keeps the client's read
+timeout from running out on a long load."""
+MAX_ERROR_BYTES = 64 * 1024
+"""Of a model server's error answer to a request whose head went out while it waited,
+this much is kept for the SSE error event (the rest is read and dropped)."""
+_SSE_HEAD = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-queued", b"true"),
+]
 
 
 class _Exchange:
@@ -225,6 +252,7 @@ class GatewayApp:
     ) -> None:
         held = HeldBody(self.budget, self.max_body_bytes)
         try:
+            json_body: bytearray | None = None  # held whole: it may ask for a stream
             if _media_type(headers) == "multipart/form-data":
                 name = await _multipart_model(receive, headers, held)
                 missing = "a multipart body must have a model field"
@@ -232,11 +260,12 @@ class GatewayApp:
                 await held.read_all(receive)
                 name = await _scan(held.data)
                 missing = "the body must be a JSON object naming a model"
+                json_body = held.data
             if name is None:
                 await _error(send, 400, missing, "no_model")
                 return
             outbound = self._outbound(_target(scope, _raw_path(scope)), receive, headers, held)
-            await self._route(scope, receive, send, name, outbound)
+            await self._route(scope, receive, send, name, outbound, json_body)
         except TooLarge:
             await self._too_large(send)
         except OverBudget:
@@ -283,28 +312,39 @@ class GatewayApp:
     # ------------------------------------------------------------------ relaying
 
     async def _route(
-        self, scope: Scope, receive: Receive, send: Send, name: str, outbound: _Outbound
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        name: str,
+        outbound: _Outbound,
+        json_body: bytearray | None = None,
     ) -> None:
+        """``json_body``: the body held whole, when it is JSON (``"stream": true`` in it
+        gets comment lines while it waits)."""
         found = self.routes.get(name)
         if found is None:
             await self._unknown(send, name)
             return
         model = self.models[found]
+        wait = _Wait(model, send, json_body)
         try:
-            acquired = await _acquire(model, receive, outbound)
+            acquired = await _acquire(model, receive, outbound, wait)
         except Refused as refused:
             self.metrics.requests.labels(found, str(refused.status)).inc()
-            code = "model_failed" if refused.status == 502 else "unavailable"
-            await _error(send, refused.status, refused.reason, code, refused.retry_after_s)
+            await _refused(wait.sender(), refused, wait.waited_s())
             return
         if acquired is None:
             return  # the client went away while the request queued
         replica, queued_s = acquired
         self.metrics.queue_seconds.labels(found).observe(queued_s)
+        if wait.head_sent:
+            await wait.comment(f"ready after {queued_s:.3f}s")
         gauge = self.metrics.in_flight.labels(found)
         gauge.inc()
         try:
-            status = await self._forward(scope, receive, send, replica, outbound)
+            queued = [(b"x-queue-seconds", f"{queued_s:.3f}".encode())]
+            status = await self._forward(scope, receive, wait.sender(), replica, outbound, queued)
         finally:
             gauge.dec()
             replica.leave()
@@ -312,9 +352,16 @@ class GatewayApp:
             self.metrics.requests.labels(found, str(status)).inc()
 
     async def _forward(
-        self, scope: Scope, receive: Receive, send: Send, replica: Replica, outbound: _Outbound
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        replica: Replica,
+        outbound: _Outbound,
+        extra: Headers,
     ) -> int:
-        """Relays the request; the status sent (0 when the client went away)."""
+        """Relays the request, ``extra`` headers added to the answer's; the status sent
+        (0 when the client went away)."""
         drop = _HOP | {b"authorization"} if self.access.auth else _HOP  # the key is ours
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
         exchange = _Exchange()
@@ -325,7 +372,8 @@ class GatewayApp:
         replica.relays.add(cancel)
         try:
             async with cancel:
-                await self._relay(send, scope["method"], headers, outbound, replica, exchange)
+                method = scope["method"]
+                await self._relay(send, method, headers, outbound, extra, replica, exchange)
         except TooLarge:  # a streamed body went over the limit before any answer
             await self._too_large(send)
             exchange.status = 413
@@ -346,6 +394,7 @@ class GatewayApp:
         method: str,
         headers: Headers,
         outbound: _Outbound,
+        extra: Headers,
         replica: Replica,
         exchange: _Exchange,
     ) -> None:
@@ -358,6 +407,7 @@ class GatewayApp:
             return
         try:
             kept = [(k, v) for k, v in answer.headers if k.lower() not in _HOP_OUT]
+            kept += extra
             await send({"type": "http.response.start", "status": answer.status, "headers": kept})
             exchange.status = answer.status
             more = True
@@ -452,21 +502,141 @@ def _target(scope: Scope, path: bytes) -> bytes:
 
 
 async def _acquire(
-    model: ModelServer, receive: Receive, outbound: _Outbound
+    model: ModelServer, receive: Receive, outbound: _Outbound, wait: _Wait
 ) -> tuple[Replica, float] | None:
     """A replica for the request; None when the client went away while it queued (its
     held body is then given back at once, not after ``queue_timeout``). A streamed body
-    not read yet is the client's to send: its disconnect is seen by the relay."""
+    not read yet is the client's to send: its disconnect is seen by the relay. The
+    comment lines of ``wait`` (if any) have ended when it returns."""
     if outbound.body_read is not None:
-        return await model.acquire()
+        return await model.acquire()  # not JSON held whole: no comment lines
     cancel = CancelScope()
     watcher = asyncio.ensure_future(_watch_disconnect(receive, cancel, _Exchange(), None))
     try:
         async with cancel:
-            return await model.acquire()
+            return await model.acquire(wait.began)
         return None
     finally:
         watcher.cancel()
+        await wait.end()
+
+
+class _Wait:
+    """A request's wait for a replica, as its caller sees it. A streaming one (a JSON
+    body with ``"stream": true``) that has to wait gets its answer's head at once (200,
+    ``text/event-stream``, ``x-queued: true``: nothing later can change it), then an SSE
+    comment line saying why: at once, on each change (``queued, position 1: ...``, then
+    ``loading chat``) and every ``HEARTBEAT_S`` between. A request with a slot free is
+    not touched: the body is scanned for ``stream`` only once the wait begins."""
+
+    def __init__(self, model: ModelServer, send: Send, json_body: bytearray | None) -> None:
+        self.model = model
+        self.send = send
+        self.json_body = json_body
+        self.clock = model.clock  # the model's: its waits run on a virtual one in tests
+        self.started = self.clock.now()
+        self.head_sent = False
+        self._over = asyncio.Event()
+        self._beats: asyncio.Future[None] | None = None
+
+    def began(self) -> None:
+        """``acquire``'s ``on_wait``: the request has to wait."""
+        if self.json_body is not None:
+            self._beats = asyncio.ensure_future(self._beat(self.json_body))
+
+    def waited_s(self) -> float:
+        return self.clock.now() - self.started
+
+    async def end(self) -> None:
+        """Stops the comment lines; one being sent goes out whole."""
+        self._over.set()
+        if self._beats is not None:
+            await self._beats
+
+    def sender(self) -> Send:
+        """How the rest of the answer is sent: as it is, or after the head went out, as
+        the rest of an event stream (:class:`_AfterHead`)."""
+        return _AfterHead(self.send) if self.head_sent else self.send
+
+    async def comment(self, text: str) -> None:
+        line = f": {text}\n\n".encode()
+        await self.send({"type": "http.response.body", "body": line, "more_body": True})
+
+    async def _beat(self, json_body: bytearray) -> None:
+        if not await _streams(json_body) or self._over.is_set():
+            return
+        await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEAD})
+        self.head_sent = True
+        said, beat_at = "", 0.0
+        while not self._over.is_set():
+            now = self.clock.now()
+            text = self.model.waiting_for()
+            if text != said or now >= beat_at:
+                await self.comment(f"{text} ({self.waited_s():.1f}s)")
+                said, beat_at = text, now + HEARTBEAT_S
+            waits = self.clock.sleep(beat_at - now), self.model.changed(), self._over.wait()
+            await _first(*waits)
+
+
+class _AfterHead:
+    """Sends the rest of an answer whose head (200, an event stream) went out while the
+    request waited: the model server's 200 streams on as it comes, its head dropped;
+    any other answer (the model server's or the gateway's own error) becomes one SSE
+    ``data:`` event in OpenAI's error shape, its status in it, and the stream ends."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.status = 0
+        self.error = bytearray()
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif self.status == 200:
+            await self.send(message)
+        else:
+            body: bytes = message.get("body", b"")
+            self.error += body[: MAX_ERROR_BYTES - len(self.error)]
+            if not message.get("more_body"):
+                event = b"data: " + json.dumps(_error_event(self.status, self.error)).encode()
+                await self.send({"type": "http.response.body", "body": event + b"\n\n"})
+
+
+def _error_event(status: int, body: bytes | bytearray) -> dict[str, Any]:
+    """An error answer as OpenAI's error object, with its ``status``: the body when it
+    is one already, else the body's text in one."""
+    try:
+        found = json.loads(body)
+    except ValueError:
+        found = None
+    if isinstance(found, dict) and isinstance(found.get("error"), dict):
+        return {"error": {**found["error"], "status": status}}
+    text = bytes(body).decode("utf-8", "replace")[:1000]
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    message = f"the model server answered {status}: {text}"
+    return {"error": {"message": message, "type": kind, "code": "model_error", "status": status}}
+
+
+async def _first(*waits: Awaitable[Any]) -> None:
+    """Waits until the first of ``waits`` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _streams(json_body: bytearray) -> bool:
+    if len(json_body) > SCAN_IN_THREAD_BYTES:
+        return await asyncio.to_thread(json_true, json_body, "stream")
+    return json_true(json_body, "stream")
+
+
+async def _refused(send: Send, refused: Refused, waited_s: float) -> None:
+    code = "model_failed" if refused.status == 502 else "unavailable"
+    queued = [(b"x-queue-seconds", f"{waited_s:.3f}".encode())]
+    await _error(send, refused.status, refused.reason, code, refused.retry_after_s, queued)
 
 
 async def _watch_disconnect(
@@ -507,13 +677,18 @@ async def _json(send: Send, status: int, value: Any, extra: Any = ()) -> None:
 
 
 async def _error(
-    send: Send, status: int, message: str, code: str, retry_after_s: float | None = None
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    retry_after_s: float | None = None,
+    headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
     """An error in OpenAI's shape. Sent before the client's body has all come, the
     connection stays open: uvicorn reads the rest and drops it (holding none of it),
     as closing with unread bytes would reset the connection, the answer with it."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    extra = []
+    extra = list(headers)
     if retry_after_s is not None:
         extra.append((b"retry-after", str(max(1, round(retry_after_s))).encode()))
     body = {"error": {"message": message, "type": kind, "code": code}}

@@ -33,6 +33,7 @@ __all__ = [
     "TooLarge",
     "boundary_of",
     "json_model",
+    "json_true",
     "stream_rest",
 ]
 
@@ -145,16 +146,29 @@ def json_model(body: bytes | bytearray) -> str | None:
     longer than a stretch of plain text takes to search, so that a scan run in a
     thread leaves the event loop its turns whatever the body."""
     try:
-        return _object_model(body)
+        value = _top_level(body, _MODEL_KEY)
+        found = json.loads(value) if value is not None and value.startswith(b'"') else None
     except (_Malformed, ValueError):
         return None
+    return found if isinstance(found, str) else None
 
 
-def _object_model(body: bytes | bytearray) -> str | None:
+def json_true(body: bytes | bytearray, name: str) -> bool:
+    """Whether the top-level ``name`` of a JSON object is ``true`` (``"stream"``: the
+    gateway asks only for a request that has to wait), scanned as :func:`json_model`."""
+    try:
+        return _top_level(body, json.dumps(name).encode()) == b"true"
+    except (_Malformed, ValueError):
+        return False
+
+
+def _top_level(body: bytes | bytearray, quoted: bytes) -> bytes | None:
+    """The raw value of the last top-level key ``quoted`` (``b'"model"'``) of a JSON
+    object; None when it has none or is not an object; :class:`_Malformed`."""
     pos = _space(body, 0)
     if body[pos : pos + 1] != b"{":
         return None
-    found: object = None
+    found: bytes | None = None
     pos = _space(body, pos + 1)
     if body[pos : pos + 1] == b"}":
         return None
@@ -168,13 +182,12 @@ def _object_model(body: bytes | bytearray) -> str | None:
             raise _Malformed
         start = _space(body, pos + 1)
         pos = _value_end(body, start)
-        if key == _MODEL_KEY or (b"\\" in key and json.loads(key) == "model"):
-            value = bytes(body[start:pos])
-            found = json.loads(value) if value.startswith(b'"') else None
+        if key == quoted or (b"\\" in key and json.loads(key) == json.loads(quoted)):
+            found = bytes(body[start:pos])
         pos = _space(body, pos)
         separator = body[pos : pos + 1]
         if separator == b"}":
-            return found if isinstance(found, str) else None
+            return found
         if separator != b",":
             raise _Malformed
         pos = _space(body, pos + 1)

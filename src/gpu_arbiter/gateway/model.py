@@ -76,9 +76,11 @@ class ModelServer:
 
     # ------------------------------------------------------------------ requests
 
-    async def acquire(self) -> tuple[Replica, float]:
+    async def acquire(self, on_wait: Callable[[], None] | None = None) -> tuple[Replica, float]:
         """A replica with a slot taken for the caller, and the seconds it queued.
-        Raises :class:`Refused` (503 after ``queue_timeout``, 502 when its start failed)."""
+        Raises :class:`Refused` (503 after ``queue_timeout``, 502 when its start failed).
+        ``on_wait`` is called once, when the caller has to wait (not when a slot is free):
+        the gateway then tells a streaming caller why (:meth:`waiting_for`)."""
         started = self.clock.now()
         deadline = started + self.config.queue_timeout_s
         failures_before = self.failures
@@ -98,6 +100,9 @@ class ModelServer:
                 remaining = deadline - self.clock.now()
                 if remaining <= 0:
                     raise Refused(503, self._queue_timeout_reason(), self.config.queue_timeout_s)
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
                 await sleep_or(self.clock.sleep(remaining), changed)
         finally:
             self.waiting -= 1
@@ -139,6 +144,23 @@ class ModelServer:
             self.replicas.append(replica)
             self.metrics.cold_starts.labels(self.name).inc()
             self.spawn(replica.run())
+
+    def waiting_for(self) -> str:
+        """What a request that waits for a slot waits for now, in words: a replica
+        loading, else one queued for its lease (the arbiter's reason and the position),
+        else a slot on the replicas that serve."""
+        live = self._live()
+        if any(r.state is ReplicaState.LOADING for r in live):
+            return f"loading {self.name}"
+        queued = [r.pending_reason for r in live if r.state is ReplicaState.QUEUED]
+        if queued:
+            return f"queued, {queued[0]}"
+        return f"waiting for a free slot on {self.name} (max_parallel {self.config.max_parallel})"
+
+    async def changed(self) -> None:
+        """Returns at the next change of the model's replicas (a state, a pending
+        reason, a request left): when what a waiting request waits for may have moved."""
+        await self._changed.wait()
 
     def _queue_timeout_reason(self) -> str:
         queued = [r.pending_reason for r in self.replicas if r.state is ReplicaState.QUEUED]
