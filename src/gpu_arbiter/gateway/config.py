@@ -29,6 +29,11 @@
     max_parallel = 4               # requests in flight per replica
     replicas = 2                   # at most this many replicas (each its own lease)
     aliases = ["gpt-4o-mini"]
+    engine = "llama.cpp"           # llama.cpp, vllm, sglang, comfyui, ollama, generic
+                                   # (default: read from the command, else generic)
+    sleep_after = "1m"             # idle this long -> asleep, the process kept (engines
+                                   # that can sleep; default: never)
+    sleep_level = 1                # vLLM's: 1 weights to host memory, 2 weights dropped
 
 Sizes, durations and priorities go through the project's parsers; every error is an
 :class:`~gpu_arbiter.core.InvalidInput` whose field names the model and the key
@@ -48,6 +53,7 @@ from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds
 from .access import ApiKey
+from .engines import ENGINE_NAMES, can_sleep, detect_engine, engine_named
 from .estimate import gpus_of
 
 __all__ = ["GatewayConfig", "ModelConfig", "load_config", "parse_config"]
@@ -73,6 +79,9 @@ _MODEL_KEYS = frozenset(
         "ttl",
         "preemptible",
         "env",
+        "engine",
+        "sleep_after",
+        "sleep_level",
     }
 )
 _PORT_KEYS = frozenset(
@@ -118,6 +127,9 @@ class ModelConfig:
     ttl_s: float = 30.0
     preemptible: bool | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    engine: str = "generic"  # a name of engines.ENGINE_NAMES
+    sleep_after_s: float | None = None  # None: never asleep (stopped after keep_alive)
+    sleep_level: int = 1  # vLLM's
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +317,34 @@ def _model(name: str, spec: Any) -> ModelConfig:
     values["vram"] = None if vram == "auto" else _parsed(_vram, vram, f"{where}.vram")
     if "gpus" not in spec:  # a tensor parallel server's command says how many it needs
         values["gpus"] = _command_gpus(values["command"], where)
+    _engine_keys(spec, values, where)
     return ModelConfig(**values)
+
+
+def _engine_keys(spec: Mapping[str, Any], values: dict[str, Any], where: str) -> None:
+    """``engine`` (else the command's), and the sleep keys that engine allows."""
+    if "engine" in spec:
+        engine_named(spec["engine"], f"{where}.engine")
+        values["engine"] = spec["engine"]
+    else:
+        values["engine"] = detect_engine(values["command"])
+    engine = values["engine"]
+    sleep_after = values.get("sleep_after_s")
+    if sleep_after is not None and not can_sleep(engine):
+        sleepers = ", ".join(name for name in ENGINE_NAMES if can_sleep(name))
+        raise InvalidInput(
+            f"{where}.sleep_after", f"engine {engine} cannot sleep (those that can: {sleepers})"
+        )
+    keep_alive = values.get("keep_alive_s", 300.0)
+    if sleep_after is not None and sleep_after >= keep_alive:
+        raise InvalidInput(
+            f"{where}.sleep_after",
+            f"must be shorter than keep_alive ({keep_alive:g}s): it would stop before it sleeps",
+        )
+    if "sleep_level" in spec and engine != "vllm":
+        raise InvalidInput(f"{where}.sleep_level", f"only vllm has sleep levels, not {engine}")
+    if "sleep_level" in spec and sleep_after is None:
+        raise InvalidInput(f"{where}.sleep_level", "has no effect without sleep_after")
 
 
 def _command_gpus(command: tuple[str, ...], where: str) -> int:
@@ -418,6 +457,8 @@ _PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "ttl": ("ttl_s", _positive_seconds),
     "preemptible": ("preemptible", _bool),
     "env": ("env", _env),
+    "sleep_after": ("sleep_after_s", _positive_seconds),
+    "sleep_level": ("sleep_level", _int_between(1, 2)),
 }
 
 

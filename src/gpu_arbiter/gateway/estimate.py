@@ -14,8 +14,9 @@
   5% of its share of weights and KV cache (allocator fragmentation, activations).
 
 The command says which server it starts: the program's name (``llama-server``,
-``vllm serve``) or the module of ``python -m`` (``llama_cpp.server``,
-``vllm.entrypoints.openai.api_server``, ``sglang.launch_server``). Each reads its
+``vllm serve``, ``ollama``) or the module of ``python -m`` (``llama_cpp.server``,
+``vllm.entrypoints.openai.api_server``, ``sglang.launch_server``); the same
+:class:`Engine` tells the gateway how to drive it (``engines.py``). Each reads its
 flags its own way (the last of a repeated flag counts, ``--flag=value`` too):
 
 - llama.cpp's ``llama-server``: ``-m``/``--model``; ``-c``/``--ctx-size`` with
@@ -68,6 +69,7 @@ __all__ = [
     "Engine",
     "Estimate",
     "ServerArgs",
+    "engine_of",
     "estimate_vram",
     "gpus_of",
     "model_file_of",
@@ -93,6 +95,8 @@ class Engine(StrEnum):
     LLAMA_CPP_PYTHON = "llama-cpp-python"
     VLLM = "vLLM"
     SGLANG = "SGLang"
+    COMFYUI = "ComfyUI"  # named by the config's engine key: its command is python main.py
+    OLLAMA = "Ollama"
     GENERIC = "a generic server"
 
 
@@ -128,6 +132,8 @@ _FLAGS = {
         tensor_parallel=("--tp-size", "--tensor-parallel-size"),
         pipeline_parallel=("--pp-size", "--pipeline-parallel-size"),
     ),
+    Engine.COMFYUI: _Flags(model=(), ctx=()),
+    Engine.OLLAMA: _Flags(model=(), ctx=()),  # its models come by name, in requests
     Engine.GENERIC: _Flags(model=("-m", "--model"), ctx=("-c", "--ctx-size", "--max-model-len")),
 }
 _PROGRAMS = {
@@ -135,6 +141,7 @@ _PROGRAMS = {
     "llama_cpp.server": Engine.LLAMA_CPP_PYTHON,
     "vllm.entrypoints.openai.api_server": Engine.VLLM,
     "sglang.launch_server": Engine.SGLANG,
+    "ollama": Engine.OLLAMA,
 }
 # What each server takes of a GPU whatever it needs, unless a flag says otherwise.
 _GREEDY = {
@@ -264,6 +271,11 @@ def _engine(command: tuple[str, ...]) -> tuple[Engine, tuple[str, ...], str | No
         model = args[1] if len(args) > 1 and not args[1].startswith("-") else None
         return Engine.VLLM, args[2:] if model else args[1:], model
     return _PROGRAMS.get(name, Engine.GENERIC), args, None
+
+
+def engine_of(command: tuple[str, ...]) -> Engine:
+    """The server ``command`` starts, from its program or module alone (its flags unread)."""
+    return _engine(command)[0]
 
 
 def server_args(command: tuple[str, ...]) -> ServerArgs:
