@@ -84,3 +84,12 @@ def test_labels_must_all_match() -> None:
     assert _check({"labels": {"zone": "a", "disk": "ssd"}}, labels) is None
     assert _check({"labels": {"zone": "a", "disk": "hdd"}}, labels) == "label_mismatch"
     assert _check({"labels": {"rack": "1"}}, labels) == "label_mismatch"
+
+
+def test_gpu_ids_are_exact_gpus_never_prefixes() -> None:
+    wanted = {"gpu_ids": ["foo:1"]}
+    assert _check(wanted, worker="foo", index=1) is None
+    assert _check(wanted, worker="foo", index=0) == "gpu_mismatch"
+    assert _check(wanted, worker="foo-bar", index=1) == "gpu_mismatch"
+    assert _check({"gpu_ids": ["foo-bar:1"]}, worker="foo", index=1) == "gpu_mismatch"
+    assert _check({"gpu_ids": ["foo:1"]}, worker="foo", index=11) == "gpu_mismatch"

@@ -190,10 +190,32 @@ def test_constraints_build_normalizes() -> None:
         ({"gpu_model": "x" * 300}, "constraints.gpu_model"),
         ({"worker": "a:b"}, "constraints.worker"),
         ({"labels": {"zone": 1}}, "constraints.labels"),
+        ({"gpu_ids": "box:0"}, "constraints.gpu_ids"),
+        ({"gpu_ids": []}, "constraints.gpu_ids"),
+        ({"gpu_ids": ["box"]}, "constraints.gpu_ids"),
+        ({"gpu_ids": ["box:0:1"]}, "constraints.gpu_ids"),
+        ({"gpu_ids": ["box:-1"]}, "constraints.gpu_ids"),
+        ({"gpu_ids": [0]}, "constraints.gpu_ids"),
+        ({"gpu_ids": ["box:0", "BOX:0"]}, "constraints.gpu_ids"),
+        ({"gpu_ids": ["a:0", "b:0"]}, "constraints.gpu_ids"),
+        ({"gpu_ids": ["a:0"], "worker": "b"}, "constraints.gpu_ids"),
     ],
 )
 def test_constraints_validation_names_the_field(fields: dict[str, Any], name: str) -> None:
     assert _field_of(Constraints.build, **fields) == name
+
+
+def test_gpu_ids_are_parsed_exactly_and_set_the_gpu_count() -> None:
+    c = Constraints.build(gpu_ids=["Box-1:1", "box-1:0"], worker="box-1")
+    assert c.gpu_ids == (GpuId("box-1", 0), GpuId("box-1", 1))
+    assert "gpu_ids=box-1:0|box-1:1" in c.describe()
+    assert Request.build("r", vram_mb=1, constraints=c).gpus == 2
+    assert Request.build("r", vram_mb=1, gpus=2, constraints=c).gpus == 2
+    assert Request.build("r", vram_mb=1).gpus == 1
+    with pytest.raises(InvalidInput) as caught:
+        Request.build("r", vram_mb=1, gpus=1, constraints=c)
+    assert caught.value.field == "gpus"
+    assert "constraints.gpu_ids (2)" in caught.value.reason
 
 
 # ---------------------------------------------------------------- Policy and lease states

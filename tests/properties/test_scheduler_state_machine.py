@@ -1,7 +1,9 @@
 """Random event sequences against the decision core, checking I1-I7 and I10 after every step.
 
 The checks recompute what must hold from the leases, probes and requests the
-machine itself fed in, not from the scheduler's own accounting.
+machine itself fed in, not from the scheduler's own accounting. Leases shrink at
+random (a model server put to sleep); a probe may show a shrunk lease's process
+still holding what it was granted, and no grant may land on that memory (I2, I4).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = Scheduler()
         self.gpus = {g.id: g for g in GPUS}
         self.requests: dict[str, Request] = {}
-        self.held: dict[str, Lease] = {}  # as granted: id, size, GPUs
+        self.held: dict[str, Lease] = {}  # as granted (then as shrunk): id, size, GPUs
+        self.shrunk: set[str] = set()  # held leases that gave memory back
         self.ended: set[str] = set()
         self.revoking: set[str] = set()
         self.revoked_at: dict[str, float] = {}
@@ -133,6 +136,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert lease_id in self.held, f"{lease_id} released twice or never granted"
         assert lease_id not in self.ended
         del self.held[lease_id]
+        self.shrunk.discard(lease_id)
         self.idle_since.pop(lease_id, None)
         self.ended.add(lease_id)
         self.revoking.discard(lease_id)
@@ -236,6 +240,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_revocations(decisions, before, now)
         self._check_order(decisions, order, statuses, live, loading)
         self._check_preemptions_free_enough(decisions, order)
+        self._check_shrunk_memory_not_granted(decisions, live)
         self._check_revoked_holders_bounded(now)
         if not decisions.timed_out:  # a timed-out request's hold is gone only after the walk
             self._check_work_conserved(now)
@@ -281,6 +286,32 @@ class SchedulerMachine(RuleBasedStateMachine):
             if request.id not in preheld:
                 for g in reasons[request.id].nominated:
                     ahead[g] += request.vram_mb
+
+    def _check_shrunk_memory_not_granted(self, decisions: Decisions, live: set[str]) -> None:
+        """I4 for a shrink: memory a lease gave back is granted to another request only once
+        the latest probe shows it free. On every GPU holding a shrunk lease, this cycle's
+        grants fit beside what the probe still sees in use (a shrunk process above its new
+        size counts at what the probe shows) and beside every lease's reservation."""
+        granted: Counter[GpuId] = Counter()
+        for lease in decisions.grants:
+            for g in lease.gpus:
+                granted[g] += lease.vram_mb
+        for g, new_mb in granted.items():
+            ids = [lid for lid in live if g in self.held[lid].gpus]
+            probe = self.probes.get(g)
+            if probe is None or not self.shrunk.intersection(ids):
+                continue
+            reserved = {lid: self.held[lid].vram_mb for lid in ids}
+            if probe.lease_used_mb is None:
+                in_use = max(sum(reserved.values()), probe.used_mb)
+            else:
+                used = probe.lease_used_mb
+                strangers = probe.used_mb - sum(used.get(lid, 0) for lid in ids)
+                in_use = sum(max(mb, used.get(lid, 0)) for lid, mb in reserved.items())
+                in_use += max(0, strangers)
+            assert in_use + new_mb <= self.gpus[g].capacity_mb, (
+                f"I4: a grant on {g} landed on memory a shrunk lease's process still holds"
+            )
 
     def _check_revoked_holders_bounded(self, now: float) -> None:
         """I4: a revoked holder, however often it renews, holds its memory at most grace + TTL
@@ -472,6 +503,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.release(lease_id, self.now)
         self._end(lease_id)
 
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), fraction=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0, 1.5]))
+    def shrink(self, data: st.DataObject, fraction: float) -> None:
+        """A holder gives memory back (any held state); growing is refused, changing nothing."""
+        lease_id = self._pick(data, set(self.held))
+        old = self.sched.lease(lease_id)
+        assert old.vram_mb == self.held[lease_id].vram_mb
+        size = max(1, int(old.vram_mb * fraction))
+        committed = {g: self.sched.figures(g).committed_mb for g in old.gpus}
+        if size > old.vram_mb:
+            with pytest.raises(Conflict, match="grows only through a new grant"):
+                self.sched.shrink(lease_id, size, self.now)
+            assert self.sched.lease(lease_id).vram_mb == old.vram_mb
+            assert {g: self.sched.figures(g).committed_mb for g in old.gpus} == committed
+            return
+        shrunk = self.sched.shrink(lease_id, size, self.now)
+        assert shrunk.vram_mb == size
+        assert shrunk.granted_mb == old.granted_mb
+        assert (shrunk.state, shrunk.token, shrunk.gpus) == (old.state, old.token, old.gpus)
+        for g in old.gpus:  # committed drops at once (I1)
+            assert self.sched.figures(g).committed_mb == committed[g] - (old.vram_mb - size)
+        self.held[lease_id] = shrunk
+        if size < old.granted_mb:
+            self.shrunk.add(lease_id)
+
     @precondition(lambda self: set(self.held) - self.revoking)
     @rule(data=st.data())
     def revoke(self, data: st.DataObject) -> None:
@@ -520,17 +576,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         grown=st.sampled_from([0.0, 0.5, 1.0, 1.2]),
         per_lease=st.booleans(),
         fails=st.sampled_from([False, False, False, True]),
+        still_holding=st.booleans(),
     )
     def probe(
-        self, index: int, strangers_mb: int, grown: float, per_lease: bool, fails: bool
+        self,
+        index: int,
+        strangers_mb: int,
+        grown: float,
+        per_lease: bool,
+        fails: bool,
+        still_holding: bool,
     ) -> None:
-        """A probe reading: leases have grown to ``grown`` of their reservation; or it failed."""
+        """A probe reading: leases have grown to ``grown`` of their reservation (of what they
+        were granted, for shrunk ones ``still_holding`` their memory); or it failed."""
         gpu_id = GPUS[index].id
         if fails:
             self.sched.set_probe(gpu_id, None)
             self.stale.add(gpu_id)
             return
-        used = {lid: int(self.held[lid].vram_mb * grown) for lid in self._on(gpu_id, self.held)}
+        held = self.held
+        used = {
+            lid: int((held[lid].granted_mb if still_holding else held[lid].vram_mb) * grown)
+            for lid in self._on(gpu_id, held)
+        }
         total = min(sum(used.values()) + strangers_mb, self.gpus[gpu_id].total_mb)
         probe = GpuProbe(used_mb=total, lease_used_mb=used if per_lease else None)
         self.sched.set_probe(gpu_id, probe)

@@ -130,6 +130,20 @@ class Ledger:
             slot.loading += lease.loading
             self._refresh(slot)
 
+    def shrink(self, lease: Lease, vram_mb: int) -> None:
+        """A held lease now holds ``vram_mb`` per GPU (no more than before). Committed memory
+        drops at once (I1); occupied memory drops only as far as the latest probe allows:
+        ``max(committed, observed_used)``, or ``max(reserved, used)`` for this lease where the
+        probe reports per lease (I2), so what its process still holds is not granted (I4)."""
+        for gpu_id in lease.gpus:
+            slot = self._slots[gpu_id]
+            before = slot.reserved.get(lease.id)
+            if before is None or vram_mb > before:
+                raise ValueError(f"lease {lease.id} cannot grow on {gpu_id}")
+            slot.reserved[lease.id] = vram_mb
+            slot.committed_mb -= before - vram_mb
+            self._refresh(slot)
+
     def uncommit(self, lease: Lease) -> None:
         """Releases a lease's memory; a second call for the same lease does nothing."""
         for gpu_id in lease.gpus:

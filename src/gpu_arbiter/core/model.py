@@ -250,6 +250,7 @@ class Constraints:
     gpu_model: str | None = None
     worker: str | None = None
     labels: tuple[tuple[str, str], ...] = ()
+    gpu_ids: tuple[GpuId, ...] = ()
 
     @classmethod
     def build(
@@ -261,6 +262,7 @@ class Constraints:
         gpu_model: str | None = None,
         worker: str | None = None,
         labels: Mapping[str, str] | None = None,
+        gpu_ids: list[str] | tuple[str, ...] | None = None,
     ) -> Constraints:
         """Validates human input; every error names its field."""
         cc = None
@@ -285,13 +287,15 @@ class Constraints:
             ):
                 raise InvalidInput("constraints.labels", "must map text to text")
             pairs = tuple(sorted(labels.items()))
+        folded = validate_worker_name(worker, "constraints.worker") if worker else None
         return cls(
             vendor=vendor.lower() if vendor else None,
             min_compute_capability=cc,
             gpu_arch=archs,
             gpu_model=gpu_model,
-            worker=validate_worker_name(worker, "constraints.worker") if worker else None,
+            worker=folded,
             labels=pairs,
+            gpu_ids=() if gpu_ids is None else _parse_gpu_ids(gpu_ids, folded),
         )
 
     def describe(self) -> str:
@@ -307,7 +311,32 @@ class Constraints:
         if self.worker:
             parts.append(f"worker={self.worker}")
         parts.extend(f"{k}={v}" for k, v in self.labels)
+        if self.gpu_ids:
+            parts.append("gpu_ids=" + "|".join(map(str, self.gpu_ids)))
         return ",".join(parts) or "any GPU"
+
+
+def _parse_gpu_ids(texts: Any, worker: str | None) -> tuple[GpuId, ...]:
+    """Exact GPUs (``worker:index``, split on the single ``:``), all on one worker: a
+    request that must land where its process already lives (a sleeping model server that
+    wakes asks for its full lease again on its own GPUs)."""
+    field_name = "constraints.gpu_ids"
+    if isinstance(texts, str) or not isinstance(texts, list | tuple):
+        raise InvalidInput(field_name, "must be a list of WORKER:INDEX such as box-1:0")
+    if not 1 <= len(texts) <= MAX_GPUS_PER_REQUEST:
+        raise InvalidInput(field_name, f"must name 1..{MAX_GPUS_PER_REQUEST} GPUs")
+    try:
+        ids = [GpuId.parse(text) for text in texts]
+    except InvalidInput as error:
+        raise InvalidInput(field_name, error.reason) from None
+    if len(set(ids)) != len(ids):
+        raise InvalidInput(field_name, "names a GPU twice")
+    workers = sorted({gpu_id.worker for gpu_id in ids})
+    if len(workers) > 1:
+        raise InvalidInput(field_name, f"must all be on one worker (got {', '.join(workers)})")
+    if worker is not None and workers[0] != worker:
+        raise InvalidInput(field_name, f"are on worker {workers[0]}, not constraints.worker")
+    return tuple(sorted(ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +372,7 @@ class Request:
         id: str,
         *,
         vram_mb: int | str,
-        gpus: int = 1,
+        gpus: int | None = None,
         priority: int | str = "normal",
         preemptible: bool | None = None,
         constraints: Constraints | None = None,
@@ -355,16 +384,13 @@ class Request:
         idempotency_key: str | None = None,
     ) -> Request:
         """Validates every field (errors name it). ``ttl_s=None``: no TTL, for a holder in
-        this very process whose lease ends with its block."""
+        this very process whose lease ends with its block. ``gpus``: by default the number
+        of ``constraints.gpu_ids``, else 1; with them it must equal their number."""
         mb = parse_mb(vram_mb, "vram_mb")
         if mb <= 0:
             raise InvalidInput("vram_mb", "must be > 0")
-        if (
-            isinstance(gpus, bool)
-            or not isinstance(gpus, int)
-            or not 1 <= gpus <= MAX_GPUS_PER_REQUEST
-        ):
-            raise InvalidInput("gpus", f"must be an integer 1..{MAX_GPUS_PER_REQUEST}")
+        constraints = constraints or Constraints()
+        gpus = _check_gpus(gpus, constraints.gpu_ids)
         prio = parse_priority(priority)
         if preemptible is None:
             preemptible = prio < PRIORITY_NAMES["interactive"]
@@ -383,7 +409,7 @@ class Request:
             gpus=gpus,
             priority=prio,
             preemptible=preemptible,
-            constraints=constraints or Constraints(),
+            constraints=constraints,
             holder=holder,
             metadata=meta,
             ttl_s=None if ttl_s is None else float(ttl_s),
@@ -391,6 +417,19 @@ class Request:
             load_timeout_s=float(load_timeout_s),
             idempotency_key=idempotency_key,
         )
+
+
+def _check_gpus(gpus: Any, gpu_ids: tuple[GpuId, ...]) -> int:
+    """The request's GPU count: ``gpus`` as given, or the number of exact GPUs asked for."""
+    if gpus is None:
+        return len(gpu_ids) or 1
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_REQUEST:
+        raise InvalidInput("gpus", f"must be an integer 1..{MAX_GPUS_PER_REQUEST}")
+    if gpu_ids and gpus != len(gpu_ids):
+        raise InvalidInput(
+            "gpus", f"must equal the number of constraints.gpu_ids ({len(gpu_ids)}), or be left out"
+        )
+    return gpus
 
 
 def _check_seconds(name: str, value: Any, *, allow_none: bool, allow_zero: bool = False) -> None:
@@ -442,7 +481,9 @@ class Lease:
 
     ``revoked_at``: when its revocation started (None while not revoked). ``supervised``: an
     agent watches the lease's process and will confirm when it exited; a lapsed TTL then
-    revokes the lease instead of freeing its memory (I4)."""
+    revokes the lease instead of freeing its memory (I4). ``shrunk_to_mb``: what it holds
+    per GPU since its holder shrank it (None: all it was granted, the request's
+    ``vram_mb``); a lease shrinks, it never grows back."""
 
     request: Request
     gpus: tuple[GpuId, ...]
@@ -459,6 +500,7 @@ class Lease:
     ended_at: float | None = None
     revoked_at: float | None = None
     supervised: bool = False
+    shrunk_to_mb: int | None = None
 
     @property
     def id(self) -> str:
@@ -470,6 +512,12 @@ class Lease:
 
     @property
     def vram_mb(self) -> int:
+        """What the lease holds per GPU now (committed, I1)."""
+        return self.request.vram_mb if self.shrunk_to_mb is None else self.shrunk_to_mb
+
+    @property
+    def granted_mb(self) -> int:
+        """What it was granted per GPU: the request's ``vram_mb``."""
         return self.request.vram_mb
 
     @property

@@ -5,7 +5,8 @@ Codes (Kubernetes' split between "does not match" and "does not fit"):
     paused            the arbiter is paused; nothing is granted
     no_workers        no worker is registered yet
     workers_draining  the only matching GPUs are on draining/drained/offline workers
-    no_matching_gpu   no GPU matches the constraints (also a rejection reason)
+    no_matching_gpu   no GPU matches the constraints, or a GPU named in gpu_ids is not
+                      registered (also a rejection reason)
     too_large         matching GPUs exist but none is big enough (a rejection reason)
     insufficient_vram matching GPUs are too full right now
     load_in_progress  the best GPU has memory, but its load gate is busy
@@ -30,6 +31,7 @@ __all__ = ["Blocker", "GpuVerdict", "PendingReason"]
 #  Per-GPU verdicts. "Does not match" codes first, "does not fit" after.
 MISMATCH_CODES = (
     "worker_mismatch",
+    "gpu_mismatch",
     "vendor_mismatch",
     "arch_mismatch",
     "compute_capability_too_low",

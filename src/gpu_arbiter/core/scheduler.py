@@ -34,6 +34,11 @@ that ignores its revocation keeps a preemptor waiting at most grace + TTL. A
 lease an agent supervises (``supervised``) is revoked when its TTL lapses, not
 expired: its memory stays committed until the agent confirms the process
 exited (I4).
+
+A held lease may shrink (:meth:`Scheduler.shrink`: a model server put to sleep); it
+never grows. The memory it gives back counts as committed no longer, but as occupied
+for as long as the latest probe shows its process still using it (I2), so it is
+granted again only once the probe shows it free (I4).
 """
 
 from __future__ import annotations
@@ -280,6 +285,11 @@ class Scheduler:
         worker is registered yet, in which case the request waits for one)."""
         if not self.workers or self._matching(request):
             return None
+        unknown = [str(g) for g in request.constraints.gpu_ids if g not in self._ledger]
+        if unknown:
+            return PendingReason(
+                "no_matching_gpu", f"constraints.gpu_ids: no GPU {', '.join(unknown)} is registered"
+            )
         matching = self._matching(request)  # cached per shape: the common case is cheap
         if request.gpus == 1 and matching:
             return None
@@ -430,6 +440,33 @@ class Scheduler:
         if lease.idle == idle:
             return lease
         return self._put(lease, evolve(lease, idle=idle, last_used_at=now))
+
+    def shrink(self, lease_id: str, vram_mb: int, now: float) -> Lease:
+        """A held lease gives memory back: it holds ``vram_mb`` per GPU from now on (a model
+        server put to sleep keeps its process, and its lease only what that still uses).
+
+        Committed memory drops at once; what its process still holds by the latest probe
+        stays out of reach (I2: ``max(committed, observed_used)``, or per lease
+        ``max(reserved, used)``), so the memory is granted again only once the probe shows
+        it free (I4). A lease never grows: more memory takes a new grant, through the queue
+        and the load gate. The caller runs the cycle after it (I10)."""
+        if lease_id in self.queue:
+            raise Conflict(f"request {lease_id} is pending, not granted: it holds nothing")
+        lease = self.lease(lease_id)
+        if isinstance(vram_mb, bool) or not isinstance(vram_mb, int) or vram_mb < 1:
+            raise InvalidInput("vram_mb", "must be an integer number of MiB >= 1")
+        if vram_mb > lease.vram_mb:
+            raise Conflict(
+                f"lease {lease_id} holds {format_mb(lease.vram_mb)} per GPU; it cannot grow to "
+                f"{format_mb(vram_mb)}: a lease grows only through a new grant",
+                field="vram_mb",
+                reason="a lease grows only through a new grant",
+            )
+        if vram_mb == lease.vram_mb:
+            return lease
+        self._ledger.shrink(lease, vram_mb)
+        self.counters["shrunk"] += 1
+        return self._put(lease, evolve(lease, shrunk_to_mb=vram_mb))
 
     def revoke(
         self, lease_id: str, reason: str, now: float, *, for_request: str | None = None

@@ -131,6 +131,7 @@ const WORDS = {
   nominated_for: "the memory is held for a request ahead in the queue",
   preempting: "waiting for the leases it preempts to stop",
   worker_mismatch: "another worker was asked for",
+  gpu_mismatch: "other GPUs were asked for",
   vendor_mismatch: "another vendor was asked for",
   arch_mismatch: "another architecture was asked for",
   compute_capability_too_low: "its compute capability is too low",
