@@ -119,6 +119,10 @@ class FakeLeases:
         self.calls.append(("release", lease_id))
         return self._set(lease_id, state="released", ended_at=1.0)
 
+    async def workers(self) -> list[Json]:
+        gpu = {"id": "box:0", "total_mb": 24576, "used_mb": 1024}
+        return [{"name": "box", "gpus": [gpu]}]
+
     # the controller's side
     def revoke(self, lease_id: str, reason: str = "preempted") -> None:
         self._set(lease_id, state="revoking", revoke_reason=reason, preempted_for="L9")
@@ -237,7 +241,7 @@ class FakeHealth:
 
     async def status(self, port: int, path: str) -> int | None:
         self.asked.append(path)
-        on_port = [p for p in self.launcher.processes if p.command[-1] == str(port)]
+        on_port = [p for p in self.launcher.processes if str(port) in p.command]
         if not on_port or on_port[-1].code is not None:
             return None
         if path in self.answers:

@@ -198,7 +198,7 @@ async def test_a_server_whose_port_was_taken_starts_again_on_another() -> None:
     first, second = world.launcher.processes
     assert first.command[-1] != second.command[-1]
     assert world.replica.state is ReplicaState.WARM
-    assert world.launcher.reserved == {int(second.command[-1])}
+    assert world.launcher.reserved == {int(second.command[-1])}  # the generic: no flags
     await world.close()
 
 
@@ -249,4 +249,17 @@ async def test_a_queued_replica_starts_once_granted() -> None:
     assert world.replica.state is ReplicaState.WARM
     assert world.process.env["FROM_AGENT"] == "1"  # type: ignore[attr-defined]
     assert world.process.env["CUDA_VISIBLE_DEVICES"] == "0"  # type: ignore[attr-defined]
+    await world.close()
+
+
+async def test_the_engine_gets_the_flags_the_lease_allows() -> None:
+    """vLLM takes ``--gpu-memory-utilization`` x the GPU's total at start: the fraction
+    comes from the lease (1 GiB of a 24 GiB GPU), and vLLM's own ready path is asked."""
+    world = World(command=["vllm", "serve", "m", "--port", "{port}"], vram="1G")
+    await world.request()
+    command = world.process.command
+    fraction = float(command[command.index("--gpu-memory-utilization") + 1])
+    assert fraction == pytest.approx(1024 / 24576, abs=0.001)
+    assert fraction * 24576 <= 1024
+    assert world.health.asked == ["/health"]
     await world.close()

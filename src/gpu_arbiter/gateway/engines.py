@@ -62,6 +62,7 @@ from .interfaces import Clock
 
 __all__ = [
     "ENGINE_NAMES",
+    "OFFLINE",
     "Answer",
     "ComfyUiDriver",
     "Driver",
@@ -141,6 +142,29 @@ class EngineHttp:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+
+class _Offline(EngineHttp):
+    """No server answers: for a gateway whose parts give no HTTP to the engines."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def call(
+        self,
+        method: str,
+        port: int,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str] | None = None,
+    ) -> Answer | None:
+        return None
+
+    async def aclose(self) -> None:
+        pass
+
+
+OFFLINE = _Offline()
 
 # ---------------------------------------------------------------------- drivers
 

@@ -18,7 +18,10 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .engines import EngineHttp
 
 __all__ = [
     "AgentLink",
@@ -131,6 +134,8 @@ class LeaseApi(Protocol):
 
     async def release(self, lease_id: str) -> Json: ...
 
+    async def workers(self) -> list[Json]: ...
+
 
 class HealthCheck(Protocol):
     async def status(self, port: int, path: str) -> int | None:
@@ -145,6 +150,7 @@ class Parts:
     agent: AgentLink
     leases: LeaseApi
     health: HealthCheck
+    engines: EngineHttp | None = None  # the engines' own routes (None: none reachable)
 
 
 def log_path(state_dir: Path, model: str) -> Path:

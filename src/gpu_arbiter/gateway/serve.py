@@ -29,6 +29,7 @@ from ..web.connections import HeadLimits, bounded_http, raise_open_files_limit, 
 from .access import Access, ApiKey, check_exposure
 from .app import GatewayApp
 from .config import GatewayConfig, ModelConfig
+from .engines import EngineHttp
 from .estimate import Estimate, estimate_vram
 from .interfaces import LoopClock, Parts
 from .links import HttpHealthCheck, LocalAgentLink
@@ -113,9 +114,10 @@ async def _serve(
 
     metrics = GatewayMetrics()
     health = HttpHealthCheck()
+    engines = EngineHttp()
     async with ArbiterClient(controller or config.controller, token=token) as client:
         await _release(client, await launcher.stop_leftovers())
-        parts = Parts(LoopClock(), launcher, LocalAgentLink(), client, health)
+        parts = Parts(LoopClock(), launcher, LocalAgentLink(), client, health, engines)
         models = {
             name: ModelServer(
                 model, parts=parts, metrics=metrics, spawn=spawn, worker=worker,
@@ -151,6 +153,7 @@ async def _serve(
             hurried.cancel()
             await serving
             await health.aclose()
+            await engines.aclose()
             sock.close()
 
 
