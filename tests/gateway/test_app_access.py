@@ -61,6 +61,23 @@ def test_with_keys_each_key_and_no_other_and_healthz_open() -> None:
     assert denial is not None and "nope" not in denial.message
 
 
+def test_admin_routes_need_an_admin_key_when_there_are_keys() -> None:
+    admin = ApiKey("ops", "admin-key-0123456789", "admin")
+    access = Access((*KEYS, admin), "127.0.0.1", ())
+    bearer = {b"authorization": f"Bearer {admin.key}"}
+    assert _code(access, "POST", bearer, "/admin/models/chat/unload") == ""
+    assert _code(access, "GET", bearer, "/v1/models") == ""  # an admin key is a user's too
+    user = {b"authorization": f"Bearer {KEYS[0].key}"}
+    assert _code(access, "POST", user, "/admin/models/chat/pin") == "403 permission_denied"
+    denial = access.check("POST", "/admin/models/chat/pin", user)
+    assert denial is not None and "'one' is a user key" in denial.message
+    assert KEYS[0].key not in denial.message
+    assert _code(access, "POST", user, "/v1/chat/completions") == ""
+    assert _code(access, "POST", {}, "/admin/models/chat/pin") == "401 invalid_api_key"
+    open_access = Access((), "127.0.0.1", ())  # no keys: loopback only, open like the rest
+    assert _code(open_access, "POST", JSON, "/admin/models/chat/pin") == ""
+
+
 def test_a_key_is_never_shown() -> None:
     assert "key-one" not in repr(KEYS)
 

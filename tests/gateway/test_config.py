@@ -50,6 +50,9 @@ def test_a_full_entry() -> None:
         ({"colour": "red"}, "models.m.colour", "unknown key"),
         ({"command": "server"}, "models.m.command", "must contain {port}"),
         ({"aliases": "x"}, "models.m.aliases", "must be a list"),
+        ({"pinned": "yes"}, "models.m.pinned", "not true or false"),
+        ({"min_resident": "soon"}, "models.m.min_resident", "not a duration"),
+        ({"min_resident": -3}, "models.m.min_resident", "not negative"),
     ],
 )
 def test_errors_name_the_model_the_key_and_the_reason(
@@ -109,6 +112,7 @@ MODELS = {"m": {"command": COMMAND}}
         ({"api_keys": ["k" * 10, "k" * 10]}, "gateway.api_keys[1]", "the same key as"),
         ({"keys": [{"name": "ui"}]}, "gateway.keys[0].key", "missing"),
         ({"keys": [{"key": "k" * 10, "owner": "x"}]}, "gateway.keys[0].owner", "unknown key"),
+        ({"keys": [{"key": "k" * 10, "role": "root"}]}, "gateway.keys[0].role", "admin or user"),
         ({"api_key_file": "nowhere.txt"}, "gateway.api_key_file", "cannot read"),
         ({"max_connections": 0}, "gateway.max_connections", "not an integer 1.."),
         ({"max_header_bytes": 10}, "gateway.max_header_bytes", "between 1024 and"),
@@ -138,3 +142,20 @@ def test_a_key_file_without_keys_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="holds no key") as raised:
         parse_config({"gateway": {"api_key_file": "keys.txt"}, "models": MODELS}, base=tmp_path)
     assert raised.value.field == "gateway.api_key_file"
+
+
+def test_pinned_min_resident_and_key_roles() -> None:
+    models = {"m": {"command": COMMAND, "pinned": True, "min_resident": "2m"}}
+    keys = [
+        {"key": "admin-key-0123456789", "name": "ops", "role": "admin"},
+        {"key": "user-key-0123456789", "name": "ui"},
+    ]
+    config = parse_config(
+        {"gateway": {"keys": keys, "api_keys": ["plain-key-0123"]}, "models": models}
+    )
+    assert config.models["m"].pinned is True and config.models["m"].min_resident_s == 120
+    assert [(key.name, key.role) for key in config.keys] == [
+        ("gateway.api_keys[0]", "user"), ("ops", "admin"), ("ui", "user"),
+    ]  # fmt: skip
+    defaults = parse_config({"models": MODELS}).models["m"]
+    assert defaults.pinned is False and defaults.min_resident_s == 0

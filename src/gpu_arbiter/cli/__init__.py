@@ -13,6 +13,7 @@ from .agent import agent
 from .demo import demo
 from .gateway import gateway
 from .logs import logs
+from .models import MODEL_COMMANDS
 from .ops import COMMANDS
 from .run import run
 from .serve import serve, token_app
@@ -35,6 +36,8 @@ app.command()(gateway)
 app.command()(logs)
 app.add_typer(token_app, name="token")
 for _name, _command in COMMANDS.items():
+    app.command(_name)(_command)
+for _name, _command in MODEL_COMMANDS.items():
     app.command(_name)(_command)
 app.command()(top)
 
@@ -71,6 +74,8 @@ METAVARS = {
     "simulate": "SPEC",
     "port": "PORT",
     "host": "ADDRESS",
+    "gateway": "URL[,URL]",
+    "key": "KEY",
 }
 """What an option's value is, in its --help line, where its name does not say it."""
 

@@ -12,6 +12,9 @@ error shape):
 3. With keys configured, ``Authorization: Bearer KEY`` is one of them: else 401
    ``invalid_api_key``. ``/healthz`` is open; everything else, ``/metrics`` included,
    needs a key.
+4. With keys configured, ``/admin/...`` (unload, pin, unpin) needs a key whose role is
+   ``admin``: else 403 ``permission_denied``. Without keys (loopback only) it is open
+   like the rest.
 
 The rules are :mod:`gpu_arbiter.web.guards`' (the controller's). A key is compared by
 its SHA-256 digest with :func:`hmac.compare_digest` against every configured key,
@@ -30,19 +33,24 @@ from ..core import InvalidInput
 from ..paths import is_loopback
 from ..web.guards import host_names, refusal
 
-__all__ = ["Access", "ApiKey", "Denial", "check_exposure"]
+__all__ = ["ADMIN_PREFIX", "ROLES", "Access", "ApiKey", "Denial", "check_exposure"]
 
 OPEN_PATHS = frozenset({"/healthz"})
 """Answered without a key: a load balancer's health check has none."""
+ADMIN_PREFIX = "/admin/"
+"""Routes that change what the gateway runs for everyone: an admin key's only."""
+ROLES = ("admin", "user")
 
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """One key a caller may present. ``name`` says whose it is (``chat-ui``); a later
-    priority class per key hangs here."""
+    """One key a caller may present. ``name`` says whose it is (``chat-ui``); ``role``
+    (``user`` or ``admin``) whether it may also use the admin routes; a later priority
+    class per key hangs here."""
 
     name: str
     key: str = field(repr=False)
+    role: str = "user"
 
     @property
     def digest(self) -> bytes:
@@ -88,14 +96,24 @@ class Access:
                 "send a JSON body (Content-Type: application/json), or an Authorization: "
                 "Bearer header with any other body",
             )
-        if not self.auth or path in OPEN_PATHS or self.key_of(headers) is not None:
+        if not self.auth or path in OPEN_PATHS:
             return None
-        given = "a wrong API key" if b"authorization" in headers else "no API key"
-        return Denial(
-            401,
-            "invalid_api_key",
-            f"{given}: send Authorization: Bearer KEY with a key of [gateway] api_keys",
-        )
+        key = self.key_of(headers)
+        if key is None:
+            given = "a wrong API key" if b"authorization" in headers else "no API key"
+            return Denial(
+                401,
+                "invalid_api_key",
+                f"{given}: send Authorization: Bearer KEY with a key of [gateway] api_keys",
+            )
+        if path.startswith(ADMIN_PREFIX) and key.role != "admin":
+            return Denial(
+                403,
+                "permission_denied",
+                f"the key {key.name!r} is a user key: {ADMIN_PREFIX}... needs a key of "
+                '[[gateway.keys]] with role = "admin"',
+            )
+        return None
 
     def key_of(self, headers: Mapping[bytes, str]) -> ApiKey | None:
         """The configured key the request's bearer header presents, or None."""

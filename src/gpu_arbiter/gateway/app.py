@@ -6,6 +6,9 @@
     GET  /v1/models           the configured models with their state, and each alias
                               as an entry of its own (``alias_of``)
     GET  /v1/models/{id}      one of them, by name or alias
+    POST /admin/models/{name}/unload, /pin, /unpin
+                              an operator's (an admin key's, when there are keys): stop
+                              its replicas now; keep it busy-marked; let it go again
     GET  /metrics, /healthz
 
 In front of every route: the ``Host`` check, the simple-request rule and the API keys
@@ -22,6 +25,7 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
 
     400 no_model                the body names no model (not JSON, no ``model`` field)
     401 invalid_api_key         no key, or not one of ``[gateway] api_keys``
+    403 permission_denied       a user key on an ``/admin/`` route
     404 model_not_found         an unknown model (naming the known ones)
     404 not_found               no such route
     413 too_large               a body over ``max_body_bytes``
@@ -50,6 +54,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import time
 from collections.abc import (
     AsyncIterator,
@@ -66,7 +72,7 @@ from urllib.parse import quote
 import httptools
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .access import Access
+from .access import ADMIN_PREFIX, Access
 from .bodies import (
     BodyBudget,
     ClientGone,
@@ -87,6 +93,8 @@ from .scopes import CancelScope
 from .upstream import Body, UpstreamError
 
 __all__ = ["GatewayApp"]
+
+log = logging.getLogger("gpu_arbiter.gateway")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -112,7 +120,7 @@ _HOP = frozenset(
     }
 )
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
-_STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_alive"})
+_STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_alive", "unloaded"})
 HEARTBEAT_S = 3.0
 """A streaming request that waits for a replica gets a comment line at once, when what it
 waits for changes, and at least this often: it says why, and keeps the client's read
@@ -120,6 +128,7 @@ timeout from running out on a long load."""
 MAX_ERROR_BYTES = 64 * 1024
 """Of a model server's error answer to a request whose head went out while it waited,
 this much is kept for the SSE error event (the rest is read and dropped)."""
+_ADMIN_ROUTE = re.compile(re.escape(ADMIN_PREFIX) + r"models/([^/]+)/(unload|pin|unpin)")
 _SSE_HEAD = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -195,6 +204,8 @@ class GatewayApp:
             await self._prefix(scope, receive, send, headers)
         elif method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
             await self._listing(send, path[len("/v1/models/") :])
+        elif method == "POST" and _ADMIN_ROUTE.fullmatch(path):
+            await self._admin(send, path, headers)
         elif path == "/metrics":
             body = generate_latest(self.metrics.registry)
             await _send(send, 200, body, CONTENT_TYPE_LATEST.encode())
@@ -235,6 +246,27 @@ class GatewayApp:
             "alias_of": model.name,
             "state": model.state(),
         }
+
+    async def _admin(self, send: Send, path: str, headers: Mapping[bytes, str]) -> None:
+        """``POST /admin/models/{name}/{verb}``: unload, pin or unpin a model (by name or
+        alias); the answer says what it did (unload) or what the model is now."""
+        found = _ADMIN_ROUTE.fullmatch(path)
+        assert found is not None
+        name, verb = found.groups()
+        if name not in self.routes:
+            await self._unknown(send, name)
+            return
+        model = self.models[self.routes[name]]
+        key = self.access.key_of(headers)
+        log.info("model %s: %s by %s", model.name, verb, key.name if key else "a local caller")
+        if verb == "unload":
+            await _json(send, 200, await model.unload())
+            return
+        if verb == "pin":
+            await model.pin()
+        else:
+            model.unpin()
+        await _json(send, 200, self._entry(model.name, model.name))
 
     async def _unknown(self, send: Send, name: str) -> None:
         known = ", ".join(sorted(self.models))

@@ -19,6 +19,7 @@
     [[gateway.keys]]               # a key with a name (beside or instead of api_keys)
     key = "..."
     name = "chat-ui"
+    role = "user"                  # or "admin": also /admin/ (unload, pin, unpin)
 
     [models.chat]
     command = "llama-server -m /models/qwen.gguf -c 8192 --port {port}"
@@ -29,6 +30,8 @@
     max_parallel = 4               # requests in flight per replica
     replicas = 2                   # at most this many replicas (each its own lease)
     aliases = ["gpt-4o-mini"]
+    pinned = false                 # true: never idle, never stopped for keep_alive
+    min_resident = "0s"            # ready this long before its lease may be marked idle
     engine = "llama.cpp"           # llama.cpp, vllm, sglang, comfyui, ollama, generic
                                    # (default: read from the command, else generic)
     sleep_after = "1m"             # idle this long -> asleep, the process kept (engines
@@ -52,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds
-from .access import ApiKey
+from .access import ROLES, ApiKey
 from .engines import ENGINE_NAMES, can_sleep, detect_engine, engine_named
 from .estimate import gpus_of
 
@@ -79,6 +82,8 @@ _MODEL_KEYS = frozenset(
         "ttl",
         "preemptible",
         "env",
+        "pinned",
+        "min_resident",
         "engine",
         "sleep_after",
         "sleep_level",
@@ -127,6 +132,8 @@ class ModelConfig:
     ttl_s: float = 30.0
     preemptible: bool | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    pinned: bool = False  # at start; pin and unpin change it while the gateway runs
+    min_resident_s: float = 0.0  # after ready, before the lease may be marked idle
     engine: str = "generic"  # a name of engines.ENGINE_NAMES
     sleep_after_s: float | None = None  # None: never asleep (stopped after keep_alive)
     sleep_level: int = 1  # vLLM's
@@ -237,11 +244,14 @@ def _api_keys(gateway: Mapping[str, Any], base: Path) -> tuple[ApiKey, ...]:
 def _key_table(i: int, table: Any) -> tuple[str, ApiKey]:
     where = f"gateway.keys[{i}]"
     table = _table(table, where)
-    _known(table, frozenset({"key", "name"}), where)
+    _known(table, frozenset({"key", "name", "role"}), where)
     if "key" not in table:
         raise InvalidInput(f"{where}.key", "missing")
     name = _text(table.get("name", where), f"{where}.name")
-    return where, ApiKey(name, _api_key(table["key"], f"{where}.key"))
+    role = table.get("role", "user")
+    if role not in ROLES:
+        raise InvalidInput(f"{where}.role", f"{role!r} is not a role: admin or user")
+    return where, ApiKey(name, _api_key(table["key"], f"{where}.key"), role)
 
 
 def _key_file(value: Any, base: Path) -> list[tuple[str, ApiKey]]:
@@ -457,6 +467,8 @@ _PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "ttl": ("ttl_s", _positive_seconds),
     "preemptible": ("preemptible", _bool),
     "env": ("env", _env),
+    "pinned": ("pinned", _bool),
+    "min_resident": ("min_resident_s", _seconds),
     "sleep_after": ("sleep_after_s", _positive_seconds),
     "sleep_level": ("sleep_level", _int_between(1, 2)),
 }

@@ -32,7 +32,7 @@ class GatewayMetrics:
         self.stops = Counter(
             "gpu_arbiter_gateway_stops",
             "Replicas stopped, by reason: keep_alive, reclaimed, preempted, revoked, failed, "
-            "shutdown",
+            "shutdown, unloaded",
             ["model", "reason"], registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(

@@ -7,6 +7,11 @@ the replicas already on their way, up to ``replicas``. A replica that failed (it
 server exited, or was not ready in time) makes the model back off before it starts
 another: 1 s, doubling per failure in a row up to 60 s, so that a broken server never
 holds the GPU's load gate in a loop.
+
+An operator may pin a model (its leases always marked busy: never reclaimed as a cache,
+never stopped for keep_alive; only a strictly higher priority may preempt it, and only
+when it is preemptible: I5) and unpin it, or unload it (its replicas stopped now, those
+queued cancelled, and the requests waiting for it refused).
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from ..core import PRIORITY_NAMES
 from .config import ModelConfig
 from .interfaces import Parts
 from .metrics import GatewayMetrics
-from .replica import Replica, ReplicaState, sleep_or
+from .replica import AGENT_MARGIN_S, Replica, ReplicaState, sleep_or
 
 __all__ = ["ModelServer", "Refused"]
 
@@ -35,6 +41,7 @@ _MOST_ADVANCED = (
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 MEASURE_S = 2.0
+UNLOAD_MARGIN_S = 10.0  # beyond two graces and the agent's margin: the release
 
 
 class Refused(Exception):
@@ -71,6 +78,9 @@ class ModelServer:
         self.failures = 0
         self.failed_at = 0.0
         self.failure: str | None = None
+        self.pinned = config.pinned
+        self.last_used: float | None = None  # when a request last took a slot
+        self._unloads = 0
         self._changed = asyncio.Event()
         self._numbers = 0
 
@@ -83,17 +93,20 @@ class ModelServer:
         the gateway then tells a streaming caller why (:meth:`waiting_for`)."""
         started = self.clock.now()
         deadline = started + self.config.queue_timeout_s
-        failures_before = self.failures
+        failures_before, unloads_before = self.failures, self._unloads
         self.waiting += 1
         try:
             while True:
                 replica = self._free_replica()
                 if replica is not None:
                     if await replica.enter():
+                        self.last_used = self.clock.now()
                         return replica, self.clock.now() - started
                     continue
                 if self.failures > failures_before and not self._live():
                     raise Refused(502, f"model {self.name}: {self.failure}")
+                if self._unloads > unloads_before:
+                    raise Refused(503, f"model {self.name} was unloaded by an operator", 1.0)
                 self._refuse_while_backing_off()
                 self._start_if_needed()
                 changed = self._changed
@@ -223,6 +236,53 @@ class ModelServer:
         for replica in self.replicas:
             replica.shutdown()
 
+    # ------------------------------------------------------------------ operators
+
+    async def pin(self) -> None:
+        """Pinned from now: a lease marked idle is marked busy at once."""
+        self.pinned = True
+        for replica in list(self.replicas):
+            replica.pin_changed()
+        await asyncio.gather(*(replica.mark_busy() for replica in list(self.replicas)))
+        self.notify()
+
+    def unpin(self) -> None:
+        """Unpinned: idle_after and keep_alive count again, from now."""
+        self.pinned = False
+        for replica in self.replicas:
+            replica.pin_changed()
+        self.notify()
+
+    async def unload(self) -> dict[str, Any]:
+        """Stops every replica now (a queued one is cancelled; the requests in flight
+        get the grace) and refuses the requests waiting for one; returns once they have
+        ended (their leases released), or after two graces and margins if not."""
+        live = self._live()
+        for replica in live:
+            replica.unload()
+        self._unloads += 1
+        self.notify()
+        cancelled = sum(1 for r in live if r.ending is not None and r.ending.kind == "cancelled")
+        deadline = self.clock.now() + 2 * self.config.grace_s + AGENT_MARGIN_S + UNLOAD_MARGIN_S
+        while any(r in self.replicas for r in live) and self.clock.now() < deadline:
+            await sleep_or(self.clock.sleep(deadline - self.clock.now()), self._changed)
+        left = sum(1 for r in live if r in self.replicas)
+        return {
+            "id": self.name,
+            "stopped": len(live) - cancelled,
+            "cancelled": cancelled,
+            "still_stopping": left,
+            "state": self.state(),
+        }
+
+    def preemptible_by(self) -> str | None:
+        """Who may take the model's GPU while its lease is busy (always, when pinned):
+        a strictly higher base priority, if the model is preemptible (I5)."""
+        preemptible = self.config.preemptible
+        if preemptible is None:  # the controller's default
+            preemptible = self.config.priority < PRIORITY_NAMES["interactive"]
+        return f"priority above {self.config.priority}" if preemptible else None
+
     # ------------------------------------------------------------------ state
 
     def state(self) -> str:
@@ -241,6 +301,12 @@ class ModelServer:
             "state": self.state(),
             "aliases": list(self.config.aliases),
             "vram_mb": self.vram_mb,
+            "held_mb": sum(_held_mb(r) for r in self.replicas),
+            "in_flight": sum(r.in_flight for r in self.replicas),
+            "queued": self.waiting,
+            "last_used_ago_s": self._last_used_ago_s(),
+            "pinned": self.pinned,
+            "preemptible_by": self.preemptible_by(),
             "replicas": [_replica(r) for r in self.replicas],
         }
         queued = [r.pending_reason for r in self.replicas if r.state is ReplicaState.QUEUED]
@@ -250,12 +316,28 @@ class ModelServer:
             found["failure"] = self.failure
         return found
 
+    def _last_used_ago_s(self) -> float | None:
+        """Seconds since a request last came or left (None: never since the start)."""
+        if self.last_used is None:
+            return None
+        serving = (ReplicaState.WARM, ReplicaState.BUSY)
+        last = max([self.last_used, *(r.last_used for r in self.replicas if r.state in serving)])
+        return round(max(0.0, self.clock.now() - last), 1)
+
+
+def _held_mb(replica: Replica) -> int:
+    """The memory its lease holds on all its GPUs (0 while queued)."""
+    if replica.state is ReplicaState.QUEUED or not replica.lease.get("gpus"):
+        return 0
+    return int(replica.lease.get("vram_mb") or 0) * len(replica.lease["gpus"])
+
 
 def _replica(replica: Replica) -> dict[str, Any]:
     found: dict[str, Any] = {
         "state": str(replica.state),
         "in_flight": replica.in_flight,
         "lease": replica.lease.get("id"),
+        "lease_idle": replica.lease_idle,
         "gpus": replica.lease.get("gpus"),
         "pid": replica.pid,
     }

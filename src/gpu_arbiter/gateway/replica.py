@@ -13,7 +13,11 @@ Timers are driven by events, never by a sleep that nothing can wake: a request t
 arrives or leaves wakes the replica's keep-warm task, which re-arms from the moment the
 last request left: marked ``idle`` after ``idle_after`` with nothing in flight (so that
 back-to-back requests do not cost two controller calls each), stopped after
-``keep_alive``. A request marks the lease ``busy`` again before it is forwarded.
+``keep_alive``. A request marks the lease ``busy`` again before it is forwarded. The
+lease is not marked idle before the replica has been ready ``min_resident`` (so that an
+equal priority cannot reclaim a model that just loaded: swap thrash). A pinned model's
+replicas are never marked idle and never stopped for keep_alive: only a revocation (a
+strictly higher priority preempting it, when it is preemptible) or an unload ends them.
 
 Structure (Trio's nursery is the model): :meth:`Replica.run` is the whole life; while a
 lease is held, one ``asyncio.TaskGroup`` owns the replica's own work (renewing the lease,
@@ -78,7 +82,7 @@ class ReplicaState(StrEnum):
 @dataclass(frozen=True, slots=True)
 class Ending:
     """Why a replica stops: ``kind`` (keep_alive, reclaimed, preempted, revoked, failed,
-    cancelled, shutdown) and the words for logs and error bodies."""
+    cancelled, shutdown, unloaded) and the words for logs and error bodies."""
 
     kind: str
     reason: str
@@ -115,6 +119,7 @@ class Replica:
         self.exited = asyncio.Event()
         self.returncode: int | None = None
         self.last_used = self.parts.clock.now()
+        self.ready_at: float | None = None
         self.upstream = Upstream(0, model.config.max_parallel)  # its server's, once started
         # the cancel scopes of the requests being relayed to the server (the gateway's
         # app adds and removes them); those left at the end of the grace are cancelled
@@ -143,9 +148,14 @@ class Replica:
     def live(self) -> bool:
         return self.state is not ReplicaState.ENDED
 
+    @property
+    def lease_idle(self) -> bool:
+        """Whether its lease is marked idle (a cache the arbiter may reclaim)."""
+        return self._idle_marked
+
     def keep_alive_left_s(self) -> float | None:
-        """Seconds until keep_alive stops it, while nothing is in flight."""
-        if self.state is not ReplicaState.WARM or self.in_flight:
+        """Seconds until keep_alive stops it, while nothing is in flight (None: pinned)."""
+        if self.state is not ReplicaState.WARM or self.in_flight or self.model.pinned:
             return None
         left = self._quiet_since + self.model.config.keep_alive_s - self.parts.clock.now()
         return max(0.0, left)
@@ -191,6 +201,29 @@ class Replica:
 
     def shutdown(self) -> None:
         self._stop(Ending("shutdown", "the gateway is stopping"))
+
+    def unload(self) -> None:
+        """An operator's unload: a queued one is cancelled, the others stop as for a
+        revocation (the requests in flight get the grace)."""
+        if self.state is ReplicaState.QUEUED:
+            self._stop(Ending("cancelled", "unloaded by an operator"))
+        else:
+            self._stop(Ending("unloaded", "unloaded by an operator"))
+
+    def pin_changed(self) -> None:
+        """The model was pinned or unpinned: the keep-warm task looks again, its timers
+        re-armed from now."""
+        if not self.in_flight:
+            self._quiet_since = self.parts.clock.now()
+        self._activity.set()
+
+    async def mark_busy(self) -> None:
+        """Marks the lease busy now if it is marked idle (a pin: no longer a cache)."""
+        async with self._mark:
+            if self._idle_marked and self.ending is None:
+                with contextlib.suppress(ApiError, ControllerUnreachable):
+                    self.lease = await self.parts.leases.busy(self.lease["id"])
+                    self._idle_marked = False
 
     def _stop(self, ending: Ending) -> None:
         if self.ending is None:
@@ -263,7 +296,7 @@ class Replica:
 
     def _warm(self, group: asyncio.TaskGroup, keepers: list[asyncio.Task[None]]) -> None:
         self.state = ReplicaState.WARM
-        self._quiet_since = self.parts.clock.now()
+        self._quiet_since = self.ready_at = self.parts.clock.now()
         keepers.append(group.create_task(self._keep_warm()))
         if self.model.config.vram is None:
             keepers.append(group.create_task(self._measure()))
@@ -392,21 +425,25 @@ class Replica:
     # ------------------------------------------------------------------ keep-warm
 
     async def _keep_warm(self) -> None:
-        """Nothing in flight for ``idle_after``: the lease is marked idle (a cache the
-        arbiter may reclaim); for ``keep_alive``: the replica stops. Both counted from
-        the moment the last request left, re-armed by every request."""
+        """Nothing in flight for ``idle_after`` (and ready ``min_resident``): the lease is
+        marked idle (a cache the arbiter may reclaim); for ``keep_alive``: the replica
+        stops. Both counted from the moment the last request left, re-armed by every
+        request; neither while the model is pinned."""
         config = self.model.config
         while self.ending is None:
-            if self.in_flight:
+            if self.in_flight or self.model.pinned:
                 self._activity.clear()
                 await self._activity.wait()
                 continue
             since, arrivals = self._quiet_since, self._arrivals
-            if not self._idle_marked:
-                if await self._quiet_until(since + config.idle_after_s):
+            stop_at = since + config.keep_alive_s
+            resident_at = (self.ready_at or since) + config.min_resident_s
+            idle_at = max(since + config.idle_after_s, resident_at)
+            if not self._idle_marked and idle_at < stop_at:
+                if await self._quiet_until(idle_at):
                     await self._mark_idle(arrivals)
                 continue
-            if await self._quiet_until(since + config.keep_alive_s):
+            if await self._quiet_until(stop_at):
                 idle_s = config.keep_alive_s
                 self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
                 return
@@ -421,7 +458,7 @@ class Replica:
 
     async def _mark_idle(self, arrivals: int) -> None:
         async with self._mark:
-            if self._arrivals != arrivals or self.ending is not None:
+            if self._arrivals != arrivals or self.ending is not None or self.model.pinned:
                 return
             lease_id, leases = self.lease["id"], self.parts.leases
             with contextlib.suppress(ApiError, ControllerUnreachable):
@@ -450,7 +487,7 @@ class Replica:
         grace_s, clock = self.model.config.grace_s, self.parts.clock
         if self.process is not None and not self.exited.is_set():
             await self.model.measure(self)  # its last figure, for the next lease
-        if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown"):
+        if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown", "unloaded"):
             deadline = clock.now() + grace_s
             while self.in_flight and not self.exited.is_set() and clock.now() < deadline:
                 self._activity.clear()
@@ -564,8 +601,9 @@ class Replica:
         if lease.get("preempted_for"):
             detail += f" for {lease['preempted_for']}"
         detail += ")"
-        if why == "preempted":
-            return Ending("reclaimed" if self.in_flight == 0 else "preempted", detail)
+        if why == "preempted":  # reclaimed: taken as a cache, its lease marked idle
+            cache = self._idle_marked and self.in_flight == 0
+            return Ending("reclaimed" if cache else "preempted", detail)
         return Ending("revoked", detail)
 
     async def used_mb(self) -> int | None:

@@ -1,0 +1,278 @@
+"""Operator commands for the gateways' models: ``models`` (every gateway's models, as a
+table), ``unload MODEL``, ``pin MODEL``, ``unpin MODEL``. Arguments -> each gateway's
+HTTP API (``GET /v1/models``, ``POST /admin/models/NAME/VERB``) -> rendering; the
+gateways decide.
+
+Every command asks every gateway given (``--gateway``, repeatable or comma-separated;
+``GPU_ARBITER_GATEWAY``; default ``http://127.0.0.1:8080``), at once. A gateway that
+cannot be reached, or refuses, is one line naming it; the others are still shown.
+
+Exit codes: 0 done; 1 ``models``: no gateway answered with its models; a change: a
+gateway was not reached or refused it, or none knows the model; 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
+from urllib.parse import quote, urlsplit
+
+import httpx
+import typer
+from rich.table import Table
+
+from ..core import format_mb, format_s
+from .ops import EXIT_API_ERROR, option, stdout_console
+
+__all__ = ["MODEL_COMMANDS", "models_view"]
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+LIST_TIMEOUT_S = 10.0
+CHANGE_TIMEOUT_S = 300.0  # an unload answers once its servers are gone: two graces or so
+Json = dict[str, Any]
+
+Gateways = Annotated[
+    list[str] | None,
+    option(
+        f"Gateway URL; repeat it or comma-separate several (default {DEFAULT_GATEWAY}).",
+        "--gateway",
+        envvar="GPU_ARBITER_GATEWAY",
+    ),
+]
+Key = Annotated[
+    str | None,
+    option(
+        "The gateways' API key (an admin key for unload, pin and unpin).",
+        "--key",
+        envvar="GPU_ARBITER_GATEWAY_KEY",
+    ),
+]
+AsJson = Annotated[bool, option("Print the gateways' answers as JSON.", "--json")]
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="The model (name or alias).")]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One gateway's answer: ``status`` 0 when it could not be reached (``error`` says
+    why), else the HTTP status and its JSON ``body``."""
+
+    gateway: str
+    status: int
+    body: Any = None
+    error: str = ""
+
+    def refusal(self) -> str:
+        """The line for a gateway that did not do what was asked."""
+        if not self.status:
+            return f"{self.gateway}: not reachable ({self.error})"
+        found = self.body.get("error") if isinstance(self.body, dict) else None
+        if isinstance(found, dict):
+            return f"{self.gateway}: {self.status} {found.get('code')}: {found.get('message')}"
+        return f"{self.gateway}: {self.status} (not a gateway's answer)"
+
+    @property
+    def unknown_model(self) -> bool:
+        found = self.body.get("error") if isinstance(self.body, dict) else None
+        return self.status == 404 and isinstance(found, dict) and (
+            found.get("code") == "model_not_found"
+        )  # fmt: skip
+
+
+def gateway_urls(given: Sequence[str] | None) -> list[str]:
+    """``--gateway`` values (each may hold several, comma-separated), checked."""
+    urls = [u.strip().rstrip("/") for value in given or [] for u in value.split(",")]
+    urls = [url for url in urls if url] or [DEFAULT_GATEWAY]
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            print(f"error: --gateway: {url!r} is not an http:// or https:// URL", file=sys.stderr)
+            raise typer.Exit(2)
+    return list(dict.fromkeys(urls))
+
+
+def ask(
+    urls: Sequence[str], method: str, path: str, key: str | None, timeout_s: float
+) -> list[Answer]:
+    """Every gateway's answer to ``method path``, asked at once."""
+
+    async def one(client: httpx.AsyncClient, url: str) -> Answer:
+        try:
+            # a change goes as JSON: the simple-request rule's, when there is no key
+            sent: Json | None = {} if method == "POST" else None
+            response = await client.request(method, url + path, json=sent)
+        except httpx.HTTPError as error:
+            return Answer(url, 0, error=f"{error.__class__.__name__}: {error}".rstrip(": "))
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        return Answer(url, response.status_code, body)
+
+    async def every() -> list[Answer]:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        timeout = httpx.Timeout(timeout_s, connect=5.0)
+        async with httpx.AsyncClient(headers=headers, timeout=timeout) as client:
+            return list(await asyncio.gather(*(one(client, url) for url in urls)))
+
+    try:
+        return asyncio.run(every())
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def models_view(answers: Sequence[Answer]) -> Table:
+    """One row per model of every gateway that answered (aliases are not rows)."""
+    table = Table(
+        "gateway", "model", "state", "lease", "memory", "in flight", "queued", "last used",
+        "keep-alive left", "pinned",
+    )  # fmt: skip
+    for answer in answers:
+        if answer.status != 200:
+            continue
+        for model in _models(answer.body):
+            table.add_row(answer.gateway, *_row(model))
+    return table
+
+
+def _models(body: Any) -> list[Json]:
+    data = body.get("data") if isinstance(body, dict) else None
+    return [m for m in data or [] if isinstance(m, dict) and "alias_of" not in m]
+
+
+def _row(model: Json) -> list[str]:
+    replicas = model.get("replicas") or []
+    leases = [_lease_words(r) for r in replicas if r.get("lease")]
+    left = [format_s(r["keep_alive_left_s"]) for r in replicas if "keep_alive_left_s" in r]
+    ago = model.get("last_used_ago_s")
+    state = str(model.get("state"))
+    if model.get("pending_reason"):
+        state += f": {model['pending_reason']}"
+    return [
+        str(model.get("id")),
+        state,
+        ", ".join(leases) or "-",
+        format_mb(int(model["held_mb"])) if model.get("held_mb") else "-",
+        str(model.get("in_flight", 0)),
+        str(model.get("queued", 0)),
+        "never" if ago is None else f"{format_s(float(ago))} ago",
+        ", ".join(left) or "-",
+        _pin_words(model) if model.get("pinned") else "-",
+    ]
+
+
+def _lease_words(replica: Json) -> str:
+    """A replica's lease, and whether it is marked idle (the arbiter may reclaim it)."""
+    return f"{replica['lease']} (idle)" if replica.get("lease_idle") else str(replica["lease"])
+
+
+def _pin_words(model: Json) -> str:
+    """What the pin means: who may still take the GPU (I5)."""
+    by = model.get("preemptible_by")
+    return f"yes; preemptible by {by}" if by else "yes; not preemptible"
+
+
+def _changed_line(verb: str, answer: Answer) -> str:
+    body: Json = answer.body
+    name = body.get("id")
+    if verb == "unload":
+        stopped, cancelled, left = body["stopped"], body["cancelled"], body["still_stopping"]
+        done = f"{left} still stopping" if left else "its leases released"
+        return (
+            f"{answer.gateway}: unloaded {name}: {stopped} replica(s) stopped, {cancelled} "
+            f"queued cancelled; {done}; now {body.get('state')}"
+        )
+    if verb == "pin":
+        return (
+            f"{answer.gateway}: pinned {name} ({body.get('state')}): never marked idle, never "
+            f"stopped for keep_alive; {_pin_words(body).removeprefix('yes; ')}"
+        )
+    return (
+        f"{answer.gateway}: unpinned {name} ({body.get('state')}): idle_after and keep_alive "
+        "count again, from now"
+    )
+
+
+# ---------------------------------------------------------------- commands
+
+
+def models(gateway: Gateways = None, key: Key = None, as_json: AsJson = False) -> None:
+    """Every gateway's models: state, lease, memory, requests in flight and queued, last
+    used, keep-alive left, pinned."""
+    answers = ask(gateway_urls(gateway), "GET", "/v1/models", key, LIST_TIMEOUT_S)
+    listed = any(answer.status == 200 for answer in answers)
+    if as_json:
+        print(json.dumps([_as_json(a) for a in answers], indent=2, sort_keys=True))
+    elif listed:
+        stdout_console().print(models_view(answers))
+    for answer in answers:
+        if answer.status != 200:
+            print(answer.refusal(), file=sys.stderr)
+    if not listed:
+        raise typer.Exit(EXIT_API_ERROR)
+
+
+def _as_json(answer: Answer) -> Json:
+    if answer.status == 200 and answer.body is not None and "data" in answer.body:
+        return {"gateway": answer.gateway, "models": _models(answer.body)}
+    return {"gateway": answer.gateway, "status": answer.status, "error": answer.refusal()}
+
+
+def _change(
+    verb: str, model: str, gateway: list[str] | None, key: str | None, as_json: bool
+) -> None:
+    """``POST /admin/models/MODEL/VERB`` on every gateway; those that do not know the
+    model are left out, unless none does."""
+    path = f"/admin/models/{quote(model, safe='')}/{verb}"
+    answers = ask(gateway_urls(gateway), "POST", path, key, CHANGE_TIMEOUT_S)
+    done = [a for a in answers if a.status == 200]
+    failed = [a for a in answers if a.status != 200 and not a.unknown_model]
+    if as_json:
+        found = [{"gateway": a.gateway, "status": a.status, "answer": a.body} for a in answers]
+        print(json.dumps(found, indent=2, sort_keys=True))
+    else:
+        for answer in done:
+            print(_changed_line(verb, answer))
+    for answer in failed:
+        print(f"error: {answer.refusal()}", file=sys.stderr)
+    if not done and not failed:
+        print(f"error: no gateway has a model {model!r}", file=sys.stderr)
+    if failed or not done:
+        raise typer.Exit(EXIT_API_ERROR)
+
+
+def unload(
+    model: ModelArg, gateway: Gateways = None, key: Key = None, as_json: AsJson = False
+) -> None:
+    """Stop a model's servers now (requests in flight get its grace; queued ones are
+    cancelled) and release their leases; the next request starts it again."""
+    _change("unload", model, gateway, key, as_json)
+
+
+def pin(
+    model: ModelArg, gateway: Gateways = None, key: Key = None, as_json: AsJson = False
+) -> None:
+    """Keep a model loaded: its lease never marked idle, never stopped for keep_alive; only
+    a strictly higher priority may preempt it, if it is preemptible."""
+    _change("pin", model, gateway, key, as_json)
+
+
+def unpin(
+    model: ModelArg, gateway: Gateways = None, key: Key = None, as_json: AsJson = False
+) -> None:
+    """Let a pinned model go: idle_after and keep_alive count again, from now."""
+    _change("unpin", model, gateway, key, as_json)
+
+
+MODEL_COMMANDS: dict[str, Callable[..., None]] = {
+    "models": models,
+    "unload": unload,
+    "pin": pin,
+    "unpin": unpin,
+}
