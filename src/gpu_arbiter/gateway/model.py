@@ -24,6 +24,7 @@ from typing import Any
 
 from ..core import PRIORITY_NAMES
 from .config import ModelConfig
+from .engines import OFFLINE, driver_for
 from .interfaces import Parts
 from .metrics import GatewayMetrics
 from .replica import AGENT_MARGIN_S, Replica, ReplicaState, sleep_or
@@ -69,6 +70,10 @@ class ModelServer:
         self.name = config.name
         self.parts = parts
         self.clock = parts.clock
+        self.driver = driver_for(
+            config.engine, parts.engines or OFFLINE, sleep_after_s=config.sleep_after_s,
+            sleep_level=config.sleep_level,
+        )  # fmt: skip
         self.metrics = metrics
         self.spawn = spawn
         self.worker = worker

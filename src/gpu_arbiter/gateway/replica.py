@@ -66,7 +66,6 @@ AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agen
 RELEASE_TRIES = 20
 PORT_TRIES = 3  # a server that could not bind its port is started again on another
 TAIL_LINES = 8
-DEFAULT_READY = ("/health", "/v1/models")  # llama.cpp, vLLM, SGLang / llama-cpp-python
 Json = dict[str, Any]
 
 
@@ -332,6 +331,7 @@ class Replica:
         env.update(model.config.env)
         env["GPU_ARBITER_LEASE"] = str(self.lease["id"])
         env["GPU_ARBITER_FENCING_TOKEN"] = str(self.lease["token"])
+        command, env = await self._engine_flags(command, env)
         try:
             process = await launcher.start(
                 model.name, command, env, lease_id=str(self.lease["id"]),
@@ -348,6 +348,26 @@ class Replica:
             self.lease["id"],
         )  # fmt: skip
         return process
+
+    async def _engine_flags(
+        self, command: list[str], env: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """The engine's flags for the lease (vLLM's memory fraction, llama.cpp's fit
+        target...), from the lease's GPUs as the controller last saw them."""
+        gpus = set(self.lease["gpus"])
+        try:
+            workers = await self.parts.leases.workers()
+        except (ApiError, ControllerUnreachable):
+            workers = []
+        found = [g for w in workers for g in w.get("gpus", ()) if g.get("id") in gpus]
+        total = max((int(g["total_mb"]) for g in found), default=0)
+        free = [int(g["total_mb"]) - int(g["used_mb"] or 0) for g in found]
+        if not total:  # not known: the engine's own defaults
+            return command, env
+        words, changed = self.model.driver.prepare(
+            command, env, int(self.lease["vram_mb"]), total, free_mb=free
+        )
+        return list(words), changed
 
     async def _attach(self) -> bool:
         """Puts the process group under the local agent's supervision: the controller then
@@ -379,7 +399,7 @@ class Replica:
         a path of the config answering 404 is a configuration error, named at once."""
         config, clock = self.model.config, self.parts.clock
         deadline = clock.now() + config.load_timeout_s
-        paths = (config.ready,) if config.ready else DEFAULT_READY
+        paths = (config.ready,) if config.ready else self.model.driver.ready_paths
         at, poll_s = 0, READY_POLL_FIRST_S
         while self.ending is None:
             if self.exited.is_set():
