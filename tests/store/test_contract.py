@@ -113,6 +113,29 @@ def test_final_leases_are_kept_but_not_loaded_as_live(store: Store) -> None:
     assert record.state is LeaseState.RELEASED
 
 
+def test_a_shrunk_lease_on_exact_gpus_round_trips(store: Store) -> None:
+    """The sleep tier's state: a lease shrunk below its grant, asked for on exact GPUs."""
+    held = _granted("l-1", 1)
+    assert held.lease is not None
+    exact = Constraints.build(gpu_ids=["box-1:0", "box-1:1"])
+    request = replace(held.request, constraints=exact, gpus=2)
+    lease = replace(
+        held.lease,
+        request=request,
+        gpus=(GpuId("box-1", 0), GpuId("box-1", 1)),
+        state=LeaseState.ACTIVE,
+        shrunk_to_mb=300,
+    )
+    held = replace(held, request=request, state=LeaseState.ACTIVE, lease=lease)
+    store.commit(Batch(leases={held.id: held}))
+    assert store.load().leases == (held,)
+    loaded = store.lease("l-1")
+    assert loaded == held
+    assert loaded is not None and loaded.lease is not None
+    assert (loaded.lease.vram_mb, loaded.lease.granted_mb) == (300, 2048)
+    assert loaded.request.constraints.gpu_ids == (GpuId("box-1", 0), GpuId("box-1", 1))
+
+
 def test_infinite_expiry_round_trips(store: Store) -> None:
     held = _granted("l-1", 1)
     assert held.lease is not None

@@ -53,6 +53,7 @@ def constraints_to_doc(c: Constraints) -> dict[str, Any]:
         "gpu_model": c.gpu_model,
         "worker": c.worker,
         "labels": dict(c.labels),
+        "gpu_ids": [str(g) for g in c.gpu_ids],
     }
 
 
@@ -65,6 +66,7 @@ def _constraints_from_doc(doc: dict[str, Any]) -> Constraints:
         gpu_model=doc.get("gpu_model"),
         worker=doc.get("worker"),
         labels=tuple(sorted((doc.get("labels") or {}).items())),
+        gpu_ids=tuple(_gpu_id(text) for text in doc.get("gpu_ids") or ()),  # absent: older
     )
 
 
@@ -122,6 +124,7 @@ def _grant_to_doc(lease: Lease) -> dict[str, Any]:
         "ended_at": lease.ended_at,
         "revoked_at": lease.revoked_at,
         "supervised": lease.supervised,
+        "shrunk_to_mb": lease.shrunk_to_mb,
     }
 
 
@@ -143,6 +146,7 @@ def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
         ended_at=doc["ended_at"],
         revoked_at=doc.get("revoked_at"),  # absent from leases stored by earlier versions
         supervised=doc.get("supervised", False),
+        shrunk_to_mb=doc.get("shrunk_to_mb"),  # absent from leases stored before shrinking
     )
 
 
