@@ -893,3 +893,24 @@ async def test_a_revoked_acquired_lease_that_keeps_renewing_lapses_after_grace_p
         assert refused
         assert recorder.kinds(victim.id)[-1] == "expired"
         await (await preemptor).release()
+
+
+async def test_a_shrunk_lease_gives_its_memory_back_once_the_probe_shows_it_free(
+    arbiter: Arbiter,
+) -> None:
+    arbiter.set_probe(G0, GpuProbe(used_mb=0))
+    sleeper = await arbiter.acquire(20000, holder="sleeper")
+    await sleeper.ready()
+    arbiter.set_probe(G0, GpuProbe(used_mb=20000))
+    await sleeper.shrink("1G")
+    assert (sleeper.vram_mb, committed(arbiter)) == (1024, 1024)
+    waiter = asyncio.create_task(arbiter.acquire(16000, holder="w"))
+    await settle()
+    assert pending_by_holder(arbiter)["w"].reason.code == "insufficient_vram"
+    arbiter.set_probe(G0, GpuProbe(used_mb=1024))  # the sleeping server freed its memory
+    woken = await asyncio.wait_for(waiter, GUARD_S)
+    assert woken.gpus == (G0,)
+    with pytest.raises(Conflict, match="grows only through a new grant"):
+        await sleeper.shrink(2048)
+    await woken.release()
+    await sleeper.release()

@@ -237,6 +237,11 @@ class ArbiterClient:
     async def busy(self, lease_id: str) -> Json:
         return await self._post(f"/v1/leases/{lease_id}/busy")
 
+    async def shrink(self, lease_id: str, vram_mb: int | str) -> Json:
+        """POST /v1/leases/{id}/shrink: the lease holds ``vram_mb`` per GPU (MiB, or a size
+        such as ``512M``) from now on; a lease never grows (409: ask for a new one)."""
+        return await self._post(f"/v1/leases/{lease_id}/shrink", {"vram_mb": vram_mb})
+
     async def release(self, lease_id: str) -> Json:
         """DELETE /v1/leases/{id}: releases a held lease, cancels a pending one; idempotent."""
         result: Json = await self.request("DELETE", f"/v1/leases/{lease_id}")

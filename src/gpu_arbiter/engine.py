@@ -54,6 +54,7 @@ from .core import (
     Unschedulable,
     WaitTimeout,
     Worker,
+    parse_mb,
 )
 
 __all__ = ["Arbiter", "ArbiterEvent", "ArbiterStats", "LeaseHandle", "PendingInfo"]
@@ -130,6 +131,7 @@ class LeaseHandle:
 
     @property
     def vram_mb(self) -> int:
+        """What the lease holds per GPU now (less than granted once shrunk)."""
         return self._lease.vram_mb
 
     @property
@@ -158,6 +160,12 @@ class LeaseHandle:
 
     async def renew(self, ttl_s: float | None = None) -> None:
         self._arbiter._call(self.id, "renew", ttl_s)
+
+    async def shrink(self, vram_mb: int | str) -> None:
+        """Gives memory back: the lease holds ``vram_mb`` per GPU (MiB or a size such as
+        ``2G``) from now on; the memory goes to others once the probe shows it free. It
+        never grows back: more memory takes a new lease."""
+        self._lease = self._arbiter._shrink(self.id, parse_mb(vram_mb))
 
     async def release(self) -> None:
         await self._arbiter.release(self.id)
@@ -255,7 +263,7 @@ class Arbiter:
         self,
         vram_mb: int | str,
         *,
-        gpus: int = 1,
+        gpus: int | None = None,
         priority: int | str = "normal",
         preemptible: bool | None = None,
         holder: str = "",
@@ -267,7 +275,8 @@ class Arbiter:
         """``async with arbiter.lease(6000, priority="interactive") as lease:`` — waits for a
         grant, holds it for the block, releases it on the way out. Constraints as keywords:
         ``vendor``, ``min_compute_capability``, ``gpu_arch``, ``gpu_model``, ``worker``,
-        ``labels``. The lease has no TTL: it lives exactly as long as the block.
+        ``labels``, ``gpu_ids`` (exact GPUs: ``gpus`` defaults to their number). The lease
+        has no TTL: it lives exactly as long as the block.
 
         Revoked, the block's task is cancelled and its memory is freed when the block is
         left. A task that catches the cancellation and carries on holds the memory, and
@@ -292,7 +301,7 @@ class Arbiter:
         self,
         vram_mb: int | str,
         *,
-        gpus: int = 1,
+        gpus: int | None = None,
         priority: int | str = "normal",
         preemptible: bool | None = None,
         holder: str = "",
@@ -403,6 +412,11 @@ class Arbiter:
 
     def _current(self, lease: Lease) -> Lease:
         return self._scheduler.leases.get(lease.id) or replace(lease, state=LeaseState.RELEASED)
+
+    def _shrink(self, lease_id: str, vram_mb: int) -> Lease:
+        lease = self._scheduler.shrink(lease_id, vram_mb, self._now())
+        self._cycle()
+        return lease
 
     def _call(self, lease_id: str, verb: str, arg: float | None = None) -> None:
         now = self._now()

@@ -43,10 +43,10 @@ def _gpus(name: str) -> list[Gpu]:
     return [Gpu(index=i, total_mb=32 * GiB, worker=name, arch="sm_86") for i in range(2)]
 
 
-def _ask(name: str, vram_gib: int, **fields: Any) -> Step:
+def _ask(name: str, vram_gib: int, gpu_ids: tuple[str, ...] = (), **fields: Any) -> Step:
     def step(c: Controller, clock: Clock, ids: dict[str, str]) -> LeaseRecord:
         body = {"vram_mb": vram_gib * GiB, "ttl_s": 60.0, "holder": name, **fields}
-        record, _ = c.submit("client", body, {})
+        record, _ = c.submit("client", body, {"gpu_ids": list(gpu_ids)} if gpu_ids else {})
         ids[name] = record.id
         return record
 
@@ -59,6 +59,13 @@ def _on(verb: str, name: str) -> Step:
         if verb == "idle":
             return c.set_idle(lease_id, True)
         return getattr(c, verb)(lease_id)
+
+    return step
+
+
+def _shrink(name: str, vram_gib: int) -> Step:
+    def step(c: Controller, clock: Clock, ids: dict[str, str]) -> LeaseRecord:
+        return c.shrink(ids.get(name, "lease-none"), vram_gib * GiB)
 
     return step
 
@@ -90,6 +97,7 @@ SCENARIO: list[tuple[str, Step]] = [
     ("ask e (pending)", _ask("e", 30)),
     ("ready a", _on("ready", "a")),
     ("renew a", _on("renew", "a")),
+    ("shrink a", _shrink("a", 6)),
     ("idle b", _on("idle", "b")),
     ("heartbeat box-1", _heartbeat("box-1", used_gib=4)),
     ("ask f (critical: preempts)", _ask("f", 30, priority="critical")),
@@ -107,19 +115,24 @@ SCENARIO: list[tuple[str, Step]] = [
     ("tick 20 s (box-2 offline)", _tick(20.0)),
     ("heartbeat box-2 (back)", _heartbeat("box-2")),
     ("ask h", _ask("h", 8)),
+    ("ask i (on exact GPUs)", _ask("i", 8, gpu_ids=("box-2:1",))),
+    ("shrink d (loading)", _shrink("d", 1)),
 ]
 
 
 def _leases(c: Controller) -> dict[str, tuple[Any, ...]]:
     return {
-        r.id: (r.state, r.token, r.lease and r.lease.gpus)
+        r.id: (r.state, r.token, r.request.constraints, r.lease and (r.lease.gpus, r.lease.vram_mb))
         for r in c.leases()
         if not r.state.is_final
     }
 
 
 def _stored_leases(store: MemoryStore) -> dict[str, tuple[Any, ...]]:
-    return {r.id: (r.state, r.token, r.lease and r.lease.gpus) for r in store.load().leases}
+    return {
+        r.id: (r.state, r.token, r.request.constraints, r.lease and (r.lease.gpus, r.lease.vram_mb))
+        for r in store.load().leases
+    }
 
 
 async def _check(
@@ -130,7 +143,7 @@ async def _check(
     for record in c.leases():
         if record.state.holds_memory and record.lease is not None:
             for gpu in record.lease.gpus:
-                committed[gpu] += record.request.vram_mb
+                committed[gpu] += record.lease.vram_mb  # as shrunk
     for worker in c.workers():
         for figures in c.gpu_figures(worker.name):
             assert figures.committed_mb == committed[figures.gpu.id]
@@ -212,8 +225,16 @@ async def test_the_scenario_runs_clean_and_touches_every_kind_of_change() -> Non
     store = FailingStore()
     assert await _play(store) == (0, 0, COMMITS)
     kinds = {e.kind for e in store.events_after(0, 10_000)}
-    for kind in ("lease.granted", "lease.revoked", "lease.expired", "worker.offline"):
+    for kind in (
+        "lease.granted",
+        "lease.revoked",
+        "lease.expired",
+        "lease.shrunk",
+        "worker.offline",
+    ):
         assert kind in kinds
+    shrunk = [e.data for e in store.events_after(0, 10_000) if e.kind == "lease.shrunk"]
+    assert [(d["from_mb"], d["vram_mb"]) for d in shrunk] == [(20 * GiB, 6 * GiB), (20 * GiB, GiB)]
     assert COMMITS > 20
 
 

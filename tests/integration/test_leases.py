@@ -1,15 +1,20 @@
-"""The lease lifecycle over HTTP: grant, pending, long-poll, renew, lapse, idempotency."""
+"""The lease lifecycle over HTTP: grant, pending, long-poll, renew, lapse, idempotency,
+shrink, exact GPUs."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from .conftest import Server, events, gpu_figures
+from gpu_arbiter.agent.probes import report_usage
+
+from .conftest import Server, events, gpu_figures, wait_for
 
 GIB = 1024
 
@@ -260,3 +265,160 @@ def test_the_config_files_policy_reaches_the_scheduler(
         with start_server(*args).client() as admin:
             states = [create(admin, vram_mb="4G").json()["state"] for _ in range(3)]
             assert states == ["loading"] * loading + ["pending"] * (3 - loading)
+
+
+# ---------------------------------------------------------------- shrink and exact GPUs
+
+
+def _heartbeats_seen(admin: httpx.Client, worker: str, count: int) -> None:
+    """Returns once the controller has taken ``count`` more heartbeats from ``worker``."""
+    for _ in range(count):
+        seen = _last_heartbeat(admin, worker)
+        wait_for(lambda s=seen: _last_heartbeat(admin, worker) > s, what="a heartbeat")
+
+
+def _last_heartbeat(admin: httpx.Client, worker: str) -> float:
+    found = admin.get(f"/v1/workers/{worker}").json()["last_heartbeat_at"]
+    return float(found or 0.0)
+
+
+@pytest.mark.timeout(180)
+def test_memory_a_shrink_frees_is_granted_once_the_heartbeat_probe_shows_it_free(
+    start_server: Callable[..., Server], tmp_path: Path, cleanup: list[Any]
+) -> None:
+    """A model server put to sleep: its lease shrinks at once, but a request that needs the
+    freed memory waits until the agent's probe shows it free (I2, I4), then is granted."""
+    from .agents import AgentProcess, worker_state
+
+    server = start_server()
+    admin = server.client()
+    cleanup.append(admin)
+    runtime = tmp_path / "rt"
+    agent = AgentProcess(server.url, server.admin_token, "box-a", runtime, "1x24G:sm_86")
+    cleanup.append(agent.start())
+    wait_for(lambda: worker_state(admin, "box-a") == "online", what="box-a online")
+    usage = runtime / "fake-box-a"  # the fake probe's usage directory (a process reports)
+    client = server.client(server.token("client"))
+    cleanup.append(client)
+
+    sleeper = create(client, vram_mb="20G", ttl_s=120).json()
+    assert sleeper["state"] == "loading"
+    report_usage({0: 20 * GIB}, usage_dir=usage, pid=os.getpid())  # the server loaded
+    wait_for(lambda: gpu_figures(admin)["box-a:0"]["used_mb"] == 20 * GIB, what="usage")
+    assert client.post(f"/v1/leases/{sleeper['id']}/ready").is_success
+
+    shrunk = client.post(f"/v1/leases/{sleeper['id']}/shrink", json={"vram_mb": "1G"})
+    assert shrunk.status_code == 200, shrunk.text
+    assert (shrunk.json()["vram_mb"], shrunk.json()["token"]) == (GIB, sleeper["token"])
+    assert gpu_figures(admin)["box-a:0"]["committed_mb"] == GIB
+    waiter = create(client, vram_mb="16G", ttl_s=120)
+    assert waiter.status_code == 202
+    waiting = waiter.json()
+    assert waiting["reason"]["code"] == "insufficient_vram"
+    _heartbeats_seen(admin, "box-a", 2)  # the probe still shows the memory in use
+    still = admin.get(f"/v1/leases/{waiting['id']}").json()
+    assert (still["state"], still["reason"]["code"]) == ("pending", "insufficient_vram")
+
+    report_usage({0: GIB}, usage_dir=usage, pid=os.getpid())  # the server went to sleep
+    granted = admin.get(f"/v1/leases/{waiting['id']}", params={"wait": 30, "state": "pending"})
+    assert granted.json()["state"] == "loading"
+    assert granted.json()["gpus"] == ["box-a:0"]
+    assert gpu_figures(admin)["box-a:0"]["committed_mb"] == GIB + 16 * GIB
+    (event,) = events(admin, "lease.shrunk")
+    assert event["lease_id"] == sleeper["id"]
+    assert (event["data"]["from_mb"], event["data"]["vram_mb"]) == (20 * GIB, GIB)
+
+    # waking: the full lease again, through the queue, on the very GPU the process lives on
+    admin.delete(f"/v1/leases/{waiting['id']}")
+    wake = create(client, vram_mb="23G", constraints={"gpu_ids": ["box-a:0"]})
+    assert wake.status_code == 202  # beside the sleeping lease's 1G and its 1G in use
+    assert wake.json()["reason"]["code"] == "insufficient_vram"
+    client.delete(f"/v1/leases/{sleeper['id']}")
+    report_usage({}, usage_dir=usage, pid=os.getpid())
+    woke = admin.get(f"/v1/leases/{wake.json()['id']}", params={"wait": 30, "state": "pending"})
+    assert (woke.json()["state"], woke.json()["gpus"]) == ("loading", ["box-a:0"])
+
+
+def test_a_shrink_is_stored_before_it_is_answered(start_server: Callable[..., Server]) -> None:
+    """I9: after kill -9 and a restart the lease has its shrunk size."""
+    server = start_server("--simulate", "1x24G:sm_86")
+    with server.client() as admin:
+        lease = create(admin, vram_mb="8G", ttl_s=300).json()
+        assert admin.post(f"/v1/leases/{lease['id']}/shrink", json={"vram_mb": 300}).is_success
+    server.kill9()
+    server.start()
+    with server.client() as admin:
+        after = admin.get(f"/v1/leases/{lease['id']}").json()
+        assert (after["state"], after["token"], after["vram_mb"]) == (
+            "loading",
+            lease["token"],
+            300,
+        )
+        assert gpu_figures(admin)["local:0"]["committed_mb"] == 300
+
+
+def test_shrink_refuses_bad_input_growth_and_leases_not_held(
+    server: Server, cleanup: list[Any]
+) -> None:
+    admin = server.client()
+    cleanup.append(admin)
+    lease = create(admin, vram_mb="8G").json()
+    shrink = f"/v1/leases/{lease['id']}/shrink"
+    for body in ({"vram_mb": 0}, {"vram_mb": "lots"}, {"vram_mb": True}, {}, {"size": 1}):
+        answer = admin.post(shrink, json=body)
+        assert answer.status_code == 422, body
+        error = answer.json()["error"]
+        assert error["code"] == "invalid_input"
+        assert "vram_mb" in error["message"] or "size" in error["message"], error
+    grow = admin.post(shrink, json={"vram_mb": "9G"})
+    assert grow.status_code == 409
+    assert "grows only through a new grant" in grow.json()["error"]["message"]
+    assert grow.json()["error"]["details"]["field"] == "vram_mb"
+    assert admin.get(f"/v1/leases/{lease['id']}").json()["vram_mb"] == 8 * GIB
+    assert gpu_figures(admin)[lease["gpus"][0]]["committed_mb"] == 8 * GIB
+    assert admin.post(shrink, json={"vram_mb": "8G"}).json()["vram_mb"] == 8 * GIB  # no-op
+    assert events(admin, "lease.shrunk") == []
+
+    assert admin.post("/v1/leases/lease-nobody/shrink", json={"vram_mb": 1}).status_code == 404
+    create(admin, vram_mb="20G")
+    pending = create(admin, vram_mb="20G").json()
+    assert pending["state"] == "pending"
+    refused = admin.post(f"/v1/leases/{pending['id']}/shrink", json={"vram_mb": 1})
+    assert (refused.status_code, refused.json()["error"]["details"]["state"]) == (409, "pending")
+    admin.delete(f"/v1/leases/{lease['id']}")
+    ended = admin.post(shrink, json={"vram_mb": 1})
+    assert (ended.status_code, ended.json()["error"]["details"]["state"]) == (409, "released")
+
+    for held in admin.get("/v1/leases").json():
+        admin.delete(f"/v1/leases/{held['id']}")
+    owner = server.client(server.token("client"))
+    stranger = server.client(server.token("client"))
+    cleanup.extend((owner, stranger))
+    mine = create(owner, vram_mb="2G").json()
+    assert mine["state"] == "loading"
+    assert stranger.post(f"/v1/leases/{mine['id']}/shrink", json={"vram_mb": 1}).status_code == 403
+    assert owner.post(f"/v1/leases/{mine['id']}/shrink", json={"vram_mb": 1}).status_code == 200
+
+
+def test_a_request_for_exact_gpus(admin: httpx.Client) -> None:
+    exact = create(admin, vram_mb="1G", constraints={"gpu_ids": ["local:1"]})
+    assert exact.status_code == 201
+    lease = exact.json()
+    assert (lease["gpus"], lease["gpu_count"]) == (["local:1"], 1)
+    assert lease["constraints"]["gpu_ids"] == ["local:1"]
+    both = create(admin, vram_mb="1G", constraints={"gpu_ids": ["local:1", "local:0"]}).json()
+    assert (both["gpu_count"], both["constraints"]["gpu_ids"]) == (2, ["local:0", "local:1"])
+    unknown = create(admin, vram_mb="1G", constraints={"gpu_ids": ["local:7"]})
+    assert unknown.status_code == 422
+    assert unknown.json()["error"]["details"]["reason"]["code"] == "no_matching_gpu"
+    assert "local:7" in unknown.json()["error"]["message"]
+    for body, field in (
+        ({"constraints": {"gpu_ids": ["local:0", "other:0"]}}, "constraints.gpu_ids"),
+        ({"constraints": {"gpu_ids": ["local"]}}, "constraints.gpu_ids"),
+        ({"constraints": {"gpu_ids": []}}, "constraints.gpu_ids"),
+        ({"gpus": 1, "constraints": {"gpu_ids": ["local:0", "local:1"]}}, "gpus"),
+    ):
+        answer = create(admin, vram_mb="1G", **body)
+        assert answer.status_code == 422, body
+        assert answer.json()["error"]["message"].startswith(field), answer.json()
+    assert len(admin.get("/v1/leases").json()) == 2

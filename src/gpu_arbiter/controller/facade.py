@@ -185,6 +185,9 @@ class Controller:
     def set_idle(self, lease_id: str, idle: bool) -> LeaseRecord:
         return self._leases.held_verb(lease_id, "idle" if idle else "busy")
 
+    def shrink(self, lease_id: str, vram_mb: int | str) -> LeaseRecord:
+        return self._leases.shrink(lease_id, vram_mb)
+
     def release(self, lease_id: str) -> LeaseRecord:
         return self._leases.release(lease_id)
 

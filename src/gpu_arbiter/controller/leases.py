@@ -33,6 +33,7 @@ from ..core import (
     Request,
     Scheduler,
     Unschedulable,
+    parse_mb,
 )
 from ..store import Batch, LeaseRecord, Store
 from .change import Change, Changes
@@ -221,8 +222,9 @@ class Leases:
 
     # ------------------------------------------------------------------ verbs
 
-    def held_verb(self, lease_id: str, verb: str, ttl_s: float | None = None) -> LeaseRecord:
-        """``renew`` (with ``ttl_s``), ``ready``, ``idle`` or ``busy`` on a held lease."""
+    def _check_held(self, lease_id: str) -> None:
+        """Refuses a verb on a lease that is not held (NotFound, or Conflict naming its
+        state); a lease whose TTL lapsed just before its timer ran has it run first."""
         self._changes.gate.check_available()
         held = self._scheduler.leases.get(lease_id)
         if held is not None and held.expires_at <= self._changes.clock():
@@ -235,6 +237,10 @@ class Leases:
                 lease_id=lease_id,
                 state=str(record.state),
             )
+
+    def held_verb(self, lease_id: str, verb: str, ttl_s: float | None = None) -> LeaseRecord:
+        """``renew`` (with ``ttl_s``), ``ready``, ``idle`` or ``busy`` on a held lease."""
+        self._check_held(lease_id)
         with self._changes.change() as change:
             scheduler = self._scheduler
             if verb == "renew":
@@ -248,6 +254,28 @@ class Leases:
                     change.event(f"lease.{verb}", lease_id)
                 scheduler.set_idle(lease_id, verb == "idle", change.now)
             change.leases.add(lease_id)
+        return self.lease(lease_id)
+
+    def shrink(self, lease_id: str, vram_mb: int | str) -> LeaseRecord:
+        """A held lease gives memory back (a model server put to sleep keeps its process):
+        it holds ``vram_mb`` per GPU from now on, stored before it is answered (I9). The
+        core grants that memory again only once the probe shows it free; a lease never
+        grows (:class:`Conflict`). Bad input changes nothing."""
+        mb = parse_mb(vram_mb, "vram_mb")
+        self._check_held(lease_id)
+        with self._changes.change() as change:
+            before = self._scheduler.leases[lease_id].vram_mb
+            lease = self._scheduler.shrink(lease_id, mb, change.now)
+            if lease.vram_mb != before:
+                change.leases.add(lease_id)
+                change.event(
+                    "lease.shrunk",
+                    lease_id,
+                    lease.worker,
+                    from_mb=before,
+                    vram_mb=lease.vram_mb,
+                    granted_mb=lease.granted_mb,
+                )
         return self.lease(lease_id)
 
     def release(self, lease_id: str) -> LeaseRecord:

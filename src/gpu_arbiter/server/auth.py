@@ -2,7 +2,7 @@
 
     admin    everything
     worker   bound to one worker name: registers and heartbeats as that worker only
-    client   asks for leases; renews, readies, idles and releases only its own
+    client   asks for leases; renews, readies, idles, shrinks and releases only its own
 
 A token is ``gat_`` + 32 random bytes (URL-safe). Only its SHA-256 digest is
 stored; a presented token is hashed and the digests compared in constant time.

@@ -1,8 +1,8 @@
 """The HTTP routes under ``/v1``: arguments in, one controller call, JSON out.
 
 Who may call what (see :mod:`.auth`): reads are open to every role; creating a
-lease to admin and client; renew/ready/idle/busy/release to admin and the
-client that created the lease; register and heartbeat to admin and the worker
+lease to admin and client; renew/ready/idle/busy/shrink/release to admin and
+the client that created the lease; register and heartbeat to admin and the worker
 the token is bound to (and the reports of that worker's operations); revoke,
 drain, cancel-drain, remove, update, pause and resume to admin only.
 """
@@ -222,6 +222,28 @@ async def busy_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     ctl, who = _context(request)
     _lease_access(who, ctl.lease(lease_id))
     return _lease_json(ctl, ctl.set_idle(lease_id, False))
+
+
+@router.post(
+    "/leases/{lease_id}/shrink",
+    response_model=s.LeaseOut,
+    summary="Give memory back: the lease holds less from now on",
+    responses={
+        409: {
+            "model": s.ErrorOut,
+            "description": "``conflict``: the lease is pending or has ended (``details.state``), "
+            "or the size is larger than it holds (a lease grows only through a new grant)",
+        },
+    },
+)
+async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) -> JSONResponse:
+    """The lease holds ``vram_mb`` per GPU from now on (a model server put to sleep keeps
+    its process and only what it still uses). Its committed memory drops at once, but the
+    memory is granted to others only once the worker's probe shows it free; to hold more
+    again, ask for a new lease (``constraints.gpu_ids``: on the very same GPUs)."""
+    ctl, who = _context(request)
+    _lease_access(who, ctl.lease(lease_id))
+    return _lease_json(ctl, ctl.shrink(lease_id, body.vram_mb))
 
 
 @router.delete(

@@ -164,6 +164,15 @@ class ConstraintsIn(_In):
     gpu_model: Text | None = None
     worker: Short | None = None
     labels: Annotated[dict[Short, Text], Field(max_length=32)] | None = None
+    gpu_ids: (
+        Annotated[
+            list[Annotated[StrictStr, Field(max_length=80)]], Field(min_length=1, max_length=64)
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="Exact GPUs (WORKER:INDEX), all on one worker; gpus defaults to their number",
+    )
 
 
 class LeaseCreate(_In):
@@ -172,7 +181,9 @@ class LeaseCreate(_In):
     vram_mb: (
         Annotated[StrictInt, Field(gt=0, le=1 << 40)] | Annotated[StrictStr, Field(max_length=32)]
     )
-    gpus: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    gpus: Annotated[StrictInt, Field(ge=1, le=64)] | None = Field(
+        default=None, description="GPUs on one worker; default 1, or the number of gpu_ids"
+    )
     priority: (
         Annotated[StrictInt, Field(ge=0, le=1000)] | Annotated[StrictStr, Field(max_length=16)]
     ) = "normal"
@@ -187,6 +198,14 @@ class LeaseCreate(_In):
     load_timeout_s: Annotated[Seconds, Field(gt=0, le=86400)] = 300.0
     idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=256), NoControl] | None = (
         None
+    )
+
+
+class ShrinkIn(_In):
+    """What a held lease keeps per GPU from now on: no more than it holds."""
+
+    vram_mb: (
+        Annotated[StrictInt, Field(gt=0, le=1 << 40)] | Annotated[StrictStr, Field(max_length=32)]
     )
 
 
@@ -427,7 +446,7 @@ def lease_out(
         "gpus": [] if lease is None else [str(g) for g in lease.gpus],
         "worker": record.worker,
         "token": record.token,
-        "vram_mb": request.vram_mb,
+        "vram_mb": request.vram_mb if lease is None else lease.vram_mb,  # as shrunk
         "gpu_count": request.gpus,
         "priority": request.priority,
         "priority_name": priority_name(request.priority),
