@@ -422,3 +422,15 @@ def test_a_request_for_exact_gpus(admin: httpx.Client) -> None:
         assert answer.status_code == 422, body
         assert answer.json()["error"]["message"].startswith(field), answer.json()
     assert len(admin.get("/v1/leases").json()) == 2
+
+
+async def test_the_client_shrinks_a_lease(server: Server) -> None:
+    from gpu_arbiter.client import ApiError, ArbiterClient
+
+    async with ArbiterClient(server.url, token=server.admin_token) as client:
+        lease = await client.create_lease(vram_mb="4G", constraints={"gpu_ids": ["local:1"]})
+        assert lease["gpus"] == ["local:1"]
+        assert (await client.shrink(lease["id"], "512M"))["vram_mb"] == 512
+        with pytest.raises(ApiError) as grown:
+            await client.shrink(lease["id"], 513)
+        assert (grown.value.status, grown.value.code) == (409, "conflict")
