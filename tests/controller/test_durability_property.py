@@ -21,6 +21,7 @@ op = st.one_of(
     st.tuples(st.just("release"), st.integers(0, 40)),
     st.tuples(st.just("ready"), st.integers(0, 40)),
     st.tuples(st.just("idle"), st.integers(0, 40)),
+    st.tuples(st.just("shrink"), st.integers(0, 40), st.integers(1, 40)),
     st.tuples(st.just("revoke"), st.integers(0, 40)),
     st.tuples(st.just("drain"), st.sampled_from(WORKERS), st.booleans()),
     st.tuples(st.just("cancel_drain"), st.sampled_from(WORKERS)),
@@ -55,6 +56,8 @@ def _apply(c: Controller, clock: Clock, ids: list[str], step: tuple[Any, ...]) -
         getattr(c, kind)(pick(step[1]))
     elif kind == "idle":
         c.set_idle(pick(step[1]), True)
+    elif kind == "shrink":  # larger than the lease holds: refused
+        c.shrink(pick(step[1]), step[2] * 512)
     elif kind == "drain":
         c.drain(step[1], force=step[2])
     elif kind == "cancel_drain":
@@ -71,7 +74,7 @@ def _apply(c: Controller, clock: Clock, ids: list[str], step: tuple[Any, ...]) -
 
 def _live(c: Controller) -> dict[str, Any]:
     return {
-        r.id: (r.state, r.token, r.lease and r.lease.gpus)
+        r.id: (r.state, r.token, r.lease and (r.lease.gpus, r.lease.vram_mb))
         for r in c.leases()
         if not r.state.is_final
     }
@@ -79,7 +82,10 @@ def _live(c: Controller) -> dict[str, Any]:
 
 def _check(c: Controller, store: MemoryStore) -> None:
     snapshot = store.load()
-    stored = {r.id: (r.state, r.token, r.lease and r.lease.gpus) for r in snapshot.leases}
+    stored = {
+        r.id: (r.state, r.token, r.lease and (r.lease.gpus, r.lease.vram_mb))
+        for r in snapshot.leases
+    }
     assert stored == _live(c)
     assert {w.name: w.status for w in snapshot.workers} == {w.name: w.status for w in c.workers()}
     assert snapshot.meta["next_token"] == c.scheduler.next_token
@@ -87,7 +93,7 @@ def _check(c: Controller, store: MemoryStore) -> None:
     for record in c.leases():
         if record.state.holds_memory and record.lease is not None:
             for gpu in record.lease.gpus:
-                committed[gpu] += record.request.vram_mb
+                committed[gpu] += record.lease.vram_mb  # as shrunk
     for name in WORKERS:
         for figures in c.gpu_figures(name):
             assert committed[figures.gpu.id] == figures.committed_mb
@@ -109,7 +115,7 @@ async def _run(steps: list[tuple[Any, ...]]) -> None:
             c = _start(store, clock)
             after = _live(c)
             for lease_id in before.keys() & after.keys():  # a lapsed TTL may end some
-                assert after[lease_id][1] == before[lease_id][1]
+                assert after[lease_id][1:] == before[lease_id][1:]  # token, GPUs, size
         else:
             with contextlib.suppress(ArbiterError):  # a refusal must change nothing
                 _apply(c, clock, ids, step)
