@@ -14,6 +14,7 @@ from typing import Any
 
 from gpu_arbiter.client import ApiError, ControllerUnreachable
 from gpu_arbiter.gateway.config import parse_config
+from gpu_arbiter.gateway.engines import Answer, EngineHttp
 from gpu_arbiter.gateway.interfaces import Parts
 from gpu_arbiter.gateway.metrics import GatewayMetrics
 from gpu_arbiter.gateway.model import ModelServer
@@ -63,6 +64,7 @@ class FakeLeases:
     unreachable: int = 0  # the next N calls to release fail as unreachable
     leases: dict[str, Json] = field(default_factory=dict)
     calls: list[tuple[str, str]] = field(default_factory=list)
+    requests: dict[str, Json] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def _set(self, lease_id: str, **changes: Any) -> Json:
@@ -74,6 +76,7 @@ class FakeLeases:
     async def create_lease(self, **request: Any) -> Json:
         lease_id = f"L{len(self.leases) + 1}"
         state = "loading" if self.grant else "pending"
+        self.requests[lease_id] = request
         self.leases[lease_id] = {
             "id": lease_id, "state": state, "worker": "box", "gpus": ["box:0"],
             "token": 7, "ttl_s": request.get("ttl_s", 30.0), "ended_at": None,
@@ -118,6 +121,11 @@ class FakeLeases:
             raise ControllerUnreachable("no controller")
         self.calls.append(("release", lease_id))
         return self._set(lease_id, state="released", ended_at=1.0)
+
+    async def shrink(self, lease_id: str, vram_mb: int | str) -> Json:
+        lease = self._held("shrink", lease_id)
+        assert isinstance(vram_mb, int) and 1 <= vram_mb <= lease["vram_mb"]
+        return self._set(lease_id, vram_mb=vram_mb)
 
     async def workers(self) -> list[Json]:
         gpu = {"id": "box:0", "total_mb": 24576, "used_mb": 1024}
@@ -249,6 +257,44 @@ class FakeHealth:
         return 200 if self.loaded else 503
 
 
+class FakeEngine(EngineHttp):
+    """An engine's own routes (vLLM's sleep mode): a sleep leaves ``resident_mb`` in the
+    agent's figure for the process, a wake takes ``awake_mb`` again."""
+
+    def __init__(self, agent: FakeAgent, resident_mb: int = 300, awake_mb: int = 1000) -> None:
+        self.agent = agent
+        self.resident_mb = resident_mb
+        self.awake_mb = awake_mb
+        self.sleeping = False
+        self.calls: list[str] = []
+
+    async def call(
+        self,
+        method: str,
+        port: int,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str] | None = None,
+    ) -> Answer | None:
+        self.calls.append(path)
+        if path == "/sleep":
+            self.sleeping, self.agent.used = True, self.resident_mb
+        elif path == "/wake_up":
+            self.sleeping, self.agent.used = False, self.awake_mb
+        elif path == "/is_sleeping":
+            return Answer(200, {"is_sleeping": self.sleeping})
+        elif path == "/props":  # llama.cpp: asleep by itself once asked about it
+            self.sleeping, self.agent.used = True, self.resident_mb
+            return Answer(200, {"is_sleeping": True})
+        elif path == "/completion":  # llama.cpp: a request wakes it
+            self.sleeping, self.agent.used = False, self.awake_mb
+        return Answer(200, {})
+
+    async def aclose(self) -> None:
+        pass
+
+
 class World:
     """One model over the fakes."""
 
@@ -258,7 +304,8 @@ class World:
         self.launcher = FakeLauncher()
         self.agent = FakeAgent(self.launcher)
         self.health = FakeHealth(self.launcher)
-        parts = Parts(self.clock, self.launcher, self.agent, self.leases, self.health)
+        self.engine = FakeEngine(self.agent)
+        parts = Parts(self.clock, self.launcher, self.agent, self.leases, self.health, self.engine)
         spec = {"command": ["server", "--port", "{port}"], "vram": "1G", **keys}
         config = parse_config({"models": {"chat": spec}}).models["chat"]
         self.tasks: set[asyncio.Task[None]] = set()

@@ -43,3 +43,16 @@ class GatewayMetrics:
             "Bytes of request bodies held in memory now (at most max_buffered_bytes)",
             registry=r,
         )
+        self.sleeps = Counter(
+            "gpu_arbiter_gateway_sleeps", "Replicas put to sleep (sleep_after)", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.wakes = Counter(
+            "gpu_arbiter_gateway_wakes", "Sleeping replicas woken by a request", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.wake_seconds = Histogram(
+            "gpu_arbiter_gateway_wake_seconds",
+            "From a request for a sleeping replica to awake (the memory back, the wake)",
+            ["model"], buckets=_SECONDS, registry=r,
+        )  # fmt: skip

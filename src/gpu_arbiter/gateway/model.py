@@ -35,10 +35,13 @@ log = logging.getLogger("gpu_arbiter.gateway")
 _MOST_ADVANCED = (
     ReplicaState.BUSY,
     ReplicaState.WARM,
+    ReplicaState.WAKING,
+    ReplicaState.ASLEEP,
     ReplicaState.LOADING,
     ReplicaState.QUEUED,
     ReplicaState.STOPPING,
 )
+_COMING = (ReplicaState.QUEUED, ReplicaState.LOADING, ReplicaState.WAKING)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 MEASURE_S = 2.0
@@ -113,7 +116,7 @@ class ModelServer:
                 if self._unloads > unloads_before:
                     raise Refused(503, f"model {self.name} was unloaded by an operator", 1.0)
                 self._refuse_while_backing_off()
-                self._start_if_needed()
+                self._wake_or_start()
                 changed = self._changed
                 remaining = deadline - self.clock.now()
                 if remaining <= 0:
@@ -152,9 +155,18 @@ class ModelServer:
         backoff = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2.0 ** (self.failures - 1))
         return max(0.0, self.failed_at + backoff - self.clock.now())
 
+    def _wake_or_start(self) -> None:
+        """A sleeping replica is woken before another is started."""
+        asleep = [r for r in self.replicas if r.asleep]
+        if asleep:
+            for replica in asleep:
+                replica.want_awake()
+            return
+        self._start_if_needed()
+
     def _start_if_needed(self) -> None:
         holding = [r for r in self.replicas if r.live]  # a stopping one still holds memory
-        coming = [r for r in self._live() if r.state in (ReplicaState.QUEUED, ReplicaState.LOADING)]
+        coming = [r for r in self._live() if r.state in _COMING]
         slots = len(coming) * self.config.max_parallel
         if self.waiting > slots and len(holding) < self.config.replicas:
             self._numbers += 1

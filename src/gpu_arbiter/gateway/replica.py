@@ -38,12 +38,13 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
+from .engines import SleepKind, settled_mb
 from .interfaces import ServerProcess
 from .scopes import CancelScope
 from .upstream import Upstream
@@ -66,6 +67,9 @@ AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agen
 RELEASE_TRIES = 20
 PORT_TRIES = 3  # a server that could not bind its port is started again on another
 TAIL_LINES = 8
+SLEEP_CHECKS = 20  # an engine that sleeps by itself is asked this often whether it does,
+SLEEP_CHECK_S = 0.25  # this far apart
+FALLS_MIN_MB = 64  # a figure below this has nothing to fall from while the server sleeps
 Json = dict[str, Any]
 
 
@@ -74,6 +78,8 @@ class ReplicaState(StrEnum):
     LOADING = "loading"
     WARM = "warm"
     BUSY = "busy"
+    ASLEEP = "asleep"  # the process kept, its memory given back (engines that sleep)
+    WAKING = "waking"  # the memory asked for again (queue, load gate), then the wake
     STOPPING = "stopping"
     ENDED = "ended"
 
@@ -132,6 +138,10 @@ class Replica:
         self._idle_marked = False
         self._mark = asyncio.Lock()
         self._by_agent = False  # the local agent supervises the process
+        self.extra: Json = {}  # while awake after a sleep: the lease of what it took back
+        self._group: asyncio.TaskGroup | None = None
+        self._extra_watch: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # a request waits for this sleeping replica
 
     # ------------------------------------------------------------------ routing
 
@@ -172,7 +182,7 @@ class Replica:
         try:
             async with self._mark:
                 if self._idle_marked:
-                    self.lease = await self.parts.leases.busy(self.lease["id"])
+                    await self._mark_all(self.parts.leases.busy)
                     self._idle_marked = False
         except ControllerUnreachable:
             pass  # still ours until the controller says otherwise: marked next time
@@ -197,6 +207,17 @@ class Replica:
     def cancel_if_queued(self) -> None:
         if self.state is ReplicaState.QUEUED:
             self._stop(Ending("cancelled", "nobody waits for it any more"))
+        self._activity.set()  # a wake nobody waits for any more is given up
+
+    @property
+    def asleep(self) -> bool:
+        return self.state in (ReplicaState.ASLEEP, ReplicaState.WAKING) and self.ending is None
+
+    def want_awake(self) -> None:
+        """A request waits for this replica: a sleeping one is woken."""
+        if not self._wake.is_set():
+            self._wake.set()
+            self._activity.set()
 
     def shutdown(self) -> None:
         self._stop(Ending("shutdown", "the gateway is stopping"))
@@ -221,7 +242,7 @@ class Replica:
         async with self._mark:
             if self._idle_marked and self.ending is None:
                 with contextlib.suppress(ApiError, ControllerUnreachable):
-                    self.lease = await self.parts.leases.busy(self.lease["id"])
+                    await self._mark_all(self.parts.leases.busy)
                     self._idle_marked = False
 
     def _stop(self, ending: Ending) -> None:
@@ -281,6 +302,7 @@ class Replica:
         self.model.notify()
         started = self.parts.clock.now()
         async with asyncio.TaskGroup() as group:
+            self._group = group
             keepers = [group.create_task(self._renew()), group.create_task(self._watch())]
             try:
                 if await self._load(group):
@@ -289,8 +311,9 @@ class Replica:
                     await self._end.wait()
                 await self._drain()
             finally:
-                for task in keepers:
-                    task.cancel()
+                for task in [*keepers, self._extra_watch]:
+                    if task is not None:
+                        task.cancel()
         self.upstream.close()
 
     def _warm(self, group: asyncio.TaskGroup, keepers: list[asyncio.Task[None]]) -> None:
@@ -463,6 +486,14 @@ class Replica:
                 if await self._quiet_until(idle_at):
                     await self._mark_idle(arrivals)
                 continue
+            if self._wake.is_set():
+                await self._wake_up()
+                continue
+            sleep_at = self._sleep_at(since)
+            if sleep_at is not None and sleep_at < stop_at:
+                if await self._quiet_until(sleep_at):
+                    await self._fall_asleep(arrivals)
+                continue
             if await self._quiet_until(stop_at):
                 idle_s = config.keep_alive_s
                 self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
@@ -480,13 +511,150 @@ class Replica:
         async with self._mark:
             if self._arrivals != arrivals or self.ending is not None or self.model.pinned:
                 return
-            lease_id, leases = self.lease["id"], self.parts.leases
+            leases = self.parts.leases
             with contextlib.suppress(ApiError, ControllerUnreachable):
-                self.lease = await leases.idle(lease_id)
+                await self._mark_all(leases.idle)
                 self._idle_marked = True
                 if self._arrivals != arrivals:  # one came meanwhile, and did not wait
-                    self.lease = await leases.busy(lease_id)
+                    await self._mark_all(leases.busy)
                     self._idle_marked = False
+
+    async def _mark_all(self, mark: Callable[[str], Awaitable[Json]]) -> None:
+        """Marks the lease (and the one a wake took back) idle or busy."""
+        self.lease = await mark(self.lease["id"])
+        if self.extra.get("id"):
+            self.extra = await mark(self.extra["id"])
+
+    # ------------------------------------------------------------------ asleep
+
+    def _sleep_at(self, since: float) -> float | None:
+        after = self.model.driver.sleep_after_s
+        return None if after is None or self.asleep else since + after
+
+    async def _fall_asleep(self, arrivals: int) -> None:
+        """Idle ``sleep_after``: the engine gives its memory back, the process stays. What
+        it keeps is measured by the probe once its figure stops falling; the lease
+        shrinks to that (never below what the probe shows: I2 keeps the rest counted
+        until it is free) and the lease of what a wake took back is released."""
+        if self._arrivals != arrivals or self.in_flight or self.ending is not None:
+            return
+        before = await self.used_mb()
+        self.state = ReplicaState.ASLEEP
+        self.model.notify()
+        if not await self._engine_sleeps():
+            log.info("model %s replica %d: the server did not sleep", self.model.name, self.number)
+            self.state = ReplicaState.WARM
+            self.model.notify()
+            return
+        kept = await self._kept_mb(before)
+        await self._drop_extra()
+        held = int(self.lease["vram_mb"])
+        if kept is not None and kept < held:
+            with contextlib.suppress(ApiError, ControllerUnreachable):
+                self.lease = await self.parts.leases.shrink(self.lease["id"], max(1, kept))
+        self.model.metrics.sleeps.labels(self.model.name).inc()
+        log.info(
+            "model %s replica %d: asleep, its lease %d MiB (it kept %s MiB)",
+            self.model.name, self.number, int(self.lease["vram_mb"]), kept,
+        )  # fmt: skip
+
+    async def _kept_mb(self, before: int | None) -> int | None:
+        """What the sleeping server keeps, once the probe's figure stopped falling; None
+        when the probe cannot say, or a request wants it awake before it is measured (its
+        lease then keeps its size: nothing was shown free)."""
+        falls_from = before if before is not None and before > FALLS_MIN_MB else None
+        measuring = asyncio.ensure_future(
+            settled_mb(self.used_mb, self.parts.clock, falls_from=falls_from)
+        )
+        if await sleep_or(measuring, self._wake) or not measuring.done():
+            measuring.cancel()
+            return None
+        return measuring.result()
+
+    async def _engine_sleeps(self) -> bool:
+        """Asks the engine to sleep; one that sleeps by itself (llama.cpp, after the
+        same idle time) is asked whether it does, for a few seconds."""
+        driver, clock = self.model.driver, self.parts.clock
+        if driver.sleeps is not SleepKind.ITSELF:
+            return await driver.sleep(self.port)
+        for _ in range(SLEEP_CHECKS):
+            if await driver.is_sleeping(self.port) is True:
+                return True
+            if await sleep_or(clock.sleep(SLEEP_CHECK_S), self._end):
+                return False
+        return False
+
+    async def _wake_up(self) -> None:
+        """A request waits: the memory given back is asked for again (a lease of the
+        difference on the very GPUs the process lives on, through the queue and the load
+        gate like any load), then the engine wakes. Given up when nobody waits any more."""
+        self._wake.clear()
+        if not self.asleep:
+            return
+        started = self.parts.clock.now()
+        self.state = ReplicaState.WAKING
+        self.model.notify()
+        need = self.model.vram_mb - int(self.lease["vram_mb"])
+        if need > 0 and not await self._take_back(need):
+            if self.ending is None:
+                self.state = ReplicaState.ASLEEP
+                self.model.notify()
+            return
+        if not await self.model.driver.wake(self.port):
+            self._stop(Ending("failed", f"the server did not wake{self._tail()}"))
+            return
+        if self.extra.get("id"):
+            with contextlib.suppress(ApiError, ControllerUnreachable):
+                self.extra = await self.parts.leases.ready(self.extra["id"])
+        woke_s = self.parts.clock.now() - started
+        self.model.metrics.wakes.labels(self.model.name).inc()
+        self.model.metrics.wake_seconds.labels(self.model.name).observe(woke_s)
+        log.info("model %s replica %d: awake in %.2fs", self.model.name, self.number, woke_s)
+        self.state = ReplicaState.WARM
+        self._quiet_since = self.parts.clock.now()
+        self.model.notify()
+
+    async def _take_back(self, need_mb: int) -> bool:
+        """A granted lease of ``need_mb`` on the replica's GPUs (False: not granted, or
+        nobody waits for it any more; a pending one is then released)."""
+        request = {
+            **self.model.lease_request(self.number), "vram_mb": need_mb,
+            "constraints": {"gpu_ids": list(self.lease["gpus"])},
+            "holder": f"{self.model.lease_request(self.number)['holder']} wake"[:256],
+        }  # fmt: skip
+        try:
+            self.extra = await self.parts.leases.create_lease(**request)
+        except (ApiError, ControllerUnreachable) as error:
+            log.info("model %s: the wake's lease was refused: %s", self.model.name, error)
+            return False
+        while self.extra["state"] == "pending" and self.ending is None:
+            if not self.model.waiting:
+                break
+            self.pending_reason = pending_text(self.extra)
+            waiting = asyncio.ensure_future(
+                self.parts.leases.lease(self.extra["id"], wait_s=30.0, state="pending")
+            )
+            self._activity.clear()
+            if await sleep_or(waiting, self._activity):
+                waiting.cancel()
+                continue
+            with contextlib.suppress(ControllerUnreachable):
+                self.extra = waiting.result()
+        if self.extra["state"] in ("loading", "active") and self.ending is None:
+            assert self._group is not None
+            self._extra_watch = self._group.create_task(self._watch(extra=True))
+            return True
+        await self._drop_extra()
+        return False
+
+    async def _drop_extra(self) -> None:
+        """Releases the lease a wake took back (its watcher first: the release is ours)."""
+        if self._extra_watch is not None:
+            self._extra_watch.cancel()
+            self._extra_watch = None
+        if self.extra.get("id"):
+            await self._release(str(self.extra["id"]))
+        self.extra = {}
 
     async def _measure(self) -> None:
         """After a load, every ``MEASURE_S`` while the replica serves (once more when it
@@ -567,16 +735,17 @@ class Replica:
             if not self.exited.is_set():  # a failure left it running: stop it now
                 await self._stop_process(self.process, self.model.config.grace_s)
             self.parts.launcher.unreserve(self.port)
-        if self.lease.get("id"):
-            await self._release()
+        for lease in (self.extra, self.lease):
+            if lease.get("id"):
+                await self._release(str(lease["id"]))
         assert self.ending is not None
         self.state = ReplicaState.ENDED
         self.model.ended(self)
 
-    async def _release(self) -> None:
+    async def _release(self, lease_id: str) -> None:
         for _ in range(RELEASE_TRIES):
             try:
-                await self.parts.leases.release(self.lease["id"])
+                await self.parts.leases.release(lease_id)
                 return
             except ControllerUnreachable:
                 await self.parts.clock.sleep(1.0)
@@ -591,22 +760,26 @@ class Replica:
             await self.parts.clock.sleep(max(0.2, ttl_s / 3))
             try:
                 await self.parts.leases.renew(self.lease["id"])
+                if self.extra.get("id"):
+                    await self.parts.leases.renew(self.extra["id"])
                 if self.process is not None and not self.exited.is_set():
                     self._by_agent = await self._attach()  # a restarted agent learns it again
             except ControllerUnreachable:
                 continue  # not lost until the controller says so
             except ApiError as error:
                 if error.status in (404, 409):
-                    self._stop(Ending("revoked", f"lease {self.lease['id']} lost: {error}"))
+                    self._stop(Ending("revoked", f"a lease of replica {self.number} lost: {error}"))
                     return
 
-    async def _watch(self) -> None:
-        """The one watcher of a revocation: a long-poll of the lease, which answers at
-        once when its state is no longer the one it last saw."""
-        state = str(self.lease["state"])
+    async def _watch(self, extra: bool = False) -> None:
+        """The one watcher of a revocation: a long-poll of the lease (or of the lease of
+        what a wake took back), which answers at once when its state is no longer the one
+        it last saw."""
+        lease_id = str((self.extra if extra else self.lease)["id"])
+        state = str((self.extra if extra else self.lease)["state"])
         while True:
             try:
-                lease = await self.parts.leases.lease(self.lease["id"], wait_s=30.0, state=state)
+                lease = await self.parts.leases.lease(lease_id, wait_s=30.0, state=state)
             except ControllerUnreachable:
                 await self.parts.clock.sleep(0.5)
                 continue
