@@ -266,6 +266,7 @@ class FakeEngine(EngineHttp):
         self.resident_mb = resident_mb
         self.awake_mb = awake_mb
         self.sleeping = False
+        self.queue_busy = False  # ComfyUI: a job runs after the answer that queued it
         self.calls: list[str] = []
 
     async def call(
@@ -282,6 +283,8 @@ class FakeEngine(EngineHttp):
             self.sleeping, self.agent.used = True, self.resident_mb
         elif path == "/wake_up":
             self.sleeping, self.agent.used = False, self.awake_mb
+        elif path == "/queue":
+            return Answer(200, {"queue_running": [1] if self.queue_busy else []})
         elif path == "/is_sleeping":
             return Answer(200, {"is_sleeping": self.sleeping})
         elif path == "/props":  # llama.cpp: asleep by itself once asked about it

@@ -263,3 +263,28 @@ async def test_the_engine_gets_the_flags_the_lease_allows() -> None:
     assert fraction * 24576 <= 1024
     assert world.health.asked == ["/health"]
     await world.close()
+
+
+async def test_comfyui_work_after_its_answer_keeps_the_lease_busy() -> None:
+    """ComfyUI runs a prompt after answering ``POST /prompt``: its queue, not a request in
+    flight, says it is busy; the lease is marked busy again, and keep_alive waits."""
+    world = World(
+        command=["comfyui", "--port", "{port}"], engine="comfyui", idle_after="1s",
+        keep_alive="10s",
+    )  # fmt: skip
+    await world.request()
+    world.engine.queue_busy = True
+    await world.clock.advance(5)
+    assert "idle" not in world.leases.verbs()  # its queue runs: never idle
+    world.engine.queue_busy = False
+    await world.clock.advance(1.6)
+    assert world.leases.verbs()[-1] == "idle"
+    world.engine.queue_busy = True  # a job queued by a request that has left
+    await world.clock.advance(0.6)
+    assert world.leases.verbs()[-1] == "busy"
+    await world.clock.advance(20)
+    assert world.replica.ending is None  # busy: keep_alive counts from when it is not
+    world.engine.queue_busy = False
+    await world.clock.advance(11)
+    assert world.model.replicas == []
+    await world.close()

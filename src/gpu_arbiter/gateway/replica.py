@@ -69,6 +69,7 @@ PORT_TRIES = 3  # a server that could not bind its port is started again on anot
 TAIL_LINES = 8
 SLEEP_CHECKS = 20  # an engine that sleeps by itself is asked this often whether it does,
 SLEEP_CHECK_S = 0.25  # this far apart
+BUSY_POLL_S = 0.5  # how often an engine whose work runs after its answer is asked
 FALLS_MIN_MB = 64  # a figure below this has nothing to fall from while the server sleeps
 Json = dict[str, Any]
 
@@ -500,12 +501,21 @@ class Replica:
                 return
 
     async def _quiet_until(self, at: float) -> bool:
-        """True once ``at`` has come with no request coming or leaving meanwhile."""
+        """True once ``at`` has come with no request coming or leaving meanwhile (and, for
+        an engine whose work runs after its answer, ComfyUI's queue, with the engine not
+        busy: its work counts as a request that just left)."""
         self._activity.clear()
-        left = at - self.parts.clock.now()
-        if left <= 0:
-            return True
-        return not await sleep_or(self.parts.clock.sleep(left), self._activity)
+        clock, driver = self.parts.clock, self.model.driver
+        while (left := at - clock.now()) > 0:
+            step = min(left, BUSY_POLL_S) if driver.polls_busy else left
+            if await sleep_or(clock.sleep(step), self._activity):
+                return False
+            if driver.polls_busy and await driver.busy(self.port):
+                self._quiet_since = self.last_used = clock.now()
+                if self._idle_marked:
+                    await self.mark_busy()
+                return False
+        return True
 
     async def _mark_idle(self, arrivals: int) -> None:
         async with self._mark:
