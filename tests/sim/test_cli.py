@@ -101,6 +101,49 @@ def test_azure_slice_replays_with_its_mapping(tmp_path: Path) -> None:
     assert replay["policies"] == out["policies"]
 
 
+def test_tiers_compare_keep_warm_sleep_and_stop_only() -> None:
+    """``--policy tiers`` runs ours, ours-sleep and ours-stop with the sleep options given;
+    the goals are judged against baselines only, so with no baseline there are none."""
+    out = _json(
+        "--azure",
+        "tests/data/azure-llm-2023",
+        "--azure-conv",
+        "chat-8b:10G:interactive:20",
+        "--azure-code",
+        "code-8b:10G:normal:20",
+        "--azure-batch",
+        "none",
+        "--azure-tokens",
+        "40000:4000",
+        "--azure-concurrency",
+        "4",
+        "--azure-gap",
+        "0.5",
+        "--keep-alive",
+        "30",
+        "--cluster",
+        "1x24G",
+        "--policy",
+        "tiers",
+        "--sleep-after",
+        "1",
+        "--sleep-resident",
+        "0.2",
+        "--wake-s",
+        "0.5",
+    )
+    assert out["sleep"] == {"after_s": 1.0, "resident": 0.2, "sleep_s": 2.0, "wake_s": 0.5}
+    ours, sleep, stop = out["policies"]
+    assert [ours["policy"], sleep["policy"], stop["policy"]] == ["ours", "ours-sleep", "ours-stop"]
+    assert sleep["sleeps"] > 0 and sleep["wakes"] > 0
+    assert ours["sleeps"] == stop["sleeps"] == stop["warm_starts"] == 0
+    assert stop["loads"] > sleep["loads"]
+    assert sleep["mem_util"] < ours["mem_util"]
+    for summary in out["policies"]:
+        assert summary["violations"] == summary["overcommits"] == summary["unfinished"] == 0
+    assert set(out["targets"]) == {"safety"}
+
+
 def test_table_output_and_policy_choice(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"arrival_s": 0, "model": "m", "vram_mb": "4G", "run_s": 5}\n')
@@ -134,6 +177,10 @@ def test_table_output_and_policy_choice(tmp_path: Path) -> None:
         (["--azure", "tests/data/azure-llm-2023", "--azure-batch", "5"], "error: azure batch: "),
         (["--azure", "tests/data/azure-llm-2023", "--azure-tokens", "9"], "error: azure-tokens: "),
         (["--azure", "tests/data/azure-llm-2023", "--azure-gap", "-1"], "error: azure-gap: "),
+        (["--sleep-resident", "1"], "error: sleep-resident: "),
+        (["--sleep-after", "x"], "error: sleep-after: "),
+        (["--wake-s", "-1"], "error: wake-s: "),
+        (["--sleep-s", "inf"], "error: sleep-s: "),
     ],
 )
 def test_bad_input_is_one_line_and_non_zero(args: list[str], message: str) -> None:

@@ -102,6 +102,8 @@ def test_policies_and_kinds() -> None:
         "prio-warm",
         "ollama",
     ]
+    assert parse_policies("tiers") == ["ours", "ours-sleep", "ours-stop"]
+    assert parse_policies("all,tiers")[-2:] == ["ours-sleep", "ours-stop"]
     assert parse_policies("Prio-Warm,ollama") == ["prio-warm", "ollama"]
     assert parse_policies("lru, ours,lru") == ["lru", "ours"]
     with pytest.raises(InvalidInput, match="policy"):

@@ -48,6 +48,12 @@ EXPECTED = {
     # r1's load (the load gate); r0 is re-queued and waits until the idle (warm) r1
     # and r2 are released after 30 s of keep-alive: batch may not reclaim them.
     "ours": ({"r1": (2, 6), "r2": (5, 7), "r0.2": (44, 54)}, 1, 0),
+    # with the default sleep tier (sleep after 60 s idle) nothing sleeps within the 30 s
+    # keep-alive: the very schedule of ours (test_sleep.py puts models to sleep).
+    "ours-sleep": ({"r1": (2, 6), "r2": (5, 7), "r0.2": (44, 54)}, 1, 0),
+    # no keep-warm: r1 and r2 stop when done, so the re-queued r0 (at 7) is granted as
+    # soon as r1 has ended (21), not after the keep-alive.
+    "ours-stop": ({"r1": (2, 6), "r2": (5, 7), "r0.2": (14, 24)}, 1, 0),
 }
 
 

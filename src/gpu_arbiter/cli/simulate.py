@@ -17,6 +17,7 @@ from ..sim import (
     KINDS,
     POLICIES,
     PRESETS,
+    SleepTier,
     compare,
     dump_trace,
     generate,
@@ -33,7 +34,11 @@ CLUSTER_HELP = (
     "Groups of W workers with N GPUs of SIZE (1x24G, 4w:2x24G, 2w:8x80G@sm_90) joined "
     f"by +, or a preset ({', '.join(PRESETS)})."
 )
-POLICY_HELP = f"'all' or names joined by ',' ({', '.join(POLICIES)})."
+POLICY_HELP = (
+    f"'all' (ours and the baselines), 'tiers' (ours, ours-sleep, ours-stop) or names joined "
+    f"by ',' ({', '.join(POLICIES)})."
+)
+SLEEP_HELP = "ours-sleep: {}"
 AZURE_HELP = (
     "Replay the Azure LLM inference trace (2023, CC-BY 4.0): a folder holding "
     "AzureLLMInferenceTrace_conv.csv and/or _code.csv. Mapping: the --azure-* options; "
@@ -87,6 +92,18 @@ def simulate(
         help="Synthetic batch jobs EVERY_S:SIZE:LOAD_S:MIN_S-MAX_S (mean seconds between "
         "arrivals, size, load, run), or 'none'.",
     ),
+    sleep_after: str = typer.Option(
+        "60", help=SLEEP_HELP.format("seconds an idle-warm model waits before it sleeps.")
+    ),
+    sleep_resident: str = typer.Option(
+        "0.15", help=SLEEP_HELP.format("fraction of its size a sleeping model keeps (0..1).")
+    ),
+    sleep_s: str = typer.Option(
+        "2", help=SLEEP_HELP.format("seconds until the probe shows a sleeping model's memory free.")
+    ),
+    wake_s: str = typer.Option(
+        "1", help=SLEEP_HELP.format("seconds a woken model takes to run once its memory is back.")
+    ),
 ) -> None:
     """Compare ours with the baselines on one trace: waits, memory use, safety."""
     if output not in ("table", "json"):
@@ -97,6 +114,12 @@ def simulate(
         "keep_alive_s": _number("keep-alive", keep_alive, low=0, high=86400),
         "stop_s": _number("stop", stop, low=0, high=3600),
     }
+    tier = SleepTier(
+        after_s=_number("sleep-after", sleep_after, low=0, high=86400),
+        resident=_number("sleep-resident", sleep_resident, low=1e-9, high=1 - 1e-9),
+        sleep_s=_number("sleep-s", sleep_s, low=0, high=3600),
+        wake_s=_number("wake-s", wake_s, low=0, high=3600),
+    )
     try:
         spec = parse_cluster(cluster)
         names = parse_policies(policy)
@@ -124,7 +147,7 @@ def simulate(
             source = {"generate": kind, "seed": number, "hours": span}
         if save_trace is not None:
             Path(save_trace).write_text(dump_trace(requests), encoding="utf-8")
-        recordings = compare(requests, spec, names, **options)
+        recordings = compare(requests, spec, names, tier=tier, **options)
     except InvalidInput as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -133,6 +156,7 @@ def simulate(
     result = {
         **source,
         "cluster": spec.spec,
+        **({"sleep": _tier_json(tier)} if "ours-sleep" in names else {}),
         "requests": len(requests),
         "policies": summaries,
         "targets": targets(summaries),
@@ -178,6 +202,15 @@ def _azure_mapping(
     )
 
 
+def _tier_json(tier: SleepTier) -> dict[str, float]:
+    return {
+        "after_s": tier.after_s,
+        "resident": tier.resident,
+        "sleep_s": tier.sleep_s,
+        "wake_s": tier.wake_s,
+    }
+
+
 def _fmt_wait(summary: dict[str, Any], cls: str, *figures: str) -> str:
     wait = summary["wait"].get(cls)
     if wait is None:
@@ -207,6 +240,7 @@ def _render(console: Console, result: dict[str, Any]) -> None:
         "busy\nmem",
         "mem util\n(no idle)",
         "GPU-h\nper h",
+        "cold loads\n(sleeps, wakes)",
         "preempted\n(wasted GPU-s)",
         "over-\ncommit",
         "concurrent\nloads",
@@ -224,10 +258,11 @@ def _render(console: Console, result: dict[str, Any]) -> None:
             f"{s['busy_mem_util']:.0%}",
             f"{s['mem_util']:.0%} ({s['mem_util_no_idle']:.0%})",
             f"{s['work_per_hour']:.2f}",
+            f"{s['loads']} ({s['sleeps']}, {s['wakes']})",
             f"{s['preemptions']} ({s['wasted_run_s']:.0f})",
             str(s["overcommits"]),
             str(s["concurrent_loads"]),
-            str(s["violations"]) if s["policy"] == "ours" else "-",
+            str(s["violations"]) if s["policy"].startswith("ours") else "-",
             str(s["unfinished"]),
         )
     console.print(table)

@@ -9,14 +9,15 @@ the time, then asks ``decide(now)`` — the calling convention of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
-from ..core import GpuId
+from ..core import GpuId, InvalidInput
 from .trace import TraceRequest
 
-__all__ = ["Allocator", "Attempt", "Step", "priority_class"]
+__all__ = ["Allocator", "Attempt", "SleepTier", "Sleeper", "Step", "priority_class"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,61 @@ class Allocator(Protocol):
     def check(self, now: float, step: Step, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
         """Invariant violations in the policy's own books after ``step`` ([] when none).
         ``present``: the leases whose processes hold memory now, and where."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SleepTier:
+    """How a model server sleeps (vLLM level 1, SGLang, llama.cpp): an idle-warm model
+    idle ``after_s`` is put to sleep; it keeps its process and ``resident`` x its size
+    (what stays on the GPU: CUDA graphs, the context) and gives the rest back, which the
+    probe shows free ``sleep_s`` later. A request for it asks for the difference on the
+    same GPUs and, once granted, runs ``wake_s`` later instead of after a cold load."""
+
+    after_s: float = 60.0
+    resident: float = 0.15
+    sleep_s: float = 2.0
+    wake_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, value, high in (
+            ("sleep-after", self.after_s, 86400.0),
+            ("sleep-s", self.sleep_s, 3600.0),
+            ("wake-s", self.wake_s, 3600.0),
+        ):
+            if not (math.isfinite(value) and 0 <= value <= high):
+                raise InvalidInput(name, f"{value!r} is outside 0..{high:g} seconds")
+        if not (math.isfinite(self.resident) and 0 < self.resident < 1):
+            raise InvalidInput("sleep-resident", f"{self.resident!r} is not a fraction in (0, 1)")
+
+    def resident_mb(self, vram_mb: int) -> int:
+        """What a sleeping model of ``vram_mb`` keeps per GPU: at least 1 MiB (a lease's
+        least), at most all of it (then it does not sleep)."""
+        return max(1, min(vram_mb, math.ceil(vram_mb * self.resident)))
+
+
+@runtime_checkable
+class Sleeper(Allocator, Protocol):
+    """A policy whose models sleep (:class:`SleepTier`). The world tells it what each
+    process holds on a GPU (``observe``: the probe), so that memory a sleeping process has
+    not given back yet is never granted (I2, I4)."""
+
+    tier: SleepTier
+
+    def sleep(self, lease_ids: tuple[str, ...], vram_mb: int, now: float) -> None:
+        """The model of these leases (its own, then its wake's) goes to sleep, keeping
+        ``vram_mb`` per GPU on the first."""
+        ...
+
+    def wake(
+        self, attempt: Attempt, gpus: tuple[GpuId, ...], vram_mb: int, now: float
+    ) -> str | None:
+        """Asks for ``vram_mb`` more on exactly ``gpus`` for ``attempt`` (its id is the
+        request's): None, or why it can never be granted."""
+        ...
+
+    def observe(self, gpu_id: GpuId, used_mb: Mapping[str, int]) -> None:
+        """A probe of ``gpu_id``: what each lease's process holds there now."""
         ...
 
 

@@ -13,10 +13,14 @@ busy_mem_util   the headline utilization: time-weighted memory of processes
                 while the trace arrives (0 to the last arrival: the same window
                 for every policy; the span when everything arrives at once).
 mem_util        the same for all memory held by holders' processes (loading,
-                running, idle-warm, stopping).
+                running, idle-warm, asleep, stopping).
 mem_util_no_idle  the same without idle-warm memory (loading, running,
-                stopping): memory held by work, started or ending.
+                stopping): memory held by work, started or ending. What a sleeping
+                model keeps counts as idle-warm; a wake's load as busy.
 work_per_hour   GPU-hours of completed runs per hour (run_s x gpus over the span).
+loads, warm_starts, sleeps, wakes  cold loads (a process started), runs on a
+                warm model, models put to sleep, and runs on a woken one (a wake:
+                the difference granted again, ``wake_s`` instead of a load).
 preemptions     runs and loads interrupted; ``wasted_run_s`` the GPU-seconds of
                 run they had done (lost). ``evictions``: idle models reclaimed.
 overcommits     grants that pushed a GPU's held memory above its capacity.
@@ -65,6 +69,8 @@ class Recording:
     evictions: int = 0
     loads_started: int = 0
     warm_starts: int = 0
+    sleeps: int = 0
+    wakes: int = 0
     overcommits: int = 0
     concurrent_loads: int = 0
     by_gpu: dict[str, Counter[str]] = field(default_factory=dict)
@@ -159,6 +165,8 @@ def summarize(rec: Recording) -> dict[str, Any]:
         "evictions": rec.evictions,
         "loads": rec.loads_started,
         "warm_starts": rec.warm_starts,
+        "sleeps": rec.sleeps,
+        "wakes": rec.wakes,
         "overcommits": rec.overcommits,
         "concurrent_loads": rec.concurrent_loads,
         "overcommits_by_gpu": dict(sorted(rec.by_gpu.get("overcommits", {}).items())),

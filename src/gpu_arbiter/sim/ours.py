@@ -13,18 +13,43 @@ releasing it; a later request for the same model takes the idle lease back
 own preemption (reason ``preempted``) when memory is needed, least recently
 used first: by equal or higher priority at once, by any priority once idle
 ``idle_reclaim_s`` or for a request that has waited ``starvation_s``.
+
+Two variants over the same core, to show what each tier buys:
+
+``ours-stop``
+    No keep-warm: a model stops when its run ends (every start is a cold load).
+``ours-sleep``
+    Keep-warm and a sleep tier (:class:`.base.SleepTier`): an idle model is put to
+    sleep with ``Scheduler.shrink``; the world probes every GPU whose memory changed
+    (``set_probe`` with what each lease's process holds), so the memory a sleeping
+    process still holds is granted only once it is given back (I2, I4). A wake is a
+    request for the difference on the same GPUs (``constraints.gpu_ids``) through the
+    queue and the load gate. A sleeping lease stays idle until its wake is granted
+    (while the wake waits too: else a request nominated to its memory and the wake
+    would wait on each other): the core reclaims it, least recently used first, like
+    any idle-warm lease, and a request waiting on its wake then starts cold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
-from ..core import GpuId, LeaseState, Policy, Request, Scheduler, Unschedulable
-from .base import Attempt, Step
+from ..core import (
+    Constraints,
+    GpuId,
+    GpuProbe,
+    LeaseState,
+    Policy,
+    Request,
+    Scheduler,
+    Unschedulable,
+)
+from .base import Attempt, SleepTier, Step
 from .cluster import Cluster
 
-__all__ = ["Ours"]
+__all__ = ["Ours", "OursSleep", "OursStop"]
 
 
 class Ours:
@@ -39,14 +64,19 @@ class Ours:
         self._asked: dict[str, tuple[int, float]] = {}  # request id: (priority, submitted)
 
     def submit(self, attempt: Attempt, now: float) -> str | None:
+        return self._ask(attempt, attempt.item.vram_mb, attempt.item.constraints, now)
+
+    def _ask(
+        self, attempt: Attempt, vram_mb: int, constraints: Constraints, now: float
+    ) -> str | None:
         item = attempt.item
         request = Request.build(
             attempt.id,
-            vram_mb=item.vram_mb,
+            vram_mb=vram_mb,
             gpus=item.gpus,
             priority=item.priority,
             preemptible=item.preemptible,
-            constraints=item.constraints,
+            constraints=constraints,
             holder=item.holder,
             metadata={"model": item.model},
             ttl_s=None,  # simulated holders never crash: their leases end by release
@@ -188,4 +218,52 @@ class Ours:
                             f"I6: a request behind {request.id} took {gpu_id} nominated for it "
                             f"(free {free} < {request.vram_mb})"
                         )
+        return problems
+
+
+class OursStop(Ours):
+    """Ours without keep-warm: the model stops when its run ends."""
+
+    name: ClassVar[str] = "ours-stop"
+    keeps_warm: ClassVar[bool] = False
+
+
+class OursSleep(Ours):
+    """Ours with keep-warm and a sleep tier (see the module docstring)."""
+
+    name: ClassVar[str] = "ours-sleep"
+
+    def __init__(
+        self, cluster: Cluster, policy: Policy | None = None, tier: SleepTier | None = None
+    ) -> None:
+        super().__init__(cluster, policy)
+        self.tier = tier or SleepTier()
+        self._used: dict[GpuId, int] = {}
+
+    def sleep(self, lease_ids: tuple[str, ...], vram_mb: int, now: float) -> None:
+        own, *wakes = lease_ids
+        for lease_id in wakes:  # a wake's grant is given back whole
+            self.release(lease_id, now)
+        self.scheduler.shrink(own, vram_mb, now)
+
+    def wake(
+        self, attempt: Attempt, gpus: tuple[GpuId, ...], vram_mb: int, now: float
+    ) -> str | None:
+        constraints = dataclasses.replace(attempt.item.constraints, gpu_ids=gpus)
+        return self._ask(attempt, vram_mb, constraints, now)
+
+    def observe(self, gpu_id: GpuId, used_mb: Mapping[str, int]) -> None:
+        used = sum(used_mb.values())
+        self._used[gpu_id] = used
+        self.scheduler.set_probe(gpu_id, GpuProbe(used_mb=used, lease_used_mb=dict(used_mb)))
+
+    def check(self, now: float, step: Step, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
+        """The checks of ours, and I2: memory a process holds (the latest probe) is never
+        counted free."""
+        problems = super().check(now, step, present)
+        for gpu_id, capacity in self._capacity.items():
+            free = self.scheduler.figures(gpu_id).free_mb
+            used = self._used.get(gpu_id, 0)
+            if free > capacity - used:
+                problems.append(f"I2: {gpu_id} shows {free} MiB free but processes hold {used}")
         return problems

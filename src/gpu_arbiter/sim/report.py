@@ -2,7 +2,8 @@
 
 Each goal compares ours with the best *safe* baseline on that figure (safe: no
 over-commit and no concurrent loads; a baseline that crashes GPUs is no
-yardstick), whichever baseline that is:
+yardstick), whichever baseline that is (ours' own variants, ``ours-sleep`` and
+``ours-stop``, are not baselines):
 
 interactive_p99   ours' interactive p99 wait is no worse than the best one's.
 normal_p99        ours' normal p99 wait is no worse than the best one's.
@@ -74,7 +75,7 @@ def _judge(ours: Summary, pool: Sequence[Summary], name: str) -> dict[str, Any] 
 def targets(summaries: Sequence[Summary]) -> dict[str, Any]:
     """The goals, judged; {} when ours or every baseline is missing."""
     ours = next((s for s in summaries if s["policy"] == "ours"), None)
-    pool = [s for s in summaries if s["policy"] != "ours" and safe(s)]
+    pool = [s for s in summaries if not s["policy"].startswith("ours") and safe(s)]
     if ours is None or len(summaries) < 2:
         return {}
     out: dict[str, Any] = {}
