@@ -113,6 +113,13 @@ MODELS = {"m": {"command": COMMAND}}
         ({"keys": [{"name": "ui"}]}, "gateway.keys[0].key", "missing"),
         ({"keys": [{"key": "k" * 10, "owner": "x"}]}, "gateway.keys[0].owner", "unknown key"),
         ({"keys": [{"key": "k" * 10, "role": "root"}]}, "gateway.keys[0].role", "admin or user"),
+        (
+            {"keys": [{"key": "k" * 10, "priority": "urgent"}]},
+            "gateway.keys[0].priority",
+            "not an integer 0..1000 nor one of batch",
+        ),
+        ({"keys": [{"key": "k" * 10, "priority": 1001}]}, "gateway.keys[0].priority", "0..1000"),
+        ({"keys": [{"key": "k" * 10, "priority": True}]}, "gateway.keys[0].priority", "boolean"),
         ({"api_key_file": "nowhere.txt"}, "gateway.api_key_file", "cannot read"),
         ({"max_connections": 0}, "gateway.max_connections", "not an integer 1.."),
         ({"max_header_bytes": 10}, "gateway.max_header_bytes", "between 1024 and"),
@@ -159,3 +166,20 @@ def test_pinned_min_resident_and_key_roles() -> None:
     ]  # fmt: skip
     defaults = parse_config({"models": MODELS}).models["m"]
     assert defaults.pinned is False and defaults.min_resident_s == 0
+
+
+def test_a_key_carries_its_callers_priority_class() -> None:
+    keys = [
+        {"key": "chat-key-0123456789", "name": "chat-ui", "priority": "interactive"},
+        {"key": "batch-key-0123456789", "name": "indexer", "priority": 150},
+        {"key": "plain-key-0123456789", "name": "ops", "role": "admin"},
+    ]
+    config = parse_config(
+        {"gateway": {"keys": keys, "api_keys": ["list-key-0123"]}, "models": MODELS}
+    )
+    assert [(key.name, key.priority) for key in config.keys] == [
+        ("gateway.api_keys[0]", None),
+        ("chat-ui", 800),
+        ("indexer", 150),
+        ("ops", None),
+    ]  # None: the model's priority

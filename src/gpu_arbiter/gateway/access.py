@@ -45,12 +45,15 @@ ROLES = ("admin", "user")
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """One key a caller may present. ``name`` says whose it is (``chat-ui``); ``role``
-    (``user`` or ``admin``) whether it may also use the admin routes; a later priority
-    class per key hangs here."""
+    (``user`` or ``admin``) whether it may also use the admin routes; ``priority`` (0..1000)
+    the class of its requests (an interactive chat key, a batch indexing key; None: the
+    model's). A request's priority only ever raises a lease's above its model's (see
+    :meth:`gpu_arbiter.gateway.model.ModelServer.lease_priority`)."""
 
     name: str
     key: str = field(repr=False)
     role: str = "user"
+    priority: int | None = None
 
     @property
     def digest(self) -> bytes:

@@ -20,6 +20,7 @@
     key = "..."
     name = "chat-ui"
     role = "user"                  # or "admin": also /admin/ (unload, pin, unpin)
+    priority = "batch"             # its requests' class (default: the model's priority)
 
     [models.chat]
     command = "llama-server -m /models/qwen.gguf -c 8192 --port {port}"
@@ -244,14 +245,17 @@ def _api_keys(gateway: Mapping[str, Any], base: Path) -> tuple[ApiKey, ...]:
 def _key_table(i: int, table: Any) -> tuple[str, ApiKey]:
     where = f"gateway.keys[{i}]"
     table = _table(table, where)
-    _known(table, frozenset({"key", "name", "role"}), where)
+    _known(table, frozenset({"key", "name", "role", "priority"}), where)
     if "key" not in table:
         raise InvalidInput(f"{where}.key", "missing")
     name = _text(table.get("name", where), f"{where}.name")
     role = table.get("role", "user")
     if role not in ROLES:
         raise InvalidInput(f"{where}.role", f"{role!r} is not a role: admin or user")
-    return where, ApiKey(name, _api_key(table["key"], f"{where}.key"), role)
+    priority = table.get("priority")
+    if priority is not None:
+        priority = _parsed(parse_priority, priority, f"{where}.priority")
+    return where, ApiKey(name, _api_key(table["key"], f"{where}.key"), role, priority)
 
 
 def _key_file(value: Any, base: Path) -> list[tuple[str, ApiKey]]:
