@@ -102,11 +102,14 @@ def test_cold_start_warm_reuse_and_keep_alive(setup: Setup) -> None:
     assert "chat" in unknown.json()["error"]["message"]
 
 
-def _post_later(url: str, body: dict[str, object]) -> tuple[threading.Thread, list[httpx.Response]]:
+def _post_later(
+    url: str, body: dict[str, object], key: str | None = None
+) -> tuple[threading.Thread, list[httpx.Response]]:
     answers: list[httpx.Response] = []
+    headers = {"authorization": f"Bearer {key}"} if key else {}
 
     def post() -> None:
-        answers.append(httpx.post(url, json=body, timeout=60))
+        answers.append(httpx.post(url, json=body, headers=headers, timeout=60))
 
     thread = threading.Thread(target=post, daemon=True)
     thread.start()
@@ -173,6 +176,54 @@ def test_a_busy_model_is_preempted_by_a_more_important_one(setup: Setup) -> None
     assert late.headers["retry-after"] == "3"
     assert "not ready after 3s" in late.json()["error"]["message"]
     wait_for(lambda: not setup.held("batch"), 10, "the queued request cancelled")
+
+
+BATCH_KEY, CHAT_KEY = "batch-key-0123456789", "chat-key-0123456789"
+
+
+def test_a_queued_lease_moves_up_to_an_interactive_callers_priority(setup: Setup) -> None:
+    """A batch model's cold start queues behind a critical holder at the batch key's
+    priority; an interactive key's request for it asks for the lease again at 800 (not
+    preemptible: the controller's default there), and one server answers both."""
+    setup.agent()
+    holder = setup.admin.post(
+        "/v1/leases", json={"vram_mb": 20480, "priority": "critical", "ttl_s": 300}
+    )
+    assert holder.status_code == 201, holder.text
+    keys = f"""[[gateway.keys]]
+key = "{BATCH_KEY}"
+name = "indexer"
+priority = "batch"
+
+[[gateway.keys]]
+key = "{CHAT_KEY}"
+name = "chat-ui"
+priority = "interactive"
+
+"""
+    models = model_entry("docs", setup.record, mb=15000, vram="16G", priority="batch")
+    gateway = setup.gateway(keys + models)
+    url = gateway.url + "/v1/completions"
+    batch, batch_answer = _post_later(url, chat("docs"), BATCH_KEY)
+    [first] = wait_for(lambda: setup.held("docs") or None, 30, "the batch lease pending")
+    assert (first["state"], first["priority"], first["preemptible"]) == ("pending", 100, True)
+    chat_, chat_answer = _post_later(url, chat("docs"), CHAT_KEY)
+
+    def moved_up() -> dict[str, object] | None:
+        found = setup.held("docs")
+        return found[0] if len(found) == 1 and found[0]["id"] != first["id"] else None
+
+    second = wait_for(moved_up, 30, "the lease asked for again at 800")
+    assert (second["state"], second["priority"], second["preemptible"]) == ("pending", 800, False)
+    ended = setup.admin.get(f"/v1/leases/{first['id']}").json()
+    assert ended["state"] == "cancelled" and ended["ended_at"] is not None
+    assert setup.admin.delete(f"/v1/leases/{holder.json()['id']}").status_code == 200
+    for thread, answers in ((batch, batch_answer), (chat_, chat_answer)):
+        thread.join(60)
+        assert answers[0].status_code == 200, answers[0].text
+    assert len(records(setup.record, "docs")) == 1  # one server answered both
+    [lease] = setup.held("docs")
+    assert lease["id"] == second["id"] and lease["priority"] == 800
 
 
 def test_after_a_load_the_measured_peak_replaces_a_lower_estimate(

@@ -12,7 +12,9 @@
     GET  /metrics, /healthz
 
 In front of every route: the ``Host`` check, the simple-request rule and the API keys
-(``access.py``); ``/healthz`` needs no key. Bodies are held only as far as finding the
+(``access.py``); ``/healthz`` needs no key. A request routed to a model carries its key's
+``priority`` (if any) to the model (``model.py``: how a lease's priority follows its
+callers). Bodies are held only as far as finding the
 model needs, under ``max_body_bytes`` each and ``max_buffered_bytes`` in all
 (``bodies.py``); the rest streams to the model server as it comes, as every body to
 ``/models/{name}/...`` does.
@@ -297,7 +299,8 @@ class GatewayApp:
                 await _error(send, 400, missing, "no_model")
                 return
             outbound = self._outbound(_target(scope, _raw_path(scope)), receive, headers, held)
-            await self._route(scope, receive, send, name, outbound, json_body)
+            priority = self._priority(headers)
+            await self._route(scope, receive, send, name, outbound, json_body, priority)
         except TooLarge:
             await self._too_large(send)
         except OverBudget:
@@ -315,13 +318,19 @@ class GatewayApp:
         try:
             await held.read(receive)
             outbound = self._outbound(_target(scope, b"/" + rest), receive, headers, held)
-            await self._route(scope, receive, send, name, outbound)
+            priority = self._priority(headers)
+            await self._route(scope, receive, send, name, outbound, priority=priority)
         except TooLarge:
             await self._too_large(send)
         except OverBudget:
             await self._overloaded(send)
         finally:
             held.release()
+
+    def _priority(self, headers: Mapping[bytes, str]) -> int | None:
+        """The priority of the caller's key (None: the model's)."""
+        key = self.access.key_of(headers) if self.access.auth else None
+        return None if key is None else key.priority
 
     def _outbound(
         self, target: bytes, receive: Receive, headers: Mapping[bytes, str], held: HeldBody
@@ -351,9 +360,11 @@ class GatewayApp:
         name: str,
         outbound: _Outbound,
         json_body: bytearray | None = None,
+        priority: int | None = None,
     ) -> None:
         """``json_body``: the body held whole, when it is JSON (``"stream": true`` in it
-        gets comment lines while it waits)."""
+        gets comment lines while it waits); ``priority``: the caller's key's (None: the
+        model's), which a lease asked for while it waits follows upward."""
         found = self.routes.get(name)
         if found is None:
             await self._unknown(send, name)
@@ -361,7 +372,7 @@ class GatewayApp:
         model = self.models[found]
         wait = _Wait(model, send, json_body)
         try:
-            acquired = await _acquire(model, receive, outbound, wait)
+            acquired = await _acquire(model, receive, outbound, wait, priority)
         except Refused as refused:
             self.metrics.requests.labels(found, str(refused.status)).inc()
             await _refused(wait.sender(), refused, wait.waited_s())
@@ -534,19 +545,19 @@ def _target(scope: Scope, path: bytes) -> bytes:
 
 
 async def _acquire(
-    model: ModelServer, receive: Receive, outbound: _Outbound, wait: _Wait
+    model: ModelServer, receive: Receive, outbound: _Outbound, wait: _Wait, priority: int | None
 ) -> tuple[Replica, float] | None:
     """A replica for the request; None when the client went away while it queued (its
     held body is then given back at once, not after ``queue_timeout``). A streamed body
     not read yet is the client's to send: its disconnect is seen by the relay. The
     comment lines of ``wait`` (if any) have ended when it returns."""
     if outbound.body_read is not None:
-        return await model.acquire()  # not JSON held whole: no comment lines
+        return await model.acquire(priority=priority)  # not JSON held whole: no comment lines
     cancel = CancelScope()
     watcher = asyncio.ensure_future(_watch_disconnect(receive, cancel, _Exchange(), None))
     try:
         async with cancel:
-            return await model.acquire(wait.began)
+            return await model.acquire(wait.began, priority)
         return None
     finally:
         watcher.cancel()

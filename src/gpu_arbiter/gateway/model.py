@@ -12,6 +12,19 @@ An operator may pin a model (its leases always marked busy: never reclaimed as a
 never stopped for keep_alive; only a strictly higher priority may preempt it, and only
 when it is preemptible: I5) and unpin it, or unload it (its replicas stopped now, those
 queued cancelled, and the requests waiting for it refused).
+
+Callers of different importance share one model. A request's priority is its API key's
+(``[[gateway.keys]] priority``), else the model's. A replica's lease is asked for at
+:meth:`ModelServer.lease_priority`: the model's priority, raised to the highest priority
+among the callers waiting when it is asked for. A caller below the model's priority
+therefore never lowers its lease (a batch key never makes an interactive model
+preemptible: ``preemptible``, unless the model sets it, is the controller's default for
+the lease's priority), and a caller above it is not queued behind a lease asked for at
+the model's. A replica still queued at a lower priority than a caller who now waits for
+it is asked for again at the higher one (its pending lease released first: a queue
+position in a lower class is worth nothing in the higher one). A granted lease keeps
+its priority (the controller has no verb to raise it): callers of every priority share
+the replicas that serve, and only the next replica asked for follows a higher caller.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -83,6 +97,7 @@ class ModelServer:
         self.vram_mb = vram_mb
         self.replicas: list[Replica] = []
         self.waiting = 0
+        self._wanting: Counter[int] = Counter()  # the priorities of the callers waiting
         self.failures = 0
         self.failed_at = 0.0
         self.failure: str | None = None
@@ -94,15 +109,21 @@ class ModelServer:
 
     # ------------------------------------------------------------------ requests
 
-    async def acquire(self, on_wait: Callable[[], None] | None = None) -> tuple[Replica, float]:
+    async def acquire(
+        self, on_wait: Callable[[], None] | None = None, priority: int | None = None
+    ) -> tuple[Replica, float]:
         """A replica with a slot taken for the caller, and the seconds it queued.
         Raises :class:`Refused` (503 after ``queue_timeout``, 502 when its start failed).
         ``on_wait`` is called once, when the caller has to wait (not when a slot is free):
-        the gateway then tells a streaming caller why (:meth:`waiting_for`)."""
+        the gateway then tells a streaming caller why (:meth:`waiting_for`). ``priority``:
+        the caller's (its key's; None: the model's), which a lease asked for while it
+        waits is asked at, if higher than the model's."""
         started = self.clock.now()
         deadline = started + self.config.queue_timeout_s
         failures_before, unloads_before = self.failures, self._unloads
+        wanted = self.config.priority if priority is None else priority
         self.waiting += 1
+        self._wanting[wanted] += 1
         try:
             while True:
                 replica = self._free_replica()
@@ -127,6 +148,9 @@ class ModelServer:
                 await sleep_or(self.clock.sleep(remaining), changed)
         finally:
             self.waiting -= 1
+            self._wanting[wanted] -= 1
+            if not self._wanting[wanted]:
+                del self._wanting[wanted]
             if self.waiting == 0:
                 for replica in self.replicas:
                     replica.cancel_if_queued()
@@ -162,7 +186,21 @@ class ModelServer:
             for replica in asleep:
                 replica.want_awake()
             return
+        self._move_up_queued()
         self._start_if_needed()
+
+    def lease_priority(self) -> int:
+        """The priority a lease is asked for at now: the model's, or the highest of the
+        callers waiting if higher (a lower one never lowers it)."""
+        return max(self.config.priority, max(self._wanting, default=0))
+
+    def _move_up_queued(self) -> None:
+        """A replica queued at a lower priority than a caller now waiting is asked for
+        again, at the higher one (the replica checks it again before it does)."""
+        wanted = self.lease_priority()
+        for replica in self.replicas:
+            if replica.state is ReplicaState.QUEUED and replica.priority < wanted:
+                replica.outranked()
 
     def _start_if_needed(self) -> None:
         holding = [r for r in self.replicas if r.live]  # a stopping one still holds memory
@@ -205,8 +243,8 @@ class ModelServer:
         return {
             "vram_mb": self.vram_mb,
             "gpus": config.gpus,
-            "priority": config.priority,
-            "preemptible": config.preemptible,
+            "priority": self.lease_priority(),
+            "preemptible": config.preemptible,  # None: the controller's, for that priority
             "constraints": {"worker": self.worker} if self.worker else {},
             "holder": f"gateway {self.name} #{number}@{host}"[:256],
             "metadata": {"model": self.name, "replica": number, "gateway": host},
@@ -355,6 +393,7 @@ def _replica(replica: Replica) -> dict[str, Any]:
         "in_flight": replica.in_flight,
         "lease": replica.lease.get("id"),
         "lease_idle": replica.lease_idle,
+        "priority": replica.priority,
         "gpus": replica.lease.get("gpus"),
         "pid": replica.pid,
     }

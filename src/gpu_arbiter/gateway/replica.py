@@ -122,6 +122,7 @@ class Replica:
         self.in_flight = 0
         self.ending: Ending | None = None
         self.pending_reason = "waiting for a lease"
+        self.priority = model.config.priority  # what its lease was asked for at
         self.exited = asyncio.Event()
         self.returncode: int | None = None
         self.last_used = self.parts.clock.now()
@@ -205,6 +206,12 @@ class Replica:
             self._activity.set()
         self.model.notify()
 
+    def outranked(self) -> None:
+        """A caller above the priority its pending lease was asked at waits for it: it
+        looks again (and asks again at the higher one, if still queued)."""
+        if self.state is ReplicaState.QUEUED:
+            self._activity.set()
+
     def cancel_if_queued(self) -> None:
         if self.state is ReplicaState.QUEUED:
             self._stop(Ending("cancelled", "nobody waits for it any more"))
@@ -270,23 +277,25 @@ class Replica:
             await self._finish()
 
     async def _acquire(self) -> bool:
+        """Asks for the lease and waits while it is pending: asked for again when a caller
+        above the priority it was asked at waits (:meth:`outranked`)."""
         leases = self.parts.leases
-        try:
-            self.lease = await leases.create_lease(**self.model.lease_request(self.number))
-        except NotGranted as error:
-            self._stop(Ending("failed", f"lease not granted: {error.state} ({error.reason})"))
-            return False
-        except ApiError as error:
-            self._stop(Ending("failed", f"lease refused ({error.code}): {error}"))
+        if not await self._ask():
             return False
         while self.lease["state"] == "pending" and self.ending is None:
+            if self.priority < self.model.lease_priority():
+                if not await self._ask_again():
+                    return False
+                continue
             self.pending_reason = pending_text(self.lease)
             self.model.notify()
             waiting = asyncio.ensure_future(
                 leases.lease(self.lease["id"], wait_s=30.0, state="pending")
             )
-            if await sleep_or(waiting, self._end):
-                break
+            self._activity.clear()  # set by an ending and by a caller who outranks it
+            if await sleep_or(waiting, self._activity):
+                waiting.cancel()
+                continue
             with contextlib.suppress(ControllerUnreachable):
                 self.lease = waiting.result()
         if self.lease["state"] in ("loading", "active") and self.ending is None:
@@ -295,6 +304,42 @@ class Replica:
             reason = self.lease.get("end_reason") or self.lease["state"]
             self._stop(Ending("failed", f"lease not granted: {reason}"))
         return False
+
+    async def _ask(self) -> bool:
+        """Asks for a lease at the model's lease priority now; False (ending set) when
+        the controller refused it."""
+        request = self.model.lease_request(self.number)
+        try:
+            self.lease = await self.parts.leases.create_lease(**request)
+        except NotGranted as error:
+            self._stop(Ending("failed", f"lease not granted: {error.state} ({error.reason})"))
+            return False
+        except ApiError as error:
+            self._stop(Ending("failed", f"lease refused ({error.code}): {error}"))
+            return False
+        self.priority = int(request["priority"])
+        return True
+
+    async def _ask_again(self) -> bool:
+        """The pending lease released, a new one asked for at the higher priority: it
+        moves up a class, where its place in the lower one's order counts for nothing.
+        Kept (asked again later) while the controller cannot be reached."""
+        pending, before = str(self.lease["id"]), self.priority
+        try:
+            await self.parts.leases.release(pending)
+        except ControllerUnreachable:
+            await sleep_or(self.parts.clock.sleep(1.0), self._end)
+            return True
+        except ApiError:
+            pass  # ended meanwhile: nothing to give back
+        self.lease = {}
+        if not await self._ask():
+            return False
+        log.info(
+            "model %s replica %d: lease %s (priority %d) asked again as %s (priority %d)",
+            self.model.name, self.number, pending, before, self.lease["id"], self.priority,
+        )  # fmt: skip
+        return True
 
     async def _serve(self) -> None:
         """Holding the lease: load, serve until an ending, drain, stop the process. The
