@@ -57,7 +57,9 @@ async def test_a_cold_start_is_asked_at_the_waiting_callers_higher_priority() ->
     replica = await call(world, INTERACTIVE)
     assert asked(world) == [("L1", INTERACTIVE, None)]  # preemptible: the controller's
     assert replica.priority == INTERACTIVE
-    assert world.model.describe()["replicas"][0]["priority"] == INTERACTIVE
+    found = world.model.describe()
+    assert found["replicas"][0]["priority"] == INTERACTIVE
+    assert found["preemptible_by"] is None  # 800: not preemptible, as the controller sees it
     await world.close()
 
 
@@ -143,6 +145,7 @@ async def test_a_granted_lease_keeps_its_priority_and_the_next_replica_follows()
     assert second is not first
     assert asked(world) == [("L1", BATCH, None), ("L2", INTERACTIVE, None)]
     assert first.priority == BATCH and second.priority == INTERACTIVE
+    assert world.model.describe()["preemptible_by"] == "priority above 100"  # the first's
     await world.clock.advance(100)
     await long
     await world.close()

@@ -332,11 +332,13 @@ class ModelServer:
 
     def preemptible_by(self) -> str | None:
         """Who may take the model's GPU while its lease is busy (always, when pinned):
-        a strictly higher base priority, if the model is preemptible (I5)."""
+        a strictly higher base priority, if the model is preemptible (I5); of its
+        replicas, the one whose lease was asked for at the lowest priority."""
+        priority = min((r.priority for r in self._live()), default=self.config.priority)
         preemptible = self.config.preemptible
         if preemptible is None:  # the controller's default
-            preemptible = self.config.priority < PRIORITY_NAMES["interactive"]
-        return f"priority above {self.config.priority}" if preemptible else None
+            preemptible = priority < PRIORITY_NAMES["interactive"]
+        return f"priority above {priority}" if preemptible else None
 
     # ------------------------------------------------------------------ state
 
