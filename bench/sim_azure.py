@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python bench/sim_azure.py [--data ../shared/data/azure-llm-2023]
         [--loads 0.01,0.03,0.1] [--seeds 1] [--clusters 1x24G,2x24G,4x80G]
-        [--policy KEY=VALUE,...]
+        [--policy KEY=VALUE,...] [--tiers [--sleep-after 60 --sleep-resident 0.15
+        --sleep-s 2 --wake-s 1]]
 
 Per cluster and load it prints, per policy, the figures the goals are judged on
 (interactive and normal p99 wait, longest batch wait, busy memory, memory
@@ -11,6 +12,9 @@ invariant violations), then the goals against the best safe baseline of each
 figure. With several seeds (each thins the trace and draws the batch jobs anew)
 the figures are means over the seeds. ``--policy`` sets ours' Policy fields
 (``idle_reclaim_s=120,starvation_s=600``) to measure other settings.
+``--tiers`` compares ours' tiers instead: ours (keep-warm), ours-sleep (keep-warm
+and the sleep tier of the ``--sleep-*`` and ``--wake-s`` options) and ours-stop
+(no keep-warm), with their cold loads, sleeps, wakes and idle models reclaimed.
 
 The mapping of the trace (``gpu_arbiter.sim.azure``), per cluster class:
 
@@ -36,9 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from gpu_arbiter.core import Policy
-from gpu_arbiter.sim import POLICIES, Simulation, parse_cluster, summarize
+from gpu_arbiter.sim import (
+    ALL,
+    TIERS,
+    Simulation,
+    SleepTier,
+    make_policy,
+    parse_cluster,
+    summarize,
+)
 from gpu_arbiter.sim.azure import AzureMapping, BatchJobs, Service, convert, read_azure
-from gpu_arbiter.sim.ours import Ours
 from gpu_arbiter.sim.report import goal_lines, targets
 
 _G = 1024
@@ -77,6 +88,11 @@ _FIGURES = (
     "unfinished",
     "preemptions",
     "loads",
+    "warm_starts",
+    "sleeps",
+    "wakes",
+    "wakes_abandoned",
+    "evictions",
 )
 
 
@@ -84,7 +100,7 @@ def _mean(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One summary whose figures are the means of the seeds' figures."""
     first = summaries[0]
     out: dict[str, Any] = {"policy": first["policy"], "wait": {}}
-    for cls, key in _KEYS:
+    for cls, key in (*_KEYS, ("interactive", "p50_s"), ("normal", "p50_s")):
         values = [s["wait"][cls][key] for s in summaries if cls in s["wait"]]
         if values:
             out["wait"].setdefault(cls, {})[key] = statistics.fmean(values)
@@ -100,6 +116,7 @@ def _runs(
     seeds: int,
     names: list[str],
     policy: Policy | None,
+    tier: SleepTier | None = None,
 ) -> list[dict[str, Any]]:
     """The named policies' summaries on ``spec`` at ``load``, averaged over the seeds."""
     cluster = parse_cluster(spec)
@@ -108,7 +125,7 @@ def _runs(
         trace = convert(services, mapping_for(spec, load, seed))
         row = []
         for name in names:
-            allocator = Ours(cluster, policy) if name == "ours" else POLICIES[name](cluster)
+            allocator = make_policy(name, cluster, policy, tier)
             row.append(summarize(Simulation(trace, cluster, allocator).run()))
         per_seed.append(row)
     return [_mean(list(runs)) for runs in zip(*per_seed, strict=True)]
@@ -138,6 +155,28 @@ def table(summaries: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def tier_table(summaries: list[dict[str, Any]]) -> list[str]:
+    """What each tier buys: waits (median and p99), busy and held memory, and how models
+    started (cold loads, warm, woken) and left (put to sleep, reclaimed)."""
+    lines = [
+        "| policy | interactive p50 / p99 s | normal p50 / p99 s | longest batch s | busy mem "
+        "| mem util | cold loads | warm starts | sleeps | wakes (given up) | reclaimed "
+        "| violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s['policy']} | {_wait(s, 'interactive', 'p50_s')} / "
+            f"{_wait(s, 'interactive', 'p99_s')} | {_wait(s, 'normal', 'p50_s')} / "
+            f"{_wait(s, 'normal', 'p99_s')} | {_wait(s, 'batch', 'max_s')} "
+            f"| {s['busy_mem_util']:.1%} | {s['mem_util']:.1%} | {s['loads']:.0f} "
+            f"| {s['warm_starts']:.0f} | {s['sleeps']:.0f} "
+            f"| {s['wakes']:.0f} ({s['wakes_abandoned']:g}) "
+            f"| {s['evictions']:.0f} | {s['violations'] + s['overcommits']:g} |"
+        )
+    return lines
+
+
 def _policy(text: str) -> Policy | None:
     if not text:
         return None
@@ -159,7 +198,7 @@ def sweep(services: dict[str, Any], configs: list[tuple[str, float]], seeds: int
     """Ours under every setting of GRID: goals met (of all judged) and the worst ratio of
     each goal to its bound over all clusters and loads (<= 1 met for waits, >= 1 for busy
     memory)."""
-    baselines = [n for n in POLICIES if n != "ours"]
+    baselines = [n for n in ALL if n != "ours"]
     pools = {c: _runs(services, *c, seeds, baselines, None) for c in configs}
     print("| " + " | ".join(GRID) + " | goals met | worst ratio / bound per goal |")
     print("|---" * (len(GRID) + 2) + "|")
@@ -190,7 +229,13 @@ def main() -> None:
     parser.add_argument("--clusters", default="1x24G,2x24G,4x80G")
     parser.add_argument("--policy", default="", help="ours' Policy fields, KEY=VALUE,...")
     parser.add_argument("--sweep", action="store_true", help="ours under every GRID setting")
+    parser.add_argument("--tiers", action="store_true", help="ours, ours-sleep, ours-stop")
+    parser.add_argument("--sleep-after", type=float, default=60.0)
+    parser.add_argument("--sleep-resident", type=float, default=0.15)
+    parser.add_argument("--sleep-s", type=float, default=2.0)
+    parser.add_argument("--wake-s", type=float, default=1.0)
     args = parser.parse_args()
+    tier = SleepTier(args.sleep_after, args.sleep_resident, args.sleep_s, args.wake_s)
     services = read_azure(args.data)
     started = time.perf_counter()
     configs = [
@@ -202,11 +247,15 @@ def main() -> None:
         sizes = [
             len(convert(services, mapping_for(spec, load, s))) for s in range(1, args.seeds + 1)
         ]
-        summaries = _runs(services, spec, load, args.seeds, list(POLICIES), _policy(args.policy))
+        names = list(TIERS if args.tiers else ALL)
+        summaries = _runs(services, spec, load, args.seeds, names, _policy(args.policy), tier)
         print(
             f"\n#### {spec}, load {load:g} ({args.seeds} seed(s), "
             f"{statistics.fmean(sizes):.0f} requests on average)\n"
         )
+        if args.tiers:
+            print("\n".join(tier_table(summaries)))
+            continue
         print("\n".join(table(summaries)))
         print()
         print("\n".join(goal_lines(targets(summaries))))

@@ -141,6 +141,28 @@ def test_a_wake_asks_for_the_difference_on_its_own_gpus() -> None:
     assert any(v.startswith("wake r2 granted on") for v in loose.run().violations)
 
 
+GIVE_UP = [
+    '{"arrival_s": 0, "model": "code", "vram_mb": "16G", "load_s": 10, "run_s": 10}',
+    '{"arrival_s": 30, "model": "chat", "vram_mb": "20G", "priority": "interactive",'
+    ' "load_s": 1, "run_s": 1000}',
+    '{"arrival_s": 50, "model": "code", "vram_mb": "16G", "load_s": 10, "run_s": 10}',
+]
+
+
+def test_a_wake_not_granted_within_a_load_time_starts_cold_elsewhere() -> None:
+    """code sleeps on w1:0 at 25 (2.4 GiB kept); chat (20 GiB, interactive, busy for
+    1000 s) takes the memory it gave back. The request for code at 50 asks for the
+    difference there, which chat holds; after code's load time (10 s) it gives up: the
+    sleeping model stops and the request loads cold on w1:1 (its wait counts from 50)."""
+    tier = SleepTier(after_s=5, resident=0.15, sleep_s=2, wake_s=1)
+    rec = _run(GIVE_UP, "2x24G", "ours-sleep", tier)
+    assert _schedule(rec) == {"r0": (0, 10), "r1": (0, 1), "r2.2": (10, 20)}
+    # each of the three runs is put to sleep when done; none woke
+    assert (rec.sleeps, rec.wakes, rec.wakes_abandoned, rec.loads_started) == (3, 0, 1, 3)
+    assert rec.violations == []
+    assert rec.overcommits == rec.unfinished == 0
+
+
 _models = st.tuples(  # size GiB, GPUs, priority, preemptible, load s
     st.integers(1, 24),
     st.integers(1, 2),

@@ -24,6 +24,7 @@ from .workloads import KINDS, generate
 from .world import Simulation
 
 __all__ = [
+    "ALL",
     "KINDS",
     "POLICIES",
     "PRESETS",

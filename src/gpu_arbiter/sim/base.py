@@ -79,7 +79,9 @@ class SleepTier:
     idle ``after_s`` is put to sleep; it keeps its process and ``resident`` x its size
     (what stays on the GPU: CUDA graphs, the context) and gives the rest back, which the
     probe shows free ``sleep_s`` later. A request for it asks for the difference on the
-    same GPUs and, once granted, runs ``wake_s`` later instead of after a cold load."""
+    same GPUs and, once granted, runs ``wake_s`` later instead of after a cold load; not
+    granted within the model's load time (others hold that memory now), it gives up:
+    the sleeping model stops and the request starts cold, anywhere."""
 
     after_s: float = 60.0
     resident: float = 0.15

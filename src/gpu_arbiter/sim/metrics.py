@@ -21,6 +21,8 @@ work_per_hour   GPU-hours of completed runs per hour (run_s x gpus over the span
 loads, warm_starts, sleeps, wakes  cold loads (a process started), runs on a
                 warm model, models put to sleep, and runs on a woken one (a wake:
                 the difference granted again, ``wake_s`` instead of a load).
+                ``wakes_abandoned``: wakes not granted within a cold load's time
+                (the sleeping model stopped, the request started cold).
 preemptions     runs and loads interrupted; ``wasted_run_s`` the GPU-seconds of
                 run they had done (lost). ``evictions``: idle models reclaimed.
 overcommits     grants that pushed a GPU's held memory above its capacity.
@@ -71,6 +73,7 @@ class Recording:
     warm_starts: int = 0
     sleeps: int = 0
     wakes: int = 0
+    wakes_abandoned: int = 0
     overcommits: int = 0
     concurrent_loads: int = 0
     by_gpu: dict[str, Counter[str]] = field(default_factory=dict)
@@ -167,6 +170,7 @@ def summarize(rec: Recording) -> dict[str, Any]:
         "warm_starts": rec.warm_starts,
         "sleeps": rec.sleeps,
         "wakes": rec.wakes,
+        "wakes_abandoned": rec.wakes_abandoned,
         "overcommits": rec.overcommits,
         "concurrent_loads": rec.concurrent_loads,
         "overcommits_by_gpu": dict(sorted(rec.by_gpu.get("overcommits", {}).items())),

@@ -27,7 +27,8 @@ Two variants over the same core, to show what each tier buys:
     queue and the load gate. A sleeping lease stays idle until its wake is granted
     (while the wake waits too: else a request nominated to its memory and the wake
     would wait on each other): the core reclaims it, least recently used first, like
-    any idle-warm lease, and a request waiting on its wake then starts cold.
+    any idle-warm lease, and a request waiting on its wake then starts cold (as it
+    does when the wake is not granted within the model's load time).
 """
 
 from __future__ import annotations

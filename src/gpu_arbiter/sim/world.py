@@ -19,6 +19,8 @@ With a policy that sleeps (:class:`.base.Sleeper`, its :class:`.base.SleepTier`)
                                                               memory given back at asleep)
     asleep --a request for its model--> wake_wait --grant of the difference--> waking
     waking --wake_s--> running                               (no cold load)
+    wake_wait --load_s (as long as a cold load) without a grant--> stopping
+                                                             (the request starts cold)
     sleeping, asleep --revoked--> stopping; --keep_alive_s after last use--> released
 
 At every simulated time the world applies the due events, runs the policy's
@@ -206,6 +208,8 @@ class Simulation:
                 self._ask_wake(proc, now)
         elif kind == "woken":
             self._woken(proc, now)
+        elif kind == "give_up":
+            self._give_up(proc, now)
 
     def _apply(self, step: Step, now: float) -> Step:
         """Carries the step out; returns it less any wake given back unused."""
@@ -408,6 +412,18 @@ class Simulation:
         self._waking[attempt.id] = proc.lease_id
         self._move(proc, now, "wake_wait")  # still idle to the core: reclaimable (else a
         proc.version += 1  # request nominated to its memory and its wake wait on each other)
+        at = now + attempt.item.load_s
+        self.events.schedule(at, ("give_up", proc.lease_id, proc.version))
+
+    def _give_up(self, proc: _Process, now: float) -> None:
+        """The wake waited as long as a cold load takes: the memory the model gave back is
+        held by others on its GPUs (perhaps for long, by work that may not be preempted).
+        The request starts cold, anywhere, and the sleeping process stops."""
+        self.rec.wakes_abandoned += 1
+        self._start_cold(proc, now)
+        self._move(proc, now, "stopping")
+        proc.version += 1
+        self.events.schedule(now + self.stop_s, ("stopped", proc.lease_id, proc.version))
 
     def _wake_granted(
         self, proc: _Process, lease_id: str, gpus: tuple[GpuId, ...], now: float
