@@ -33,9 +33,7 @@ def test_a_sleeping_vllm_gives_memory_back_and_a_request_takes_it_again(setup: S
     setup.agent()
     command = [sys.executable, str(ENGINE_SERVERS), "vllm", "--port", "{port}"]
     command += ["--gpu-total-mb", "24576", "--resident-mb", "1500"]
-    models = entry(
-        "chat", command, engine="vllm", vram="6G", sleep_after="2s", keep_alive="5m"
-    )
+    models = entry("chat", command, engine="vllm", vram="6G", sleep_after="2s", keep_alive="5m")
     gateway = setup.gateway(models)
     with gateway.client() as client:
         assert client.post("/v1/chat/completions", json=chat("chat")).status_code == 200
