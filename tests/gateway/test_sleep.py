@@ -86,11 +86,13 @@ async def test_a_wake_that_is_not_granted_is_given_up_when_nobody_waits() -> Non
     request = world.start()
     await world.clock.advance(1)
     assert world.replica.state is ReplicaState.WAKING
+    assert world.leases.leases["L1"]["idle"] is False  # not reclaimed for its own wake
     await world.clock.advance(30)
     with pytest.raises(Refused):
         await request
     await settle()
     assert world.replica.state is ReplicaState.ASLEEP
+    assert world.leases.leases["L1"]["idle"] is True  # a cache again
     assert world.leases.leases["L2"]["state"] == "released"  # the pending one cancelled
     assert "/wake_up" not in world.engine.calls
     await world.close()

@@ -650,11 +650,16 @@ class Replica:
         self.state = ReplicaState.WAKING
         self.model.notify()
         need = self.model.vram_mb - int(self.lease["vram_mb"])
-        if need > 0 and not await self._take_back(need):
-            if self.ending is None:
-                self.state = ReplicaState.ASLEEP
-                self.model.notify()
-            return
+        if need > 0:
+            # no longer a cache while it wakes: the arbiter must not reclaim what it kept
+            # to make room for its own wake (no other replica of it starts meanwhile)
+            await self.mark_busy()
+            if not await self._take_back(need):
+                if self.ending is None:
+                    self.state = ReplicaState.ASLEEP
+                    self.model.notify()
+                    await self._mark_idle(self._arrivals)  # a cache again
+                return
         if not await self.model.driver.wake(self.port):
             self._stop(Ending("failed", f"the server did not wake{self._tail()}"))
             return
