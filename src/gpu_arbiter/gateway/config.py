@@ -85,6 +85,7 @@ _MODEL_KEYS = frozenset(
         "env",
         "pinned",
         "min_resident",
+        "swap_after",
         "engine",
         "sleep_after",
         "sleep_level",
@@ -135,6 +136,7 @@ class ModelConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     pinned: bool = False  # at start; pin and unpin change it while the gateway runs
     min_resident_s: float = 0.0  # after ready, before the lease may be marked idle
+    swap_after_s: float = 30.0  # busy while another model waits this long: marked idle
     engine: str = "generic"  # a name of engines.ENGINE_NAMES
     sleep_after_s: float | None = None  # None: never asleep (stopped after keep_alive)
     sleep_level: int = 1  # vLLM's
@@ -473,6 +475,7 @@ _PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "env": ("env", _env),
     "pinned": ("pinned", _bool),
     "min_resident": ("min_resident_s", _seconds),
+    "swap_after": ("swap_after_s", _positive_seconds),
     "sleep_after": ("sleep_after_s", _positive_seconds),
     "sleep_level": ("sleep_level", _int_between(1, 2)),
 }

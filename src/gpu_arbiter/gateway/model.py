@@ -33,7 +33,7 @@ import asyncio
 import logging
 import socket
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from ..core import PRIORITY_NAMES
@@ -97,6 +97,7 @@ class ModelServer:
         self.vram_mb = vram_mb
         self.replicas: list[Replica] = []
         self.waiting = 0
+        self.neighbours: Mapping[str, ModelServer] = {}  # the gateway's models, this one too
         self._wanting: Counter[int] = Counter()  # the priorities of the callers waiting
         self.failures = 0
         self.failed_at = 0.0
@@ -255,6 +256,27 @@ class ModelServer:
     def notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def queued_since(self) -> float | None:
+        """Since when this model's oldest queued replica has waited for its lease."""
+        return min(
+            (r.created_at for r in self.replicas if r.state is ReplicaState.QUEUED),
+            default=None,
+        )
+
+    def swap_due(self, priority: int) -> float | None:
+        """When a busy replica of priority ``priority`` must become reclaimable for
+        another model of this gateway that waits for a lease: ``swap_after`` after the
+        longest such wait began (None: no model of equal or higher priority waits). The
+        requests for the loaded model that come meanwhile are served first (collation),
+        and the others never wait without bound behind a model that is never idle."""
+        waits = [
+            since
+            for other in self.neighbours.values()
+            if other is not self and other.lease_priority() >= priority
+            and (since := other.queued_since()) is not None
+        ]  # fmt: skip
+        return min(waits) + self.config.swap_after_s if waits else None
 
     def loaded(self, replica: Replica, load_s: float) -> None:
         self.failures = 0

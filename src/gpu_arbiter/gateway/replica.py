@@ -69,6 +69,7 @@ PORT_TRIES = 3  # a server that could not bind its port is started again on anot
 TAIL_LINES = 8
 SLEEP_CHECKS = 20  # an engine that sleeps by itself is asked this often whether it does,
 SLEEP_CHECK_S = 0.25  # this far apart
+SWAP_CHECK_S = 1.0  # how often a busy replica looks whether another model waits for it
 BUSY_POLL_S = 0.5  # how often an engine whose work runs after its answer is asked
 FALLS_MIN_MB = 64  # a figure below this has nothing to fall from while the server sleeps
 Json = dict[str, Any]
@@ -144,6 +145,8 @@ class Replica:
         self._group: asyncio.TaskGroup | None = None
         self._extra_watch: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # a request waits for this sleeping replica
+        self.created_at = self.parts.clock.now()
+        self._yielding = False  # marked idle while busy: another model waited swap_after
 
     # ------------------------------------------------------------------ routing
 
@@ -179,7 +182,9 @@ class Replica:
         self.state = ReplicaState.BUSY
         self.last_used = self.parts.clock.now()
         self._activity.set()
-        if not self._idle_marked:
+        if self._yielding and self.model.swap_due(self.priority) is None:
+            self._yielding = False  # nobody waits any more: marked busy again below
+        if not self._idle_marked or self._yielding:
             return True
         try:
             async with self._mark:
@@ -520,9 +525,12 @@ class Replica:
         request; neither while the model is pinned."""
         config = self.model.config
         while self.ending is None:
-            if self.in_flight or self.model.pinned:
+            if self.model.pinned:
                 self._activity.clear()
                 await self._activity.wait()
+                continue
+            if self.in_flight:
+                await self._busy_while_others_wait()
                 continue
             since, arrivals = self._quiet_since, self._arrivals
             stop_at = since + config.keep_alive_s
@@ -544,6 +552,32 @@ class Replica:
                 idle_s = config.keep_alive_s
                 self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
                 return
+
+    async def _busy_while_others_wait(self) -> None:
+        """Requests in flight: waits for one to come or leave. Meanwhile, once another
+        model of this gateway has waited ``swap_after`` for a lease, this one's is marked
+        idle although busy (it yields): the other may reclaim it, the requests in flight
+        get the grace, and those that came meanwhile were served first."""
+        clock = self.parts.clock
+        self._activity.clear()
+        due = self.model.swap_due(self.priority)
+        if due is not None and due <= clock.now() and not self._idle_marked:
+            await self._yield_lease()
+        left = SWAP_CHECK_S if due is None else due - clock.now()
+        wait_s = left if 0 < left < SWAP_CHECK_S else SWAP_CHECK_S
+        await sleep_or(clock.sleep(wait_s), self._activity)
+
+    async def _yield_lease(self) -> None:
+        async with self._mark:
+            if self._idle_marked or self.ending is not None or self.model.pinned:
+                return
+            with contextlib.suppress(ApiError, ControllerUnreachable):
+                await self._mark_all(self.parts.leases.idle)
+                self._idle_marked = self._yielding = True
+                log.info(
+                    "model %s replica %d: reclaimable while busy: another model waited %gs",
+                    self.model.name, self.number, self.model.config.swap_after_s,
+                )  # fmt: skip
 
     async def _quiet_until(self, at: float) -> bool:
         """True once ``at`` has come with no request coming or leaving meanwhile (and, for

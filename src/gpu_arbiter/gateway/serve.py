@@ -125,6 +125,8 @@ async def _serve(
             )
             for name, model in config.models.items()
         }  # fmt: skip
+        for model in models.values():
+            model.neighbours = models  # collation: a busy model yields to one that waits
         routes = {alias: m.name for m in config.models.values() for alias in m.aliases}
         routes.update({name: name for name in config.models})
         check_exposure(config.host, config.keys)  # the CLI said so already, in one line
