@@ -429,6 +429,21 @@ def held_on_one_gpu(admin: httpx.Client) -> dict[str, str]:
     return ids
 
 
+async def style_of(page: Page, lease_id: str, name: str) -> str:
+    """A lease's segment's computed style ``name``, found and read in one turn of the
+    page's script: an element found in one turn and read in the next may have been
+    replaced by a redraw in between, and a detached element's style is empty."""
+    found: str | None = await page.evaluate(
+        """([lease, name]) => {
+            const node = document.querySelector(`.segment[data-lease="${lease}"]`);
+            return node ? getComputedStyle(node)[name] : null;
+        }""",
+        [lease_id, name],
+    )
+    assert found is not None, f"no segment for lease {lease_id}"
+    return found
+
+
 async def boxes(page: Page, *selectors: str) -> list[dict[str, float]]:
     """The drawn boxes of the first element of each selector, all read in one turn of the
     page's script (the page redraws as news comes: separate reads could straddle one)."""
@@ -485,20 +500,18 @@ async def test_each_gpu_bar_is_split_per_lease_to_scale_with_its_holder(
     await expect(dave).to_have_attribute("title", re.compile(r"^dave: 256 MiB"))
 
     # Colour by priority class; hatched while loading; outlined while revoking.
-    style = "(e, p) => getComputedStyle(e)[p]"
     colours = {}
     for holder, priority in (("alice", "normal"), ("bob", "batch"), ("carol", "interactive")):
         segment = page.locator(f'.segment[data-lease="{ids[holder]}"]')
         await expect(segment).to_have_attribute("data-class", priority)
-        colours[holder] = await segment.evaluate(style, "backgroundColor")
+        colours[holder] = await style_of(page, ids[holder], "backgroundColor")
     await expect(dave).to_have_attribute("data-class", "critical")
-    colours["dave"] = await dave.evaluate(style, "backgroundColor")
+    colours["dave"] = await style_of(page, ids["dave"], "backgroundColor")
     assert len(set(colours.values())) == 4, colours
-    assert "repeating-linear-gradient" in await dave.evaluate(style, "backgroundImage")
-    assert "gradient" not in await alice.evaluate(style, "backgroundImage")
-    bob = page.locator(f'.segment[data-lease="{ids["bob"]}"]')
-    assert await bob.evaluate(style, "outlineStyle") == "dashed"
-    assert await alice.evaluate(style, "outlineStyle") == "none"
+    assert "repeating-linear-gradient" in await style_of(page, ids["dave"], "backgroundImage")
+    assert "gradient" not in await style_of(page, ids["alice"], "backgroundImage")
+    assert await style_of(page, ids["bob"], "outlineStyle") == "dashed"
+    assert await style_of(page, ids["alice"], "outlineStyle") == "none"
 
     # Released: its segment goes, the others keep their sizes.
     assert admin.delete(f"/v1/leases/{ids['carol']}").status_code == 200
