@@ -288,3 +288,23 @@ async def test_comfyui_work_after_its_answer_keeps_the_lease_busy() -> None:
     await world.clock.advance(11)
     assert world.model.replicas == []
     await world.close()
+
+
+async def test_a_reclaim_seen_before_the_idle_mark_answered_is_a_reclaim(world: World) -> None:
+    """The controller reclaims the lease in the very cycle that marks it idle: the
+    watcher may learn it before the idle call's answer comes back."""
+    leases = world.leases
+    marked = leases.idle
+
+    async def idle_then_reclaimed(lease_id: str) -> dict[str, object]:
+        answer = await marked(lease_id)
+        leases.revoke(lease_id)  # in the same cycle
+        await settle()  # the watcher's long-poll answers first
+        return answer
+
+    leases.idle = idle_then_reclaimed  # type: ignore[method-assign]
+    await warm(world)
+    await world.clock.advance(0.6)
+    await settle()
+    stops = world.model.metrics.stops.labels("chat", "reclaimed")._value.get()
+    assert stops == 1

@@ -889,7 +889,9 @@ class Replica:
             detail += f" for {lease['preempted_for']}"
         detail += ")"
         if why == "preempted":  # reclaimed: taken as a cache, its lease marked idle
-            cache = self._idle_marked and self.in_flight == 0
+            # the controller's word, not ``_idle_marked``: the revocation can come back
+            # before the answer to the idle mark that made it possible
+            cache = (bool(lease.get("idle")) or self._idle_marked) and self.in_flight == 0
             return Ending("reclaimed" if cache else "preempted", detail)
         return Ending("revoked", detail)
 
