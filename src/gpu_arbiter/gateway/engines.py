@@ -112,6 +112,11 @@ class Answer:
         return 200 <= self.status < 300
 
 
+def _ok(answer: Answer | None) -> bool:
+    """The server answered, with a 2xx."""
+    return answer is not None and answer.ok
+
+
 class EngineHttp:
     """One request to a model server on loopback: its answer, or None when nothing
     answered (not started, gone, or slower than the timeout)."""
@@ -262,7 +267,7 @@ class LlamaCppDriver(Driver):
         no longer races its reload."""
         body = {"prompt": "", "n_predict": 1}
         answer = await self.http.call("POST", port, "/completion", json=body)
-        return answer is not None and answer.ok
+        return _ok(answer)
 
     async def is_sleeping(self, port: int) -> bool | None:
         answer = await self.http.call("GET", port, "/props")
@@ -307,11 +312,11 @@ class VllmDriver(Driver):
     async def sleep(self, port: int) -> bool:
         params = {"level": str(self.sleep_level)}
         answer = await self.http.call("POST", port, "/sleep", params=params)
-        return answer is not None and answer.ok
+        return _ok(answer)
 
     async def wake(self, port: int) -> bool:
         answer = await self.http.call("POST", port, "/wake_up")
-        return answer is not None and answer.ok
+        return _ok(answer)
 
     async def is_sleeping(self, port: int) -> bool | None:
         return _flag_in(await self.http.call("GET", port, "/is_sleeping"), "is_sleeping")
@@ -345,11 +350,11 @@ class SglangDriver(Driver):
 
     async def sleep(self, port: int) -> bool:
         answer = await self.http.call("POST", port, "/release_memory_occupation", json={})
-        return answer is not None and answer.ok
+        return _ok(answer)
 
     async def wake(self, port: int) -> bool:
         answer = await self.http.call("POST", port, "/resume_memory_occupation", json={})
-        return answer is not None and answer.ok
+        return _ok(answer)
 
 
 class ComfyUiDriver(Driver):
@@ -371,7 +376,7 @@ class ComfyUiDriver(Driver):
     async def sleep(self, port: int) -> bool:
         body = {"unload_models": True, "free_memory": True}
         answer = await self.http.call("POST", port, "/free", json=body)
-        return answer is not None and answer.ok
+        return _ok(answer)
 
     async def free_mb(self, port: int) -> dict[int, int] | None:
         """Free memory per device index, as ``GET /system_stats`` reports it."""
@@ -410,7 +415,7 @@ class OllamaDriver(Driver):
     async def unload(self, port: int, model: str) -> bool:
         body = {"model": model, "keep_alive": 0}
         answer = await self.http.call("POST", port, "/api/generate", json=body)
-        return answer is not None and answer.ok
+        return _ok(answer)
 
     async def sleep(self, port: int) -> bool:
         models = await self.loaded(port)
