@@ -9,13 +9,14 @@ life itself (``replica.py``) is unit-tested with ten-line fakes on a virtual clo
   ArbiterClient`, which has these very methods);
 - :class:`HealthCheck`: asking a model server whether it has loaded (real: HTTP).
 
-:class:`Parts` bundles them for a gateway's models.
+:class:`Parts` bundles them for a gateway's models; :func:`sleep_or` is how the life
+waits on its clock: a sleep that an event cuts short.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,6 +34,7 @@ __all__ = [
     "Parts",
     "ServerProcess",
     "log_path",
+    "sleep_or",
 ]
 
 Json = dict[str, Any]
@@ -54,6 +56,22 @@ class LoopClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+
+async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
+    """Waits for ``sleeping`` (a clock's sleep) or ``event``; True when the event came."""
+    if event.is_set():
+        if asyncio.iscoroutine(sleeping):
+            sleeping.close()
+        return True
+    sleeper = asyncio.ensure_future(sleeping)
+    woken = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({sleeper, woken}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        woken.cancel()
+    return event.is_set()
 
 
 class ServerProcess(Protocol):

@@ -39,9 +39,9 @@ from typing import Any
 from ..core import PRIORITY_NAMES
 from .config import ModelConfig
 from .engines import OFFLINE, driver_for
-from .interfaces import Parts
+from .interfaces import Parts, sleep_or
 from .metrics import GatewayMetrics
-from .replica import AGENT_MARGIN_S, Replica, ReplicaState, sleep_or
+from .replica import AGENT_MARGIN_S, Replica, ReplicaState
 
 __all__ = ["ModelServer", "Refused"]
 

@@ -25,7 +25,9 @@ watching it for a revocation, reaping the process, keep-warm, measuring its memo
 that work ends before the lease is released. One revocation has one watcher (the
 long-poll of the lease) and one stopper (the life itself, after the grace). Time, the
 process, the agent, the controller and the health check are the :mod:`.interfaces`, so
-that all of this runs in unit tests on a virtual clock.
+that all of this runs in unit tests on a virtual clock. An engine that sleeps has a
+tier between warm and stopped (``asleep``, ``waking``): :mod:`.asleep`, run by the
+keep-warm task.
 
 The memory of a revoked lease stays committed until the process group has exited (I4):
 the lease is released only after that.
@@ -39,20 +41,19 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
-from .engines import SleepKind, settled_mb
-from .interfaces import ServerProcess
+from .asleep import SleepTier
+from .interfaces import ServerProcess, sleep_or
 from .scopes import CancelScope
+from .states import Ending, ReplicaState
 from .upstream import Upstream
 
 if TYPE_CHECKING:
     from .model import ModelServer
 
-__all__ = ["Ending", "Replica", "ReplicaState", "sleep_or"]
+__all__ = ["Ending", "Replica", "ReplicaState"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 VISIBLE_DEVICES = (
@@ -67,48 +68,9 @@ AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agen
 RELEASE_TRIES = 20
 PORT_TRIES = 3  # a server that could not bind its port is started again on another
 TAIL_LINES = 8
-SLEEP_CHECKS = 20  # an engine that sleeps by itself is asked this often whether it does,
-SLEEP_CHECK_S = 0.25  # this far apart
 SWAP_CHECK_S = 1.0  # how often a busy replica looks whether another model waits for it
 BUSY_POLL_S = 0.5  # how often an engine whose work runs after its answer is asked
-FALLS_MIN_MB = 64  # a figure below this has nothing to fall from while the server sleeps
 Json = dict[str, Any]
-
-
-class ReplicaState(StrEnum):
-    QUEUED = "queued"
-    LOADING = "loading"
-    WARM = "warm"
-    BUSY = "busy"
-    ASLEEP = "asleep"  # the process kept, its memory given back (engines that sleep)
-    WAKING = "waking"  # the memory asked for again (queue, load gate), then the wake
-    STOPPING = "stopping"
-    ENDED = "ended"
-
-
-@dataclass(frozen=True, slots=True)
-class Ending:
-    """Why a replica stops: ``kind`` (keep_alive, reclaimed, preempted, revoked, failed,
-    cancelled, shutdown, unloaded) and the words for logs and error bodies."""
-
-    kind: str
-    reason: str
-
-
-async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
-    """Waits for ``sleeping`` (a clock's sleep) or ``event``; True when the event came."""
-    if event.is_set():
-        if asyncio.iscoroutine(sleeping):
-            sleeping.close()
-        return True
-    sleeper = asyncio.ensure_future(sleeping)
-    woken = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({sleeper, woken}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        sleeper.cancel()
-        woken.cancel()
-    return event.is_set()
 
 
 class Replica:
@@ -134,17 +96,15 @@ class Replica:
         # by the replica, and ``cut`` set
         self.relays: set[CancelScope] = set()
         self.cut = False
-        self._end = asyncio.Event()
-        self._activity = asyncio.Event()  # a request came or left, or the replica ends
-        self._arrivals = 0  # requests that took a slot
-        self._quiet_since = self.last_used  # when the last one left
+        self.ended = asyncio.Event()  # set with ``ending``
+        self.activity = asyncio.Event()  # a request came or left, or the replica ends
+        self.arrivals = 0  # requests that took a slot
+        self.quiet_since = self.last_used  # when the last one left
         self._idle_marked = False
         self._mark = asyncio.Lock()
         self._by_agent = False  # the local agent supervises the process
-        self.extra: Json = {}  # while awake after a sleep: the lease of what it took back
-        self._group: asyncio.TaskGroup | None = None
-        self._extra_watch: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()  # a request waits for this sleeping replica
+        self.group: asyncio.TaskGroup | None = None
+        self.tier = SleepTier(self)
         self.created_at = self.parts.clock.now()
         self._yielding = False  # marked idle while busy: another model waited swap_after
 
@@ -171,17 +131,17 @@ class Replica:
         """Seconds until keep_alive stops it, while nothing is in flight (None: pinned)."""
         if self.state is not ReplicaState.WARM or self.in_flight or self.model.pinned:
             return None
-        left = self._quiet_since + self.model.config.keep_alive_s - self.parts.clock.now()
+        left = self.quiet_since + self.model.config.keep_alive_s - self.parts.clock.now()
         return max(0.0, left)
 
     async def enter(self) -> bool:
         """Takes a slot (the caller checked it has room); False if the lease was lost
         meanwhile. Marks the lease busy first when it was marked idle."""
         self.in_flight += 1
-        self._arrivals += 1
+        self.arrivals += 1
         self.state = ReplicaState.BUSY
         self.last_used = self.parts.clock.now()
-        self._activity.set()
+        self.activity.set()
         if self._yielding and self.model.swap_due(self.priority) is None:
             self._yielding = False  # nobody waits any more: marked busy again below
         if not self._idle_marked or self._yielding:
@@ -195,7 +155,7 @@ class Replica:
             pass  # still ours until the controller says otherwise: marked next time
         except ApiError as error:
             self.leave()
-            self._stop(Ending("revoked", f"lease {self.lease['id']} lost: {error}"))
+            self.stop(Ending("revoked", f"lease {self.lease['id']} lost: {error}"))
             return False
         except asyncio.CancelledError:  # its caller went away meanwhile: the slot back
             self.leave()
@@ -207,20 +167,20 @@ class Replica:
         if self.in_flight == 0:
             if self.state is ReplicaState.BUSY:
                 self.state = ReplicaState.WARM
-            self._quiet_since = self.last_used = self.parts.clock.now()
-            self._activity.set()
+            self.quiet_since = self.last_used = self.parts.clock.now()
+            self.activity.set()
         self.model.notify()
 
     def outranked(self) -> None:
         """A caller above the priority its pending lease was asked at waits for it: it
         looks again (and asks again at the higher one, if still queued)."""
         if self.state is ReplicaState.QUEUED:
-            self._activity.set()
+            self.activity.set()
 
     def cancel_if_queued(self) -> None:
         if self.state is ReplicaState.QUEUED:
-            self._stop(Ending("cancelled", "nobody waits for it any more"))
-        self._activity.set()  # a wake nobody waits for any more is given up
+            self.stop(Ending("cancelled", "nobody waits for it any more"))
+        self.activity.set()  # a wake nobody waits for any more is given up
 
     @property
     def asleep(self) -> bool:
@@ -228,27 +188,27 @@ class Replica:
 
     def want_awake(self) -> None:
         """A request waits for this replica: a sleeping one is woken."""
-        if not self._wake.is_set():
-            self._wake.set()
-            self._activity.set()
+        if not self.tier.wake.is_set():
+            self.tier.wake.set()
+            self.activity.set()
 
     def shutdown(self) -> None:
-        self._stop(Ending("shutdown", "the gateway is stopping"))
+        self.stop(Ending("shutdown", "the gateway is stopping"))
 
     def unload(self) -> None:
         """An operator's unload: a queued one is cancelled, the others stop as for a
         revocation (the requests in flight get the grace)."""
         if self.state is ReplicaState.QUEUED:
-            self._stop(Ending("cancelled", "unloaded by an operator"))
+            self.stop(Ending("cancelled", "unloaded by an operator"))
         else:
-            self._stop(Ending("unloaded", "unloaded by an operator"))
+            self.stop(Ending("unloaded", "unloaded by an operator"))
 
     def pin_changed(self) -> None:
         """The model was pinned or unpinned: the keep-warm task looks again, its timers
         re-armed from now."""
         if not self.in_flight:
-            self._quiet_since = self.parts.clock.now()
-        self._activity.set()
+            self.quiet_since = self.parts.clock.now()
+        self.activity.set()
 
     async def mark_busy(self) -> None:
         """Marks the lease busy now if it is marked idle (a pin: no longer a cache)."""
@@ -258,11 +218,15 @@ class Replica:
                     await self._mark_all(self.parts.leases.busy)
                     self._idle_marked = False
 
-    def _stop(self, ending: Ending) -> None:
+    def set_state(self, state: ReplicaState) -> None:
+        self.state = state
+        self.model.notify()
+
+    def stop(self, ending: Ending) -> None:
         if self.ending is None:
             self.ending = ending
-            self._end.set()
-            self._activity.set()
+            self.ended.set()
+            self.activity.set()
             self.model.notify()
 
     # ------------------------------------------------------------------ life
@@ -274,9 +238,9 @@ class Replica:
                 await self._serve()
         except Exception as error:  # a bug or the controller gone: end cleanly, say why
             log.exception("model %s replica %d failed", self.model.name, self.number)
-            self._stop(Ending("failed", f"{error.__class__.__name__}: {error}"))
+            self.stop(Ending("failed", f"{error.__class__.__name__}: {error}"))
         except asyncio.CancelledError:  # the gateway gave up waiting for it to stop
-            self._stop(Ending("shutdown", "cancelled while the gateway stopped"))
+            self.stop(Ending("shutdown", "cancelled while the gateway stopped"))
             raise
         finally:
             await self._finish()
@@ -297,8 +261,8 @@ class Replica:
             waiting = asyncio.ensure_future(
                 leases.lease(self.lease["id"], wait_s=30.0, state="pending")
             )
-            self._activity.clear()  # set by an ending and by a caller who outranks it
-            if await sleep_or(waiting, self._activity):
+            self.activity.clear()  # set by an ending and by a caller who outranks it
+            if await sleep_or(waiting, self.activity):
                 waiting.cancel()
                 continue
             with contextlib.suppress(ControllerUnreachable):
@@ -307,7 +271,7 @@ class Replica:
             return True
         if self.ending is None:
             reason = self.lease.get("end_reason") or self.lease["state"]
-            self._stop(Ending("failed", f"lease not granted: {reason}"))
+            self.stop(Ending("failed", f"lease not granted: {reason}"))
         return False
 
     async def _ask(self) -> bool:
@@ -317,10 +281,10 @@ class Replica:
         try:
             self.lease = await self.parts.leases.create_lease(**request)
         except NotGranted as error:
-            self._stop(Ending("failed", f"lease not granted: {error.state} ({error.reason})"))
+            self.stop(Ending("failed", f"lease not granted: {error.state} ({error.reason})"))
             return False
         except ApiError as error:
-            self._stop(Ending("failed", f"lease refused ({error.code}): {error}"))
+            self.stop(Ending("failed", f"lease refused ({error.code}): {error}"))
             return False
         self.priority = int(request["priority"])
         return True
@@ -333,7 +297,7 @@ class Replica:
         try:
             await self.parts.leases.release(pending)
         except ControllerUnreachable:
-            await sleep_or(self.parts.clock.sleep(1.0), self._end)
+            await sleep_or(self.parts.clock.sleep(1.0), self.ended)
             return True
         except ApiError:
             pass  # ended meanwhile: nothing to give back
@@ -353,23 +317,23 @@ class Replica:
         self.model.notify()
         started = self.parts.clock.now()
         async with asyncio.TaskGroup() as group:
-            self._group = group
-            keepers = [group.create_task(self._renew()), group.create_task(self._watch())]
+            self.group = group
+            keepers = [group.create_task(self._renew()), group.create_task(self.watch())]
             try:
                 if await self._load(group):
                     self.model.loaded(self, self.parts.clock.now() - started)
                     self._warm(group, keepers)
-                    await self._end.wait()
+                    await self.ended.wait()
                 await self._drain()
             finally:
-                for task in [*keepers, self._extra_watch]:
+                for task in [*keepers, self.tier.extra_watch]:
                     if task is not None:
                         task.cancel()
         self.upstream.close()
 
     def _warm(self, group: asyncio.TaskGroup, keepers: list[asyncio.Task[None]]) -> None:
         self.state = ReplicaState.WARM
-        self._quiet_since = self.ready_at = self.parts.clock.now()
+        self.quiet_since = self.ready_at = self.parts.clock.now()
         keepers.append(group.create_task(self._keep_warm()))
         if self.model.config.vram is None:
             keepers.append(group.create_task(self._measure()))
@@ -412,7 +376,7 @@ class Replica:
                 grace_s=model.config.grace_s,
             )  # fmt: skip
         except OSError as error:
-            self._stop(Ending("failed", f"cannot start {command[0]}: {error.strerror or error}"))
+            self.stop(Ending("failed", f"cannot start {command[0]}: {error.strerror or error}"))
             return None
         self.process = process
         self._by_agent = await self._attach()
@@ -462,9 +426,9 @@ class Replica:
             return
         self.returncode = code
         self.exited.set()
-        self._activity.set()
+        self.activity.set()
         if self.ending is None and self.state is not ReplicaState.LOADING:
-            self._stop(Ending("failed", f"the server exited with code {code}{self._tail()}"))
+            self.stop(Ending("failed", f"the server exited with code {code}{self.tail()}"))
         self.model.notify()
 
     async def _wait_ready(self, process: ServerProcess) -> str:
@@ -485,14 +449,14 @@ class Replica:
                 at += 1
                 continue
             if status == 404:
-                self._stop(Ending("failed", _not_found(paths, config.ready is not None)))
+                self.stop(Ending("failed", _not_found(paths, config.ready is not None)))
                 return "failed"
             if clock.now() > deadline:
-                why = f"not ready at {paths[at]} in {config.load_timeout_s:g}s{self._tail()}"
-                self._stop(Ending("failed", why))
+                why = f"not ready at {paths[at]} in {config.load_timeout_s:g}s{self.tail()}"
+                self.stop(Ending("failed", why))
                 return "failed"
-            self._activity.clear()  # set by an ending and by the exit
-            await sleep_or(clock.sleep(poll_s), self._activity)
+            self.activity.clear()  # set by an ending and by the exit
+            await sleep_or(clock.sleep(poll_s), self.activity)
             poll_s = min(READY_POLL_MAX_S, poll_s * 1.5)
         return "failed"
 
@@ -501,7 +465,7 @@ class Replica:
         if any("address already in use" in line.lower() for line in tail):
             return "port_taken"
         code = self.returncode
-        self._stop(Ending("failed", f"the server exited with code {code} while loading" + (
+        self.stop(Ending("failed", f"the server exited with code {code} while loading" + (
             _last_lines(tail))))  # fmt: skip
         return "failed"
 
@@ -509,11 +473,11 @@ class Replica:
         try:
             self.lease = await self.parts.leases.ready(self.lease["id"])
         except (ApiError, ControllerUnreachable) as error:
-            self._stop(Ending("revoked", f"lease lost while loading: {error}"))
+            self.stop(Ending("revoked", f"lease lost while loading: {error}"))
             return False
         return True
 
-    def _tail(self) -> str:
+    def tail(self) -> str:
         return _last_lines(self.process.tail(TAIL_LINES)) if self.process is not None else ""
 
     # ------------------------------------------------------------------ keep-warm
@@ -526,31 +490,33 @@ class Replica:
         config = self.model.config
         while self.ending is None:
             if self.model.pinned:
-                self._activity.clear()
-                await self._activity.wait()
+                self.activity.clear()
+                await self.activity.wait()
                 continue
             if self.in_flight:
                 await self._busy_while_others_wait()
                 continue
-            since, arrivals = self._quiet_since, self._arrivals
+            since, arrivals = self.quiet_since, self.arrivals
             stop_at = since + config.keep_alive_s
             resident_at = (self.ready_at or since) + config.min_resident_s
             idle_at = max(since + config.idle_after_s, resident_at)
             if not self._idle_marked and idle_at < stop_at:
                 if await self._quiet_until(idle_at):
-                    await self._mark_idle(arrivals)
+                    await self.mark_idle(arrivals)
                 continue
-            if self._wake.is_set():
-                await self._wake_up()
+            if self.tier.wake.is_set():
+                failure = await self.tier.wake_up()
+                if failure is not None:
+                    self.stop(Ending("failed", failure))
                 continue
-            sleep_at = self._sleep_at(since)
+            sleep_at = self.tier.sleep_at(since)
             if sleep_at is not None and sleep_at < stop_at:
                 if await self._quiet_until(sleep_at):
-                    await self._fall_asleep(arrivals)
+                    await self.tier.fall_asleep(arrivals)
                 continue
             if await self._quiet_until(stop_at):
                 idle_s = config.keep_alive_s
-                self._stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
+                self.stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
                 return
 
     async def _busy_while_others_wait(self) -> None:
@@ -559,13 +525,13 @@ class Replica:
         idle although busy (it yields): the other may reclaim it, the requests in flight
         get the grace, and those that came meanwhile were served first."""
         clock = self.parts.clock
-        self._activity.clear()
+        self.activity.clear()
         due = self.model.swap_due(self.priority)
         if due is not None and due <= clock.now() and not self._idle_marked:
             await self._yield_lease()
         left = SWAP_CHECK_S if due is None else due - clock.now()
         wait_s = left if 0 < left < SWAP_CHECK_S else SWAP_CHECK_S
-        await sleep_or(clock.sleep(wait_s), self._activity)
+        await sleep_or(clock.sleep(wait_s), self.activity)
 
     async def _yield_lease(self) -> None:
         async with self._mark:
@@ -583,172 +549,36 @@ class Replica:
         """True once ``at`` has come with no request coming or leaving meanwhile (and, for
         an engine whose work runs after its answer, ComfyUI's queue, with the engine not
         busy: its work counts as a request that just left)."""
-        self._activity.clear()
+        self.activity.clear()
         clock, driver = self.parts.clock, self.model.driver
         while (left := at - clock.now()) > 0:
             step = min(left, BUSY_POLL_S) if driver.polls_busy else left
-            if await sleep_or(clock.sleep(step), self._activity):
+            if await sleep_or(clock.sleep(step), self.activity):
                 return False
             if driver.polls_busy and await driver.busy(self.port):
-                self._quiet_since = self.last_used = clock.now()
+                self.quiet_since = self.last_used = clock.now()
                 if self._idle_marked:
                     await self.mark_busy()
                 return False
         return True
 
-    async def _mark_idle(self, arrivals: int) -> None:
+    async def mark_idle(self, arrivals: int) -> None:
         async with self._mark:
-            if self._arrivals != arrivals or self.ending is not None or self.model.pinned:
+            if self.arrivals != arrivals or self.ending is not None or self.model.pinned:
                 return
             leases = self.parts.leases
             with contextlib.suppress(ApiError, ControllerUnreachable):
                 await self._mark_all(leases.idle)
                 self._idle_marked = True
-                if self._arrivals != arrivals:  # one came meanwhile, and did not wait
+                if self.arrivals != arrivals:  # one came meanwhile, and did not wait
                     await self._mark_all(leases.busy)
                     self._idle_marked = False
 
     async def _mark_all(self, mark: Callable[[str], Awaitable[Json]]) -> None:
         """Marks the lease (and the one a wake took back) idle or busy."""
         self.lease = await mark(self.lease["id"])
-        if self.extra.get("id"):
-            self.extra = await mark(self.extra["id"])
-
-    # ------------------------------------------------------------------ asleep
-
-    def _sleep_at(self, since: float) -> float | None:
-        after = self.model.driver.sleep_after_s
-        return None if after is None or self.asleep else since + after
-
-    async def _fall_asleep(self, arrivals: int) -> None:
-        """Idle ``sleep_after``: the engine gives its memory back, the process stays. What
-        it keeps is measured by the probe once its figure stops falling; the lease
-        shrinks to that (never below what the probe shows: I2 keeps the rest counted
-        until it is free) and the lease of what a wake took back is released."""
-        if self._arrivals != arrivals or self.in_flight or self.ending is not None:
-            return
-        before = await self.used_mb()
-        self.state = ReplicaState.ASLEEP
-        self.model.notify()
-        if not await self._engine_sleeps():
-            log.info("model %s replica %d: the server did not sleep", self.model.name, self.number)
-            self.state = ReplicaState.WARM
-            self.model.notify()
-            return
-        kept = await self._kept_mb(before)
-        await self._drop_extra()
-        held = int(self.lease["vram_mb"])
-        if kept is not None and kept < held:
-            with contextlib.suppress(ApiError, ControllerUnreachable):
-                self.lease = await self.parts.leases.shrink(self.lease["id"], max(1, kept))
-        self.model.metrics.sleeps.labels(self.model.name).inc()
-        log.info(
-            "model %s replica %d: asleep, its lease %d MiB (it kept %s MiB)",
-            self.model.name, self.number, int(self.lease["vram_mb"]), kept,
-        )  # fmt: skip
-
-    async def _kept_mb(self, before: int | None) -> int | None:
-        """What the sleeping server keeps, once the probe's figure stopped falling; None
-        when the probe cannot say, or a request wants it awake before it is measured (its
-        lease then keeps its size: nothing was shown free)."""
-        falls_from = before if before is not None and before > FALLS_MIN_MB else None
-        measuring = asyncio.ensure_future(
-            settled_mb(self.used_mb, self.parts.clock, falls_from=falls_from)
-        )
-        if await sleep_or(measuring, self._wake) or not measuring.done():
-            measuring.cancel()
-            return None
-        return measuring.result()
-
-    async def _engine_sleeps(self) -> bool:
-        """Asks the engine to sleep; one that sleeps by itself (llama.cpp, after the
-        same idle time) is asked whether it does, for a few seconds."""
-        driver, clock = self.model.driver, self.parts.clock
-        if driver.sleeps is not SleepKind.ITSELF:
-            return await driver.sleep(self.port)
-        for _ in range(SLEEP_CHECKS):
-            if await driver.is_sleeping(self.port) is True:
-                return True
-            if await sleep_or(clock.sleep(SLEEP_CHECK_S), self._end):
-                return False
-        return False
-
-    async def _wake_up(self) -> None:
-        """A request waits: the memory given back is asked for again (a lease of the
-        difference on the very GPUs the process lives on, through the queue and the load
-        gate like any load), then the engine wakes. Given up when nobody waits any more."""
-        self._wake.clear()
-        if not self.asleep:
-            return
-        started = self.parts.clock.now()
-        self.state = ReplicaState.WAKING
-        self.model.notify()
-        need = self.model.vram_mb - int(self.lease["vram_mb"])
-        if need > 0:
-            # no longer a cache while it wakes: the arbiter must not reclaim what it kept
-            # to make room for its own wake (no other replica of it starts meanwhile)
-            await self.mark_busy()
-            if not await self._take_back(need):
-                if self.ending is None:
-                    self.state = ReplicaState.ASLEEP
-                    self.model.notify()
-                    await self._mark_idle(self._arrivals)  # a cache again
-                return
-        if not await self.model.driver.wake(self.port):
-            self._stop(Ending("failed", f"the server did not wake{self._tail()}"))
-            return
-        if self.extra.get("id"):
-            with contextlib.suppress(ApiError, ControllerUnreachable):
-                self.extra = await self.parts.leases.ready(self.extra["id"])
-        woke_s = self.parts.clock.now() - started
-        self.model.metrics.wakes.labels(self.model.name).inc()
-        self.model.metrics.wake_seconds.labels(self.model.name).observe(woke_s)
-        log.info("model %s replica %d: awake in %.2fs", self.model.name, self.number, woke_s)
-        self.state = ReplicaState.WARM
-        self._quiet_since = self.parts.clock.now()
-        self.model.notify()
-
-    async def _take_back(self, need_mb: int) -> bool:
-        """A granted lease of ``need_mb`` on the replica's GPUs (False: not granted, or
-        nobody waits for it any more; a pending one is then released)."""
-        request = {
-            **self.model.lease_request(self.number), "vram_mb": need_mb,
-            "constraints": {"gpu_ids": list(self.lease["gpus"])},
-            "holder": f"{self.model.lease_request(self.number)['holder']} wake"[:256],
-        }  # fmt: skip
-        try:
-            self.extra = await self.parts.leases.create_lease(**request)
-        except (ApiError, ControllerUnreachable) as error:
-            log.info("model %s: the wake's lease was refused: %s", self.model.name, error)
-            return False
-        while self.extra["state"] == "pending" and self.ending is None:
-            if not self.model.waiting:
-                break
-            self.pending_reason = pending_text(self.extra)
-            waiting = asyncio.ensure_future(
-                self.parts.leases.lease(self.extra["id"], wait_s=30.0, state="pending")
-            )
-            self._activity.clear()
-            if await sleep_or(waiting, self._activity):
-                waiting.cancel()
-                continue
-            with contextlib.suppress(ControllerUnreachable):
-                self.extra = waiting.result()
-        if self.extra["state"] in ("loading", "active") and self.ending is None:
-            assert self._group is not None
-            self._extra_watch = self._group.create_task(self._watch(extra=True))
-            return True
-        await self._drop_extra()
-        return False
-
-    async def _drop_extra(self) -> None:
-        """Releases the lease a wake took back (its watcher first: the release is ours)."""
-        if self._extra_watch is not None:
-            self._extra_watch.cancel()
-            self._extra_watch = None
-        if self.extra.get("id"):
-            await self._release(str(self.extra["id"]))
-        self.extra = {}
+        if self.tier.extra.get("id"):
+            self.tier.extra = await mark(self.tier.extra["id"])
 
     async def _measure(self) -> None:
         """After a load, every ``MEASURE_S`` while the replica serves (once more when it
@@ -757,7 +587,7 @@ class Replica:
 
         while self.ending is None:
             await self.model.measure(self)
-            await sleep_or(self.parts.clock.sleep(MEASURE_S), self._end)
+            await sleep_or(self.parts.clock.sleep(MEASURE_S), self.ended)
 
     # ------------------------------------------------------------------ the end
 
@@ -772,8 +602,8 @@ class Replica:
         if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown", "unloaded"):
             deadline = clock.now() + grace_s
             while self.in_flight and not self.exited.is_set() and clock.now() < deadline:
-                self._activity.clear()
-                await sleep_or(clock.sleep(deadline - clock.now()), self._activity)
+                self.activity.clear()
+                await sleep_or(clock.sleep(deadline - clock.now()), self.activity)
             self._cut_relays()
         self.state = ReplicaState.STOPPING
         self.model.notify()
@@ -829,14 +659,14 @@ class Replica:
             if not self.exited.is_set():  # a failure left it running: stop it now
                 await self._stop_process(self.process, self.model.config.grace_s)
             self.parts.launcher.unreserve(self.port)
-        for lease in (self.extra, self.lease):
+        for lease in (self.tier.extra, self.lease):
             if lease.get("id"):
-                await self._release(str(lease["id"]))
+                await self.release(str(lease["id"]))
         assert self.ending is not None
         self.state = ReplicaState.ENDED
         self.model.ended(self)
 
-    async def _release(self, lease_id: str) -> None:
+    async def release(self, lease_id: str) -> None:
         for _ in range(RELEASE_TRIES):
             try:
                 await self.parts.leases.release(lease_id)
@@ -854,23 +684,23 @@ class Replica:
             await self.parts.clock.sleep(max(0.2, ttl_s / 3))
             try:
                 await self.parts.leases.renew(self.lease["id"])
-                if self.extra.get("id"):
-                    await self.parts.leases.renew(self.extra["id"])
+                if self.tier.extra.get("id"):
+                    await self.parts.leases.renew(self.tier.extra["id"])
                 if self.process is not None and not self.exited.is_set():
                     self._by_agent = await self._attach()  # a restarted agent learns it again
             except ControllerUnreachable:
                 continue  # not lost until the controller says so
             except ApiError as error:
                 if error.status in (404, 409):
-                    self._stop(Ending("revoked", f"a lease of replica {self.number} lost: {error}"))
+                    self.stop(Ending("revoked", f"a lease of replica {self.number} lost: {error}"))
                     return
 
-    async def _watch(self, extra: bool = False) -> None:
+    async def watch(self, extra: bool = False) -> None:
         """The one watcher of a revocation: a long-poll of the lease (or of the lease of
         what a wake took back), which answers at once when its state is no longer the one
         it last saw."""
-        lease_id = str((self.extra if extra else self.lease)["id"])
-        state = str((self.extra if extra else self.lease)["state"])
+        lease_id = str((self.tier.extra if extra else self.lease)["id"])
+        state = str((self.tier.extra if extra else self.lease)["state"])
         while True:
             try:
                 lease = await self.parts.leases.lease(lease_id, wait_s=30.0, state=state)
@@ -879,7 +709,7 @@ class Replica:
                 continue
             state = str(lease["state"])
             if state == "revoking" or lease.get("ended_at") is not None:
-                self._stop(self._revoked(lease))
+                self.stop(self._revoked(lease))
                 return
 
     def _revoked(self, lease: Json) -> Ending:
