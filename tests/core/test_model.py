@@ -199,10 +199,22 @@ def test_constraints_build_normalizes() -> None:
         ({"gpu_ids": ["box:0", "BOX:0"]}, "constraints.gpu_ids"),
         ({"gpu_ids": ["a:0", "b:0"]}, "constraints.gpu_ids"),
         ({"gpu_ids": ["a:0"], "worker": "b"}, "constraints.gpu_ids"),
+        ({"never_preempt": "lease-1"}, "constraints.never_preempt"),
+        ({"never_preempt": [1]}, "constraints.never_preempt"),
+        ({"never_preempt": ["a b"]}, "constraints.never_preempt"),
+        ({"never_preempt": ["x" * 65]}, "constraints.never_preempt"),
+        ({"never_preempt": [f"l{i}" for i in range(17)]}, "constraints.never_preempt"),
     ],
 )
 def test_constraints_validation_names_the_field(fields: dict[str, Any], name: str) -> None:
     assert _field_of(Constraints.build, **fields) == name
+
+
+def test_never_preempt_is_kept_sorted_once_and_described() -> None:
+    c = Constraints.build(never_preempt=["lease-b", "lease-a", "lease-b"])
+    assert c.never_preempt == ("lease-a", "lease-b")
+    assert "never_preempt=lease-a|lease-b" in c.describe()
+    assert Constraints.build().never_preempt == ()
 
 
 def test_gpu_ids_are_parsed_exactly_and_set_the_gpu_count() -> None:

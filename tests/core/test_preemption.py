@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_arbiter.core import LeaseState, Policy, Scheduler
+from gpu_arbiter.core import Constraints, LeaseState, Policy, Scheduler
 from tests.core.support import gpu, grant_now, granted_ids, req, revoked_ids, scheduler
 
 
@@ -248,3 +248,27 @@ def test_a_release_before_the_patience_ends_means_no_preemption() -> None:
     sched.release("job", 110.0)
     assert granted_ids(sched.decide(110.0)) == ["p"]
     assert sched.decide(130.0).revocations == ()
+
+
+def _never_preempt(*lease_ids: str) -> dict[str, Any]:
+    return {"constraints": Constraints.build(never_preempt=list(lease_ids))}
+
+
+def test_a_lease_named_never_preempt_is_not_a_victim_busy_or_idle() -> None:
+    """A wake's lease of the difference names the sleeping lease it extends: a higher
+    priority caller's wake never revokes the very process it wakes."""
+    sched = _with_leases(("asleep", 12000, BATCH), ("other", 12000, BATCH))
+    assert _preempt(sched, 10000, **_never_preempt("other")) == ["asleep"]
+    sched = _with_leases(("asleep", 12000, BATCH), ("other", 12000, BATCH))
+    sched.set_idle("asleep", True, 5.0)
+    assert _preempt(sched, 10000, **_never_preempt("asleep")) == ["other"]
+
+
+def test_a_request_that_may_take_nothing_else_waits() -> None:
+    sched = _with_leases(("asleep", 20000, BATCH))
+    sched.set_idle("asleep", True, 5.0)
+    sched.submit(req("p", 10000, **_never_preempt("asleep")), 100.0)
+    decisions = sched.decide(100.0)
+    assert granted_ids(decisions) == [] and revoked_ids(decisions) == []
+    assert sched.lease("asleep").state is LeaseState.ACTIVE
+    assert _preempt(_with_leases(("asleep", 20000, BATCH)), 10000) == ["asleep"]  # unnamed

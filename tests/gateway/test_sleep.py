@@ -57,7 +57,8 @@ async def test_a_request_takes_the_memory_back_on_the_same_gpus_then_wakes_it(
     await request
     extra = world.leases.requests["L2"]
     assert extra["vram_mb"] == 700  # the difference, asked for again
-    assert extra["constraints"] == {"gpu_ids": ["box:0"]}
+    # on its own GPUs, and never taking the sleeping lease it extends
+    assert extra["constraints"] == {"gpu_ids": ["box:0"], "never_preempt": ["L1"]}
     assert world.engine.calls[-1] == "/wake_up"
     assert world.leases.leases["L2"]["state"] == "active"
     assert world.replica.state is ReplicaState.WARM

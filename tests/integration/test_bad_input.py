@@ -58,6 +58,12 @@ LEASE_BODIES: dict[str, Any] = {
     "gpu_arch malformed": {**_VALID, "constraints": {"gpu_arch": ["sm 86!"]}},
     "capability malformed": {**_VALID, "constraints": {"min_compute_capability": "eight"}},
     "capability bool": {**_VALID, "constraints": {"min_compute_capability": True}},
+    "never_preempt not list": {**_VALID, "constraints": {"never_preempt": "lease-1"}},
+    "never_preempt bad id": {**_VALID, "constraints": {"never_preempt": ["a b"]}},
+    "never_preempt too many": {
+        **_VALID,
+        "constraints": {"never_preempt": [f"l-{i}" for i in range(17)]},
+    },
     "labels not text": {**_VALID, "constraints": {"labels": {"zone": 1}}},
     "worker name invalid": {**_VALID, "constraints": {"worker": "Not A Name!"}},
     "body a list": [1, 2],

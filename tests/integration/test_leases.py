@@ -339,6 +339,27 @@ def test_memory_a_shrink_frees_is_granted_once_the_heartbeat_probe_shows_it_free
     assert (woke.json()["state"], woke.json()["gpus"]) == ("loading", ["box-a:0"])
 
 
+def test_a_wake_never_preempts_the_lease_it_extends(start_server: Callable[..., Server]) -> None:
+    """A higher priority's lease of the difference on a sleeping lease's GPU, naming it in
+    ``constraints.never_preempt``, waits rather than revoke it; the same request without
+    the name preempts it (the priority and the memory make it a victim)."""
+    server = start_server("--simulate", "1x24G:sm_86")
+    with server.client() as admin:
+        asleep = create(admin, vram_mb="20G", priority="batch", preemptible=True).json()
+        admin.post(f"/v1/leases/{asleep['id']}/ready").raise_for_status()
+        exact = {"gpu_ids": asleep["gpus"], "never_preempt": [asleep["id"]]}
+        wake = create(admin, vram_mb="8G", priority="interactive", constraints=exact)
+        assert wake.status_code == 202, wake.text
+        assert wake.json()["constraints"]["never_preempt"] == [asleep["id"]]
+        assert admin.get(f"/v1/leases/{asleep['id']}").json()["state"] == "active"
+        admin.delete(f"/v1/leases/{wake.json()['id']}").raise_for_status()
+        other = create(admin, vram_mb="8G", priority="interactive", constraints={
+            "gpu_ids": asleep["gpus"]})  # fmt: skip
+        assert other.status_code == 202
+        revoked = admin.get(f"/v1/leases/{asleep['id']}", params={"wait": 30, "state": "active"})
+        assert revoked.json()["state"] == "revoking"
+
+
 def test_a_shrink_is_stored_before_it_is_answered(start_server: Callable[..., Server]) -> None:
     """I9: after kill -9 and a restart the lease has its shrunk size."""
     server = start_server("--simulate", "1x24G:sm_86")

@@ -114,10 +114,11 @@ def test_final_leases_are_kept_but_not_loaded_as_live(store: Store) -> None:
 
 
 def test_a_shrunk_lease_on_exact_gpus_round_trips(store: Store) -> None:
-    """The sleep tier's state: a lease shrunk below its grant, asked for on exact GPUs."""
+    """The sleep tier's state: a lease shrunk below its grant, asked for on exact GPUs,
+    and the wake's lease that must never preempt it."""
     held = _granted("l-1", 1)
     assert held.lease is not None
-    exact = Constraints.build(gpu_ids=["box-1:0", "box-1:1"])
+    exact = Constraints.build(gpu_ids=["box-1:0", "box-1:1"], never_preempt=["l-0"])
     request = replace(held.request, constraints=exact, gpus=2)
     lease = replace(
         held.lease,
@@ -134,6 +135,7 @@ def test_a_shrunk_lease_on_exact_gpus_round_trips(store: Store) -> None:
     assert loaded is not None and loaded.lease is not None
     assert (loaded.lease.vram_mb, loaded.lease.granted_mb) == (300, 2048)
     assert loaded.request.constraints.gpu_ids == (GpuId("box-1", 0), GpuId("box-1", 1))
+    assert loaded.request.constraints.never_preempt == ("l-0",)
 
 
 def test_infinite_expiry_round_trips(store: Store) -> None:

@@ -50,6 +50,8 @@ MAX_METADATA_KEYS = 32
 MAX_METADATA_BYTES = 4096
 MAX_METADATA_DEPTH = 8
 MAX_GPUS_PER_REQUEST = 64
+MAX_NEVER_PREEMPT = 16
+_LEASE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$", re.ASCII)  # as the routes take them
 
 
 def evolve(value: _T, **changes: Any) -> _T:
@@ -251,6 +253,7 @@ class Constraints:
     worker: str | None = None
     labels: tuple[tuple[str, str], ...] = ()
     gpu_ids: tuple[GpuId, ...] = ()
+    never_preempt: tuple[str, ...] = ()  # lease ids this request never takes (I5 aside)
 
     @classmethod
     def build(
@@ -263,6 +266,7 @@ class Constraints:
         worker: str | None = None,
         labels: Mapping[str, str] | None = None,
         gpu_ids: list[str] | tuple[str, ...] | None = None,
+        never_preempt: list[str] | tuple[str, ...] | None = None,
     ) -> Constraints:
         """Validates human input; every error names its field."""
         cc = None
@@ -296,6 +300,7 @@ class Constraints:
             worker=folded,
             labels=pairs,
             gpu_ids=() if gpu_ids is None else _parse_gpu_ids(gpu_ids, folded),
+            never_preempt=_parse_lease_ids(never_preempt),
         )
 
     def describe(self) -> str:
@@ -313,6 +318,8 @@ class Constraints:
         parts.extend(f"{k}={v}" for k, v in self.labels)
         if self.gpu_ids:
             parts.append("gpu_ids=" + "|".join(map(str, self.gpu_ids)))
+        if self.never_preempt:
+            parts.append("never_preempt=" + "|".join(self.never_preempt))
         return ",".join(parts) or "any GPU"
 
 
@@ -337,6 +344,24 @@ def _parse_gpu_ids(texts: Any, worker: str | None) -> tuple[GpuId, ...]:
     if worker is not None and workers[0] != worker:
         raise InvalidInput(field_name, f"are on worker {workers[0]}, not constraints.worker")
     return tuple(sorted(ids))
+
+
+def _parse_lease_ids(texts: Any) -> tuple[str, ...]:
+    """Leases a request must never preempt, nor reclaim while idle: a lease that grows by
+    a second one (a sleeping model server that wakes asks for the difference on its own
+    GPUs) names its first, which a request of a higher priority would otherwise revoke
+    to make room for the very memory it wakes into."""
+    field_name = "constraints.never_preempt"
+    if texts is None:
+        return ()
+    if isinstance(texts, str) or not isinstance(texts, list | tuple):
+        raise InvalidInput(field_name, "must be a list of lease ids")
+    if len(texts) > MAX_NEVER_PREEMPT:
+        raise InvalidInput(field_name, f"must name at most {MAX_NEVER_PREEMPT} leases")
+    for text in texts:
+        if not isinstance(text, str) or not _LEASE_ID.match(text):
+            raise InvalidInput(field_name, f"{text!r} is not a lease id")
+    return tuple(sorted(set(texts)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ Eligible victims of a request with base priority ``p``:
   - busy leases that are preemptible with base priority < p and older than
     ``preempt_exempt_s``, not granted in the same scheduling cycle, for a
     request that has waited ``preempt_patience_s``.
+A lease the request names in ``constraints.never_preempt`` is never its victim, idle
+or busy (a lease that grows by a second one names its first).
 Aging never enters here: only base priorities count, and waiting gives rights
 over idle leases only, never over busy work.
 
@@ -49,7 +51,7 @@ def eligible_from(lease: Lease, request: Request, policy: Policy) -> float:
     """From when ``request`` may take ``lease`` if nothing else changes (``-inf``: always,
     ``inf``: never). Only the clock moves it: the lease's idle time, the lease's age, the
     request's wait."""
-    if lease.revoke_reason is not None:
+    if lease.revoke_reason is not None or lease.id in request.constraints.never_preempt:
         return math.inf
     if lease.idle:
         if lease.base_priority <= request.priority:

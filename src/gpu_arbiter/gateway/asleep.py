@@ -144,12 +144,14 @@ class SleepTier:
 
     async def _take_back(self, need_mb: int) -> bool:
         """A granted lease of ``need_mb`` on the replica's GPUs (False: not granted, or
-        nobody waits for it any more; a pending one is then released)."""
+        nobody waits for it any more; a pending one is then released). It names the
+        sleeping lease as one never to preempt: a caller above that lease's priority would
+        otherwise have the arbiter revoke the very process it wakes."""
         r = self.replica
         asked = r.model.lease_request(r.number)
         request = {
             **asked, "vram_mb": need_mb, "holder": f"{asked['holder']} wake"[:256],
-            "constraints": {"gpu_ids": list(r.lease["gpus"])},
+            "constraints": {"gpu_ids": list(r.lease["gpus"]), "never_preempt": [r.lease["id"]]},
         }  # fmt: skip
         try:
             self.extra = await r.parts.leases.create_lease(**request)

@@ -173,6 +173,13 @@ class ConstraintsIn(_In):
         default=None,
         description="Exact GPUs (WORKER:INDEX), all on one worker; gpus defaults to their number",
     )
+    never_preempt: (
+        Annotated[list[Annotated[StrictStr, Field(max_length=64)]], Field(max_length=16)] | None
+    ) = Field(
+        default=None,
+        description="Lease ids this request never preempts nor reclaims (a lease that grows by "
+        "a second one names its first)",
+    )
 
 
 class LeaseCreate(_In):

@@ -54,6 +54,7 @@ def constraints_to_doc(c: Constraints) -> dict[str, Any]:
         "worker": c.worker,
         "labels": dict(c.labels),
         "gpu_ids": [str(g) for g in c.gpu_ids],
+        "never_preempt": list(c.never_preempt),
     }
 
 
@@ -67,6 +68,7 @@ def _constraints_from_doc(doc: dict[str, Any]) -> Constraints:
         worker=doc.get("worker"),
         labels=tuple(sorted((doc.get("labels") or {}).items())),
         gpu_ids=tuple(_gpu_id(text) for text in doc.get("gpu_ids") or ()),  # absent: older
+        never_preempt=tuple(str(text) for text in doc.get("never_preempt") or ()),
     )
 
 
