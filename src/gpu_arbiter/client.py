@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -296,6 +297,41 @@ class ArbiterClient:
     async def operation(self, operation_id: str) -> Json:
         result: Json = await self.request("GET", f"/v1/operations/{operation_id}")
         return result
+
+    # ------------------------------------------------------------------ gateways
+
+    async def report_gateway(self, name: str, report: Json) -> Json:
+        """PUT /v1/gateways/{name}: a gateway's report (url, host, worker, models); the
+        answer's ``commands`` are those queued for it, handed over now."""
+        result: Json = await self.request("PUT", f"/v1/gateways/{name}", json_body=report)
+        return result
+
+    async def gateway_commands(self, name: str, *, wait_s: float = 0.0) -> list[Json]:
+        """GET /v1/gateways/{name}/commands: the commands queued for the gateway, handed
+        over; with ``wait_s``, as soon as one is queued (``[]`` when the wait ends)."""
+        result: Json = await self.request(
+            "GET",
+            f"/v1/gateways/{name}/commands",
+            params={"wait": wait_s or None},
+            timeout_s=wait_s + 10.0,
+        )
+        commands: list[Json] = result["commands"]
+        return commands
+
+    async def forget_gateway(self, name: str) -> Json:
+        """DELETE /v1/gateways/{name}: the gateway's goodbye at a clean stop."""
+        result: Json = await self.request("DELETE", f"/v1/gateways/{name}")
+        return result
+
+    async def gateways(self) -> list[Json]:
+        """GET /v1/gateways: each gateway's last report, ``reported_ago_s`` and ``stale``."""
+        result: list[Json] = await self.request("GET", "/v1/gateways")
+        return result
+
+    async def gateway_command(self, name: str, model: str, verb: str) -> Json:
+        """POST /v1/gateways/{name}/models/{model}/{verb} (unload, pin, unpin): queued for
+        the gateway, which takes it at once (202)."""
+        return await self._post(f"/v1/gateways/{name}/models/{quote(model, safe='')}/{verb}")
 
     # ------------------------------------------------------------------ arbiter
 

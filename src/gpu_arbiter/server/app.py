@@ -18,6 +18,7 @@ from ..controller import Controller
 from .auth import Authenticator
 from .errors import error_response, install_error_handlers
 from .events import EventFeed
+from .gateways import GatewayRegistry
 from .guards import RequestGuard
 from .history import History
 from .limits import BodyLimit, ClientLimits, Slots
@@ -88,6 +89,7 @@ def create_app(
     app.state.auth = auth
     app.state.history = kept
     app.state.admin_token_file = admin_token_file
+    app.state.gateways = GatewayRegistry()  # in memory, like the workers' live figures
     bounds = client_limits or ClientLimits()
     app.state.event_feed = EventFeed(controller)
     app.state.streams = Slots("streams", bounds.max_streams_per_token, bounds.max_streams)

@@ -4,17 +4,20 @@ Who may call what (see :mod:`.auth`): reads are open to every role; creating a
 lease to admin and client; renew/ready/idle/busy/shrink/release to admin and
 the client that created the lease; register and heartbeat to admin and the worker
 the token is bound to (and the reports of that worker's operations); revoke,
-drain, cancel-drain, remove, update, pause and resume to admin only.
+drain, cancel-drain, remove, update, pause and resume to admin only. A gateway reports
+itself (admin or client; the first reporter's token owns the name while its report is
+live), takes its commands and says goodbye as that token or an admin; commands are
+queued by an admin (see :mod:`.gateways`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import JSONResponse
 
-from ..controller import Controller, GpuProbeReport
+from ..controller import Controller, GpuProbeReport, NotLeader
 from ..core import Gpu, LeaseState, validate_worker_name
 from ..store import LeaseRecord
 from . import schemas as s
@@ -22,6 +25,7 @@ from .auth import Forbidden, Principal, Unauthorized
 from .config import is_loopback
 from .errors import error_response
 from .events import EventFeed, EventStreamResponse, event_stream
+from .gateways import REPORT_S, GatewayRegistry, Report
 from .history import History
 from .limits import Slots
 
@@ -29,6 +33,8 @@ __all__ = ["router"]
 
 LeaseId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")]
 WorkerName = Annotated[str, Path(min_length=1, max_length=64)]
+GatewayName = Annotated[str, Path(min_length=1, max_length=64)]
+ModelName = Annotated[str, Path(min_length=1, max_length=64)]
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": s.ErrorOut} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
@@ -390,6 +396,123 @@ async def report_operation(
     _as_worker(who, ctl.operation(operation_id).worker)
     operation = ctl.report_operation(operation_id, body.step, body.outcome, body.detail)
     return JSONResponse(s.operation_out(operation))
+
+
+# ---------------------------------------------------------------- gateways
+
+
+def _gateways(request: Request) -> tuple[Controller, Principal, GatewayRegistry]:
+    ctl, who = _context(request)
+    return ctl, who, request.app.state.gateways
+
+
+def _leader_only(ctl: Controller) -> None:
+    """A standby knows no gateway: a gateway reports to the leader (307 there)."""
+    if ctl.standby:
+        where = f"; the leader is {ctl.leader_url}" if ctl.leader_url else ""
+        raise NotLeader(f"this controller is a standby{where}", leader=ctl.leader_url or "")
+
+
+@router.put(
+    "/gateways/{name}",
+    response_model=s.GatewayReportOut,
+    summary="A gateway reports its models; the answer hands over the commands queued for it",
+)
+async def report_gateway(
+    name: GatewayName, body: s.GatewayReportIn, request: Request
+) -> JSONResponse:
+    """Every ``report_s`` seconds and soon after a change; a gateway not reported for
+    ``ttl_s`` is stale. An admin or a client token; the first reporter's token owns the
+    name while its report is live (403 for another token but an admin's)."""
+    ctl, who, registry = _gateways(request)
+    _leader_only(ctl)
+    if who.role not in ("admin", "client"):
+        raise Forbidden(f"a {who.role} token may not report a gateway")
+    name = validate_worker_name(name, "name")
+    worker = None if body.worker is None else validate_worker_name(body.worker, "worker")
+    models = [m.model_dump(exclude_none=True) for m in body.models]
+    report = Report(url=body.url, host=body.host, worker=worker, models=models)
+    commands = registry.report(name, who, report)
+    answer = {"name": name, "ttl_s": registry.ttl_s, "report_s": REPORT_S}
+    return JSONResponse({**answer, "commands": [c.as_dict() for c in commands]})
+
+
+@router.get(
+    "/gateways/{name}/commands",
+    response_model=s.GatewayCommandsOut,
+    summary="The commands queued for a gateway, handed over; long-poll",
+)
+async def gateway_commands(
+    name: GatewayName,
+    request: Request,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
+) -> JSONResponse:
+    """With ``wait=SECONDS`` (at most 60), answers as soon as a command is queued, or
+    with none when the wait ends. Its reporter's token or an admin."""
+    ctl, who, registry = _gateways(request)
+    _leader_only(ctl)
+    name = validate_worker_name(name, "name")
+    long_polls: Slots = request.app.state.long_polls
+    with long_polls.hold(who.id):
+        commands = await registry.commands(name, who, wait)
+    return JSONResponse({"name": name, "commands": [c.as_dict() for c in commands]})
+
+
+@router.get(
+    "/gateways",
+    response_model=list[s.GatewayOut],
+    summary="The gateways that report to this controller, with their models",
+)
+async def list_gateways(request: Request) -> JSONResponse:
+    """Held in memory: a restarted controller knows them again at their next report
+    (every few seconds); a standby knows none."""
+    _ctl, _who, registry = _gateways(request)
+    return JSONResponse(registry.views())
+
+
+@router.post(
+    "/gateways/{name}/models/{model}/{verb}",
+    response_model=s.GatewayCommandQueuedOut,
+    status_code=202,
+    summary="Queue unload, pin or unpin of a gateway's model (the gateway takes it)",
+    responses={
+        404: {
+            "model": s.ErrorOut,
+            "description": "No such gateway, or no such model in its last report (a name "
+            "or an alias)",
+        },
+        409: {
+            "model": s.ErrorOut,
+            "description": "The gateway is stale (nobody would take the command), or too "
+            "many commands wait for it",
+        },
+    },
+)
+async def command_gateway(
+    name: GatewayName,
+    model: ModelName,
+    verb: Literal["unload", "pin", "unpin"],
+    request: Request,
+) -> JSONResponse:
+    """202: queued; the gateway takes it within a moment (it long-polls) and runs it as
+    its own ``POST /admin/models/{model}/{verb}``; its next report shows the outcome."""
+    ctl, who, registry = _gateways(request)
+    _admin(who)
+    _leader_only(ctl)
+    name = validate_worker_name(name, "name")
+    command = registry.queue(name, model, verb)
+    return JSONResponse({"gateway": name, **command.as_dict()}, status_code=202)
+
+
+@router.delete("/gateways/{name}", response_model=s.GatewayGoneOut, summary="A gateway's goodbye")
+async def forget_gateway(name: GatewayName, request: Request) -> JSONResponse:
+    """At a clean stop: it leaves the list now, not once stale. Its reporter's token or
+    an admin."""
+    ctl, who, registry = _gateways(request)
+    _leader_only(ctl)
+    name = validate_worker_name(name, "name")
+    registry.forget(name, who)
+    return JSONResponse({"name": name, "forgotten": True})
 
 
 # ---------------------------------------------------------------- arbiter

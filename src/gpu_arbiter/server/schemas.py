@@ -301,6 +301,60 @@ class UpdateIn(_In):
     drain_deadline_s: Annotated[Seconds, Field(ge=0, le=366 * 86400)] | None = None
 
 
+def _small_object(value: dict[str, Any]) -> dict[str, Any]:
+    """A small JSON object (at most 32 keys, 8 levels, 4 KiB), its inner place named."""
+    try:
+        return check_metadata(value, "object")
+    except InvalidInput as error:
+        inner = error.field.removeprefix("object").lstrip(".")
+        message = f"{inner}: {error.reason}" if inner else error.reason
+        raise PydanticCustomError("json_value", message) from None
+
+
+SmallObject = Annotated[dict[Short, Any], Field(max_length=32), AfterValidator(_small_object)]
+LongText = Annotated[StrictStr, Field(max_length=2000), NoControl]
+Count = Annotated[StrictInt, Field(ge=0, le=1 << 31)]
+Ago = Annotated[Seconds, Field(ge=0, le=1 << 40)]
+
+
+def _http_url(url: str) -> str:
+    if url and not url.startswith(("http://", "https://")):
+        raise PydanticCustomError("url", "must start with http:// or https://")
+    return url
+
+
+class GatewayModelIn(_In):
+    """One model as the gateway's ``GET /v1/models`` describes it (its aliases are not
+    entries of their own here); each replica a small JSON object."""
+
+    id: Short
+    object: Literal["model"] = "model"
+    owned_by: Text = ""
+    state: Short
+    aliases: Annotated[list[Short], Field(max_length=64)] = Field(default_factory=list)
+    vram_mb: MiB = 0
+    held_mb: MiB = 0
+    in_flight: Count = 0
+    queued: Count = 0
+    last_used_ago_s: Ago | None = None
+    keep_alive_left_s: Ago | None = None
+    pinned: StrictBool = False
+    preemptible_by: Text | None = None
+    pending_reason: LongText | None = None
+    failure: LongText | None = None
+    replicas: Annotated[list[SmallObject], Field(max_length=64)] = Field(default_factory=list)
+
+
+class GatewayReportIn(_In):
+    """A gateway's report of itself: where it listens, its host, the worker it runs
+    beside (when it knows one), and every model it serves."""
+
+    url: Annotated[Text, AfterValidator(_http_url)] = ""
+    host: Text = ""
+    worker: Short | None = None
+    models: Annotated[list[GatewayModelIn], Field(max_length=256)] = Field(default_factory=list)
+
+
 # ---------------------------------------------------------------- outputs (documentation)
 
 
@@ -421,6 +475,55 @@ class DrainOut(BaseModel):
     already_revoking: int
     already_finished: int
     leases_left: int
+
+
+class GatewayCommandOut(BaseModel):
+    """A command queued for a gateway: ``verb`` one of unload, pin, unpin."""
+
+    id: str
+    model: str
+    verb: str
+
+
+class GatewayReportOut(BaseModel):
+    """The answer to a report: the gateway is stale after ``ttl_s`` without another
+    (report every ``report_s``); ``commands``: those queued for it, handed over now."""
+
+    name: str
+    ttl_s: float
+    report_s: float
+    commands: list[GatewayCommandOut]
+
+
+class GatewayCommandsOut(BaseModel):
+    name: str
+    commands: list[GatewayCommandOut]
+
+
+class GatewayCommandQueuedOut(BaseModel):
+    id: str
+    gateway: str
+    model: str
+    verb: str
+
+
+class GatewayOut(BaseModel):
+    """A gateway as it last reported: ``stale`` once it has not for ``ttl_s``; its
+    models as its ``GET /v1/models`` describes them."""
+
+    name: str
+    url: str
+    host: str
+    worker: str | None
+    reported_ago_s: float
+    stale: bool
+    commands_queued: int
+    models: list[dict[str, Any]]
+
+
+class GatewayGoneOut(BaseModel):
+    name: str
+    forgotten: bool
 
 
 # ---------------------------------------------------------------- records -> JSON

@@ -1,0 +1,260 @@
+"""The gateways the controller knows: what each last reported, and the commands queued
+for it.
+
+A gateway connects out to the controller, as an agent does (the controller never
+connects to a URL a client gave it): it reports its models (``PUT
+/v1/gateways/{name}``) every :data:`REPORT_S` seconds and soon after a change, and
+long-polls the commands an admin queued for it (unload, pin, unpin a model). The
+registry is held in memory only, like a worker's live probe figures: a restarted
+controller learns its gateways again from their next reports, and a standby has none.
+
+A gateway's life here::
+
+    (unknown) --report--> live --no report for ttl_s--> stale --forget_s more--> (forgotten)
+                           ^  \\--goodbye (DELETE)--> (forgotten)    |
+                           +-------------- report ------------------+
+
+The first reporter's principal owns the name while its report is live; another
+principal but an admin is refused. Once the report is stale, anyone who may report
+takes it over (a gateway restarted with a new token). Commands are handed over once:
+in the answer to the next report or to a long-poll, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..controller import TooManyRequests
+from ..core import Conflict, NotFound
+from .auth import Forbidden, Principal
+
+__all__ = [
+    "FORGET_S",
+    "MAX_COMMANDS",
+    "MAX_GATEWAYS",
+    "REPORT_S",
+    "TTL_S",
+    "VERBS",
+    "Command",
+    "GatewayRegistry",
+    "Report",
+]
+
+REPORT_S = 5.0
+"""How often a gateway reports (and soon after any change of its models)."""
+TTL_S = 15.0
+"""A gateway that has not reported for this long is stale: shown so, sent no command."""
+FORGET_S = 600.0
+"""A stale gateway is forgotten this long after it turned stale."""
+MAX_GATEWAYS = 1000
+MAX_COMMANDS = 32
+"""Commands queued for one gateway and not handed over yet, at most."""
+VERBS = ("unload", "pin", "unpin")
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """What an admin asked a gateway to do with one of its models."""
+
+    id: str
+    model: str
+    verb: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"id": self.id, "model": self.model, "verb": self.verb}
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What a gateway says of itself: where it listens, on which host and beside which
+    worker, and its models (each as its own ``GET /v1/models`` describes it)."""
+
+    url: str
+    host: str
+    worker: str | None
+    models: Sequence[Mapping[str, Any]]
+
+
+@dataclass(slots=True)
+class _Gateway:
+    name: str
+    owner: str
+    report: Report
+    reported_at: float
+    commands: list[Command] = field(default_factory=list)
+    queued: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class GatewayRegistry:
+    """The gateways, by name. ``clock``: monotonic seconds (a fake one in tests)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        ttl_s: float = TTL_S,
+        forget_s: float = FORGET_S,
+        max_gateways: int = MAX_GATEWAYS,
+        max_commands: int = MAX_COMMANDS,
+    ) -> None:
+        self._clock = clock
+        self.ttl_s = ttl_s
+        self.forget_s = forget_s
+        self.max_gateways = max_gateways
+        self.max_commands = max_commands
+        self._gateways: dict[str, _Gateway] = {}
+
+    # ------------------------------------------------------------------ the gateway's side
+
+    def report(self, name: str, who: Principal, report: Report) -> list[Command]:
+        """Stores ``report`` as the gateway's latest; returns the commands queued for it
+        (handed over: they are not queued any more). Raises :class:`Forbidden` when
+        another principal owns the name (its report is live)."""
+        self._prune()
+        found = self._gateways.get(name)
+        now = self._clock()
+        if found is not None and (found.owner == who.id or not self._stale(found, now)):
+            self._check_owner(found, who, "report as")
+            found.report, found.reported_at = report, now
+            return self._hand_over(found)
+        if found is not None:
+            found.queued.set()  # taken over: a long-poll of the former owner ends, empty
+        if found is None and len(self._gateways) >= self.max_gateways:
+            raise TooManyRequests(
+                f"{len(self._gateways)} gateways are known already (max_gateways is "
+                f"{self.max_gateways}); retry later",
+                limit="max_gateways",
+                value=self.max_gateways,
+                current=len(self._gateways),
+            )
+        self._gateways[name] = _Gateway(name, who.id, report, now)  # new, or taken over
+        return []
+
+    async def commands(self, name: str, who: Principal, wait_s: float) -> list[Command]:
+        """The commands queued for the gateway, handed over: at once when there are
+        some, else as soon as one is queued, else ``[]`` after ``wait_s``."""
+        found = self._owned(name, who, "take the commands of")
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while not found.commands:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or self._gateways.get(name) is not found:
+                return []
+            found.queued.clear()
+            try:
+                await asyncio.wait_for(found.queued.wait(), left)
+            except TimeoutError:
+                return []
+        return self._hand_over(found)
+
+    def forget(self, name: str, who: Principal) -> None:
+        """The gateway's goodbye at a clean stop: it is forgotten now."""
+        found = self._owned(name, who, "forget")
+        del self._gateways[name]
+        found.queued.set()  # a long-poll of it ends now, empty
+
+    # ------------------------------------------------------------------ the operator's side
+
+    def queue(self, name: str, model: str, verb: str) -> Command:
+        """Queues ``verb`` for ``model`` (a name or an alias of its last report).
+        Raises :class:`NotFound` for an unknown gateway or model, :class:`Conflict`
+        when the gateway is stale (nobody would take it), or too many are queued."""
+        self._prune()
+        found = self._gateways.get(name)
+        if found is None:
+            raise NotFound(f"no gateway {name!r} reports to this controller", gateway=name)
+        if self._stale(found, self._clock()):
+            raise Conflict(
+                f"gateway {name} has not reported for {self._ago(found):.0f}s (stale after "
+                f"{self.ttl_s:g}s): nobody would take the command",
+                gateway=name,
+            )
+        named = next((m for m in found.report.models if _names(m, model)), None)
+        if named is None:
+            known = ", ".join(str(m.get("id")) for m in found.report.models) or "none"
+            raise NotFound(
+                f"gateway {name} has no model {model!r}; its models: {known}",
+                gateway=name,
+                model=model,
+            )
+        if len(found.commands) >= self.max_commands:
+            raise Conflict(
+                f"{len(found.commands)} commands already wait for gateway {name} "
+                f"(max_commands is {self.max_commands}); retry once it took them",
+                gateway=name,
+            )
+        command = Command(f"cmd-{secrets.token_hex(6)}", str(named.get("id")), verb)
+        found.commands.append(command)
+        found.queued.set()
+        return command
+
+    def views(self) -> list[dict[str, Any]]:
+        """Every gateway known, by name: its last report, how long ago, whether stale."""
+        self._prune()
+        return [self._view(found) for _, found in sorted(self._gateways.items())]
+
+    def view(self, name: str) -> dict[str, Any]:
+        self._prune()
+        found = self._gateways.get(name)
+        if found is None:
+            raise NotFound(f"no gateway {name!r} reports to this controller", gateway=name)
+        return self._view(found)
+
+    # ------------------------------------------------------------------ inside
+
+    def _view(self, found: _Gateway) -> dict[str, Any]:
+        report = found.report
+        return {
+            "name": found.name,
+            "url": report.url,
+            "host": report.host,
+            "worker": report.worker,
+            "reported_ago_s": round(self._ago(found), 1),
+            "stale": self._stale(found, self._clock()),
+            "commands_queued": len(found.commands),
+            "models": [dict(model) for model in report.models],
+        }
+
+    def _owned(self, name: str, who: Principal, doing: str) -> _Gateway:
+        self._prune()
+        found = self._gateways.get(name)
+        if found is None:
+            raise NotFound(f"no gateway {name!r} reports to this controller", gateway=name)
+        self._check_owner(found, who, doing)
+        return found
+
+    @staticmethod
+    def _check_owner(found: _Gateway, who: Principal, doing: str) -> None:
+        if who.is_admin or who.id == found.owner:
+            return
+        raise Forbidden(
+            f"gateway {found.name} is reported by another token: only the token that "
+            f"reports a gateway, or an admin, may {doing} it (your role: {who.role})",
+            owner_rule="the first reporter owns the name while its report is live",
+        )
+
+    def _hand_over(self, found: _Gateway) -> list[Command]:
+        taken, found.commands = found.commands, []
+        return taken
+
+    def _ago(self, found: _Gateway) -> float:
+        return max(0.0, self._clock() - found.reported_at)
+
+    def _stale(self, found: _Gateway, now: float) -> bool:
+        return now - found.reported_at >= self.ttl_s
+
+    def _prune(self) -> None:
+        """Forgets the gateways stale for longer than ``forget_s``."""
+        cutoff = self._clock() - self.ttl_s - self.forget_s
+        for name in [n for n, g in self._gateways.items() if g.reported_at < cutoff]:
+            self._gateways.pop(name).queued.set()
+
+
+def _names(model: Mapping[str, Any], wanted: str) -> bool:
+    """Whether a reported model is ``wanted``, by its id or one of its aliases."""
+    aliases = model.get("aliases")
+    return model.get("id") == wanted or (isinstance(aliases, list) and wanted in aliases)

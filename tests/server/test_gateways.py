@@ -1,0 +1,134 @@
+"""The controller's registry of gateways (``server/gateways.py``) on a fake clock:
+ownership of a name, staleness and forgetting, commands handed over once, and the
+long-poll that wakes when a command is queued."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.core import Conflict, NotFound
+from gpu_arbiter.server.auth import Forbidden, Principal
+from gpu_arbiter.server.gateways import GatewayRegistry, Report
+
+ADMIN = Principal("admin", "admin")
+ALICE = Principal("client-alice", "client")
+BOB = Principal("client-bob", "client")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(*models: str, **more: Any) -> Report:
+    found = [{"id": name, "state": "cold", "aliases": [f"{name}-alias"]} for name in models]
+    return Report(url="http://box:8080", host="box", worker="box", models=found, **more)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock: FakeClock) -> GatewayRegistry:
+    return GatewayRegistry(clock=clock, ttl_s=15.0, forget_s=600.0)
+
+
+def test_the_first_reporter_owns_the_name_while_its_report_is_live(
+    registry: GatewayRegistry, clock: FakeClock
+) -> None:
+    registry.report("box-8080", ALICE, report("chat"))
+    with pytest.raises(Forbidden, match="only the token that reports"):
+        registry.report("box-8080", BOB, report("other"))
+    assert [m["id"] for m in registry.view("box-8080")["models"]] == ["chat"]  # unchanged
+    registry.report("box-8080", ADMIN, report("chat", "embed"))  # an admin may
+    with pytest.raises(Forbidden):
+        registry.report("box-8080", BOB, report("other"))  # still Alice's
+    with pytest.raises(Forbidden):
+        registry.forget("box-8080", BOB)
+    clock.now += 15.0  # stale: anyone who may report takes it over
+    registry.report("box-8080", BOB, report("other"))
+    with pytest.raises(Forbidden):
+        registry.report("box-8080", ALICE, report("chat"))
+
+
+def test_a_gateway_turns_stale_after_its_ttl_and_is_forgotten_later(
+    registry: GatewayRegistry, clock: FakeClock
+) -> None:
+    registry.report("box-8080", ALICE, report("chat"))
+    clock.now += 14.9
+    [view] = registry.views()
+    assert view["stale"] is False and view["reported_ago_s"] == 14.9
+    clock.now += 0.1
+    assert registry.views()[0]["stale"] is True
+    with pytest.raises(Conflict, match="nobody would take"):
+        registry.queue("box-8080", "chat", "pin")
+    clock.now += 599.0
+    assert [v["name"] for v in registry.views()] == ["box-8080"]
+    clock.now += 1.5
+    assert registry.views() == []
+    with pytest.raises(NotFound):
+        registry.view("box-8080")
+
+
+def test_a_command_is_handed_over_once_in_the_next_report(registry: GatewayRegistry) -> None:
+    registry.report("box-8080", ALICE, report("chat"))
+    command = registry.queue("box-8080", "chat-alias", "pin")  # an alias names its model
+    assert (command.model, command.verb) == ("chat", "pin")
+    assert registry.views()[0]["commands_queued"] == 1
+    assert registry.report("box-8080", ALICE, report("chat")) == [command]
+    assert registry.report("box-8080", ALICE, report("chat")) == []
+
+
+def test_an_unknown_gateway_or_model_is_not_found_and_queues_nothing(
+    registry: GatewayRegistry,
+) -> None:
+    with pytest.raises(NotFound, match="no gateway"):
+        registry.queue("nowhere", "chat", "pin")
+    registry.report("box-8080", ALICE, report("chat"))
+    with pytest.raises(NotFound, match="its models: chat"):
+        registry.queue("box-8080", "embed", "unload")
+    assert registry.views()[0]["commands_queued"] == 0
+
+
+def test_commands_are_bounded_per_gateway(clock: FakeClock) -> None:
+    registry = GatewayRegistry(clock=clock, max_commands=2)
+    registry.report("box-8080", ALICE, report("chat"))
+    registry.queue("box-8080", "chat", "pin")
+    registry.queue("box-8080", "chat", "unpin")
+    with pytest.raises(Conflict, match="max_commands"):
+        registry.queue("box-8080", "chat", "unload")
+
+
+async def test_a_long_poll_wakes_as_soon_as_a_command_is_queued(
+    registry: GatewayRegistry,
+) -> None:
+    registry.report("box-8080", ALICE, report("chat"))
+    poll = asyncio.ensure_future(registry.commands("box-8080", ALICE, 60.0))
+    await asyncio.sleep(0)
+    assert not poll.done()
+    command = registry.queue("box-8080", "chat", "unload")
+    assert await asyncio.wait_for(poll, 10.0) == [command]
+    assert registry.report("box-8080", ALICE, report("chat")) == []  # handed over once
+
+
+async def test_a_long_poll_ends_empty_at_its_wait_and_at_a_goodbye(
+    registry: GatewayRegistry,
+) -> None:
+    registry.report("box-8080", ALICE, report("chat"))
+    assert await registry.commands("box-8080", ALICE, 0.05) == []
+    with pytest.raises(Forbidden):
+        await registry.commands("box-8080", BOB, 0.0)
+    poll = asyncio.ensure_future(registry.commands("box-8080", ALICE, 60.0))
+    await asyncio.sleep(0)
+    registry.forget("box-8080", ALICE)
+    assert await asyncio.wait_for(poll, 10.0) == []
+    with pytest.raises(NotFound):
+        await registry.commands("box-8080", ALICE, 0.0)
