@@ -250,25 +250,33 @@ class GatewayApp:
         }
 
     async def _admin(self, send: Send, path: str, headers: Mapping[bytes, str]) -> None:
-        """``POST /admin/models/{name}/{verb}``: unload, pin or unpin a model (by name or
-        alias); the answer says what it did (unload) or what the model is now."""
+        """``POST /admin/models/{name}/{verb}``: :meth:`administer`, its answer as JSON."""
         found = _ADMIN_ROUTE.fullmatch(path)
         assert found is not None
         name, verb = found.groups()
-        if name not in self.routes:
+        key = self.access.key_of(headers)
+        done = await self.administer(name, verb, key.name if key else "a local caller")
+        if done is None:
             await self._unknown(send, name)
             return
+        await _json(send, 200, done)
+
+    async def administer(self, name: str, verb: str, by: str) -> dict[str, Any] | None:
+        """Unloads, pins or unpins a model (by name or alias) as an operator asked
+        (``by``: who, for the log): what it did (unload) or what the model is now; None
+        for an unknown model. The admin routes and the controller's commands
+        (``report.py``) both come here."""
+        if name not in self.routes:
+            return None
         model = self.models[self.routes[name]]
-        key = self.access.key_of(headers)
-        log.info("model %s: %s by %s", model.name, verb, key.name if key else "a local caller")
+        log.info("model %s: %s by %s", model.name, verb, by)
         if verb == "unload":
-            await _json(send, 200, await model.unload())
-            return
+            return await model.unload()
         if verb == "pin":
             await model.pin()
         else:
             model.unpin()
-        await _json(send, 200, self._entry(model.name, model.name))
+        return self._entry(model.name, model.name)
 
     async def _unknown(self, send: Send, name: str) -> None:
         known = ", ".join(sorted(self.models))

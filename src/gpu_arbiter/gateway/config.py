@@ -6,6 +6,7 @@
     host = "127.0.0.1"
     port = 8080
     worker = "box-1"               # default: the one agent on this host
+    name = "box-1-8080"            # as the controller lists it (default: host-port)
     api_keys = ["..."]             # Authorization: Bearer KEY (required beyond loopback)
     api_key_file = "keys.txt"      # one key a line, # comments (relative: to this file)
     allowed_hosts = ["gpu.example"]  # Host names besides loopback names and addresses
@@ -55,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds
+from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds, validate_worker_name
 from .access import ROLES, ApiKey
 from .engines import ENGINE_NAMES, can_sleep, detect_engine, engine_named
 from .estimate import gpus_of
@@ -105,7 +106,7 @@ _PORT_KEYS = frozenset(
         "max_buffered_bytes",
     }
 )
-_GATEWAY_KEYS = frozenset({"host", "port", "worker", "controller"}) | _PORT_KEYS
+_GATEWAY_KEYS = frozenset({"host", "port", "worker", "controller", "name"}) | _PORT_KEYS
 MIB = 1024 * 1024
 MAX_BODY_BYTES = 64 * MIB
 MAX_BUFFERED_BYTES = 256 * MIB
@@ -148,6 +149,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     worker: str | None = None
+    name: str | None = None  # to the controller; None: this host's name and the port
     controller: str | None = None
     keys: tuple[ApiKey, ...] = ()  # none: no auth (loopback only)
     allowed_hosts: tuple[str, ...] = ()
@@ -200,6 +202,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         host=_text(gateway.get("host", "127.0.0.1"), "gateway.host"),
         port=port,
         worker=_optional_text(gateway.get("worker"), "gateway.worker"),
+        name=_gateway_name(gateway.get("name")),
         controller=_optional_text(gateway.get("controller"), "gateway.controller"),
         **_port_settings(gateway, base or Path()),
     )
@@ -524,6 +527,11 @@ def _text(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidInput(where, "must be a non-empty string")
     return value.strip()
+
+
+def _gateway_name(value: Any) -> str | None:
+    """``[gateway] name``: a worker name (the controller lists the gateway by it)."""
+    return None if value is None else validate_worker_name(value, "gateway.name")
 
 
 def _optional_text(value: Any, where: str) -> str | None:

@@ -2,9 +2,10 @@
 
 ``gpu-arbiter gateway --config models.toml`` runs :func:`run_gateway` on its own;
 ``serve --local --models models.toml`` runs it beside the controller and the local
-agent. At start, before it serves, it takes its state directory (one gateway per
-directory) and stops what a previous gateway there left running, then releases those
-leases (``process.py``). On stop, every replica is stopped (SIGTERM, SIGKILL after its
+agent. It reports its models to the controller and takes the commands queued for it
+there (``report.py``). At start, before it serves, it takes its state directory (one
+gateway per directory) and stops what a previous gateway there left running, then
+releases those leases (``process.py``). On stop, every replica is stopped (SIGTERM, SIGKILL after its
 grace; SIGKILL at once when ``hurry`` is set) and its lease released before it returns.
 """
 
@@ -36,6 +37,7 @@ from .links import HttpHealthCheck, LocalAgentLink
 from .metrics import GatewayMetrics
 from .model import ModelServer
 from .process import ProcessLauncher
+from .report import Reporter, default_name, listen_url
 
 __all__ = ["beside_a_controller", "estimates", "run_gateway"]
 
@@ -141,14 +143,22 @@ async def _serve(
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
         say(f"gateway on http://{host}:{port} for {', '.join(models)} (worker {worker or 'any'})")
+        reporter = Reporter(
+            client, name=config.name or default_name(port), url=listen_url(host, port),
+            host=socket.gethostname(), worker=worker, models=models, administer=app.administer,
+        )  # fmt: skip
+        reporting = asyncio.ensure_future(reporter.run())
         try:
             ended = asyncio.ensure_future(stop.wait())
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
             ended.cancel()
         finally:
             server.should_exit = True
+            reporting.cancel()
             for model in models.values():
                 model.shutdown()
+            await asyncio.gather(reporting, return_exceptions=True)
+            await reporter.goodbye()
             grace_s = max(m.grace_s for m in config.models.values())
             hurried = asyncio.ensure_future(_kill_when(hurry, launcher))
             await _settle(list(models.values()), tasks, grace_s)

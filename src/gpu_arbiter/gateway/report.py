@@ -1,0 +1,262 @@
+"""The gateway tells the controller about itself, and takes the commands queued for it.
+
+The controller never connects to a gateway (no URL a client gave it is ever fetched):
+the gateway connects out, as the agents do. Three loops, for the gateway's life:
+
+- report: ``PUT /v1/gateways/{name}`` with every model as ``GET /v1/models`` describes
+  it, at start, every ``report_s`` (5 s; the controller shows a gateway stale after
+  15 s without one), and ``debounce_s`` (0.25 s) after a model's state changed;
+- watch: waits on the models' changes (``ModelServer.changed``) and asks for that early
+  report when what the operator sees moved (a state, a pin, a lease), not when only a
+  request count did: a busy gateway does not report four times a second;
+- commands: long-polls ``GET /v1/gateways/{name}/commands`` and runs each one (unload,
+  pin, unpin) through the very code of the gateway's own admin routes
+  (``GatewayApp.administer``).
+
+A controller that cannot be reached is waited through: the loops back off (1 s,
+doubling, at most ``report_s``) and log one line when it goes and one when it is back.
+At a clean stop, :meth:`Reporter.goodbye` says ``DELETE /v1/gateways/{name}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from ..client import ApiError, ArbiterClient, ControllerUnreachable
+from .model import ModelServer
+
+__all__ = ["Reporter", "default_name", "listen_url", "model_report"]
+
+log = logging.getLogger("gpu_arbiter.gateway")
+
+REPORT_S = 5.0
+DEBOUNCE_S = 0.25
+COMMANDS_WAIT_S = 30.0
+BACKOFF_FIRST_S = 1.0
+VERBS = ("unload", "pin", "unpin")
+MAX_TEXT = 2000
+REPORTED = (
+    "id", "object", "owned_by", "state", "aliases", "vram_mb", "held_mb", "in_flight",
+    "queued", "last_used_ago_s", "keep_alive_left_s", "pinned", "preemptible_by",
+    "pending_reason", "failure", "replicas",
+)  # fmt: skip
+"""The fields of a model's description the controller takes (it refuses others)."""
+
+Administer = Callable[[str, str, str], Awaitable[Any]]
+
+
+def default_name(port: int, host: str | None = None) -> str:
+    """This host's name and the port, as a worker name: ``box-1-8080``."""
+    base = re.sub(r"[^a-z0-9._-]+", "-", (host or socket.gethostname()).lower()).strip("-._")
+    suffix = f"-{port}"
+    return (base or "gateway")[: 63 - len(suffix)] + suffix
+
+
+def listen_url(host: str, port: int) -> str:
+    """The URL the gateway listens on; this host's name for every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def model_report(model: ModelServer) -> dict[str, Any]:
+    """A model as ``GET /v1/models`` describes it, in the fields the controller takes."""
+    described = model.describe()
+    found = {key: described[key] for key in REPORTED if key in described}
+    for key in ("pending_reason", "failure"):
+        if isinstance(found.get(key), str):
+            found[key] = found[key][:MAX_TEXT]
+    return found
+
+
+def _signature(models: Mapping[str, ModelServer]) -> tuple[Any, ...]:
+    """What the operator sees move: each model's state, pin, memory and replicas."""
+    return tuple(
+        (
+            m.state(),
+            m.pinned,
+            m.waiting > 0,
+            tuple((str(r.state), r.lease.get("id")) for r in m.replicas),
+        )
+        for m in models.values()
+    )
+
+
+class _Link:
+    """Whether the controller answers: one log line when it goes, one when it is back."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.up = True
+        self.refused = ""
+
+    def gone(self, error: Exception) -> None:
+        if self.up:
+            log.warning(
+                "gateway %s: the controller is unreachable (%s); retrying", self.name, error
+            )
+        self.up = False
+
+    def back(self) -> None:
+        if not self.up:
+            log.info("gateway %s: the controller answers again", self.name)
+        self.up = True
+        self.refused = ""
+
+    def refusal(self, error: ApiError) -> None:
+        text = f"{error.status} {error.code}: {error}"
+        if text != self.refused:
+            log.warning("gateway %s: the controller refused its report: %s", self.name, text)
+        self.refused = text
+
+
+class Reporter:
+    """One gateway's reporter: ``name`` (a worker name), its ``url``, ``host`` and
+    ``worker``, its ``models``; ``administer(model, verb, by)`` runs a command; a
+    controller that does not answer is tried again after ``backoff_s``, doubling up to
+    ``report_s``."""
+
+    def __init__(
+        self,
+        client: ArbiterClient,
+        *,
+        name: str,
+        url: str,
+        host: str,
+        worker: str | None,
+        models: Mapping[str, ModelServer],
+        administer: Administer,
+        report_s: float = REPORT_S,
+        debounce_s: float = DEBOUNCE_S,
+        backoff_s: float = BACKOFF_FIRST_S,
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.url = url
+        self.host = host
+        self.worker = worker
+        self.models = models
+        self.administer = administer
+        self.report_s = report_s
+        self.debounce_s = debounce_s
+        self.backoff_s = backoff_s
+        self._link = _Link(name)
+        self._soon = asyncio.Event()  # report now: a change, or the controller forgot it
+        self._known = asyncio.Event()  # the controller has the last report
+        self._reported: tuple[Any, ...] = ()
+        self._group: asyncio.TaskGroup | None = None
+
+    async def run(self) -> None:
+        """Reports, watches and takes commands until cancelled."""
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            group.create_task(self._reporting())
+            group.create_task(self._watching())
+            group.create_task(self._commands())
+
+    async def goodbye(self, timeout_s: float = 3.0) -> None:
+        """``DELETE /v1/gateways/{name}``: gone from the controller's list now."""
+        try:
+            await asyncio.wait_for(self.client.forget_gateway(self.name), timeout_s)
+        except (ApiError, ControllerUnreachable, TimeoutError) as error:
+            log.info("gateway %s: no goodbye to the controller (%s)", self.name, error)
+
+    # ------------------------------------------------------------------ loops
+
+    async def _reporting(self) -> None:
+        backoff = self.backoff_s
+        while True:
+            wait_s = self.report_s
+            if not await self._report():
+                wait_s, backoff = min(backoff, self.report_s), min(2 * backoff, self.report_s)
+            else:
+                backoff = self.backoff_s
+            self._soon.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._soon.wait(), wait_s)
+
+    async def _report(self) -> bool:
+        """One report; whether the controller took it. Its commands are run."""
+        signature = _signature(self.models)
+        body = {
+            "url": self.url,
+            "host": self.host,
+            "worker": self.worker,
+            "models": [model_report(m) for m in self.models.values()],
+        }
+        try:
+            answer = await self.client.report_gateway(self.name, body)
+        except ControllerUnreachable as error:
+            self._link.gone(error)
+            return False
+        except ApiError as error:
+            self._link.back()
+            self._link.refusal(error)
+            return False
+        self._link.back()
+        self._reported = signature
+        self._known.set()
+        for command in answer.get("commands") or []:
+            self._spawn(command)
+        return True
+
+    async def _watching(self) -> None:
+        while True:
+            await _first_change(self.models)
+            await asyncio.sleep(self.debounce_s)
+            if _signature(self.models) != self._reported:
+                self._soon.set()
+
+    async def _commands(self) -> None:
+        backoff = self.backoff_s
+        while True:
+            await self._known.wait()
+            try:
+                commands = await self.client.gateway_commands(self.name, wait_s=COMMANDS_WAIT_S)
+            except (ControllerUnreachable, ApiError) as error:
+                if isinstance(error, ApiError) and error.status == 404:
+                    self._known.clear()  # forgotten (a restarted controller): report again
+                    self._soon.set()
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, self.report_s)
+                continue
+            backoff = self.backoff_s
+            for command in commands:
+                self._spawn(command)
+
+    def _spawn(self, command: Mapping[str, Any]) -> None:
+        """Runs a command beside the loops: an unload takes its models' grace."""
+        assert self._group is not None
+        self._group.create_task(self._run(command))
+
+    async def _run(self, command: Mapping[str, Any]) -> None:
+        model, verb = str(command.get("model")), str(command.get("verb"))
+        if verb not in VERBS:
+            log.warning("gateway %s: unknown command %r ignored", self.name, verb)
+            return
+        try:
+            done = await self.administer(model, verb, f"the controller ({command.get('id')})")
+        except Exception:
+            log.exception("gateway %s: command %s %s failed", self.name, verb, model)
+            return
+        if done is None:
+            log.warning("gateway %s: command %s for unknown model %s", self.name, verb, model)
+        self._soon.set()  # the outcome, reported soon
+
+
+async def _first_change(models: Mapping[str, ModelServer]) -> None:
+    """Returns at the first change of any of ``models``."""
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(m.changed()) for m in models.values()]
+    if not waits:
+        waits.append(asyncio.ensure_future(asyncio.Event().wait()))
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
