@@ -277,6 +277,7 @@ class FakeEngine(EngineHttp):
         *,
         json: Any = None,
         params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> Answer | None:
         self.calls.append(path)
         if path == "/sleep":

@@ -13,13 +13,16 @@ import pytest
 from gpu_arbiter.core import InvalidInput
 from gpu_arbiter.gateway.config import parse_config
 from gpu_arbiter.gateway.engines import (
+    Answer,
     ComfyUiDriver,
     EngineHttp,
     LlamaCppDriver,
     OllamaDriver,
     SleepKind,
+    can_sleep,
     detect_engine,
     driver_for,
+    same_model,
     settled_mb,
 )
 
@@ -189,18 +192,23 @@ async def test_comfyui_is_busy_while_its_queue_holds_work_and_frees_on_request()
     assert driver.ready_paths == ("/system_stats",)
 
 
-async def test_ollama_sizes_each_loaded_model_and_unloads_them_all_to_sleep() -> None:
-    ps = {"models": [{"name": "qwen3:8b", "size_vram": 5 * 1024**3 + 1}, {"model": "tiny"}]}
+async def test_ollama_sizes_each_loaded_model_loads_and_unloads_one_and_never_sleeps() -> None:
+    ps = {"models": [{"name": "qwen3:8b", "size_vram": 5 * 1024**3 + 1}, {"model": "tiny:latest"}]}
     server = Recorded({"GET /api/ps": ok(ps), "POST /api/generate": ok({"done_reason": "unload"})})
-    driver = driver_for("ollama", server.http(), sleep_after_s=60)
-    assert isinstance(driver, OllamaDriver)
-    assert await driver.loaded(PORT) == {"qwen3:8b": 5121, "tiny": 0}
-    assert await driver.sleep(PORT)
+    driver = OllamaDriver(server.http(), sleep_after_s=60, model="tiny")
+    assert driver.sleeps is SleepKind.NONE and driver.sleep_after_s is None
+    assert not can_sleep("ollama")
+    assert await driver.loaded(PORT) == {"qwen3:8b": 5121, "tiny:latest": 0}
+    assert await driver.used_mb(PORT) == 0  # "tiny" is "tiny:latest"
+    assert (await driver.load(PORT, "qwen3:8b", 300)) == Answer(200, {"done_reason": "unload"})
+    assert await driver.unload(PORT, "qwen3:8b")
     bodies = [r.read() for r in server.seen if r.method == "POST"]
-    assert bodies == [b'{"model":"qwen3:8b","keep_alive":0}', b'{"model":"tiny","keep_alive":0}']
-    assert await driver.is_sleeping(PORT) is False
-    server.routes["GET /api/ps"] = ok({"models": []})
-    assert await driver.is_sleeping(PORT) is True
+    assert bodies == [
+        b'{"model":"qwen3:8b","keep_alive":-1,"stream":false}',
+        b'{"model":"qwen3:8b","keep_alive":0}',
+    ]
+    assert await OllamaDriver(server.http(), model="qwen3:8b").used_mb(PORT) == 5121
+    assert not same_model("tiny:1b", "tiny") and same_model("tiny:1b", "tiny:1b")
 
 
 async def test_a_server_that_does_not_answer_is_unknown_not_asleep() -> None:

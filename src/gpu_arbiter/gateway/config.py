@@ -40,6 +40,12 @@
                                    # that can sleep; default: never)
     sleep_level = 1                # vLLM's: 1 weights to host memory, 2 weights dropped
 
+    [models.local]                 # Ollama: one `ollama serve`, a model of the gateway
+    command = ["env", "OLLAMA_HOST=127.0.0.1:{port}", "ollama", "serve"]
+    [models.local.ollama_models]   # per Ollama model (routed by its Ollama name), each
+    "llama3.2:3b" = "3G"           # with its own lease of this size (shrunk to its
+    "qwen3:8b" = "6G"              # size_vram once loaded); the keys above apply to each
+
 Sizes, durations and priorities go through the project's parsers; every error is an
 :class:`~gpu_arbiter.core.InvalidInput` whose field names the model and the key
 (``models.chat.vram``) and whose reason says what is wrong. API keys never appear in
@@ -52,7 +58,7 @@ import re
 import shlex
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +96,14 @@ _MODEL_KEYS = frozenset(
         "engine",
         "sleep_after",
         "sleep_level",
+        "ollama_models",
     }
 )
+_NOT_PER_OLLAMA_MODEL = {
+    "vram": "each Ollama model's lease size is in ollama_models",
+    "replicas": "one ollama serve holds one copy of a model",
+    "aliases": "Ollama is sent the name the request gives: route by the Ollama name",
+}
 _PORT_KEYS = frozenset(
     {
         "api_keys",
@@ -141,6 +153,7 @@ class ModelConfig:
     engine: str = "generic"  # a name of engines.ENGINE_NAMES
     sleep_after_s: float | None = None  # None: never asleep (stopped after keep_alive)
     sleep_level: int = 1  # vLLM's
+    ollama_serve: str | None = None  # an Ollama model: the entry whose serve holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +205,13 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
     models_table = _table(data.get("models"), "models")
     if not models_table:
         raise InvalidInput("models", "no model: add a [models.NAME] table with a command")
-    models = {name: _model(name, spec) for name, spec in models_table.items()}
+    models: dict[str, ModelConfig] = {}
+    for name, spec in models_table.items():
+        for model in _entry(name, spec):
+            if model.name in models:
+                where = _where(model)
+                raise InvalidInput(where, f"{model.name!r} already names a model")
+            models[model.name] = model
     _check_names(models)
     port = gateway.get("port", 8080)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -318,6 +337,48 @@ def _hosts(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(h, str) and h.strip() for h in value):
         raise InvalidInput(where, 'must be a list of host names ("*": any)')
     return tuple(h.strip() for h in value)
+
+
+def _entry(name: str, spec: Any) -> list[ModelConfig]:
+    """The models of one ``[models.NAME]`` table: itself, or the Ollama models its
+    ``ollama serve`` holds (``ollama_models``)."""
+    model = _model(name, spec)
+    table = spec.get("ollama_models") if isinstance(spec, dict) else None
+    where = f"models.{name}.ollama_models"
+    if model.engine != "ollama":
+        if table is not None:
+            engine = model.engine
+            raise InvalidInput(where, f'only an engine = "ollama" entry has them, not {engine}')
+        return [model]
+    if not isinstance(table, dict) or not table:
+        raise InvalidInput(
+            where, 'missing: a table of the Ollama models it serves and each one\'s lease size '
+            '("llama3.2:3b" = "3G")',
+        )  # fmt: skip
+    for key, why in _NOT_PER_OLLAMA_MODEL.items():
+        if key in spec:
+            raise InvalidInput(f"models.{name}.{key}", f"not for an Ollama entry: {why}")
+    return [_ollama_model(model, ollama, size) for ollama, size in table.items()]
+
+
+def _ollama_model(entry: ModelConfig, name: str, size: Any) -> ModelConfig:
+    where = f'models.{entry.name}.ollama_models."{name}"'
+    if not _NAME.fullmatch(name):
+        raise InvalidInput(
+            where, "an Ollama model the gateway routes is named with letters, digits and "
+            ". _ : - (64 at most)",
+        )  # fmt: skip
+    if size == "auto":
+        raise InvalidInput(where, 'must be a size such as "3G": an Ollama model has no file here')
+    vram = _parsed(_vram, size, where)
+    return replace(entry, name=name, vram=vram, ollama_serve=entry.name)
+
+
+def _where(model: ModelConfig) -> str:
+    """Where ``model`` is in the config."""
+    if model.ollama_serve is None:
+        return f"models.{model.name}"
+    return f'models.{model.ollama_serve}.ollama_models."{model.name}"'
 
 
 def _model(name: str, spec: Any) -> ModelConfig:

@@ -10,7 +10,9 @@ the engine's own documented interfaces:
 - **what busy means** (:meth:`Driver.busy`): the requests in flight (the gateway counts
   them), or ComfyUI's queue, whose work runs after its answer;
 - **how it gives memory back without dying** (:attr:`Driver.sleeps`, :meth:`Driver.sleep`,
-  :meth:`Driver.wake`, :meth:`Driver.is_sleeping`).
+  :meth:`Driver.wake`, :meth:`Driver.is_sleeping`);
+- **what measures its memory** (:meth:`Driver.used_mb`): the agent's probe of the process
+  group, or the engine's own figure where one group serves several models (Ollama).
 
 ============  ==============================  ==========================================
 engine        the lease's flags               asleep: how, and what says so
@@ -30,10 +32,9 @@ sglang        ``--mem-fraction-static``       ``POST /release_memory_occupation`
 comfyui       (none)                          ``POST /free`` (unload_models, free_memory):
                                               freed after the answer, 1-2 GB stay; the
                                               next prompt loads again; nothing says
-ollama        (none)                          each loaded model unloaded
-                                              (``/api/generate`` with ``keep_alive: 0``);
-                                              ``GET /api/ps`` empty; the next request
-                                              loads again
+ollama        (none)                          never: each Ollama model is a model of the
+                                              gateway with its own lease (``ollama.py``);
+                                              unloaded (``keep_alive: 0``) = stopped
 generic       (none)                          cannot sleep: idle means stopped
 ============  ==============================  ==========================================
 
@@ -76,6 +77,7 @@ __all__ = [
     "detect_engine",
     "driver_for",
     "engine_named",
+    "same_model",
     "settled_mb",
 ]
 
@@ -132,10 +134,15 @@ class EngineHttp:
         *,
         json: Any = None,
         params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> Answer | None:
+        """``timeout_s``: this call's (None: the client's, ``HTTP_TIMEOUT_S``)."""
         url = f"http://127.0.0.1:{port}{path}"
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         try:
-            response = await self._client.request(method, url, json=json, params=params)
+            response = await self._client.request(
+                method, url, json=json, params=params, timeout=timeout
+            )
         except httpx.HTTPError:
             return None
         try:
@@ -162,6 +169,7 @@ class _Offline(EngineHttp):
         *,
         json: Any = None,
         params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> Answer | None:
         return None
 
@@ -227,6 +235,11 @@ class Driver:
 
     async def is_sleeping(self, port: int) -> bool | None:
         """What the server says; None: it cannot say, or did not answer."""
+        return None
+
+    async def used_mb(self, port: int) -> int | None:
+        """The GPU memory the server itself reports for the model; None: the agent's
+        probe is the measure (of the process group)."""
         return None
 
 
@@ -393,12 +406,25 @@ class ComfyUiDriver(Driver):
 
 class OllamaDriver(Driver):
     """One ``ollama serve`` holds many models: ``GET /api/ps`` lists those loaded with
-    their memory on the GPUs (``size_vram``); a request with ``keep_alive: 0`` unloads
-    one. Asleep: none loaded (the process and its port kept); the next request loads."""
+    their memory on the GPUs (``size_vram``); ``POST /api/generate`` without a prompt
+    loads one, with ``keep_alive: 0`` unloads it. It does not sleep: a model unloaded is
+    a model stopped, and its load is quick (``ollama.py`` runs each Ollama model as a
+    model of the gateway, all sharing one serve). ``model``: the Ollama model this driver
+    speaks for (its :meth:`used_mb`)."""
 
     engine = Engine.OLLAMA
-    sleeps = SleepKind.ASKED
     ready_paths = ("/api/version",)
+
+    def __init__(
+        self,
+        http: EngineHttp,
+        *,
+        sleep_after_s: float | None = None,
+        sleep_level: int = 1,
+        model: str | None = None,
+    ) -> None:
+        super().__init__(http, sleep_after_s=sleep_after_s, sleep_level=sleep_level)
+        self.model = model
 
     async def loaded(self, port: int) -> dict[str, int] | None:
         """Each loaded model's GPU memory in MiB (rounded up); None: no answer."""
@@ -412,21 +438,28 @@ class OllamaDriver(Driver):
                 found[name] = -(-size // MIB)
         return found
 
+    async def load(self, port: int, model: str, timeout_s: float) -> Answer | None:
+        """Loads ``model`` and keeps it loaded until it is unloaded (``keep_alive: -1``):
+        Ollama answers once it has loaded (an error body when it cannot)."""
+        body = {"model": model, "keep_alive": -1, "stream": False}
+        return await self.http.call("POST", port, "/api/generate", json=body, timeout_s=timeout_s)
+
     async def unload(self, port: int, model: str) -> bool:
         body = {"model": model, "keep_alive": 0}
         answer = await self.http.call("POST", port, "/api/generate", json=body)
         return _ok(answer)
 
-    async def sleep(self, port: int) -> bool:
+    async def used_mb(self, port: int) -> int | None:
+        """The GPU memory of :attr:`model` as ``/api/ps`` says (0: not loaded)."""
         models = await self.loaded(port)
-        if models is None:
-            return False
-        unloaded = [await self.unload(port, model) for model in models]
-        return all(unloaded)
+        if models is None or self.model is None:
+            return None
+        return next((mb for name, mb in models.items() if same_model(name, self.model)), 0)
 
-    async def is_sleeping(self, port: int) -> bool | None:
-        models = await self.loaded(port)
-        return None if models is None else not models
+
+def same_model(listed: str, model: str) -> bool:
+    """Whether Ollama's ``listed`` name is ``model``: a name without a tag is ``:latest``."""
+    return listed == model or (":" not in model and listed == f"{model}:latest")
 
 
 _DRIVERS: Mapping[Engine, type[Driver]] = {

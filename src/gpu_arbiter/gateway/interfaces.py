@@ -76,9 +76,11 @@ async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
 
 class ServerProcess(Protocol):
     """A started model server; ``pid`` leads its own process group (the lease covers the
-    whole group)."""
+    whole group), or is None for a model without a group of its own (one of the models
+    of one ``ollama serve``: ``ollama.py``), which is never attached to its lease."""
 
-    pid: int
+    @property
+    def pid(self) -> int | None: ...
 
     async def wait(self) -> int:
         """Waits until the leader exited and nothing is left of its group; its exit code."""

@@ -381,7 +381,7 @@ class Replica:
         self.process = process
         self._by_agent = await self._attach()
         log.info(
-            "model %s replica %d: started pid %d on %s port %d (lease %s)",
+            "model %s replica %d: started pid %s on %s port %d (lease %s)",
             model.name, self.number, process.pid, ", ".join(self.lease["gpus"]), self.port,
             self.lease["id"],
         )  # fmt: skip
@@ -412,8 +412,12 @@ class Replica:
         knows its memory is the lease's (I2), and the agent stops it when the lease lapses
         or this gateway is gone. On a revocation the gateway stops it itself, after the
         requests in flight had their grace (``holder_stops_s``): the agent's own SIGTERM
-        comes only if it has not by then."""
+        comes only if it has not by then. A process without a group of its own (``pid``
+        None: an Ollama model, one of several in one serve) is not attached: the agent
+        would stop the whole group when this one lease is revoked."""
         assert self.process is not None
+        if self.process.pid is None:
+            return False
         worker, grace_s = str(self.lease["worker"]), self.model.config.grace_s
         return await self.parts.agent.attach(worker, self.lease["id"], self.process.pid, grace_s)
 
@@ -631,7 +635,7 @@ class Replica:
         wait_s = grace_s + (AGENT_MARGIN_S if by_agent else 0.0)
         if not await self._exits_within(process, wait_s):
             name = self.model.name
-            log.warning("model %s: pid %d outlived its grace: SIGKILL", name, process.pid)
+            log.warning("model %s: pid %s outlived its grace: SIGKILL", name, process.pid)
             process.signal(signal.SIGKILL)
             await self._exits_within(process, None)
 
@@ -726,9 +730,12 @@ class Replica:
         return Ending("revoked", detail)
 
     async def used_mb(self) -> int | None:
-        """The GPU memory of the process group now, as the local agent's probe sees it."""
+        """The GPU memory of the process group now, as the local agent's probe sees it
+        (a process without a group of its own: the engine's figure for it)."""
         if self.process is None:
             return None
+        if self.process.pid is None:
+            return await self.model.driver.used_mb(self.port)
         return await self.parts.agent.used_mb(str(self.lease.get("worker")), self.process.pid)
 
 

@@ -36,6 +36,7 @@ from .interfaces import LoopClock, Parts
 from .links import HttpHealthCheck, LocalAgentLink
 from .metrics import GatewayMetrics
 from .model import ModelServer
+from .ollama import model_servers
 from .process import ProcessLauncher
 from .report import Reporter, default_name, listen_url
 
@@ -120,13 +121,9 @@ async def _serve(
     async with ArbiterClient(controller or config.controller, token=token) as client:
         await _release(client, await launcher.stop_leftovers())
         parts = Parts(LoopClock(), launcher, LocalAgentLink(), client, health, engines)
-        models = {
-            name: ModelServer(
-                model, parts=parts, metrics=metrics, spawn=spawn, worker=worker,
-                vram_mb=sizes[name],
-            )
-            for name, model in config.models.items()
-        }  # fmt: skip
+        models = model_servers(
+            config.models, parts=parts, metrics=metrics, spawn=spawn, worker=worker, sizes=sizes
+        )  # an Ollama entry's models share one serve
         for model in models.values():
             model.neighbours = models  # collation: a busy model yields to one that waits
         routes = {alias: m.name for m in config.models.values() for alias in m.aliases}
