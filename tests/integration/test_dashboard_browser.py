@@ -23,6 +23,7 @@ from playwright.async_api import BrowserContext, Page, Request, async_playwright
 
 from gpu_arbiter.core import format_mb
 from tests.integration.conftest import Server, register, wait_for
+from tests.integration.gateways import GatewayProcess, model_entry
 from tests.integration.test_ha import Controllers, leader_of, role
 
 CHROMIUM = Path(os.environ.get("GPU_ARBITER_CHROMIUM", "/usr/bin/chromium"))
@@ -711,3 +712,45 @@ def test_the_history_route_reads_the_last_samples_and_follows_with_since(
             "role": None,
             "admin_token_file": str(quick_history.state_dir / "admin.token"),
         }
+
+
+def reported(admin: httpx.Client, gateway: GatewayProcess) -> dict[str, Any] | None:
+    found: dict[str, Any] | None = next(
+        (g for g in admin.get("/v1/gateways").json() if g["url"] == gateway.url), None
+    )
+    return found
+
+
+async def test_the_models_panel_shows_each_gateways_models_and_pins_one(
+    server: Server, admin: httpx.Client, dashboard: Dashboard, tmp_path: Path
+) -> None:
+    """A real gateway reports to the controller; the page shows its host, its name and
+    URL, and its model with its state; Pin goes through the controller to the gateway,
+    whose own API then says pinned, and the button becomes Unpin."""
+    record = tmp_path / "record"
+    record.mkdir()
+    models = model_entry("chat", record, vram="1G", aliases=["gpt-4o-mini"])
+    gateway = GatewayProcess(server.url, server.admin_token, tmp_path / "gw", models).start()
+    try:
+        found = await eventually(lambda: reported(admin, gateway), "the gateway's report", 30)
+        await dashboard.open(server.admin_token)
+        page = dashboard.page
+        host = page.locator(f'.host[data-host="{found["host"]}"]')
+        await expect(host.locator("h3")).to_have_text(found["host"])
+        block = host.locator(f'.gateway[data-gateway="{found["name"]}"]')
+        await expect(block.locator(".gateway-head")).to_contain_text(found["name"])
+        await expect(block.locator(".gateway-head")).to_contain_text(gateway.url)
+        row = block.locator('tr[data-id="chat"]')
+        await expect(row.locator(".model-state")).to_have_attribute("data-state", "cold")
+        await expect(row).to_contain_text("gpt-4o-mini")
+        await expect(row.locator("td.pinned")).to_have_text("no")
+
+        await row.locator('button[data-action="model-pin"]').click()
+        await expect(page.locator("#toast")).to_contain_text("sent to the gateway")
+        await eventually(lambda: gateway.model_state("chat")["pinned"], "the gateway pinned", 30)
+        await expect(row.locator('button[data-action="model-unpin"]')).to_be_visible()
+        await expect(row.locator("td.pinned")).to_contain_text("yes")
+        await dashboard.screenshot("dashboard-models.png")
+        dashboard.assert_clean()
+    finally:
+        gateway.stop()

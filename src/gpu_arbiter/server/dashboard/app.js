@@ -4,12 +4,14 @@
 // to refresh them. A slow periodic refresh catches what no event announces
 // (the memory a probe observes). The history strips are polled from
 // /v1/history at the controller's sample rate: samples are readings, not events.
+// The gateways' models are polled from /v1/gateways (their reports are not events).
 "use strict";
 
 const TOKEN_KEY = "gpu-arbiter-token";
 const HELD = ["loading", "active", "revoking"];
 const EVENTS_SHOWN = 50;
 const PERIODIC_REFRESH_MS = 5000;
+const GATEWAYS_POLL_MS = 2000;
 const LABEL_MIN_PX = 28; // a segment narrower than this shows no name (its title does)
 const CLASSES = [["critical", 1000], ["interactive", 800], ["normal", 500], ["background", 300], ["batch", 100]];
 const state = {
@@ -489,6 +491,100 @@ async function pollHistory(generation) {
   setTimeout(() => pollHistory(generation), waitMs);
 }
 
+// ---------------------------------------------------------------- the models of the gateways
+
+// The gateways report to the controller (the page never talks to them): one block per
+// host, one table per gateway, polled every GATEWAYS_POLL_MS while the page is visible.
+const MODEL_STATES = {
+  cold: "cold (stopped)",
+  backoff: "backing off after a failed start",
+  asleep: "asleep (process kept, memory given back)",
+};
+
+function modelLeases(model) {
+  const leases = (model.replicas || []).filter((r) => r.lease)
+    .map((r) => r.lease + (r.lease_idle ? " (idle)" : "") + (r.priority !== undefined ? `, priority ${r.priority}` : ""));
+  return leases.length ? leases.join("; ") : "-";
+}
+
+function keepAliveLeft(model) {
+  const left = (model.replicas || []).map((r) => r.keep_alive_left_s).filter((s) => typeof s === "number");
+  if (typeof model.keep_alive_left_s === "number") left.push(model.keep_alive_left_s);
+  return left.length ? duration(Math.min(...left)) : "-";
+}
+
+function modelState(model) {
+  const why = model.pending_reason || model.failure;
+  return el("span", {},
+    el("span", { class: "model-state " + model.state, "data-state": model.state }, MODEL_STATES[model.state] || model.state),
+    why ? el("div", { class: "reason-text" }, why) : null);
+}
+
+function pinnedText(model) {
+  if (!model.pinned) return "no";
+  return model.preemptible_by ? `yes: only ${model.preemptible_by} may preempt` : "yes: not preemptible";
+}
+
+function modelButtons(gateway, model) {
+  const data = { "data-gateway": gateway.name, "data-model": model.id };
+  return el("span", { class: "nowrap" },
+    el("button", { "data-action": "model-unload", ...data }, "Unload"), " ",
+    model.pinned
+      ? el("button", { "data-action": "model-unpin", ...data }, "Unpin")
+      : el("button", { "data-action": "model-pin", ...data }, "Pin"));
+}
+
+function gatewayBlock(gateway) {
+  const head = el("div", { class: "gateway-head" },
+    el("span", { class: "name" }, gateway.name),
+    el("code", { class: "url" }, gateway.url),
+    gateway.worker ? el("span", { class: "count" }, "beside worker " + gateway.worker) : null,
+    gateway.stale
+      ? el("span", { class: "stale-mark" }, `not reporting for ${duration(gateway.reported_ago_s)}`)
+      : el("span", { class: "count" }, `reported ${duration(gateway.reported_ago_s)} ago`));
+  return el("div", { class: "gateway" + (gateway.stale ? " stale" : ""), "data-gateway": gateway.name }, head, table([
+    { title: "model", class: "lead", value: (m) => [m.id, ...(m.aliases || []).map((a) => el("span", { class: "count" }, " " + a))] },
+    { title: "state", value: modelState },
+    { title: "lease", class: "id", value: modelLeases },
+    { title: "memory held / wanted", value: (m) => `${mib(m.held_mb || 0)} / ${mib(m.vram_mb)}` },
+    { title: "in flight", value: (m) => m.in_flight || 0 },
+    { title: "queued", value: (m) => m.queued || 0 },
+    { title: "last used", value: (m) => (m.last_used_ago_s === null || m.last_used_ago_s === undefined ? "never" : duration(m.last_used_ago_s) + " ago") },
+    { title: "keep-alive left", value: keepAliveLeft },
+    { title: "pinned", class: "pinned", value: pinnedText },
+    { title: "", class: "admin", value: (m) => modelButtons(gateway, m) },
+  ], gateway.models || [], "No model."));
+}
+
+function renderModels(gateways) {
+  $("model-count").textContent = `(${gateways.reduce((n, g) => n + (g.models || []).length, 0)})`;
+  const hosts = new Map();
+  for (const gateway of gateways) {
+    const host = gateway.host || "unknown host";
+    if (!hosts.has(host)) hosts.set(host, []);
+    hosts.get(host).push(gateway);
+  }
+  const blocks = [...hosts].sort(([a], [b]) => a.localeCompare(b)).map(([host, found]) =>
+    el("div", { class: "host", "data-host": host }, el("h3", {}, host), found.map(gatewayBlock)));
+  $("models").replaceChildren(...(blocks.length ? blocks
+    : [el("p", { class: "empty" }, "No gateway reports to this controller (gateways report to the leader, every 5 s).")]));
+}
+
+async function refreshGateways(generation) {
+  try {
+    const gateways = await api("GET", "/v1/gateways");
+    if (generation === state.generation) renderModels(gateways);
+  } catch (err) {
+    // refresh() says what is wrong; the next poll tries again
+  }
+}
+
+async function pollGateways(generation) {
+  if (generation !== state.generation) return;
+  if (!document.hidden) await refreshGateways(generation);
+  setTimeout(() => pollGateways(generation), GATEWAYS_POLL_MS);
+}
+
 // ---------------------------------------------------------------- tables
 
 function table(columns, rows, empty) {
@@ -565,7 +661,7 @@ function renderSummary(status) {
 }
 
 function clearViews() {
-  for (const id of ["summary", "workers", "queue", "queue-history", "leases", "events", "queue-count", "lease-count"]) {
+  for (const id of ["summary", "workers", "queue", "queue-history", "leases", "events", "queue-count", "lease-count", "models", "model-count"]) {
     $(id).replaceChildren();
   }
   $("paused").hidden = true;
@@ -633,12 +729,13 @@ function scheduleRefresh() {
   if (state.refreshTimer === null) state.refreshTimer = setTimeout(refresh, 150);
 }
 
-// Once per token: the event stream and the history polling.
+// Once per token: the event stream, the history polling and the gateways' polling.
 function goLive(generation) {
   if (state.live === generation) return;
   state.live = generation;
   follow(generation);
   pollHistory(generation);
+  pollGateways(generation);
 }
 
 // ---------------------------------------------------------------- the event stream
@@ -742,6 +839,8 @@ function request(action, data) {
     case "drain": return ["POST", `/v1/workers/${worker}/drain`, { mode: "graceful" }];
     case "cancel-drain": return ["POST", `/v1/workers/${worker}/cancel-drain`];
     case "release": return ["DELETE", `/v1/leases/${encodeURIComponent(data.lease)}`];
+    case "model-unload": case "model-pin": case "model-unpin":
+      return ["POST", `/v1/gateways/${encodeURIComponent(data.gateway)}/models/${encodeURIComponent(data.model)}/${action.slice(6)}`];
     default: return null;
   }
 }
@@ -753,13 +852,17 @@ async function act(button) {
   const holder = button.dataset.lease ? state.holders.get(button.dataset.lease) : null;
   const what = button.dataset.lease ? `lease ${button.dataset.lease}` + (holder ? ` of ${holder}` : "") : "";
   if (action === "release" && !window.confirm(`Release ${what}?`)) return;
-  const target = button.dataset.worker || button.dataset.lease;
-  const label = target ? `${action} ${target}` : action;
+  const model = button.dataset.model ? `${button.dataset.model} on ${button.dataset.gateway}` : "";
+  if (action === "model-unload" && !window.confirm(`Unload ${model}? Its servers stop now.`)) return;
+  const target = button.dataset.worker || button.dataset.lease || model;
+  const verb = button.dataset.model ? action.replace("model-", "") : action;
+  const label = target ? `${verb} ${target}` : verb;
   button.disabled = true;
   try {
     await api(...call);
-    toast(`${label}: done`, "ok");
+    toast(`${label}: ${button.dataset.model ? "sent to the gateway" : "done"}`, "ok");
     scheduleRefresh();
+    if (button.dataset.model) refreshGateways(state.generation);
   } catch (err) {
     const hint = err.status === 401 ? " (enter the admin token)" : err.status === 403 ? " (an admin token is needed)" : "";
     toast(`${label} refused: ${err.message}${hint}`, "error");
