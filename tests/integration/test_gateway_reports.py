@@ -4,13 +4,16 @@ llama-server behind the gateway, everything through the HTTP APIs."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from .conftest import wait_for
+from .conftest import SRC, wait_for
 from .gateways import GatewayProcess, chat, model_entry
 from .test_gateway import Setup, setup
 from .test_gateway_llama import llama_entry
@@ -146,3 +149,28 @@ def test_a_gateway_stopped_says_goodbye_and_one_killed_turns_stale(setup: Setup)
     assert stale is True
     late = setup.admin.post(f"/v1/gateways/{found['name']}/models/chat/pin")
     assert late.status_code == 409 and "nobody would take" in late.json()["error"]["message"]
+
+
+def cli(setup: Setup, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpu-arbiter ARGS`` against the controller, with no gateway given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_ARBITER_GATEWAY")}
+    env["PYTHONPATH"] = str(SRC)
+    command = [sys.executable, "-m", "gpu_arbiter", *args]
+    command += ["--controller", setup.server.url, "--token", setup.server.admin_token]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_the_model_commands_without_a_gateway_go_through_the_controller(setup: Setup) -> None:
+    gateway = gateway_in(setup, "gateway")
+    found = wait_for(lambda: reported(setup.admin, gateway), 30, "the gateway's report")
+    listed = cli(setup, "models")
+    assert listed.returncode == 0, listed.stderr
+    assert found["name"] in listed.stdout and "chat" in listed.stdout
+    pinned = cli(setup, "pin", "chat")
+    assert pinned.returncode == 0, pinned.stderr
+    assert f"{found['name']}: pin chat queued" in pinned.stdout
+    wait_for(lambda: own_view(gateway, "chat")["pinned"], 30, "the gateway's model pinned")
+    unknown = cli(setup, "unpin", "embed")
+    assert unknown.returncode == 1
+    assert "no gateway reporting to the controller has a model 'embed'" in unknown.stderr
+    assert own_view(gateway, "chat")["pinned"] is True

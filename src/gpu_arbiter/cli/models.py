@@ -4,8 +4,11 @@ HTTP API (``GET /v1/models``, ``POST /admin/models/NAME/VERB``) -> rendering; th
 gateways decide.
 
 Every command asks every gateway given (``--gateway``, repeatable or comma-separated;
-``GPU_ARBITER_GATEWAY``; default ``http://127.0.0.1:8080``), at once. A gateway that
-cannot be reached, or refuses, is one line naming it; the others are still shown.
+``GPU_ARBITER_GATEWAY``), at once. A gateway that cannot be reached, or refuses, is one
+line naming it; the others are still shown. Given no gateway, the controller is asked
+(``--controller``, ``--token``, as every other command): its gateways' last reports
+(``GET /v1/gateways``), and a change is queued there for each live gateway that has the
+model (``POST /v1/gateways/NAME/models/MODEL/VERB``).
 
 Exit codes: 0 done; 1 ``models``: no gateway answered with its models; a change: a
 gateway was not reached or refused it, or none knows the model; 2 bad arguments.
@@ -25,8 +28,9 @@ import httpx
 import typer
 from rich.table import Table
 
+from ..client import ArbiterClient
 from ..core import format_mb, format_s
-from .ops import EXIT_API_ERROR, option, stdout_console
+from .ops import EXIT_API_ERROR, Controller, Token, call_controller, option, stdout_console
 
 __all__ = ["MODEL_COMMANDS", "models_view"]
 
@@ -38,7 +42,8 @@ Json = dict[str, Any]
 Gateways = Annotated[
     list[str] | None,
     option(
-        f"Gateway URL; repeat it or comma-separate several (default {DEFAULT_GATEWAY}).",
+        "Gateway URL; repeat it or comma-separate several (default: the gateways that "
+        "report to the controller).",
         "--gateway",
         envvar="GPU_ARBITER_GATEWAY",
     ),
@@ -199,13 +204,69 @@ def _changed_line(verb: str, answer: Answer) -> str:
     )
 
 
+# ---------------------------------------------------------------- through the controller
+
+
+def reported(controller: str | None, token: str | None) -> list[Answer]:
+    """The controller's gateways as answers: a live one's models, a stale one refused."""
+    found: list[Json] = call_controller(controller, token, lambda c: c.gateways())
+    answers = []
+    for entry in found:
+        name = f"{entry['name']} ({entry['url']})"
+        if entry.get("stale"):
+            why = {
+                "error": {
+                    "code": "stale",
+                    "message": f"not reporting for {entry['reported_ago_s']:.0f}s",
+                }
+            }
+            answers.append(Answer(name, 409, why))
+        else:
+            answers.append(Answer(name, 200, {"data": entry["models"]}))
+    return answers
+
+
+def _queue_change(verb: str, model: str, controller: str | None, token: str | None) -> None:
+    """The change queued at the controller for each live gateway that has the model."""
+
+    async def queue(client: ArbiterClient) -> list[Json]:
+        found = await client.gateways()
+        having = [g for g in found if not g.get("stale") and _has(g["models"], model)]
+        return [await client.gateway_command(g["name"], model, verb) for g in having]
+
+    queued = call_controller(controller, token, queue)
+    for command in queued:
+        print(
+            f"{command['gateway']}: {verb} {command['model']} queued (command {command['id']}); "
+            "the gateway takes it at once"
+        )
+    if not queued:
+        print(
+            f"error: no gateway reporting to the controller has a model {model!r}", file=sys.stderr
+        )
+        raise typer.Exit(EXIT_API_ERROR)
+
+
+def _has(models: list[Json], name: str) -> bool:
+    return any(m.get("id") == name or name in (m.get("aliases") or []) for m in models)
+
+
 # ---------------------------------------------------------------- commands
 
 
-def models(gateway: Gateways = None, key: Key = None, as_json: AsJson = False) -> None:
+def models(
+    gateway: Gateways = None,
+    key: Key = None,
+    as_json: AsJson = False,
+    controller: Controller = None,
+    token: Token = None,
+) -> None:
     """Every gateway's models: state, lease, memory, requests in flight and queued, last
     used, keep-alive left, pinned."""
-    answers = ask(gateway_urls(gateway), "GET", "/v1/models", key, LIST_TIMEOUT_S)
+    if gateway:
+        answers = ask(gateway_urls(gateway), "GET", "/v1/models", key, LIST_TIMEOUT_S)
+    else:
+        answers = reported(controller, token)
     listed = any(answer.status == 200 for answer in answers)
     if as_json:
         print(json.dumps([_as_json(a) for a in answers], indent=2, sort_keys=True))
@@ -225,10 +286,19 @@ def _as_json(answer: Answer) -> Json:
 
 
 def _change(
-    verb: str, model: str, gateway: list[str] | None, key: str | None, as_json: bool
+    verb: str,
+    model: str,
+    gateway: list[str] | None,
+    key: str | None,
+    as_json: bool,
+    controller: str | None = None,
+    token: str | None = None,
 ) -> None:
     """``POST /admin/models/MODEL/VERB`` on every gateway; those that do not know the
-    model are left out, unless none does."""
+    model are left out, unless none does. Given no gateway: through the controller."""
+    if not gateway:
+        _queue_change(verb, model, controller, token)
+        return
     path = f"/admin/models/{quote(model, safe='')}/{verb}"
     answers = ask(gateway_urls(gateway), "POST", path, key, CHANGE_TIMEOUT_S)
     done = [a for a in answers if a.status == 200]
@@ -248,26 +318,41 @@ def _change(
 
 
 def unload(
-    model: ModelArg, gateway: Gateways = None, key: Key = None, as_json: AsJson = False
+    model: ModelArg,
+    gateway: Gateways = None,
+    key: Key = None,
+    as_json: AsJson = False,
+    controller: Controller = None,
+    token: Token = None,
 ) -> None:
     """Stop a model's servers now (requests in flight get its grace; queued ones are
     cancelled) and release their leases; the next request starts it again."""
-    _change("unload", model, gateway, key, as_json)
+    _change("unload", model, gateway, key, as_json, controller, token)
 
 
 def pin(
-    model: ModelArg, gateway: Gateways = None, key: Key = None, as_json: AsJson = False
+    model: ModelArg,
+    gateway: Gateways = None,
+    key: Key = None,
+    as_json: AsJson = False,
+    controller: Controller = None,
+    token: Token = None,
 ) -> None:
     """Keep a model loaded: its lease never marked idle, never stopped for keep_alive; only
     a strictly higher priority may preempt it, if it is preemptible."""
-    _change("pin", model, gateway, key, as_json)
+    _change("pin", model, gateway, key, as_json, controller, token)
 
 
 def unpin(
-    model: ModelArg, gateway: Gateways = None, key: Key = None, as_json: AsJson = False
+    model: ModelArg,
+    gateway: Gateways = None,
+    key: Key = None,
+    as_json: AsJson = False,
+    controller: Controller = None,
+    token: Token = None,
 ) -> None:
     """Let a pinned model go: idle_after and keep_alive count again, from now."""
-    _change("unpin", model, gateway, key, as_json)
+    _change("unpin", model, gateway, key, as_json, controller, token)
 
 
 MODEL_COMMANDS: dict[str, Callable[..., None]] = {
