@@ -407,3 +407,32 @@ async def test_a_gpu_the_probe_cannot_read_gets_no_grants_until_it_reads_again()
     assert controller.lease(waiting).state is LeaseState.PENDING
     controller.heartbeat("box-1", [GpuProbeReport(0, 0)])
     assert controller.lease(waiting).state is LeaseState.LOADING
+
+
+def _expiry(record: Any) -> float:
+    assert record is not None and record.lease is not None
+    return float(record.lease.expires_at)
+
+
+async def test_a_restart_rearms_each_ttl_from_its_own_time_without_writing_a_lease() -> None:
+    """I4 over an outage: a restored lease lapses one TTL after the restart, not at the
+    expiry stored before it; re-arming writes nothing (a restart with many leases costs
+    no write per lease), so a second restart re-arms from its own time again."""
+    store, clock = MemoryStore(), Clock()
+    first = start(store, clock)
+    first.register("box-1", gpus("box-1"))
+    held = ask(first, 1_000, ttl_s=30)
+    stored_expiry = _expiry(first.lease(held))
+    first.close()
+    for outage in (100, 40):
+        clock.now += outage  # past the stored expiry: no holder could renew meanwhile
+        restarted = start(store, clock)
+        assert _expiry(restarted.lease(held)) == clock.now + 30
+        assert _expiry(store.lease(held)) == stored_expiry  # not rewritten
+        restarted.close()
+    last = start(store, clock)
+    clock.now += 31
+    last.pause()  # any change runs the overdue timers
+    assert last.lease(held).state is LeaseState.EXPIRED
+    stored = store.lease(held)
+    assert stored is not None and stored.state is LeaseState.EXPIRED

@@ -421,9 +421,20 @@ class Leases:
 
     def restore(self, records: Sequence[LeaseRecord], change: Change) -> None:
         """Gives the (new) core the stored leases, held ones by token, then the pending
-        ones in order; one that no longer fits ends in ``change``."""
+        ones in order; one that no longer fits ends in ``change``.
+
+        No holder could renew while no controller led (a restart, a failover): each
+        restored lease gets at least its TTL from now, so that none lapses for the outage
+        and frees memory its holder still uses (I4); a dead holder's lapses one TTL later.
+        That expiry is the core's, not written: it is derived again at every start from
+        the stored one (a second restart re-arms from its own time, exactly as the first),
+        so that a restart costs no write per lease. The store keeps the expiry the holder
+        last renewed to until its next renew or end writes the lease."""
         held = sorted((r.lease.token, r.lease, r) for r in records if r.lease is not None)
         for _, lease, record in held:
+            ttl = lease.request.ttl_s
+            if ttl is not None and lease.expires_at < change.now + ttl:
+                lease = replace(lease, expires_at=change.now + ttl)  # a revoked one too
             try:
                 self._scheduler.restore_lease(lease)
             except (ArbiterError, KeyError) as error:
@@ -440,13 +451,3 @@ class Leases:
                 continue
             self.remember(record)
             self._pending_by_holder[_holder_key(record)] += 1
-
-    def renew_restored(self, change: Change) -> None:
-        """No holder could renew while no controller led (a restart, a failover): each
-        restored lease gets at least its TTL from now, so that none lapses for the outage
-        and frees memory its holder still uses (I4). A dead holder's lapses one TTL later."""
-        for lease in list(self._scheduler.leases.values()):
-            ttl = lease.request.ttl_s
-            if ttl is not None and lease.expires_at < change.now + ttl:
-                self._scheduler.extend(lease.id, change.now + ttl)  # a revoked one too
-                change.leases.add(lease.id)

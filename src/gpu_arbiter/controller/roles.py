@@ -74,8 +74,7 @@ class Roles:
         gate.leader_url = None
         gate.broken = None
         with self._changes.change() as change:
-            self._leases.restore(snapshot.leases, change)
-            self._leases.renew_restored(change)
+            self._leases.restore(snapshot.leases, change)  # each TTL re-armed from now
             if self._simulated:
                 self._workers.put_simulated(change, self._simulated)
             change.event("controller.started", leases=len(self._changes.scheduler.leases))

@@ -414,16 +414,6 @@ class Scheduler:
             return math.inf
         return grace_end + ttl
 
-    def extend(self, lease_id: str, until: float) -> Lease:
-        """Moves a lease's expiry to at least ``until``, whatever its state: for the
-        controller's restart, when no holder could renew (a revoked one included)."""
-        lease = self.lease(lease_id)
-        if lease.expires_at >= until:
-            return lease
-        extended = self._put(lease, evolve(lease, expires_at=until))
-        self._push_timer(until, "ttl", lease_id)
-        return extended
-
     def set_supervised(self, lease_id: str, supervised: bool, now: float) -> Lease:
         """Whether an agent supervises the lease's process (it will confirm its exit). No
         longer supervised, a lease whose TTL has lapsed meanwhile expires at the next cycle."""

@@ -11,6 +11,7 @@ before anything is written, and the controller's commit rule undoes the change.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -58,7 +59,12 @@ def constraints_to_doc(c: Constraints) -> dict[str, Any]:
     }
 
 
+_ANYWHERE = Constraints()
+
+
 def _constraints_from_doc(doc: dict[str, Any]) -> Constraints:
+    if not any(doc.values()):  # most requests: every field at its (falsy) default
+        return _ANYWHERE
     cc = doc.get("min_compute_capability")
     return Constraints(
         vendor=doc.get("vendor"),
@@ -152,7 +158,9 @@ def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def _gpu_id(text: str) -> GpuId:
+    """One GpuId per text (a store holds thousands of leases on a few GPUs)."""
     worker, index = text.split(":")
     return GpuId(worker, int(index))
 

@@ -1,0 +1,140 @@
+"""How long a controller takes to come back with many leases in its store.
+
+A real ``gpu-arbiter serve --simulate`` process on a SQLite state directory; ``N``
+leases are asked for through the HTTP API (granted at once, with a TTL of an hour);
+then, round after round, the process is killed with ``kill -9`` and started again,
+and the time from the start of the process to its first ``200`` from ``/readyz`` (it
+accepts changes: the store loaded, every lease restored to the core, each one's TTL
+re-armed from the restart) is measured. The same for an empty store in the same run,
+so that the figure that matters is the ratio: what the leases cost beyond a start.
+
+Run: ``python bench/bench_restart.py [--leases 10000] [--rounds 5]``. Prints the
+median, best and worst of each, and the ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+LISTENING = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+SIMULATED = "8x80G:sm_90"
+
+
+class Controller:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.log = state_dir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self) -> float:
+        """Starts the process; seconds until it accepts changes."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        env.pop("GPU_ARBITER_CONFIG", None)
+        command = [sys.executable, "-m", "gpu_arbiter", "serve", "--port", "0"]
+        command += ["--state-dir", str(self.state_dir), "--simulate", SIMULATED]
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        started = time.perf_counter()
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+        while not (found := LISTENING.findall(self.log.read_bytes()[offset:])):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the controller exited: {self.log.read_text()[-2000:]}")
+            time.sleep(0.005)
+        self.url = f"http://127.0.0.1:{found[-1].decode()}"
+        while not self._ready():
+            time.sleep(0.005)
+        return time.perf_counter() - started
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def token(self) -> str:
+        return (self.state_dir / "admin.token").read_text().strip()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+async def fill(url: str, token: str, count: int, clients: int = 32) -> None:
+    """``count`` leases of 8 MiB, an hour's TTL, asked for by ``clients`` at once, each
+    marked ready once granted (a load in progress holds its GPU's load gate)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    left = iter(range(count))
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+
+        async def one_client() -> None:
+            for number in left:
+                body = {"holder": f"bench {number}", "vram_mb": 8, "ttl_s": 3600}
+                lease = (await client.post("/v1/leases", json=body)).json()
+                while lease.get("state") == "pending":  # behind another's load (the gate)
+                    params = {"wait": 30, "state": "pending"}
+                    lease = (await client.get(f"/v1/leases/{lease['id']}", params=params)).json()
+                if lease.get("state") != "loading":
+                    raise SystemExit(f"lease {number}: {lease}")
+                (await client.post(f"/v1/leases/{lease['id']}/ready")).raise_for_status()
+
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+
+
+def rounds(state_dir: Path, leases: int, count: int) -> list[float]:
+    controller = Controller(state_dir)
+    controller.start()
+    if leases:
+        asyncio.run(fill(controller.url, controller.token(), leases))
+    times = []
+    for _ in range(count):
+        controller.kill9()
+        times.append(controller.start())
+    restored = httpx.get(
+        controller.url + "/v1/status", headers={"Authorization": f"Bearer {controller.token()}"}
+    ).json()
+    controller.kill9()
+    held = restored.get("leases", {})
+    print(f"  {leases} leases: the last restart holds {held}", file=sys.stderr)
+    return times
+
+
+def line(name: str, times: list[float]) -> str:
+    return (
+        f"{name:>14}: median {statistics.median(times) * 1000:7.0f} ms, best "
+        f"{min(times) * 1000:6.0f}, worst {max(times) * 1000:6.0f} ({len(times)} restarts)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--leases", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        empty = rounds(Path(scratch) / "empty", 0, args.rounds)
+        full = rounds(Path(scratch) / "full", args.leases, args.rounds)
+    print(line("empty store", empty))
+    print(line(f"{args.leases} leases", full))
+    ratio = statistics.median(full) / statistics.median(empty)
+    print(f"{'ratio':>14}: {ratio:.2f}x the empty store's start")
+
+
+if __name__ == "__main__":
+    main()
