@@ -122,7 +122,7 @@ class _Anywhere(OursSleep):
     """A wake that forgets ``gpu_ids``: the core places the difference wherever fits."""
 
     def wake(
-        self, attempt: Attempt, gpus: tuple[GpuId, ...], vram_mb: int, now: float
+        self, attempt: Attempt, asleep: str, gpus: tuple[GpuId, ...], vram_mb: int, now: float
     ) -> str | None:
         return self._ask(attempt, vram_mb, attempt.item.constraints, now)
 

@@ -119,10 +119,11 @@ class Sleeper(Allocator, Protocol):
         ...
 
     def wake(
-        self, attempt: Attempt, gpus: tuple[GpuId, ...], vram_mb: int, now: float
+        self, attempt: Attempt, asleep: str, gpus: tuple[GpuId, ...], vram_mb: int, now: float
     ) -> str | None:
         """Asks for ``vram_mb`` more on exactly ``gpus`` for ``attempt`` (its id is the
-        request's): None, or why it can never be granted."""
+        request's), never taking the sleeping lease ``asleep`` it extends: None, or why it
+        can never be granted."""
         ...
 
     def observe(self, gpu_id: GpuId, used_mb: Mapping[str, int]) -> None:

@@ -248,9 +248,11 @@ class OursSleep(Ours):
         self.scheduler.shrink(own, vram_mb, now)
 
     def wake(
-        self, attempt: Attempt, gpus: tuple[GpuId, ...], vram_mb: int, now: float
+        self, attempt: Attempt, asleep: str, gpus: tuple[GpuId, ...], vram_mb: int, now: float
     ) -> str | None:
-        constraints = dataclasses.replace(attempt.item.constraints, gpu_ids=gpus)
+        constraints = dataclasses.replace(
+            attempt.item.constraints, gpu_ids=gpus, never_preempt=(asleep,)
+        )
         return self._ask(attempt, vram_mb, constraints, now)
 
     def observe(self, gpu_id: GpuId, used_mb: Mapping[str, int]) -> None:

@@ -404,7 +404,7 @@ class Simulation:
         assert self.sleeper is not None and proc.wake is not None
         attempt = proc.wake
         more = proc.vram_mb - proc.held_mb
-        rejection = self.sleeper.wake(attempt, proc.gpus, more, now)
+        rejection = self.sleeper.wake(attempt, proc.lease_id, proc.gpus, more, now)
         if rejection is not None:  # cannot happen on its own GPUs; a cold start then
             self._start_cold(proc, now)
             return
