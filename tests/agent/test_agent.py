@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +70,18 @@ def child() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-def _agent(runtime: Path, controller: Controller, grace_s: float = 0.5) -> Agent:
+def _agent(
+    runtime: Path,
+    controller: Controller,
+    grace_s: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
+) -> Agent:
     usage = runtime / "usage"
     usage.mkdir(exist_ok=True)
     client = ArbiterClient("http://ctl", transport=httpx.MockTransport(controller))
     probe = FakeProbe.from_spec("2x24G:sm_86", usage_dir=usage)
     config = AgentConfig(name="box", heartbeat_s=0.1, grace_s=grace_s, headroom_mb=0)
-    return Agent(config, probe, client=client)
+    return Agent(config, probe, client=client, clock=clock)
 
 
 @contextlib.asynccontextmanager
@@ -292,6 +297,103 @@ async def test_attach_refuses_holder_stops_s_that_is_not_seconds(
         answer = await agent._local({**attach, "holder_stops_s": bad}, 0)
         assert answer == {"ok": False, "error": "holder_stops_s must be seconds, 0 to 3600"}
         assert agent.supervisor.get("lease-1") is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.time = 100.0
+
+    def __call__(self) -> float:
+        return self.time
+
+
+async def _beat_gpu(agent: Agent, index: int) -> dict[str, Any]:
+    gpu: dict[str, Any] = agent._heartbeat_body(await agent.probe.snapshot())["gpus"][index]
+    return gpu
+
+
+async def test_an_accounted_group_s_memory_is_split_among_its_leases(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    """The group of one ``ollama serve``: its memory is reported per lease of the account,
+    its process listed as no lease's (the controller counts it once, not as external
+    beside the leases); not repeated within 30 s it is dropped."""
+    clock = Clock()
+    agent = _agent(runtime, Controller(), clock=clock)
+    report_usage({1: 5001}, pid=child.pid, usage_dir=runtime / "usage")
+    account = {"op": "account", "pgid": child.pid, "shares": {"lease-a": 2000, "lease-b": 3000}}
+    assert await agent._local(account, os.getuid()) == {"ok": True}
+    gpu = await _beat_gpu(agent, 1)
+    assert gpu["lease_used_mb"] == {"lease-a": 2000, "lease-b": 3001}  # exactly the 5001
+    assert gpu["processes"] == [{"pid": child.pid, "used_mb": 5001, "lease": None}]
+    assert "lease_used_mb" not in await _beat_gpu(agent, 0)  # it has nothing on GPU 0
+    clock.time += 29
+    assert await agent._local(account, 0) == {"ok": True}  # said again
+    clock.time += 29
+    assert "lease_used_mb" in await _beat_gpu(agent, 1)
+    clock.time += 2
+    assert "lease_used_mb" not in await _beat_gpu(agent, 1)  # not said for 31 s: dropped
+    assert await agent._local(account, 0) == {"ok": True}
+    assert await agent._local({**account, "shares": {}}, 0) == {"ok": True}
+    assert "lease_used_mb" not in await _beat_gpu(agent, 1)  # dropped at once
+
+
+async def test_a_process_supervised_for_a_lease_stays_that_lease_s_in_an_account(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    agent = _agent(runtime, Controller())
+    report_usage({0: 1000}, pid=child.pid, usage_dir=runtime / "usage")
+    attach = {"op": "attach", "lease": "lease-1", "pid": child.pid, "pgid": child.pid}
+    assert await agent._local(attach, 0) == {"ok": True}
+    account = {"op": "account", "pgid": child.pid, "shares": {"lease-a": 1}}
+    assert await agent._local(account, 0) == {"ok": True}
+    gpu = await _beat_gpu(agent, 0)
+    assert gpu["processes"] == [{"pid": child.pid, "used_mb": 1000, "lease": "lease-1"}]
+    assert "lease_used_mb" not in gpu
+    await agent.supervisor.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"pgid": 1}, "pgid must be a process group id"),
+        ({"pgid": "123"}, "pgid must be a process group id"),
+        ({"pgid": True}, "pgid must be a process group id"),
+        ({"pgid": None}, "pgid must be a process group id"),
+        ({"pgid": 2**22 + 1}, "pgid: no process group"),
+        ({"shares": [["lease-a", 1]]}, "shares must be an object"),
+        ({"shares": {"lease-a": -1}}, "shares['lease-a'] must be MiB"),
+        ({"shares": {"lease-a": 2**40 + 1}}, "shares['lease-a'] must be MiB"),
+        ({"shares": {"": 1}}, "shares: each key must be a lease id"),
+        ({"shares": {f"lease-{n}": 1 for n in range(257)}}, "shares: at most 256 leases"),
+    ],
+)
+async def test_account_refuses_bad_input_naming_the_field(
+    runtime: Path, child: subprocess.Popen[bytes], change: dict[str, Any], error: str
+) -> None:
+    agent = _agent(runtime, Controller())
+    report_usage({0: 1000}, pid=child.pid, usage_dir=runtime / "usage")
+    request = {"op": "account", "pgid": child.pid, "shares": {"lease-a": 1}, **change}
+    answer = await agent._local(request, 0)
+    assert answer["ok"] is False and answer["error"].startswith(error), answer
+    assert "lease_used_mb" not in await _beat_gpu(agent, 0)  # nothing changed
+
+
+async def test_account_refuses_another_user_s_group_and_a_process_leading_none(
+    runtime: Path, child: subprocess.Popen[bytes]
+) -> None:
+    agent = _agent(runtime, Controller())
+    other_uid = os.stat(f"/proc/{child.pid}").st_uid + 1
+    request = {"op": "account", "pgid": child.pid, "shares": {"lease-a": 1}}
+    answer = await agent._local(request, other_uid)
+    assert answer == {"ok": False, "error": f"pgid: process {child.pid} belongs to another user"}
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as member:
+        try:  # a process in this test's group leads none
+            answer = await agent._local({**request, "pgid": member.pid}, 0)
+            assert answer == {"ok": False, "error": f"pgid: no process group {member.pid}"}
+        finally:
+            member.kill()
+    assert agent.accounts.current() == {}
 
 
 def _start_time(pid: int) -> int:

@@ -8,9 +8,11 @@ carries out revocations on the processes that hold leases here.
         +-- backoff <--+                                    run an update when asked
 
 Which process holds which lease it learns from ``gpu-arbiter run`` over the local
-endpoint (:mod:`.local`). A killed or restarted agent loses nothing that matters:
-the processes keep running, ``run`` attaches them again with its next renewal, and
-the controller keeps the leases committed in the meantime (I4).
+endpoint (:mod:`.local`); which leases share one process group's memory (an ``ollama
+serve``), from the holder's accounts (:mod:`.accounts`). A killed or restarted agent
+loses nothing that matters: the processes keep running, ``run`` attaches them again
+with its next renewal (and a holder says its account again), and the controller keeps
+the leases committed in the meantime (I4).
 
 An update (``POST /v1/workers/{name}/update``) reaches the agent in the heartbeat
 answer once the worker is drained. The agent runs the command configured on this
@@ -29,14 +31,15 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
+from .accounts import Accounts, parse_shares, split_groups
 from .local import LocalEndpoint, process_uid, socket_path
-from .probes import FakeProbe, Probe, ProbeSnapshot, process_alive, to_gpus
+from .probes import FakeProbe, GpuReading, Probe, ProbeSnapshot, process_alive, to_gpus
 from .supervisor import ProcessSupervisor, Supervised
 
 __all__ = ["Agent", "AgentConfig", "read_version"]
@@ -82,11 +85,13 @@ class Agent:
         *,
         client: ArbiterClient | None = None,
         reexec: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.probe = probe
         self.client = client or ArbiterClient(config.controller, token=config.token)
         self.supervisor = ProcessSupervisor()
+        self.accounts = Accounts(_start_time, clock)  # groups shared by leases (Ollama)
         self.endpoint = LocalEndpoint(socket_path(config.name), self._local)
         self.attachments = self.endpoint.path.with_suffix(".leases.json")
         self.version = read_version(config.version_file)
@@ -195,16 +200,8 @@ class Agent:
         self.supervisor.refresh()
         groups = {e.pgid: e.lease_id for e in self.supervisor.leases() if not e.stopped}
         pids = {e.pid: e.lease_id for e in self.supervisor.leases() if not e.stopped}
-        gpus = []
-        for reading in snapshot.gpus:
-            gpu: Json = {"index": reading.index, "used_mb": reading.used_mb}
-            procs = reading.processes
-            if procs is not None and all(mb is not None for mb in procs.values()):
-                gpu["processes"] = [
-                    {"pid": pid, "used_mb": mb, "lease": _lease_of(pid, pids, groups)}
-                    for pid, mb in sorted(procs.items())
-                ]
-            gpus.append(gpu)
+        accounts = self.accounts.current()
+        gpus = [_gpu_body(reading, pids, groups, accounts) for reading in snapshot.gpus]
         entries = self.supervisor.leases()
         return {
             "gpus": gpus,
@@ -322,6 +319,8 @@ class Agent:
         pgid = request.get("pgid")
         if op == "usage" and "lease" not in request and isinstance(pgid, int) and pgid > 1:
             return {"ok": True, "used_mb": self._group_usage(None, pgid)}
+        if op == "account":
+            return self._account(pgid, request.get("shares"), peer_uid)
         lease_id = request.get("lease")
         if not isinstance(lease_id, str) or not 0 < len(lease_id) <= 64:
             return {"ok": False, "error": "lease must be a lease id"}
@@ -367,6 +366,24 @@ class Agent:
             self._holder_stops[lease_id] = float(holder_stops)
         self._persist()
         return {"ok": True}
+
+    def _account(self, pgid: Any, shares: Any, peer_uid: int) -> Json:
+        """Group ``pgid``'s GPU memory is that of the leases of ``shares`` (lease id ->
+        MiB, the proportions it is split in): a group several leases share, which the
+        agent neither supervises nor signals (see :mod:`.accounts`)."""
+        if isinstance(pgid, bool) or not isinstance(pgid, int) or pgid <= 1:
+            return {"ok": False, "error": "pgid must be a process group id"}
+        parsed = parse_shares(shares)
+        if isinstance(parsed, str):
+            return {"ok": False, "error": parsed}
+        if parsed:
+            owner = process_uid(pgid)
+            if owner is None or _pgid(pgid) != pgid:
+                return {"ok": False, "error": f"pgid: no process group {pgid}"}
+            if peer_uid != 0 and owner != peer_uid:
+                return {"ok": False, "error": f"pgid: process {pgid} belongs to another user"}
+        refused = self.accounts.put(pgid, parsed)
+        return {"ok": False, "error": refused} if refused else {"ok": True}
 
     def _usage(self, lease_id: str) -> int | None:
         entry = self.supervisor.get(lease_id)
@@ -473,8 +490,34 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def _lease_of(pid: int, pids: dict[int, str], groups: dict[int, str]) -> str | None:
+def _gpu_body(
+    reading: GpuReading,
+    pids: dict[int, str],
+    groups: dict[int, str],
+    accounts: Mapping[int, Mapping[str, int]],
+) -> Json:
+    """One GPU of a heartbeat: its used MiB and, where the probe says per process, each
+    process with the lease it holds, and the accounted groups' memory per lease."""
+    gpu: Json = {"index": reading.index, "used_mb": reading.used_mb}
+    procs = reading.processes
+    if procs is None or any(mb is None for mb in procs.values()):
+        return gpu
+    group_of = {pid: group for pid in procs if (group := _pgid(pid)) is not None}
+    leases = {pid: _lease_of(pid, pids, groups, group_of) for pid in procs}
+    gpu["processes"] = [
+        {"pid": pid, "used_mb": mb, "lease": leases[pid]} for pid, mb in sorted(procs.items())
+    ]
+    supervised = {pid for pid, lease_id in leases.items() if lease_id is not None}
+    shared = split_groups(procs, group_of, accounts, supervised)
+    if shared:
+        gpu["lease_used_mb"] = shared
+    return gpu
+
+
+def _lease_of(
+    pid: int, pids: dict[int, str], groups: dict[int, str], group_of: Mapping[int, int]
+) -> str | None:
     if pid in pids:
         return pids[pid]
-    group = _pgid(pid)
+    group = group_of.get(pid)
     return None if group is None else groups.get(group)

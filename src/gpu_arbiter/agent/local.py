@@ -11,6 +11,7 @@ The agent listens on a unix socket, ``<runtime dir>/agent-<worker>.sock`` (mode
     {"op": "usage", "lease": ID}                    -> {"ok": true, "used_mb": N | null}
     {"op": "usage", "pgid": G}                      -> the same for a process group
     {"op": "stop", "lease": ID, "grace_s": S}       -> {"ok": true} | {"ok": false, ...}
+    {"op": "account", "pgid": G, "shares": {ID: MiB, ...}} -> {"ok": true}
 
 ``env`` is what the child must inherit (the fake probe's usage directory), and
 whether this agent's GPUs are simulated;
@@ -28,10 +29,18 @@ it is ``run``'s behaviour: SIGTERM as soon as the revocation is seen).
 ``stop`` asks the agent to stop a supervised lease's process (SIGTERM, SIGKILL after
 ``grace_s``) unless it already is: ``run`` leaves the signals to the agent, so that the
 process gets one SIGTERM however many supervisors see its lease revoked.
+``account`` says that process group G's GPU memory is the memory of those leases, in
+those proportions (one ``ollama serve``, a lease per loaded model): the heartbeats split
+the group's memory among them (I2 counts it once), and the agent does not supervise,
+signal or persist the group. The holder repeats it every few seconds; one not repeated
+within 30 s, or whose group leader is gone, is dropped, and ``"shares": {}`` drops it at
+once. At most 256 leases (in all accounts), each MiB an integer 0 to 2**40
+(:mod:`.accounts`).
 
 Only the agent's own user (or root) can reach the socket, and the agent checks the
 caller's credentials (``SO_PEERCRED``): a process may only attach processes of its
-own user, so nobody can make the agent signal someone else's processes.
+own user, so nobody can make the agent signal someone else's processes (nor account
+for them).
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ __all__ = [
 ]
 
 RUNTIME_DIR_ENV = "GPU_ARBITER_RUNTIME_DIR"
-MAX_LINE = 4096
+MAX_LINE = 32768  # an account of 256 leases fits
 Json = dict[str, Any]
 Handler = Callable[[Json, int], Awaitable[Json]]
 
@@ -135,7 +144,7 @@ class LocalEndpoint:
                 answer = await self._handler(request, os.getuid() if uid is None else uid)
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
-        except (TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError, ValueError):  # ValueError: a line too long
             pass
         finally:
             writer.close()
