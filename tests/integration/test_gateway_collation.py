@@ -338,12 +338,6 @@ def test_a_busy_model_is_served_first_then_swapped_once_the_other_waited_swap_af
     assert "reclaimable while busy" in found.gateway.log.read_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the gateway counts a swap as a preemption: Replica._revoked calls a revoked "
-    "lease marked idle a reclaim only when nothing is in flight, and a replica that "
-    "yielded to swap_after has requests in flight by design",
-)
 def test_the_gateway_counts_a_swap_as_a_reclaim_not_a_preemption(
     models: Callable[..., Models],
 ) -> None:

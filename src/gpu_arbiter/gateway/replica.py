@@ -725,7 +725,10 @@ class Replica:
         if why == "preempted":  # reclaimed: taken as a cache, its lease marked idle
             # the controller's word, not ``_idle_marked``: the revocation can come back
             # before the answer to the idle mark that made it possible
-            cache = (bool(lease.get("idle")) or self._idle_marked) and self.in_flight == 0
+            # a replica that yielded under swap_after is taken as a cache, requests in
+            # flight and all (they get the grace)
+            marked = bool(lease.get("idle")) or self._idle_marked
+            cache = marked and (self.in_flight == 0 or self._yielding)
             return Ending("reclaimed" if cache else "preempted", detail)
         return Ending("revoked", detail)
 
