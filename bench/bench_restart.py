@@ -110,8 +110,9 @@ def rounds(state_dir: Path, leases: int, count: int) -> list[float]:
         controller.url + "/v1/status", headers={"Authorization": f"Bearer {controller.token()}"}
     ).json()
     controller.kill9()
-    held = restored.get("leases", {})
-    print(f"  {leases} leases: the last restart holds {held}", file=sys.stderr)
+    held = restored.get("leases_by_state", {})
+    if sum(held.values()) != leases:
+        raise SystemExit(f"the last restart holds {held}, not {leases} leases")
     return times
 
 
