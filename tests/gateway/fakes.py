@@ -217,6 +217,7 @@ class FakeAgent:
         self.supervises = supervises
         self.stops: list[str] = []
         self.used: int | None = None
+        self.accounts: list[tuple[str, int, dict[str, int]]] = []  # (worker, pgid, shares)
 
     async def env(self, worker: str) -> Mapping[str, str]:
         return {"FROM_AGENT": "1"}
@@ -235,6 +236,10 @@ class FakeAgent:
 
     async def used_mb(self, worker: str, pid: int) -> int | None:
         return self.used
+
+    async def account(self, worker: str, pgid: int, shares: Mapping[str, int]) -> bool:
+        self.accounts.append((worker, pgid, dict(shares)))
+        return self.supervises
 
 
 class FakeHealth:

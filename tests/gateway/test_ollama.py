@@ -26,13 +26,15 @@ SIZES = {"a": 2000, "b:7b": 3000}  # what Ollama loads each into (size_vram, MiB
 
 class FakeOllama(EngineHttp):
     """Ollama's routes while its serve (the launcher's last process) runs: ``stuck``
-    models answer an unload but stay loaded; ``refuses`` cannot be loaded."""
+    models answer an unload but stay loaded; ``refuses`` cannot be loaded; the load of
+    a model in ``slow`` answers once its event is set."""
 
     def __init__(self, launcher: FakeLauncher) -> None:
         self.launcher = launcher
         self.loaded: dict[str, int] = {}
         self.stuck: set[str] = set()
         self.refuses: set[str] = set()
+        self.slow: dict[str, asyncio.Event] = {}
         self.sent: list[tuple[str, Any]] = []
 
     @property
@@ -57,6 +59,8 @@ class FakeOllama(EngineHttp):
             if json["model"] not in self.stuck:
                 self.loaded.pop(json["model"], None)
             return Answer(200, {"done_reason": "unload"})
+        if json["model"] in self.slow:
+            await self.slow[json["model"]].wait()
         if json["model"] in self.refuses:
             return Answer(500, {"error": "model requires more system memory"})
         self.loaded[json["model"]] = SIZES[json["model"]]
@@ -241,3 +245,46 @@ async def test_a_plain_model_beside_them_is_a_plain_model_server() -> None:
         worker=None, sizes={"chat": 1024},
     )  # fmt: skip
     assert type(found["chat"]) is ModelServer
+
+
+async def test_the_serve_accounts_for_its_group_with_each_models_figure(serve: Serve) -> None:
+    """The serve's group is no lease's in the agent: the serve says whose its memory is
+    (each loaded model's lease, by its size_vram), every 5 s and at once on a load or an
+    unload, and ``{}`` once it stops."""
+    await serve.request("a")
+    await serve.request("b:7b")
+    await settle()
+    [process] = serve.launcher.processes
+    leases = {r["metadata"]["model"]: lid for lid, r in serve.leases.requests.items()}
+    both = {leases["a"]: SIZES["a"], leases["b:7b"]: SIZES["b:7b"]}
+    assert serve.agent.accounts[-1] == ("box", process.pid, both)
+    said = len(serve.agent.accounts)
+    await serve.clock.advance(5)
+    assert len(serve.agent.accounts) > said and serve.agent.accounts[-1][2] == both  # again
+    serve.models["a"].replicas[0].unload()
+    await serve.clock.advance(1)  # its unload seen (the watcher polls /api/ps)
+    assert not serve.models["a"].replicas
+    assert serve.agent.accounts[-1] == ("box", process.pid, {leases["b:7b"]: SIZES["b:7b"]})
+    serve.models["b:7b"].replicas[0].unload()
+    await serve.clock.advance(1)
+    assert process.code is not None  # the last one unloaded: the serve stopped
+    assert serve.agent.accounts[-1] == ("box", process.pid, {})
+    said = len(serve.agent.accounts)
+    await serve.clock.advance(30)
+    assert len(serve.agent.accounts) == said  # nothing more once it is gone
+
+
+async def test_a_loading_model_counts_at_its_leases_size_until_ollama_lists_it(
+    serve: Serve,
+) -> None:
+    await serve.request("a")
+    loaded = serve.ollama.slow["b:7b"] = asyncio.Event()
+    task = asyncio.ensure_future(serve.request("b:7b"))
+    await serve.clock.advance(1)
+    leases = {r["metadata"]["model"]: lid for lid, r in serve.leases.requests.items()}
+    loading = {leases["a"]: SIZES["a"], leases["b:7b"]: 4096}  # its lease's MiB
+    assert serve.agent.accounts[-1][2] == loading
+    loaded.set()
+    await task
+    await settle()
+    assert serve.agent.accounts[-1][2] == {leases["a"]: SIZES["a"], leases["b:7b"]: SIZES["b:7b"]}

@@ -136,6 +136,13 @@ class AgentLink(Protocol):
         """The group's GPU memory as the agent's probe saw it last."""
         ...
 
+    async def account(self, worker: str, pgid: int, shares: Mapping[str, int]) -> bool:
+        """Says that group ``pgid``'s GPU memory is the memory of the leases of ``shares``
+        (lease id -> MiB, the proportions it is split in; ``{}``: of none), a group the
+        agent does not supervise (one ``ollama serve``); repeated every few seconds, as the
+        agent drops it after 30 s. False if no agent took it."""
+        ...
+
 
 class LeaseApi(Protocol):
     async def create_lease(self, **request: Any) -> Json: ...

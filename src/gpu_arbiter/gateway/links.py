@@ -33,6 +33,11 @@ class LocalAgentLink:
         used = answer.get("used_mb") if answer else None
         return used if isinstance(used, int) and not isinstance(used, bool) else None
 
+    async def account(self, worker: str, pgid: int, shares: Mapping[str, int]) -> bool:
+        request = {"op": "account", "pgid": pgid, "shares": dict(shares)}
+        answer = await agent_request(worker, request)
+        return bool(answer and answer.get("ok"))
+
 
 class HttpHealthCheck:
     """One client for every check of a gateway (its connections are kept)."""

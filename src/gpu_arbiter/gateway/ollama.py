@@ -27,16 +27,21 @@ The replica's life does not change: it talks to a :class:`~.interfaces.Launcher`
   in that model's lease until it is gone: I4);
 - **tail()** = the serve's output.
 
-Memory: the agent's probe sees one process group and cannot split it among models, so
-an Ollama model's lease is not attached to a pid (attaching one group to several leases
-would make the agent stop every model when one lease is revoked: ``pid`` is None) and
-``size_vram`` from ``/api/ps`` is its measure: once loaded, the lease shrinks to it when
-smaller (I4: what it gives back is granted only once the probe shows it free), and the
-model asks for that figure at its next load. A model Ollama unloads by itself (its own
-scheduler making room, a crash, a request that set its own ``keep_alive``) shows as its
-process exiting: its lease is released (``dropped``, not a failure: no backoff) and the
-next request loads it again. The serve runs on the GPUs of the lease that started it;
-the leases of its models are asked for on those GPUs while it runs.
+Memory: an Ollama model's lease is not attached to a pid (attaching one group to
+several leases would make the agent stop every model when one lease is revoked: ``pid``
+is None). Instead the serve *accounts* for its group to the agent (the ``account`` op:
+the group's memory is that of its models' leases, in proportion to each one's
+``size_vram``, the lease's size until ``/api/ps`` lists it), every ``ACCOUNT_S`` and at
+once when a model loads or unloads, ``{}`` once it stops: a per-process probe's figure
+for the group is then split among those leases, and counted once, not as memory of no
+lease beside them. ``size_vram`` from ``/api/ps`` is also each model's measure: once
+loaded, the lease shrinks to it when smaller (I4: what it gives back is granted only
+once the probe shows it free), and the model asks for that figure at its next load. A
+model Ollama unloads by itself (its own scheduler making room, a crash, a request that
+set its own ``keep_alive``) shows as its process exiting: its lease is released
+(``dropped``, not a failure: no backoff) and the next request loads it again. The serve
+runs on the GPUs of the lease that started it; the leases of its models are asked for
+on those GPUs while it runs.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from typing import Any
 from ..client import ApiError, ControllerUnreachable
 from .config import ModelConfig
 from .engines import OFFLINE, EngineHttp, OllamaDriver, same_model
-from .interfaces import Clock, Launcher, LeaseApi, Parts, ServerProcess, sleep_or
+from .interfaces import AgentLink, Clock, Launcher, LeaseApi, Parts, ServerProcess, sleep_or
 from .metrics import GatewayMetrics
 from .model import ModelServer
 from .replica import Replica
@@ -65,6 +70,7 @@ UP_TIMEOUT_S = 60.0  # for a started serve to answer /api/version
 KILL_WAIT_S = 5.0  # after a SIGKILL, how long an unload may take before the serve is stopped
 MAX_LOADED_MODELS = "256"  # Ollama evicts by count beyond this (by memory, it still may)
 TAIL_LINES = 8
+ACCOUNT_S = 5.0  # how often the serve's account is said again (the agent drops it after 30 s)
 _LEASE_ENV = ("GPU_ARBITER_LEASE", "GPU_ARBITER_FENCING_TOKEN")  # one model's, not the serve's
 
 
@@ -74,21 +80,26 @@ class OllamaServe:
     that every model of it forwards to the same one."""
 
     def __init__(
-        self, entry: str, launcher: Launcher, http: EngineHttp, clock: Clock, models: int
-    ) -> None:
+        self, entry: str, launcher: Launcher, http: EngineHttp, clock: Clock, models: int,
+        agent: AgentLink,
+    ) -> None:  # fmt: skip
         self.entry = entry
         self.launcher = launcher
         self.driver = OllamaDriver(http)
         self.clock = clock
         self.models = models
+        self.agent = agent
         self.process: ServerProcess | None = None
         self.gpus: list[str] = []  # of the lease that started it, while it runs
+        self.worker = ""  # the same
         self.exited = asyncio.Event()  # of the run now (a new one per start)
         self.code: int | None = None
-        self.holders: set[str] = set()  # the models loaded or loading on it
+        self.holders: dict[str, tuple[str, int]] = {}  # loaded or loading: model -> lease, MiB
         self._port: int | None = None
         self._lock = asyncio.Lock()
         self._reaper: asyncio.Task[None] | None = None
+        self._accountant: asyncio.Task[None] | None = None
+        self._recount = asyncio.Event()
 
     @property
     def port(self) -> int:
@@ -101,11 +112,12 @@ class OllamaServe:
         return self.process is not None and not self.exited.is_set()
 
     async def hold(
-        self, model: str, command: Sequence[str], env: Mapping[str, str], gpus: list[str],
-        grace_s: float,
+        self, model: str, command: Sequence[str], env: Mapping[str, str],
+        lease: Mapping[str, Any], grace_s: float,
     ) -> None:  # fmt: skip
-        """``model`` is loading on the serve: started first if it does not run (on the
-        lease's ``gpus``). ``OSError`` when it cannot be, or runs on other GPUs."""
+        """``model`` is loading on the serve under ``lease``: started first if it does not
+        run (on the lease's GPUs). ``OSError`` when it cannot be, or runs on other GPUs."""
+        gpus = [str(gpu) for gpu in lease.get("gpus") or []]
         async with self._lock:
             if self.running and sorted(self.gpus) != sorted(gpus):
                 raise OSError(
@@ -113,14 +125,21 @@ class OllamaServe:
                     f"{', '.join(self.gpus)}: the next one is asked for there"
                 )
             if not self.running:
+                self.worker = str(lease.get("worker") or "")
                 await self._start(command, env, grace_s)
-                self.gpus = list(gpus)
-            self.holders.add(model)
+                self.gpus = gpus
+            self.holders[model] = (str(lease["id"]), int(lease.get("vram_mb") or 0))
+            self.recount()
+
+    def recount(self) -> None:
+        """The serve's account is said again now (a model loaded, unloaded or measured)."""
+        self._recount.set()
 
     async def let_go(self, model: str, grace_s: float) -> None:
         """``model`` is unloaded: the serve stops if it was the last."""
         async with self._lock:
-            self.holders.discard(model)
+            self.holders.pop(model, None)
+            self.recount()
             if not self.holders and self.running:
                 log.info("ollama serve of %s: no model loaded: stopping it", self.entry)
                 await self._stop(grace_s)
@@ -148,6 +167,8 @@ class OllamaServe:
         )
         self.process = process
         self._reaper = asyncio.ensure_future(self._reap(process, self.exited))
+        if process.pid is not None:
+            self._accountant = asyncio.ensure_future(self._account(process.pid, self.exited))
         log.info(
             "ollama serve of %s: started pid %s on port %d", self.entry, process.pid, self.port
         )
@@ -167,7 +188,45 @@ class OllamaServe:
     async def _reap(self, process: ServerProcess, exited: asyncio.Event) -> None:
         self.code = await process.wait()
         exited.set()
+        self.recount()
         log.info("ollama serve of %s: exited with code %s", self.entry, self.code)
+
+    async def _account(self, pgid: int, exited: asyncio.Event) -> None:
+        """While the serve runs, says to the agent that its group's memory is the memory
+        of its models' leases (so that a per-process probe's figure is counted once, I2):
+        every ``ACCOUNT_S``, at once on a change, and ``{}`` once none is loaded or the
+        serve is gone."""
+        said: dict[str, int] = {}
+        worker = self.worker
+        while not exited.is_set():
+            self._recount.clear()
+            shares = await self._shares()
+            if (shares or said) and not exited.is_set():
+                await self._say(worker, pgid, shares, said)
+                said = shares
+            await sleep_or(self.clock.sleep(ACCOUNT_S), self._recount)
+        if said:
+            await self._say(worker, pgid, {}, said)
+
+    async def _shares(self) -> dict[str, int]:
+        """Each loaded model's lease -> its ``size_vram`` (the lease's MiB until
+        ``/api/ps`` lists it)."""
+        listed = await self.driver.loaded(self.port) or {}
+        shares: dict[str, int] = {}
+        for model, (lease_id, lease_mb) in self.holders.items():
+            figures = [mb for name, mb in listed.items() if same_model(name, model)]
+            shares[lease_id] = figures[0] if figures else lease_mb
+        return shares
+
+    async def _say(
+        self, worker: str, pgid: int, shares: dict[str, int], said: dict[str, int]
+    ) -> None:
+        taken = await self.agent.account(worker, pgid, shares)
+        if not taken and shares and shares.keys() != said.keys():
+            log.warning(
+                "ollama serve of %s: the agent of %s did not take its account: its memory"
+                " counts as no lease's", self.entry, worker or "this host",
+            )  # fmt: skip
 
     async def _stop(self, grace_s: float) -> None:
         """SIGTERM, SIGKILL after ``grace_s``; returns once its group is gone."""
@@ -225,7 +284,7 @@ class OllamaProcess:
             await self.serve.let_go(self.model, self.grace_s)
         except Exception:  # a bug: its waiters still learn that it ended
             log.exception("ollama model %s: its watcher failed", self.model)
-            self.serve.holders.discard(self.model)
+            self.serve.holders.pop(self.model, None)
             code = -1
         self._ended.set_result(code)
 
@@ -279,7 +338,7 @@ class OllamaLauncher:
         grace_s: float,
     ) -> OllamaProcess:  # fmt: skip
         lease = await self._lease(lease_id)
-        await self.serve.hold(self.model, command, env, list(lease.get("gpus") or []), grace_s)
+        await self.serve.hold(self.model, command, env, lease, grace_s)
         process = OllamaProcess(self.serve, self.model, grace_s)
         driver, port = self.serve.driver, self.serve.port
         answer = await driver.load(port, self.model, self.load_timeout_s)
@@ -290,6 +349,7 @@ class OllamaLauncher:
             raise OSError(f"ollama did not load {self.model}: {why}")
         log.info("ollama model %s: loaded", self.model)
         await self._measure(lease)
+        self.serve.recount()  # its own figure now
         return process
 
     async def _lease(self, lease_id: str) -> dict[str, Any]:
@@ -362,7 +422,12 @@ def model_servers(
     entries = [m.ollama_serve for m in models.values() if m.ollama_serve is not None]
     serves = {
         entry: OllamaServe(
-            entry, parts.launcher, parts.engines or OFFLINE, parts.clock, entries.count(entry)
+            entry,
+            parts.launcher,
+            parts.engines or OFFLINE,
+            parts.clock,
+            entries.count(entry),
+            parts.agent,
         )
         for entry in set(entries)
     }
