@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from .conftest import wait_for
+from .conftest import gpu_figures, wait_for
 from .gateways import GatewayProcess
 from .test_engines import ENGINE_SERVERS
 from .test_gateway import Setup, _gateway_command, setup
@@ -23,6 +23,7 @@ __all__ = ["setup"]  # the fixture, used by name
 
 pytestmark = pytest.mark.timeout(180)
 TINY_MB, SMALL_MB = 2000, 3000  # what the fake loads them into (size_vram)
+MODELS = ("tiny:1b", "small")
 
 
 def ollama_entry(**keys: Any) -> str:
@@ -121,6 +122,42 @@ def test_a_model_ollama_drops_by_itself_releases_its_lease(setup: Setup) -> None
     with sdk(gateway) as client:
         assert ask(client, "tiny:1b") == "hi"  # loaded again
     assert lease_of(setup, "tiny:1b") is not None and lease_of(setup, "small") is not None
+
+
+def test_the_serve_s_memory_counts_once_in_the_controller(setup: Setup) -> None:
+    """The fake probe sees one process (the serve's group) holding both models' memory;
+    the serve's account to the agent makes it theirs: the controller's free memory is the
+    capacity less the two leases, not less the leases and the same memory again as
+    external."""
+    setup.agent()
+    gateway = setup.gateway(ollama_entry(keep_alive="5m"))
+    with sdk(gateway) as client:
+        assert ask(client, "tiny:1b") == "hi"
+        assert ask(client, "small") == "hi"
+
+    def sizes() -> list[Any]:
+        return [(lease_of(setup, model) or {}).get("vram_mb") for model in MODELS]
+
+    wait_for(lambda: sizes() == [TINY_MB, SMALL_MB], 30, "both leases shrunk to size_vram")
+    held = TINY_MB + SMALL_MB
+
+    def counted_once() -> dict[str, Any] | None:
+        [gpu] = gpu_figures(setup.admin).values()
+        once = gpu["used_mb"] == held and gpu["free_mb"] == gpu["capacity_mb"] - held
+        return gpu if once else None
+
+    gpu = wait_for(counted_once, 30, f"the GPU's free memory = capacity - {held} MiB")
+    assert gpu["committed_mb"] == held
+    # one model unloaded: its memory is no longer the serve's, the other's still counts once
+    unloaded = cli("unload", "tiny:1b", "--gateway", gateway.url)
+    assert unloaded.returncode == 0, unloaded.stderr
+    wait_for(lambda: not setup.held("tiny:1b"), 30, "tiny's lease released")
+
+    def small_once() -> bool:
+        [gpu] = gpu_figures(setup.admin).values()
+        return bool(gpu["free_mb"] == gpu["capacity_mb"] - SMALL_MB)
+
+    wait_for(small_once, 30, f"the GPU's free memory = capacity - {SMALL_MB} MiB")
 
 
 def test_a_bad_ollama_models_entry_exits_2_naming_it(tmp_path: Path) -> None:
