@@ -5,8 +5,9 @@
 agent. It reports its models to the controller and takes the commands queued for it
 there (``report.py``). At start, before it serves, it takes its state directory (one
 gateway per directory) and stops what a previous gateway there left running, then
-releases those leases (``process.py``). On stop, every replica is stopped (SIGTERM, SIGKILL after its
-grace; SIGKILL at once when ``hurry`` is set) and its lease released before it returns.
+releases those leases (``process.py``). On stop, every replica is stopped (SIGTERM,
+SIGKILL after its grace; SIGKILL at once when ``hurry`` is set) and its lease released
+before it returns.
 """
 
 from __future__ import annotations
