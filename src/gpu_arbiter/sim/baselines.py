@@ -55,7 +55,9 @@ the world's ``stop_s`` to do so).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -77,6 +79,9 @@ __all__ = [
 
 @dataclass(slots=True)
 class _Lease:
+    """A lease in a baseline's books. Its flags change only through :class:`_Books`, which
+    keeps the per-GPU figures derived from them."""
+
     attempt: Attempt
     gpus: tuple[GpuId, ...]
     reserved_mb: int
@@ -93,35 +98,101 @@ class _Lease:
 
 @dataclass(slots=True)
 class _Books:
-    """Memory per GPU: what each lease reserved, and loads in progress per worker."""
+    """Memory per GPU: what each lease reserved, and loads in progress per GPU and worker.
+
+    Every figure a decision reads (free memory, loads, memory being revoked, the leases
+    that could be victims) is kept up to date as leases come, change and go, so that a
+    decision never recounts the leases: the simulator asks for these figures thousands of
+    times a step on a large cluster."""
 
     capacity: dict[GpuId, int]
     workers: dict[str, list[GpuId]]
-    reserved: dict[GpuId, dict[str, int]] = field(default_factory=dict)
     leases: dict[str, _Lease] = field(default_factory=dict)
+    by_gpu: dict[GpuId, dict[str, _Lease]] = field(default_factory=dict)
+    free_mb: dict[GpuId, int] = field(default_factory=dict)
+    loading: dict[GpuId, int] = field(default_factory=dict)
+    loading_workers: Counter[str] = field(default_factory=Counter)
+    revoking_mb: dict[GpuId, int] = field(default_factory=dict)
+    revoking_count: int = 0
+    busy_priorities: Counter[int] = field(default_factory=Counter)
+    """Priorities of the preemptible leases that are neither idle nor being revoked."""
+    idle_count: int = 0
+    """Idle leases not being revoked."""
+    models: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        for gpu_id, capacity in self.capacity.items():
+            self.by_gpu[gpu_id] = {}
+            self.free_mb[gpu_id] = capacity
+            self.loading[gpu_id] = 0
+            self.revoking_mb[gpu_id] = 0
 
     def free(self, gpu_id: GpuId) -> int:
-        return self.capacity[gpu_id] - sum(self.reserved.get(gpu_id, {}).values())
+        return self.free_mb[gpu_id]
 
     def add(self, lease: _Lease) -> None:
         self.leases[lease.attempt.id] = lease
         for gpu_id in lease.gpus:
-            self.reserved.setdefault(gpu_id, {})[lease.attempt.id] = lease.reserved_mb
+            self.by_gpu[gpu_id][lease.attempt.id] = lease
+            self.free_mb[gpu_id] -= lease.reserved_mb
+        self.models[lease.attempt.item.model] += 1
+        self._count(lease, 1)
 
     def remove(self, lease_id: str) -> _Lease:
         lease = self.leases.pop(lease_id)
+        self._count(lease, -1)
         for gpu_id in lease.gpus:
-            del self.reserved[gpu_id][lease_id]
+            del self.by_gpu[gpu_id][lease_id]
+            self.free_mb[gpu_id] += lease.reserved_mb
+        self.models[lease.attempt.item.model] -= 1
+        if not self.models[lease.attempt.item.model]:
+            del self.models[lease.attempt.item.model]
         return lease
 
-    def on(self, gpu_id: GpuId) -> list[_Lease]:
-        return [self.leases[lid] for lid in self.reserved.get(gpu_id, {})]
+    def change(
+        self,
+        lease: _Lease,
+        *,
+        loading: bool | None = None,
+        idle: bool | None = None,
+        revoking: bool | None = None,
+    ) -> None:
+        """Sets the lease's flags (None: unchanged), and the figures with them."""
+        self._count(lease, -1)
+        lease.loading = lease.loading if loading is None else loading
+        lease.idle = lease.idle if idle is None else idle
+        lease.revoking = lease.revoking if revoking is None else revoking
+        self._count(lease, 1)
+
+    def _count(self, lease: _Lease, sign: int) -> None:
+        """Adds (``sign`` 1) or takes away (-1) the lease's share of the figures."""
+        for gpu_id in lease.gpus:
+            if lease.loading:
+                self.loading[gpu_id] += sign
+                self.loading_workers[gpu_id.worker] += sign
+            if lease.revoking:
+                self.revoking_mb[gpu_id] += sign * lease.reserved_mb
+        if lease.revoking:
+            self.revoking_count += sign
+        elif lease.idle:
+            self.idle_count += sign
+        elif lease.attempt.item.preemptible:
+            self.busy_priorities[lease.priority] += sign
+            if not self.busy_priorities[lease.priority]:
+                del self.busy_priorities[lease.priority]
+
+    def lowest_busy_priority(self) -> int | None:
+        """The lowest priority of a lease a busy preemption could take (None: none)."""
+        return min(self.busy_priorities, default=None)
+
+    def on(self, gpu_id: GpuId) -> Iterable[_Lease]:
+        return self.by_gpu[gpu_id].values()
 
     def loading_on(self, worker: str) -> bool:
-        return any(self.loading_gpu(g) for g in self.workers[worker])
+        return self.loading_workers[worker] > 0
 
     def loading_gpu(self, gpu_id: GpuId) -> bool:
-        return any(lease.loading for lease in self.on(gpu_id))
+        return self.loading[gpu_id] > 0
 
 
 class _Baseline:
@@ -139,26 +210,29 @@ class _Baseline:
             workers={worker.name: [g.id for g in gpus] for worker, gpus in cluster.workers},
         )
         self.pending: dict[str, Attempt] = {}
+        self._queue = _Queue(self._queue_key)
         self._match_cache: dict[tuple[object, ...], dict[str, list[GpuId]]] = {}
+        self._need_cache: dict[int, dict[GpuId, int]] = {}
 
     # verbs
     def submit(self, attempt: Attempt, now: float) -> str | None:
         if not self._placeable(attempt):
             return "no worker has enough matching GPUs large enough"
         self.pending[attempt.id] = attempt
+        self._queue.add(attempt)
         return None
 
     def cancel(self, attempt_id: str) -> None:
-        del self.pending[attempt_id]
+        self._queue.discard(self.pending.pop(attempt_id))
 
     def ready(self, lease_id: str, now: float) -> None:
         lease = self.books.leases[lease_id]
-        lease.loading = False
+        self.books.change(lease, loading=False)
         lease.last_used_at = now
 
     def set_idle(self, lease_id: str, idle: bool, now: float) -> None:
         lease = self.books.leases[lease_id]
-        lease.idle = idle
+        self.books.change(lease, idle=idle)
         lease.last_used_at = now
 
     def release(self, lease_id: str, now: float) -> None:
@@ -173,9 +247,29 @@ class _Baseline:
     def decide(self, now: float) -> Step:
         raise NotImplementedError
 
+    # the queue
+    @staticmethod
+    def _queue_key(attempt: Attempt) -> tuple[int, ...]:
+        """The order pending requests are considered in: first come, first served."""
+        return (attempt.seq,)
+
+    def _order(self) -> list[Attempt]:
+        """The pending requests in queue order (a copy: granting changes the queue)."""
+        return list(self._queue)
+
     # placement
-    def _reserve_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
-        return attempt.item.vram_mb
+    def _reserve_mb(self, vram_mb: int, capacity_mb: int) -> int:
+        """What a request of ``vram_mb`` reserves on a GPU of ``capacity_mb``."""
+        return vram_mb
+
+    def _needs(self, attempt: Attempt) -> dict[GpuId, int]:
+        """What the attempt reserves on each GPU (it depends on its size alone)."""
+        vram_mb = attempt.item.vram_mb
+        needs = self._need_cache.get(vram_mb)
+        if needs is None:
+            needs = {g: self._reserve_mb(vram_mb, c) for g, c in self.books.capacity.items()}
+            self._need_cache[vram_mb] = needs
+        return needs
 
     def _matching(self, attempt: Attempt) -> dict[str, list[GpuId]]:
         item = attempt.item
@@ -205,18 +299,19 @@ class _Baseline:
         """Binpack: on the worker whose best GPUs are left with the least room. ``gate``:
         ``worker`` skips workers with a load under way, ``gpu`` GPUs with one."""
         best: tuple[tuple[int, str], tuple[GpuId, ...]] | None = None
+        needs = self._needs(attempt)
+        count = attempt.item.gpus
+        loading = self.books.loading
         for worker, ids in self._matching(attempt).items():
             if gate == "worker" and self.books.loading_on(worker):
                 continue
-            fits = [
-                g
-                for g in ids
-                if room[g] >= self._reserve_mb(attempt, g)
-                and not (gate == "gpu" and self.books.loading_gpu(g))
-            ]
-            if len(fits) < attempt.item.gpus:
+            if gate == "gpu":
+                fits = [g for g in ids if room[g] >= needs[g] and not loading[g]]
+            else:
+                fits = [g for g in ids if room[g] >= needs[g]]
+            if len(fits) < count:
                 continue
-            ranked = sorted(fits, key=lambda g: (room[g], g))[: attempt.item.gpus]
+            ranked = sorted(fits, key=lambda g: (room[g], g))[:count]
             score = (sum(room[g] for g in ranked), worker)
             if best is None or score < best[0]:
                 best = (score, tuple(sorted(ranked)))
@@ -224,11 +319,46 @@ class _Baseline:
 
     def _grant(self, attempt: Attempt, gpus: tuple[GpuId, ...], now: float) -> None:
         del self.pending[attempt.id]
-        reserved = max(self._reserve_mb(attempt, g) for g in gpus)
+        self._queue.discard(attempt)
+        needs = self._needs(attempt)
+        reserved = max(needs[g] for g in gpus)
         self.books.add(_Lease(attempt, gpus, reserved, now, last_used_at=now))
 
+    def _take(self, attempt: Attempt, gpus: tuple[GpuId, ...], room: dict[GpuId, int]) -> None:
+        """The attempt's memory on ``gpus`` is spoken for in this decision."""
+        needs = self._needs(attempt)
+        for g in gpus:
+            room[g] -= needs[g]
+
     def _room(self) -> dict[GpuId, int]:
-        return {g: self.books.free(g) for g in self.books.capacity}
+        return dict(self.books.free_mb)
+
+
+class _Queue:
+    """The pending requests kept in order as they come and go, so that a decision does not
+    sort the whole queue again (most steps change it by a request or two)."""
+
+    def __init__(self, key: Callable[[Attempt], tuple[int, ...]]) -> None:
+        self._key = key
+        self._keys: list[tuple[int, ...]] = []
+        self._attempts: list[Attempt] = []
+
+    def __iter__(self) -> Iterator[Attempt]:
+        return iter(self._attempts)
+
+    def add(self, attempt: Attempt) -> None:
+        key = self._key(attempt)
+        at = bisect.bisect(self._keys, key)
+        self._keys.insert(at, key)
+        self._attempts.insert(at, attempt)
+
+    def discard(self, attempt: Attempt) -> None:
+        key = self._key(attempt)
+        at = bisect.bisect_left(self._keys, key)
+        while self._attempts[at] is not attempt:
+            at += 1
+        del self._keys[at]
+        del self._attempts[at]
 
 
 class Fifo(_Baseline):
@@ -237,14 +367,13 @@ class Fifo(_Baseline):
     def decide(self, now: float) -> Step:
         room = self._room()
         grants = []
-        for attempt in sorted(self.pending.values(), key=lambda a: a.seq):
+        for attempt in self._order():
             gpus = self._fit(attempt, room)
             if gpus is None:
                 break  # head-of-line: nothing overtakes the oldest request
             self._grant(attempt, gpus, now)
             grants.append((attempt.id, gpus))
-            for g in gpus:
-                room[g] -= self._reserve_mb(attempt, g)
+            self._take(attempt, gpus, room)
         return Step(grants=tuple(grants))
 
 
@@ -252,35 +381,48 @@ _Plan = tuple[tuple[GpuId, ...], list[_Lease]]
 
 
 class StrictPriority(_Baseline):
+    """See the module docstring. A decision walks the queue once; a request that can
+    neither be placed nor make room by preemption is skipped without a search when one of
+    the same shape (constraints, size, GPUs, priority) already failed in this decision
+    and nothing was granted since: free memory only shrinks within a decision, and
+    marking a victim moves its memory from "could be preempted" to "being revoked", so
+    what could not be made room for stays so until a grant adds a lease."""
+
     name: ClassVar[str] = "priority"
     gate: ClassVar[str | None] = None
+
+    @staticmethod
+    def _queue_key(attempt: Attempt) -> tuple[int, ...]:
+        return (-attempt.item.priority, attempt.seq)
 
     def decide(self, now: float) -> Step:
         room = self._room()
         grants: list[tuple[str, tuple[GpuId, ...]]] = []
         revocations: list[tuple[str, str]] = []
-        order = sorted(self.pending.values(), key=lambda a: (-a.item.priority, a.seq))
-        for attempt in order:
+        hopeless: set[tuple[object, ...]] = set()
+        for attempt in self._order():
+            item = attempt.item
+            shape = (item.constraints, item.vram_mb, item.gpus, item.priority)
+            if shape in hopeless:
+                continue
             gpus = self._fit(attempt, room, self.gate)
             if gpus is not None:
                 self._grant(attempt, gpus, now)
                 grants.append((attempt.id, gpus))
                 self._take(attempt, gpus, room)
+                hopeless.clear()  # the new lease may be a victim for the next ones
                 continue
             gated = self._fit(attempt, room) if self.gate else None
             plan = (gated, []) if gated is not None else self._victims(attempt, room)
             if plan is None:
+                hopeless.add(shape)
                 continue  # nothing to preempt: it waits, and others may overtake
             held, victims = plan
             for victim in victims:
-                victim.revoking = True
+                self.books.change(victim, revoking=True)
                 revocations.append((victim.attempt.id, "preempted"))
             self._take(attempt, held, room)  # nominated: no lower request takes this memory
         return Step(grants=tuple(grants), revocations=tuple(revocations))
-
-    def _take(self, attempt: Attempt, gpus: tuple[GpuId, ...], room: dict[GpuId, int]) -> None:
-        for g in gpus:
-            room[g] -= self._reserve_mb(attempt, g)
 
     def _victim_key(self, attempt: Attempt, lease: _Lease) -> tuple[float, ...] | None:
         """Where ``lease`` comes in the order of victims for ``attempt`` (None: it may not be
@@ -291,14 +433,25 @@ class StrictPriority(_Baseline):
             return None
         return (1, lease.priority, -lease.granted_at, lease.attempt.seq)
 
+    def _may_preempt(self, attempt: Attempt) -> bool:
+        """Whether any lease could be a victim for ``attempt``, or memory being revoked could
+        make room for it (if neither, no search can find a plan)."""
+        if self.books.revoking_count:
+            return True
+        lowest = self.books.lowest_busy_priority()
+        return lowest is not None and lowest < attempt.item.priority
+
     def _victims(self, attempt: Attempt, room: Mapping[GpuId, int]) -> _Plan | None:
         """The cheapest victims on one worker, and the GPUs they free (no victims while
         revoked memory will do); None when no set of victims makes room."""
+        if not self._may_preempt(attempt):
+            return None
         best: tuple[tuple[int, int, int, str], _Plan] | None = None
+        needs = self._needs(attempt)
         for worker, ids in self._matching(attempt).items():
             plans = []
             for gpu_id in ids:
-                plan = self._victims_on(attempt, gpu_id, room[gpu_id])
+                plan = self._victims_on(attempt, gpu_id, room[gpu_id], needs[gpu_id])
                 if plan is not None:
                     plans.append((_cost(plan), gpu_id, plan))
             if len(plans) < attempt.item.gpus:
@@ -312,13 +465,17 @@ class StrictPriority(_Baseline):
                 best = (key, (gpus, sorted(victims.values(), key=lambda v: v.attempt.id)))
         return None if best is None else best[1]
 
-    def _victims_on(self, attempt: Attempt, gpu_id: GpuId, room: int) -> list[_Lease] | None:
-        need = self._reserve_mb(attempt, gpu_id)
-        leases = self.books.on(gpu_id)
-        room += sum(lease.reserved_mb for lease in leases if lease.revoking)
+    def _victims_on(
+        self, attempt: Attempt, gpu_id: GpuId, room: int, need: int
+    ) -> list[_Lease] | None:
+        room += self.books.revoking_mb[gpu_id]
         if room >= need:
             return []
-        keyed = [(key, lease) for lease in leases if (key := self._victim_key(attempt, lease))]
+        keyed = [
+            (key, lease)
+            for lease in self.books.on(gpu_id)
+            if (key := self._victim_key(attempt, lease))
+        ]
         chosen = []
         for _, lease in sorted(keyed, key=lambda pair: pair[0]):
             if room >= need:
@@ -341,10 +498,10 @@ class Slots(StrictPriority):
     name: ClassVar[str] = "slots"
     slots_per_gpu: ClassVar[int] = 4
 
-    def _reserve_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
-        slot_mb = self.books.capacity[gpu_id] // self.slots_per_gpu
-        slots = -(-attempt.item.vram_mb // slot_mb)
-        return min(slots * slot_mb, self.books.capacity[gpu_id])
+    def _reserve_mb(self, vram_mb: int, capacity_mb: int) -> int:
+        slot_mb = capacity_mb // self.slots_per_gpu
+        slots = -(-vram_mb // slot_mb)
+        return min(slots * slot_mb, capacity_mb)
 
 
 class PriorityWarm(StrictPriority):
@@ -359,6 +516,9 @@ class PriorityWarm(StrictPriority):
             return (0, 0, lease.last_used_at, lease.attempt.seq)
         return super()._victim_key(attempt, lease)
 
+    def _may_preempt(self, attempt: Attempt) -> bool:
+        return self.books.idle_count > 0 or super()._may_preempt(attempt)
+
 
 class KeepLoadedLru(_Baseline):
     name: ClassVar[str] = "lru"
@@ -370,15 +530,14 @@ class KeepLoadedLru(_Baseline):
         room = self._room()
         grants: list[tuple[str, tuple[GpuId, ...]]] = []
         runners = self._runners()
-        for attempt in sorted(self.pending.values(), key=lambda a: a.seq):
+        for attempt in self._order():
             if attempt.item.model in runners:
                 continue  # the model's one runner serves it when it is free
             gpus = self._fit(attempt, room, self.gate)
             if gpus is not None:
                 self._grant(attempt, gpus, now)
                 grants.append((attempt.id, gpus))
-                for g in gpus:
-                    room[g] -= attempt.item.vram_mb
+                self._take(attempt, gpus, room)
                 if self.one_runner_per_model:
                     runners.add(attempt.item.model)
                 continue
@@ -396,7 +555,7 @@ class KeepLoadedLru(_Baseline):
         has one runner at most; none otherwise (a busy model gets another copy)."""
         if not self.one_runner_per_model:
             return set()
-        return {lease.attempt.item.model for lease in self.books.leases.values()}
+        return set(self.books.models)
 
     def _evict(self, attempt: Attempt, room: Mapping[GpuId, int]) -> list[_Lease]:
         """Idle models, least recently used first, until the request fits on one worker;
@@ -418,15 +577,16 @@ class KeepLoadedLru(_Baseline):
                 best = (key, sorted(victims.values(), key=lambda v: v.attempt.id))
         chosen = [] if best is None else best[1]
         for victim in chosen:
-            victim.revoking = True
+            self.books.change(victim, revoking=True)
         return chosen
 
     def _lru_on(self, gpu_id: GpuId, room: int, need: int) -> list[_Lease] | None:
-        leases = self.books.on(gpu_id)
-        room += sum(lease.reserved_mb for lease in leases if lease.revoking)
+        room += self.books.revoking_mb[gpu_id]
         chosen: list[_Lease] = []
+        if room >= need:
+            return chosen
         idle = sorted(
-            (lease for lease in leases if lease.idle and not lease.revoking),
+            (lease for lease in self.books.on(gpu_id) if lease.idle and not lease.revoking),
             key=lambda lease: (lease.last_used_at, lease.attempt.seq),
         )
         for lease in idle:
