@@ -116,8 +116,12 @@ class _Books:
     revoking_count: int = 0
     busy_priorities: Counter[int] = field(default_factory=Counter)
     """Priorities of the preemptible leases that are neither idle nor being revoked."""
+    busy_mb: dict[GpuId, Counter[int]] = field(default_factory=dict)
+    """Their memory per GPU, by priority."""
     idle_count: int = 0
     """Idle leases not being revoked."""
+    idle_mb: dict[GpuId, int] = field(default_factory=dict)
+    """Their memory per GPU."""
     models: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -126,6 +130,8 @@ class _Books:
             self.free_mb[gpu_id] = capacity
             self.loading[gpu_id] = 0
             self.revoking_mb[gpu_id] = 0
+            self.busy_mb[gpu_id] = Counter()
+            self.idle_mb[gpu_id] = 0
 
     def free(self, gpu_id: GpuId) -> int:
         return self.free_mb[gpu_id]
@@ -166,20 +172,28 @@ class _Books:
 
     def _count(self, lease: _Lease, sign: int) -> None:
         """Adds (``sign`` 1) or takes away (-1) the lease's share of the figures."""
+        mb = sign * lease.reserved_mb
+        busy = not lease.revoking and not lease.idle and lease.attempt.item.preemptible
         for gpu_id in lease.gpus:
             if lease.loading:
                 self.loading[gpu_id] += sign
                 self.loading_workers[gpu_id.worker] += sign
             if lease.revoking:
-                self.revoking_mb[gpu_id] += sign * lease.reserved_mb
+                self.revoking_mb[gpu_id] += mb
+            elif lease.idle:
+                self.idle_mb[gpu_id] += mb
+            elif busy:
+                _add(self.busy_mb[gpu_id], lease.priority, mb)
         if lease.revoking:
             self.revoking_count += sign
         elif lease.idle:
             self.idle_count += sign
-        elif lease.attempt.item.preemptible:
-            self.busy_priorities[lease.priority] += sign
-            if not self.busy_priorities[lease.priority]:
-                del self.busy_priorities[lease.priority]
+        elif busy:
+            _add(self.busy_priorities, lease.priority, sign)
+
+    def busy_below_mb(self, gpu_id: GpuId, priority: int) -> int:
+        """Memory on the GPU of the leases a busy preemption for ``priority`` could take."""
+        return sum(mb for p, mb in self.busy_mb[gpu_id].items() if p < priority)
 
     def lowest_busy_priority(self) -> int | None:
         """The lowest priority of a lease a busy preemption could take (None: none)."""
@@ -193,6 +207,13 @@ class _Books:
 
     def loading_gpu(self, gpu_id: GpuId) -> bool:
         return self.loading[gpu_id] > 0
+
+
+def _add(counter: Counter[int], key: int, amount: int) -> None:
+    """Adds to a count, dropping the key at zero (so that its keys are those present)."""
+    counter[key] += amount
+    if not counter[key]:
+        del counter[key]
 
 
 class _Baseline:
@@ -441,6 +462,10 @@ class StrictPriority(_Baseline):
         lowest = self.books.lowest_busy_priority()
         return lowest is not None and lowest < attempt.item.priority
 
+    def _victims_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
+        """The memory of every lease on the GPU that may be a victim for ``attempt``."""
+        return self.books.busy_below_mb(gpu_id, attempt.item.priority)
+
     def _victims(self, attempt: Attempt, room: Mapping[GpuId, int]) -> _Plan | None:
         """The cheapest victims on one worker, and the GPUs they free (no victims while
         revoked memory will do); None when no set of victims makes room."""
@@ -471,6 +496,8 @@ class StrictPriority(_Baseline):
         room += self.books.revoking_mb[gpu_id]
         if room >= need:
             return []
+        if room + self._victims_mb(attempt, gpu_id) < need:
+            return None  # not even with every lease it may take
         keyed = [
             (key, lease)
             for lease in self.books.on(gpu_id)
@@ -518,6 +545,9 @@ class PriorityWarm(StrictPriority):
 
     def _may_preempt(self, attempt: Attempt) -> bool:
         return self.books.idle_count > 0 or super()._may_preempt(attempt)
+
+    def _victims_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
+        return self.books.idle_mb[gpu_id] + super()._victims_mb(attempt, gpu_id)
 
 
 class KeepLoadedLru(_Baseline):

@@ -129,14 +129,16 @@ class Ours:
         running is committed; released exactly once: committed equals what is present)."""
         problems = []
         limit = self.scheduler.policy.max_concurrent_loads
-        held: dict[GpuId, int] = {}
+        held = dict.fromkeys(self._capacity, 0)
+        leases = self.scheduler.leases  # run after every step: kept to plain lookups
         for lease_id, gpus in present.items():
-            lease = self.scheduler.leases.get(lease_id)
+            lease = leases.get(lease_id)
             if lease is None or not lease.state.holds_memory:
                 problems.append(f"I4: lease {lease_id} still runs but its memory was freed")
                 continue
+            vram_mb = lease.vram_mb
             for gpu_id in gpus:
-                held[gpu_id] = held.get(gpu_id, 0) + lease.vram_mb
+                held[gpu_id] += vram_mb
         for gpu_id, capacity in self._capacity.items():
             figures = self.scheduler.figures(gpu_id)
             if figures.committed_mb > capacity:

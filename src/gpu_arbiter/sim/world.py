@@ -135,6 +135,7 @@ class Simulation:
         self._owners: dict[str, str] = {}  # a wake's lease: the process's own lease
         self._waking: dict[str, str] = {}  # a pending wake request: the sleeping lease
         self._dirty: set[GpuId] = set()  # GPUs whose memory changed since the last probe
+        self._present: dict[str, tuple[GpuId, ...]] = {}  # each process's leases: its GPUs
 
     # ------------------------------------------------------------------ the loop
 
@@ -149,8 +150,7 @@ class Simulation:
             self._probe()
             step = self._apply(self.allocator.decide(now), now)
             if self.check:
-                present = {lid: p.gpus for p in self.procs.values() for lid in p.lease_ids}
-                self.rec.violations.extend(self.allocator.check(now, step, present))
+                self.rec.violations.extend(self.allocator.check(now, step, self._present))
             self.rec.steps += 1
             deadline = self.allocator.next_deadline()
             if deadline is not None and deadline > now and deadline not in self._deadlines:
@@ -323,6 +323,7 @@ class Simulation:
             return
         proc = _Process(lease_id, attempt, gpus, "new", now, granted_at=now)
         self.procs[lease_id] = proc
+        self._present[lease_id] = gpus
         self._start_load(proc)
         self._move(proc, now, "loading", held_mb=proc.vram_mb)
         self.rec.loads_started += 1
@@ -392,6 +393,7 @@ class Simulation:
         self.sleeper.sleep(proc.lease_ids, tier.resident_mb(proc.vram_mb), now)
         if proc.wake_lease is not None:
             del self._owners[proc.wake_lease]
+            del self._present[proc.wake_lease]
             proc.wake_lease = None
         proc.wake_mb = 0
         self._dirty.update(proc.gpus)  # its leases changed: the probe keeps what it holds
@@ -433,6 +435,7 @@ class Simulation:
             self.rec.violations.append(f"wake {lease_id} granted on {gpus}, not on {proc.gpus}")
         self.allocator.set_idle(proc.lease_id, False, now)  # in use from now
         self._owners[lease_id] = proc.lease_id
+        self._present[lease_id] = proc.gpus
         proc.wake_lease = lease_id
         proc.wake_mb = proc.vram_mb - proc.held_mb
         proc.granted_at = now
@@ -493,6 +496,7 @@ class Simulation:
         del self.procs[proc.lease_id]
         for lease_id in proc.lease_ids:
             self._owners.pop(lease_id, None)
+            del self._present[lease_id]
             self.allocator.release(lease_id, now)
         if proc.wake is not None:  # unloaded while falling asleep: the request starts cold
             self._start_cold(proc, now)
