@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -254,3 +256,61 @@ def test_operations_round_trip_and_running_ones_load(store: Store) -> None:
     assert store.operation("op-2") == failed
     assert store.operation("op-3") is None
     assert store.load().operations == (running,)
+
+
+def test_merged_batches_store_what_the_batches_in_order_store(store: Store) -> None:
+    """Group commit: one transaction of several batches leaves what committing them one
+    after the other leaves (a worker a later batch removes is gone, a lease two batches
+    write is the later's, events keep their order)."""
+    first = _granted("l-1", 1)
+    ended = replace(first, state=LeaseState.RELEASED, ended_at=5.0)
+    batches = [
+        Batch(workers={"box-1": _worker("box-1")}, leases={"l-1": first}, meta={"n": 1}),
+        Batch(removed_workers={"box-1"}, events=[Event(1, 1.0, "a")], meta={"n": 2}),
+        Batch(workers={"box-2": _worker("box-2")}, leases={"l-1": ended}),
+        Batch(events=[Event(2, 2.0, "b")]),
+    ]
+    merged = Batch()
+    for batch in batches:
+        merged.merge(batch)
+    store.commit(merged)
+    one_by_one = MemoryStore()
+    for batch in batches:
+        one_by_one.commit(batch)
+    assert store.load() == one_by_one.load()
+    assert store.lease("l-1") == ended
+    assert [e.kind for e in store.events_after(0, 10)] == ["a", "b"]
+
+
+class _Blocking(dict[str, LeaseRecord]):
+    """Leases whose encoding (inside the transaction) waits until ``go`` is set."""
+
+    def __init__(self, records: dict[str, LeaseRecord], inside: threading.Event) -> None:
+        super().__init__(records)
+        self.inside = inside
+        self.go = threading.Event()
+
+    def values(self) -> Any:
+        self.inside.set()
+        assert self.go.wait(30)
+        return super().values()
+
+
+def test_sqlite_reads_never_see_a_commit_in_flight_on_another_thread(tmp_path: Path) -> None:
+    """The commit thread of group commit writes while the event loop reads: a read
+    sees what was committed, never a transaction still open."""
+    store = SqliteStore(tmp_path / "state.db")
+    inside = threading.Event()
+    leases = _Blocking({"l-1": _granted("l-1", 1)}, inside)
+    batch = Batch(workers={"box-1": _worker()}, leases=leases)
+    writer = threading.Thread(target=store.commit, args=(batch,))
+    try:
+        writer.start()
+        assert inside.wait(30)  # the worker is written, the transaction open
+        assert store.load().workers == ()
+        assert store.lease("l-1") is None
+    finally:
+        leases.go.set()
+        writer.join(30)
+    assert [w.name for w in store.load().workers] == ["box-1"]
+    store.close()

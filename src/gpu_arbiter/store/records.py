@@ -164,6 +164,19 @@ class Batch:
             or self.operations
         )
 
+    def merge(self, later: Batch) -> None:
+        """Adds ``later``'s writes to this batch, as if committed after it in one
+        transaction (group commit): a record written by both is ``later``'s, a worker
+        ``later`` removes is removed, events keep their order."""
+        for name in later.removed_workers:
+            self.workers.pop(name, None)
+        self.removed_workers |= later.removed_workers
+        self.workers.update(later.workers)
+        self.leases.update(later.leases)
+        self.events.extend(later.events)
+        self.meta.update(later.meta)
+        self.operations.update(later.operations)
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:

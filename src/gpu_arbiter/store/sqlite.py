@@ -8,6 +8,16 @@ Every :meth:`SqliteStore.commit` is one ``BEGIN IMMEDIATE ... COMMIT``. With
 being killed; ``synchronous=FULL`` also survives power loss, at the cost of an
 fsync per commit. The SQL is plain enough for PostgreSQL too (``ON CONFLICT``
 upserts, no SQLite-only types).
+
+Two connections: commits go through one, everything else (loads, reads, pruning,
+tokens) through the other, so that :meth:`SqliteStore.commit` may run on a thread of
+its own (the controller's group commit) while the event loop reads: a reader never
+sees a transaction that is not committed, and the two never share one. Commits are
+never concurrent with one another (their caller's rule).
+
+Idempotency keys are looked up in an index in memory (every stored lease's owner and
+key, read at open, kept by commits and pruning): a key never used, the common case,
+costs no query.
 """
 
 from __future__ import annotations
@@ -94,15 +104,23 @@ class SqliteStore:
         self._commits = 0
         try:
             os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
-            self._db = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=10.0
-            )
+            self._db = self._connect(synchronous)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.executescript(_SCHEMA)
+            self._writer = self._connect(synchronous)
+            self._keys: set[tuple[str, str]] = set(
+                self._db.execute(
+                    "SELECT owner, idempotency_key FROM leases WHERE idempotency_key IS NOT NULL"
+                )
+            )
             self._make_private()
         except (sqlite3.Error, OSError) as error:
             raise StoreError(f"cannot open {self.path}: {error}") from error
+
+    def _connect(self, synchronous: str) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        return db
 
     def _make_private(self) -> None:
         """0600 for the database and the files SQLite keeps beside it (which it makes
@@ -139,7 +157,7 @@ class SqliteStore:
         )
 
     def commit(self, batch: Batch) -> None:
-        db = self._db
+        db = self._writer
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -150,9 +168,14 @@ class SqliteStore:
             db.execute("COMMIT")
         except sqlite3.Error as error:
             raise StoreError(f"cannot write {self.path}: {error}") from error
+        self._keys.update(
+            (r.owner or "", r.request.idempotency_key)
+            for r in batch.leases.values()
+            if r.request.idempotency_key is not None
+        )
 
     def _write(self, batch: Batch) -> None:
-        db = self._db
+        db = self._writer
         if batch.removed_workers:
             db.executemany(
                 "DELETE FROM workers WHERE name = ?", [(n,) for n in batch.removed_workers]
@@ -206,6 +229,8 @@ class SqliteStore:
         return None if row is None else lease_from_doc(json.loads(row[0]))
 
     def lease_by_key(self, owner: str | None, idempotency_key: str) -> LeaseRecord | None:
+        if (owner or "", idempotency_key) not in self._keys:
+            return None
         row = self._one(
             "SELECT doc FROM leases WHERE owner = ? AND idempotency_key = ?",
             (owner or "", idempotency_key),
@@ -225,12 +250,14 @@ class SqliteStore:
         try:
             gone = self._db.execute(
                 "DELETE FROM leases WHERE id IN (SELECT id FROM leases WHERE final = 1 "
-                "AND json_extract(doc, '$.ended_at') < ? LIMIT ?)",
+                "AND json_extract(doc, '$.ended_at') < ? LIMIT ?) "
+                "RETURNING owner, idempotency_key",
                 (ended_before, limit),
-            )
+            ).fetchall()
         except sqlite3.Error as error:
             raise StoreError(f"cannot write {self.path}: {error}") from error
-        return gone.rowcount
+        self._keys.difference_update((owner, key) for owner, key in gone if key is not None)
+        return len(gone)
 
     def put_token(self, token: TokenRecord) -> None:
         try:
@@ -266,6 +293,7 @@ class SqliteStore:
         return gone.rowcount > 0
 
     def close(self) -> None:
+        self._writer.close()
         self._db.close()
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
