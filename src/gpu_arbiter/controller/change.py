@@ -15,6 +15,27 @@ One rule for every failure: an exception while applying, deciding, encoding or s
 which reloads what the store holds; only a refusal (:class:`~..core.ArbiterError`) in
 the body stores what was applied before it.
 
+Group commit (:meth:`Changes.commit_in_groups`, what the server turns on for SQLite)::
+
+    loop:   apply+decide A, encode A ─┐  apply+decide B, encode B ─┐  C ─┐
+    thread:                           └─ commit [A] ───────────────┴────┴─ commit [B+C]
+    loop:                                 announce A, answer A ──────────  announce B, C
+
+The core applies every change at once and in order (the next change's decisions need
+it); only the store transaction waits. A batch handed over while a commit is in flight
+goes, with every other one handed over meanwhile, into the next transaction, merged in
+order (:meth:`~..store.Batch.merge`); that transaction runs on a thread of its own, so
+the loop serves other requests meanwhile. What the batches cause once stored — waiters
+and event streams woken, histograms, the timer armed — runs on the loop, in order,
+after their transaction is durable, and an answer leaves only once every change handed
+over before it is durable (:meth:`Changes.settled`; the server's ``DurableAnswers``
+awaits it for every HTTP answer): memory may be ahead of the store, but nobody is told
+what the store does not hold. A failed transaction fails every batch in it and every
+batch handed over after it (they were built on it): their answers become errors, the
+queued ones are dropped, and the recovery callback reloads what the store holds, once
+no transaction is in flight (changes are refused until then). A crash between apply and
+commit loses only what nobody was told: the restart state is the last committed one.
+
 Calls only the store, the core and the callbacks handed to :meth:`Changes.connect`;
 it knows no other module of the package.
 """
@@ -23,7 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +61,7 @@ from .values import (
     ServiceUnavailable,
 )
 
-__all__ = ["Change", "Changes", "Gate"]
+__all__ = ["Change", "Changes", "Gate", "GroupCommit"]
 
 
 @dataclass(slots=True)
@@ -98,6 +121,106 @@ def _nothing(*_: object) -> None:
     return None
 
 
+class GroupCommit:
+    """Stores batches in order, one transaction for every batch handed over while the
+    one before was in flight, on a thread of its own (see the module). Counts batches
+    handed over and settled (stored, or failed) and failures, so that an answer waits
+    for exactly the batches handed over before it, and knows whether one failed."""
+
+    def __init__(
+        self,
+        store: Store,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        stored: Callable[[list[tuple[Batch, Change]]], None],
+        recover: Callable[[BaseException], None],
+    ) -> None:
+        self._store = store
+        self._loop = loop
+        self._stored = stored
+        self._recover = recover
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+        self._queue: list[tuple[Batch, Change]] = []
+        self._flight: asyncio.Task[None] | None = None
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._reload_due: BaseException | None = None
+        self.writing = False
+        self.handed = 0
+        self.settled = 0
+        self.failures = 0
+        self.error: BaseException | None = None
+
+    def hand_over(self, batch: Batch, change: Change) -> None:
+        self._queue.append((batch, change))
+        self.handed += 1
+        if self._flight is None:
+            self._flight = self._loop.create_task(self._fly())
+
+    async def wait(self) -> None:
+        """Returns once every batch handed over so far is settled."""
+        ticket = self.handed
+        if self.settled >= ticket:
+            return
+        future = self._loop.create_future()
+        self._waiters.append((ticket, future))
+        await future
+
+    def fail(self, error: BaseException) -> bool:
+        """A change failed: every batch not stored yet fails with it (it was built on
+        it). True when the reload must wait for the transaction being written."""
+        self.error = error
+        self.failures += 1
+        self._queue = []
+        self.settled = self.handed
+        self._wake()
+        if self.writing:
+            self._reload_due = error
+        return self.writing
+
+    async def flush(self) -> None:
+        """Waits for the transactions in flight (at a stop, before the store closes)."""
+        while self._flight is not None:
+            await asyncio.shield(self._flight)
+        self._thread.shutdown(wait=True)
+
+    async def _fly(self) -> None:
+        try:
+            while self._queue:
+                items, self._queue = self._queue, []
+                await self._commit(items)
+        finally:
+            self._flight = None
+
+    async def _commit(self, items: list[tuple[Batch, Change]]) -> None:
+        merged = Batch()
+        for batch, _ in items:
+            merged.merge(batch)
+        failures = self.failures
+        self.writing = True
+        try:
+            if merged:
+                await self._loop.run_in_executor(self._thread, self._store.commit, merged)
+        except Exception as error:
+            self.writing = False
+            if not self.fail(error) and self._reload_due is None:
+                self._recover(error)
+        else:
+            self.writing = False
+            if self.failures == failures:  # no change failed meanwhile
+                self.settled += len(items)
+                self._stored(items)
+                self._wake()
+        due, self._reload_due = self._reload_due, None
+        if due is not None:  # a change failed while this one was written
+            self._recover(due)
+
+    def _wake(self) -> None:
+        while self._waiters and self._waiters[0][0] <= self.settled:
+            _, future = self._waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+
+
 class Changes:
     """Builds, applies, encodes, stores and announces changes (see the module)."""
 
@@ -115,6 +238,7 @@ class Changes:
         self._stored: Callable[[Batch], None] = _nothing
         self._recover: Callable[[BaseException], None] = _nothing
         self._committed: Callable[[], None] = _nothing
+        self._group: GroupCommit | None = None
 
     def connect(
         self,
@@ -136,6 +260,45 @@ class Changes:
         self._recover = recover
         self._committed = committed
 
+    # ------------------------------------------------------------------ group commit
+
+    def commit_in_groups(self) -> None:
+        """From now on each change is stored by a :class:`GroupCommit` on a thread of its
+        own, together with those handed over meanwhile (see the module). Call on the
+        running loop, with a store whose commit may run on another thread while the
+        loop reads it (:class:`~..store.SqliteStore`)."""
+        self._group = GroupCommit(
+            self.store,
+            asyncio.get_running_loop(),
+            stored=self._announce,
+            recover=lambda error: self._recover(error),
+        )
+
+    @property
+    def failures(self) -> int:
+        """Changes that failed since group commit began (0 without it): read it before
+        an answer is made, hand it to :meth:`settled` before it leaves."""
+        return 0 if self._group is None else self._group.failures
+
+    async def settled(self, failures: int) -> None:
+        """Returns once every change made so far is stored; raises
+        :class:`ServiceUnavailable` if any change failed since ``failures`` was read
+        (what the answer saw may be gone). At once without group commit."""
+        group = self._group
+        if group is None:
+            return
+        await group.wait()
+        if group.failures != failures:
+            raise ServiceUnavailable(f"a change could not be stored: {group.error}")
+
+    async def flush(self) -> None:
+        """Waits until what was handed over is stored (or failed); group commit ends."""
+        group, self._group = self._group, None
+        if group is not None:
+            await group.flush()
+
+    # ------------------------------------------------------------------ one change
+
     @contextmanager
     def change(self) -> Iterator[Change]:
         """One change: the caller applies it in the body; then the cycle runs, and all of
@@ -149,31 +312,34 @@ class Changes:
             self.commit(change)
             raise
         except BaseException as error:
-            self._recover(error)
+            self._fail(error)
             raise
         try:
             for sweep in self._sweeps:
                 sweep(change)
             self._absorb(change, self.scheduler.decide(change.now))
         except BaseException as error:
-            self._recover(error)
+            self._fail(error)
             raise
         self.commit(change)
-        for waited_s in change.waited_s:
-            self.wait_times.observe(waited_s)
-        if change.grants:  # each grant of this cycle waited for the whole change to be stored
-            self.grant_latency.observe(time.perf_counter() - change.started, change.grants)
 
     def commit(self, change: Change) -> None:
         """Encodes and stores ``change``; only then is anyone told (waiters, streams). Any
-        exception on the way sends memory back to what the store holds."""
+        exception on the way sends memory back to what the store holds. With group
+        commit, the store's part and what follows it run once its transaction is done."""
         try:
+            if self._group is not None:
+                batch = self._batch(change)
+                self.meta.update(batch.meta)
+                self._group.hand_over(batch, change)
+                return
             self.write(change)
         except BaseException as error:
-            self._recover(error)
+            self._fail(error)
             if isinstance(error, Exception):
                 raise ServiceUnavailable(f"the change could not be stored: {error}") from error
             raise
+        self._observe(change)
         self._committed()
 
     def write(self, change: Change) -> None:
@@ -185,9 +351,35 @@ class Changes:
         self.meta.update(batch.meta)
         self._stored(batch)
 
+    def _fail(self, error: BaseException) -> None:
+        """Any failure of a change: memory goes back to what the store holds; with group
+        commit every change not stored yet fails too, and while a transaction is being
+        written the reload waits for it (changes are refused meanwhile)."""
+        if self._group is not None and self._group.fail(error):
+            self.gate.broken = f"a change failed ({error}); reloading what the store holds"
+            return
+        self._recover(error)
+
+    def _announce(self, items: list[tuple[Batch, Change]]) -> None:
+        """Group commit: these batches are stored; tell, in order, what they changed."""
+        try:
+            for batch, change in items:
+                self._stored(batch)
+                self._observe(change)
+        except Exception as error:  # a bug: memory goes back to what the store holds
+            self._fail(error)
+            return
+        self._committed()
+
+    def _observe(self, change: Change) -> None:
+        for waited_s in change.waited_s:
+            self.wait_times.observe(waited_s)
+        if change.grants:  # each grant of this cycle waited for the whole change to be stored
+            self.grant_latency.observe(time.perf_counter() - change.started, change.grants)
+
     def _batch(self, change: Change) -> Batch:
-        """What ``change`` writes. Counters and the event sequence are not advanced here:
-        they advance once the store has it."""
+        """What ``change`` writes: the counters it moved, and its events numbered (the
+        sequence readers see advances once the store has them)."""
         batch = Batch()
         for encode in self._encoders:
             encode(change, batch)

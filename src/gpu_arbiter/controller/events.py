@@ -45,6 +45,7 @@ class Events:
         self._gate = gate
         self._clock = clock
         self._seq = 0
+        self._numbered = 0  # the last sequence number given to an event, stored or not
         self._events: deque[Event] = deque(maxlen=limits.event_buffer)
         self._fanout = Fanout(min_interval_s=flush_s, tick_s=tick_s)
         self._lease_changed: dict[str, asyncio.Event] = {}
@@ -55,6 +56,7 @@ class Events:
 
     def reset(self, last_seq: int) -> None:
         """After a reload: the history is what the store holds up to ``last_seq``."""
+        self._numbered = last_seq
         if self._seq != last_seq or not self._events:
             self._seq = last_seq
             self._events.clear()
@@ -63,8 +65,11 @@ class Events:
     # ------------------------------------------------------------------ the change
 
     def encode(self, change: Change, batch: Batch) -> None:
-        for seq, (kind, subject, worker, data) in enumerate(change.events, self._seq + 1):
+        """Numbers the change's events after those of every change encoded before it
+        (with group commit, those may not be stored yet)."""
+        for seq, (kind, subject, worker, data) in enumerate(change.events, self._numbered + 1):
             batch.events.append(Event(seq, change.now, kind, subject, worker, data))
+            self._numbered = seq
 
     def stored(self, batch: Batch) -> None:
         """``batch`` is stored: its leases' waiters answer, its events are published."""

@@ -148,6 +148,26 @@ class Controller:
     def close(self) -> None:
         self._roles.close()
 
+    # ------------------------------------------------------------------ group commit
+
+    def commit_in_groups(self) -> None:
+        """Changes are stored in groups on a thread of their own from now on, and an
+        answer must await :meth:`settled` (see :mod:`.change`)."""
+        self._changes.commit_in_groups()
+
+    @property
+    def failed_changes(self) -> int:
+        return self._changes.failures
+
+    async def settled(self, failed_changes: int) -> None:
+        """Every change made so far is stored; ServiceUnavailable if one failed since
+        :attr:`failed_changes` read ``failed_changes``."""
+        await self._changes.settled(failed_changes)
+
+    async def flush(self) -> None:
+        """At a stop: waits for the commits in flight."""
+        await self._changes.flush()
+
     # ------------------------------------------------------------------ leases
 
     def submit(

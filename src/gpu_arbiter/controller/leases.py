@@ -1,9 +1,11 @@
 """Leases: requests and held leases, their verbs, the queue views, the limits on
 pending requests, and how a cycle's decisions are recorded.
 
-Owns the live lease records, the recently ended ones, the idempotency keys in memory
-and the pending counts by (token, holder). Its part of every change: :meth:`Leases.absorb`
-records what the core decided, :meth:`Leases.encode` writes the leases a change touched.
+Owns the live lease records, the recently ended ones, the idempotency keys of both in
+memory (an ended lease's key stays until the lease leaves the recent ones, so that a
+replay finds it even before its end is stored) and the pending counts by (token, holder).
+Its part of every change: :meth:`Leases.absorb` records what the core decided,
+:meth:`Leases.encode` writes the leases a change touched.
 Other modules record a lease's end or revocation only through :meth:`Leases.end` and
 :meth:`Leases.revoked`, a cycle's decisions through :meth:`Leases.absorb`, and read
 leases through :meth:`Leases.record` and :meth:`Leases.lease`.
@@ -376,11 +378,12 @@ class Leases:
             end_reason=reason,
         )
         self._records.pop(record.id, None)
-        if record.request.idempotency_key is not None:  # the store answers for ended ones
-            self._keys.pop((record.owner or "", record.request.idempotency_key), None)
         self._recent[record.id] = ended
         while len(self._recent) > self._limits.recent_final_leases:
-            self._recent.popitem(last=False)
+            _, old = self._recent.popitem(last=False)
+            key = (old.owner or "", old.request.idempotency_key or "")
+            if self._keys.get(key) == old.id:  # long stored: the store answers for it now
+                del self._keys[key]
         change.ended[record.id] = ended
         worker = None if ended.lease is None else ended.lease.worker
         more = {} if message is None else {"message": message}

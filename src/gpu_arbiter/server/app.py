@@ -15,7 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..controller import Controller
+from ..store import SqliteStore
 from .auth import Authenticator
+from .durable import DurableAnswers
 from .errors import error_response, install_error_handlers
 from .events import EventFeed
 from .gateways import GatewayRegistry
@@ -61,6 +63,8 @@ def create_app(
             controller.mirror()
         else:
             controller.start()
+        if isinstance(controller.store, SqliteStore) and not standby:
+            controller.commit_in_groups()  # its commits run off the loop, several at once
         stop = asyncio.Event()
         try:
             async with asyncio.TaskGroup() as background:
@@ -72,6 +76,7 @@ def create_app(
                     stop.set()
         finally:
             controller.close()
+            await controller.flush()
             controller.store.close()
 
     # /docs (Swagger UI) with its scripts and styles served from the package (fastapi-offline
@@ -143,6 +148,7 @@ def create_app(
         return FileResponse(DASHBOARD / "index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
+    app.add_middleware(DurableAnswers, controller=controller)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(RequestGuard, hosts=allowed_hosts, auth=auth.enabled)  # the outermost
     return app
