@@ -4,7 +4,10 @@
    concurrent clients, median and p99 latency of one round trip (POST + DELETE),
    with the SQLite store and with the memory store: the ratio is the cost of
    durability. ``--store postgresql://...`` also measures the PostgreSQL store (on
-   that database; a controller leads it for the run).
+   that database; a controller leads it for the run). ``--baseline SRC`` also runs the
+   ``src`` directory of other code (``git worktree add /tmp/base COMMIT``, then
+   ``--baseline /tmp/base/src``) in the same run, each measurement right after ours,
+   and prints our throughput and p99 against it.
 2. Heartbeats: 1,000 simulated workers of 8 GPUs each. The most heartbeats per
    second the controller sustains, and the controller's CPU while the 1,000
    workers heartbeat every 5 seconds (200 per second).
@@ -76,10 +79,15 @@ class Server:
     """A real ``gpu-arbiter serve`` on a free loopback port (``preexec_fn`` runs in the
     server's process before it starts: e.g. a raised limit of open files)."""
 
-    def __init__(self, *args: str, preexec_fn: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        preexec_fn: Callable[[], object] | None = None,
+        src: Path = SRC,
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-"))
         log = (self.dir / "server.log").open("wb")
-        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        env = {**os.environ, "PYTHONPATH": str(src)}
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -151,6 +159,42 @@ async def round_trips(server: Server, clients: int, seconds: float) -> dict[str,
     }
 
 
+def measure(
+    name: str, store: list[str], gpus: int, seconds: float, src: Path
+) -> dict[int, dict[str, float]]:
+    """Round trips with 1, 10 and 50 clients against one server of ``src``."""
+    server = Server("--simulate", f"{gpus}x80G", "--store", *store, src=src)
+    results: dict[int, dict[str, float]] = {}
+    try:
+        asyncio.run(round_trips(server, 4, 0.5))  # warm up
+        for clients in (1, 10, 50):
+            r = asyncio.run(round_trips(server, clients, seconds))
+            results[clients] = r
+            print(
+                f"{name:>11} {clients:>7} {r['rps']:>9.0f} {r['p50_ms']:>8.2f} "
+                f"{r['p99_ms']:>8.2f} {r['granted']:>8.0%}"
+            )
+    finally:
+        server.stop()
+    return results
+
+
+def bench_against(seconds: float, gpus: int, baseline: Path) -> None:
+    """Ours and ``baseline``'s, store by store, one right after the other."""
+    print(f"\nagainst {baseline} (base), same run")
+    print(f"{'store':>11} {'clients':>7} {'trips/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'granted':>8}")
+    for name in ("sqlite", "memory"):
+        ours = measure(name, [name], gpus, seconds, SRC)
+        base = measure(f"base {name}", [name], gpus, seconds, baseline)
+        for clients in (1, 10, 50):
+            o, b = ours[clients], base[clients]
+            print(
+                f"  {name} {clients:>2} clients: throughput {o['rps'] / b['rps']:.2f}x, "
+                f"p50 {o['p50_ms'] / b['p50_ms']:.2f}x, p99 {o['p99_ms'] / b['p99_ms']:.2f}x "
+                "of base"
+            )
+
+
 def bench_round_trips(seconds: float, gpus: int, postgres: str | None) -> None:
     print(
         f"lease create+release round trips over HTTP (one round trip = POST + DELETE), "
@@ -165,18 +209,8 @@ def bench_round_trips(seconds: float, gpus: int, postgres: str | None) -> None:
         stores["postgres"] = [postgres]
     results: dict[tuple[str, int], dict[str, float]] = {}
     for name, store in stores.items():
-        server = Server("--simulate", f"{gpus}x80G", "--store", *store)
-        try:
-            asyncio.run(round_trips(server, 4, 0.5))  # warm up
-            for clients in (1, 10, 50):
-                r = asyncio.run(round_trips(server, clients, seconds))
-                results[(name, clients)] = r
-                print(
-                    f"{name:>11} {clients:>7} {r['rps']:>9.0f} {r['p50_ms']:>8.2f} "
-                    f"{r['p99_ms']:>8.2f} {r['granted']:>8.0%}"
-                )
-        finally:
-            server.stop()
+        for clients, r in measure(name, store, gpus, seconds, SRC).items():
+            results[(name, clients)] = r
     pairs = [("sqlite", "memory"), ("postgres", "sqlite"), ("postgres", "sqlite-full")]
     for name, base in pairs:
         if name not in stores:
@@ -270,11 +304,20 @@ def main() -> None:
         help="also measure round trips with the PostgreSQL store on this database "
         "(postgresql://...)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        type=Path,
+        default=None,
+        help="also run this src directory (other code) and print the ratios",
+    )
     args = parser.parse_args()
     if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
         parser.error("--store: a postgresql:// URL")
     if args.only in (None, "trips"):
         bench_round_trips(args.seconds, args.gpus, args.store)
+        if args.baseline is not None:
+            bench_against(args.seconds, args.gpus, args.baseline)
     if args.only in (None, "heartbeats"):
         bench_heartbeats(args.seconds)
 
