@@ -44,6 +44,7 @@ class _Slot:
     __slots__ = (
         "committed_mb",
         "gpu",
+        "id",
         "indexed",
         "loading",
         "occupied_mb",
@@ -55,6 +56,7 @@ class _Slot:
 
     def __init__(self, gpu: Gpu) -> None:
         self.gpu = gpu
+        self.id = gpu.id  # the one GpuId of this GPU: the index's entries are this very key
         self.committed_mb = 0
         self.loading = 0
         self.reserved: dict[str, int] = {}
@@ -87,7 +89,7 @@ class Ledger:
 
     def _refresh(self, slot: _Slot) -> None:
         slot.refresh()
-        entry = (slot.gpu.capacity_mb - slot.occupied_mb, slot.gpu.id)
+        entry = (slot.gpu.capacity_mb - slot.occupied_mb, slot.id)
         if entry == slot.indexed:
             return
         if slot.indexed is not None:
@@ -110,7 +112,8 @@ class Ledger:
     def put_gpu(self, gpu: Gpu) -> None:
         slot = self._slots.get(gpu.id)
         if slot is None:
-            slot = self._slots[gpu.id] = _Slot(gpu)
+            slot = _Slot(gpu)
+            self._slots[slot.id] = slot
         slot.gpu = gpu
         self._refresh(slot)
 

@@ -323,6 +323,9 @@ class Constraints:
         return ",".join(parts) or "any GPU"
 
 
+_ANY_GPU = Constraints()  # no constraint: one shared value, valid as it is
+
+
 def _parse_gpu_ids(texts: Any, worker: str | None) -> tuple[GpuId, ...]:
     """Exact GPUs (``worker:index``, split on the single ``:``), all on one worker: a
     request that must land where its process already lives (a sleeping model server that
@@ -373,7 +376,7 @@ class Request:
     gpus: int = 1
     priority: int = PRIORITY_NAMES["normal"]
     preemptible: bool = True
-    constraints: Constraints = Constraints()
+    constraints: Constraints = _ANY_GPU
     holder: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     ttl_s: float | None = 30.0
@@ -410,19 +413,23 @@ class Request:
     ) -> Request:
         """Validates every field (errors name it). ``ttl_s=None``: no TTL, for a holder in
         this very process whose lease ends with its block. ``gpus``: by default the number
-        of ``constraints.gpu_ids``, else 1; with them it must equal their number."""
+        of ``constraints.gpu_ids``, else 1; with them it must equal their number.
+
+        What is left at its default (no metadata, no holder) is valid as it is and is not
+        checked again: an in-process ``acquire`` builds one request per lease."""
         mb = parse_mb(vram_mb, "vram_mb")
         if mb <= 0:
             raise InvalidInput("vram_mb", "must be > 0")
-        constraints = constraints or Constraints()
+        constraints = constraints or _ANY_GPU
         gpus = _check_gpus(gpus, constraints.gpu_ids)
         prio = parse_priority(priority)
         if preemptible is None:
             preemptible = prio < PRIORITY_NAMES["interactive"]
         elif not isinstance(preemptible, bool):
             raise InvalidInput("preemptible", "must be true or false")
-        check_text("holder", holder)
-        meta = check_metadata(metadata)
+        if holder != "":
+            check_text("holder", holder)
+        meta = check_metadata(metadata) if metadata else {}
         _check_seconds("ttl_s", ttl_s, allow_none=True)
         _check_seconds("max_wait_s", max_wait_s, allow_none=True, allow_zero=True)
         _check_seconds("load_timeout_s", load_timeout_s, allow_none=False)

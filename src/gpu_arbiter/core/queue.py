@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from .errors import NotFound
@@ -51,7 +50,7 @@ class PendingQueue:
         self._buckets: dict[int, dict[str, Request]] = {}
         self._classes: dict[ClassKey, dict[str, Request]] = {}
         self._priority_of: dict[str, int] = {}
-        self._sizes: Counter[int] = Counter()
+        self._sizes: dict[int, int] = {}  # per-GPU size -> how many pending
 
     def __len__(self) -> int:
         return len(self._priority_of)
@@ -71,7 +70,7 @@ class PendingQueue:
         _add_in_order(self._buckets.setdefault(request.priority, {}), request)
         _add_in_order(self._classes.setdefault(_class_of(request), {}), request)
         self._priority_of[request.id] = request.priority
-        self._sizes[request.vram_mb] += 1
+        self._sizes[request.vram_mb] = self._sizes.get(request.vram_mb, 0) + 1
 
     def remove(self, request_id: str) -> Request:
         priority = self._priority_of.pop(request_id, None)
@@ -86,10 +85,17 @@ class PendingQueue:
         del members[request_id]
         if not members:
             del self._classes[key]
-        self._sizes[request.vram_mb] -= 1
-        if not self._sizes[request.vram_mb]:
-            del self._sizes[request.vram_mb]
+        left = self._sizes.pop(request.vram_mb) - 1
+        if left:
+            self._sizes[request.vram_mb] = left
         return request
+
+    def only(self) -> Request | None:
+        """The pending request when it is the only one, else None."""
+        if len(self._priority_of) != 1:
+            return None
+        (bucket,) = self._buckets.values()
+        return next(iter(bucket.values()))
 
     def smallest_vram_mb(self) -> int | None:
         """The smallest per-GPU size pending (distinct sizes are few)."""
