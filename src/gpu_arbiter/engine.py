@@ -3,8 +3,10 @@
 Every event (a request, a release, ``ready()``, a probe reading) runs one
 scheduling cycle at once, in the caller's turn of the event loop: a release
 grants the next waiter before it returns. The only timer is one ``call_at``
-for the core's next deadline (a TTL, a ``max_wait_s``); with nothing due,
-nothing runs.
+for the core's next deadline (a TTL, a ``max_wait_s``), re-armed once per turn of
+the event loop however many events the turn brought; with nothing due, nothing
+runs. Time comes from a :class:`Clock`: the event loop's by default, a virtual one
+in tests, so that a test of a TTL moves time instead of sleeping through it.
 
 A lease held in ``async with arbiter.lease(...)`` belongs to the task that
 entered the block. Revoking it cancels that task; the memory is released when
@@ -26,13 +28,14 @@ only within the grace, so it lapses at most grace + TTL after its revocation.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from .core import (
     ArbiterStopped,
@@ -57,12 +60,47 @@ from .core import (
     parse_mb,
 )
 
-__all__ = ["Arbiter", "ArbiterEvent", "ArbiterStats", "LeaseHandle", "PendingInfo"]
+__all__ = [
+    "Arbiter",
+    "ArbiterEvent",
+    "ArbiterStats",
+    "Clock",
+    "LeaseHandle",
+    "LoopClock",
+    "PendingInfo",
+    "Timer",
+]
 
 log = logging.getLogger("gpu_arbiter.engine")
 
 Probe = Callable[[], Awaitable[Mapping[GpuId, GpuProbe | None]]]
 Hook = Callable[["ArbiterEvent"], object]
+
+
+class Timer(Protocol):
+    """A callback a :class:`Clock` will run at :meth:`when` unless cancelled first."""
+
+    def when(self) -> float: ...
+
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """The time the arbiter runs on: monotonic seconds, and a callback run at a time."""
+
+    def now(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer: ...
+
+
+class LoopClock:
+    """The running event loop's clock (``loop.time()`` and ``loop.call_at``): the default."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer:
+        return asyncio.get_running_loop().call_at(when, callback)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +147,7 @@ class LeaseHandle:
         self._arbiter = arbiter
         self._lease = lease
         self._task = task
-        self._revoked = asyncio.Event()
+        self._revoked: asyncio.Event | None = None  # made by the first wait_revoked()
         self._cancelled_by_arbiter = False
         self.revoke_reason: str | None = None
 
@@ -140,11 +178,14 @@ class LeaseHandle:
 
     @property
     def revoked(self) -> bool:
-        return self._revoked.is_set()
+        return self.revoke_reason is not None
 
     async def wait_revoked(self) -> str:
         """Returns the reason once the arbiter revokes this lease."""
-        await self._revoked.wait()
+        if self.revoke_reason is None:
+            if self._revoked is None:
+                self._revoked = asyncio.Event()
+            await self._revoked.wait()
         return self.revoke_reason or "revoked"
 
     async def ready(self) -> None:
@@ -172,7 +213,8 @@ class LeaseHandle:
 
     def _notify_revoked(self, reason: str) -> None:
         self.revoke_reason = reason
-        self._revoked.set()
+        if self._revoked is not None:
+            self._revoked.set()
         if self._task is not None and not self._task.done() and not self._cancelled_by_arbiter:
             self._cancelled_by_arbiter = True
             self._task.cancel(f"gpu-arbiter revoked lease {self.id}: {reason}")
@@ -183,7 +225,10 @@ class LeaseHandle:
 
 
 class Arbiter:
-    """An in-process arbiter over ``gpus``: ``async with Arbiter(gpus=[...]) as arbiter``."""
+    """An in-process arbiter over ``gpus``: ``async with Arbiter(gpus=[...]) as arbiter``.
+
+    ``clock``: where time comes from (TTLs, ``max_wait_s``, the grace, the probe's
+    interval); the running event loop's by default."""
 
     def __init__(
         self,
@@ -193,8 +238,10 @@ class Arbiter:
         probe: Probe | None = None,
         probe_interval_s: float = 2.0,
         hooks: Sequence[Hook] = (),
+        clock: Clock | None = None,
     ) -> None:
         self.policy = policy or Policy()
+        self._clock: Clock = clock or LoopClock()
         self._scheduler = Scheduler(self.policy)
         by_worker: dict[str, list[Gpu]] = {}
         for gpu in gpus:
@@ -207,8 +254,9 @@ class Arbiter:
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._handles: dict[str, LeaseHandle] = {}
         self._ids = itertools.count(1)
-        self._timer: asyncio.TimerHandle | None = None
-        self._grace_timers: dict[str, asyncio.TimerHandle] = {}
+        self._timer: Timer | None = None
+        self._rearm: asyncio.Handle | None = None  # the timer's re-arming, due this turn
+        self._grace_timers: dict[str, Timer] = {}
         self._probe_task: asyncio.Task[None] | None = None
         self._running = False
         self._stopped = False
@@ -244,6 +292,8 @@ class Arbiter:
         self._running = False
         if self._timer is not None:
             self._timer.cancel()
+        if self._rearm is not None:
+            self._rearm.cancel()
         for grace_timer in self._grace_timers.values():
             grace_timer.cancel()
         self._grace_timers.clear()
@@ -337,10 +387,16 @@ class Arbiter:
             grace_timer.cancel()
         if lease_id not in self._scheduler.leases:
             return
-        lease = self._scheduler.release(lease_id, self._now())
-        self._emit("released", lease.id, {"state": "released"})
-        if self._running:
-            self._cycle()
+        now = self._clock.now()
+        self._scheduler.release(lease_id, now)
+        if self._hooks:
+            self._emit("released", lease_id, {"state": "released"})
+        if not self._running:
+            return
+        if self._scheduler.queue:  # memory freed goes to requests waiting, if any
+            self._cycle(now)
+        else:  # nothing to grant: the cycle would decide nothing, only the timer moves
+            self._arm_timer_soon()
 
     def revoke(self, lease_id: str, reason: str = "revoked") -> None:
         """Takes a lease back: its holder is told (its block cancelled); the memory stays
@@ -398,7 +454,7 @@ class Arbiter:
     # ------------------------------------------------------------------ internals
 
     def _now(self) -> float:
-        return asyncio.get_running_loop().time()
+        return self._clock.now()
 
     def _request(
         self, vram_mb: int | str, *, constraints: Mapping[str, Any], **fields: Any
@@ -406,7 +462,7 @@ class Arbiter:
         return Request.build(
             f"lease-{next(self._ids)}",
             vram_mb=vram_mb,
-            constraints=Constraints.build(**constraints),
+            constraints=Constraints.build(**constraints) if constraints else None,
             **fields,
         )
 
@@ -433,10 +489,11 @@ class Arbiter:
     ) -> LeaseHandle:
         if not self._running:
             raise ArbiterStopped("the arbiter is not running")
-        request = self._scheduler.submit(request, self._now())
+        now = self._clock.now()
+        request = self._scheduler.submit(request, now)
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[request.id] = future
-        self._cycle()
+        self._cycle(now)
         try:
             lease = await future
         except BaseException:
@@ -460,25 +517,28 @@ class Arbiter:
             self._emit("released", request_id, {"state": "released"})
             self._cycle()
 
-    def _cycle(self) -> None:
+    def _cycle(self, now: float | None = None) -> None:
         """Runs the core until it has nothing more to decide now, and carries it out."""
         if not self._running:
             return
-        now = self._now()
         try:
-            decisions = self._scheduler.decide(now)
+            decisions = self._scheduler.decide(self._clock.now() if now is None else now)
         except Exception:  # a bug in the core must not wedge every waiter
             log.exception("scheduling cycle failed")
             decisions = Decisions()
         self._apply(decisions)
-        self._arm_timer()
+        self._arm_timer_soon()
+
+    def _arm_timer_soon(self) -> None:
+        if self._rearm is None:
+            self._rearm = asyncio.get_running_loop().call_soon(self._arm_timer)
 
     def _apply(self, decisions: Decisions) -> None:
         for lease in decisions.grants:
             future = self._waiters.pop(lease.id, None)
-            self._emit(
-                "granted", lease.id, {"gpus": [str(g) for g in lease.gpus], "token": lease.token}
-            )
+            if self._hooks:  # the detail is for hooks only
+                gpus = [str(g) for g in lease.gpus]
+                self._emit("granted", lease.id, {"gpus": gpus, "token": lease.token})
             if future is not None and not future.done():
                 future.set_result(lease)
         self._revoked(decisions.revocations)
@@ -515,8 +575,9 @@ class Arbiter:
             if handle is not None:
                 handle._notify_revoked(lease.revoke_reason or "revoked")
             if lease.revoked_at is not None and lease.id not in self._grace_timers:
-                self._grace_timers[lease.id] = asyncio.get_running_loop().call_at(
-                    lease.revoked_at + self.policy.grace_s, self._grace_over, lease.id
+                self._grace_timers[lease.id] = self._clock.call_at(
+                    lease.revoked_at + self.policy.grace_s,
+                    functools.partial(self._grace_over, lease.id),
                 )
 
     def _grace_over(self, lease_id: str) -> None:
@@ -542,6 +603,12 @@ class Arbiter:
         self._scheduler.counters["revocations_ignored"] += 1
 
     def _arm_timer(self) -> None:
+        """Moves the one timer to the core's next deadline. It runs once per turn of the
+        event loop, after the turn's events: a turn that acquires and releases a lease arms
+        and cancels nothing, and no deadline is missed, as timers fire between turns."""
+        self._rearm = None
+        if not self._running:
+            return
         deadline = self._scheduler.next_deadline()
         if self._timer is not None:
             if self._timer.when() == deadline:
@@ -549,7 +616,7 @@ class Arbiter:
             self._timer.cancel()
             self._timer = None
         if deadline is not None and math.isfinite(deadline):
-            self._timer = asyncio.get_running_loop().call_at(deadline, self._cycle)
+            self._timer = self._clock.call_at(deadline, self._cycle)
 
     def _emit(
         self, kind: str, lease_id: str | None, detail: Mapping[str, Any] | None = None
@@ -577,7 +644,21 @@ class Arbiter:
                 except NotFound:
                     log.warning("probe reported unknown GPU %s", gpu_id)
             self._cycle()
-            await asyncio.sleep(self._probe_interval_s)
+            await self._sleep(self._probe_interval_s)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleeps ``seconds`` on the arbiter's clock."""
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        timer = self._clock.call_at(self._clock.now() + seconds, wake)
+        try:
+            await woken
+        finally:
+            timer.cancel()
 
 
 class _LeaseBlock:
