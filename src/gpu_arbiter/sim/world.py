@@ -37,7 +37,7 @@ count would show it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..core import GpuId
@@ -98,6 +98,42 @@ def _model_key(item: TraceRequest) -> tuple[object, ...]:
     return (item.model, item.vram_mb, item.gpus, item.constraints, item.priority, item.preemptible)
 
 
+class _Pending:
+    """The attempts submitted and not granted yet, in the order they came, and by model: a
+    finished run hands its warm model to the oldest attempt waiting for that very model,
+    which must not mean a walk through the whole queue."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Attempt] = {}
+        self._by_model: dict[tuple[object, ...], dict[str, Attempt]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Attempt]:
+        return iter(self._by_id.values())
+
+    def __contains__(self, attempt_id: str) -> bool:
+        return attempt_id in self._by_id
+
+    def add(self, attempt: Attempt) -> None:
+        self._by_id[attempt.id] = attempt
+        self._by_model.setdefault(_model_key(attempt.item), {})[attempt.id] = attempt
+
+    def pop(self, attempt_id: str) -> Attempt:
+        attempt = self._by_id.pop(attempt_id)
+        key = _model_key(attempt.item)
+        same = self._by_model[key]
+        del same[attempt_id]
+        if not same:
+            del self._by_model[key]
+        return attempt
+
+    def of_model(self, item: TraceRequest) -> Iterable[Attempt]:
+        """The attempts that may run on a warm model of ``item`` (:meth:`_Process.same_model`)."""
+        return self._by_model.get(_model_key(item), {}).values()
+
+
 class Simulation:
     """One policy over one trace on one cluster. :meth:`run` returns a :class:`Recording`."""
 
@@ -122,7 +158,7 @@ class Simulation:
         self.horizon_s = horizon_s if horizon_s is not None else last + 86400.0
         self.capacity = cluster.capacity_mb()
         self.events: EventHeap[_Event] = EventHeap()
-        self.pending: dict[str, Attempt] = {}
+        self.pending = _Pending()
         self.procs: dict[str, _Process] = {}
         self.mem = dict.fromkeys(self.capacity, 0)
         self.loads = dict.fromkeys(self.capacity, 0)
@@ -162,7 +198,7 @@ class Simulation:
     def _finish(self) -> None:
         end = max(self.events.next_time() or 0.0, self.rec.last_completion)
         deferred = [p.wake for p in self.procs.values() if p.phase == "sleeping" and p.wake]
-        for attempt in [*self.pending.values(), *deferred]:  # never started: waited to the end
+        for attempt in [*self.pending, *deferred]:  # never started: waited to the end
             waited = max(0.0, end - attempt.submitted_at)
             item = attempt.item
             self.rec.waits.append(WaitSample(item.priority, waited, waited, False, attempt.id))
@@ -217,7 +253,7 @@ class Simulation:
         grants = []
         for lease_id, gpus in step.grants:
             if self._waking.get(lease_id) in reclaimed:  # woken and reclaimed at once:
-                del self.pending[lease_id]  # the wake is given back unused, and its
+                self.pending.pop(lease_id)  # the wake is given back unused, and its
                 self.allocator.release(lease_id, now)  # request starts cold (_revoke)
                 continue
             self._grant(lease_id, gpus, now)
@@ -269,7 +305,7 @@ class Simulation:
         if rejection is not None:
             self.rec.rejected.append(f"{attempt.id}: {rejection}")
         else:
-            self.pending[attempt.id] = attempt
+            self.pending.add(attempt)
 
     def _copy(self, attempt: Attempt, phases: tuple[str, ...]) -> _Process | None:
         """The most recently used process of the attempt's model in one of ``phases`` that
@@ -361,13 +397,11 @@ class Simulation:
         if not self.allocator.keeps_warm:
             self._free(proc, now)
             return
-        waiting = [
-            a for a in self.pending.values() if a.id not in self._waking and proc.same_model(a)
-        ]
+        waiting = [a for a in self.pending.of_model(proc.attempt.item) if a.id not in self._waking]
         if waiting:  # a request for this very model is queued: it takes the warm model
             attempt = min(waiting, key=lambda a: a.seq)
             self.allocator.cancel(attempt.id)
-            del self.pending[attempt.id]
+            self.pending.pop(attempt.id)
             self._run(proc, attempt, now, warm_start=True)
             return
         self._move(proc, now, "idle")
@@ -410,7 +444,7 @@ class Simulation:
         if rejection is not None:  # cannot happen on its own GPUs; a cold start then
             self._start_cold(proc, now)
             return
-        self.pending[attempt.id] = attempt
+        self.pending.add(attempt)
         self._waking[attempt.id] = proc.lease_id
         self._move(proc, now, "wake_wait")  # still idle to the core: reclaimable (else a
         proc.version += 1  # request nominated to its memory and its wake wait on each other)
@@ -484,7 +518,7 @@ class Simulation:
         if self._waking.pop(attempt.id, None) is not None:
             if attempt.id in self.pending:
                 self.allocator.cancel(attempt.id)
-                del self.pending[attempt.id]
+                self.pending.pop(attempt.id)
             retry = self._attempt(attempt.index, now)
             attempt = dataclasses.replace(retry, submitted_at=attempt.submitted_at)
         self._submit(attempt, now)
