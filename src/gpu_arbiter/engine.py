@@ -209,7 +209,7 @@ class LeaseHandle:
         self._lease = self._arbiter._shrink(self.id, parse_mb(vram_mb))
 
     async def release(self) -> None:
-        await self._arbiter.release(self.id)
+        self._arbiter._release(self._lease.id)
 
     def _notify_revoked(self, reason: str) -> None:
         self.revoke_reason = reason
@@ -381,6 +381,10 @@ class Arbiter:
 
     async def release(self, lease_id: str) -> None:
         """Releases a held lease; releasing one that already ended does nothing (idempotent)."""
+        self._release(lease_id)
+
+    def _release(self, lease_id: str) -> None:
+        """:meth:`release`, which never waits (a handle's release calls it directly)."""
         self._handles.pop(lease_id, None)
         grace_timer = self._grace_timers.pop(lease_id, None)
         if grace_timer is not None:
@@ -691,4 +695,4 @@ class _LeaseBlock:
                     error = LeasePreempted if handle.revoke_reason == "preempted" else LeaseRevoked
                     raise error(handle.id, handle.revoke_reason or "revoked") from exc
         finally:
-            await self._arbiter.release(handle.id)
+            self._arbiter._release(handle.id)

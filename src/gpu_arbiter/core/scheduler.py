@@ -899,13 +899,14 @@ class Scheduler:
         return lease
 
     def _add_lease(self, lease: Lease) -> None:
-        self.leases[lease.id] = lease
+        lease_id = lease.id
+        self.leases[lease_id] = lease
         self._ledger.commit(lease)
-        self._worker_leases.setdefault(lease.worker, set()).add(lease.id)
+        self._worker_leases.setdefault(lease.worker, set()).add(lease_id)
         self._count_victim(lease, 1)
-        self._push_timer(lease.expires_at, "ttl", lease.id)
+        self._push_timer(lease.expires_at, "ttl", lease_id)
         if lease.loading:
-            self._push_timer(lease.load_deadline, "load", lease.id)
+            self._push_timer(lease.load_deadline, "load", lease_id)
 
     # ------------------------------------------------------------------ preemption and nomination
 
