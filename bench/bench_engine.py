@@ -1,27 +1,43 @@
 """Benchmarks of the in-process Arbiter (engine + decision core).
 
-1. Uncontended acquire+release cycles per second (one GPU, nothing else held).
+1. Uncontended acquire+release cycles per second (one GPU, nothing else held), side by
+   side with the same cycle in vramd 0.3.9: rounds alternate between the two, and the
+   medians, their ratio and each one's Python calls per cycle (cProfile's total calls
+   over a profiled run of the cycles) are printed.
 2. Release-to-grant latency: every GPU is full, N requests wait; one lease is
    released and the time until the next waiting request's task runs with its
    grant is measured. Median and p99 for each queue length and GPU count, and
    the ratio of the largest queue's cost to the smallest's.
 
-Run: python bench/bench_engine.py            (full: up to 100,000 pending)
-     python bench/bench_engine.py --quick    (smaller, for a smoke run)
+Run: python bench/bench_engine.py                 (full: up to 100,000 pending)
+     python bench/bench_engine.py --quick         (smaller, for a smoke run)
+     python bench/bench_engine.py --uncontended   (1. only)
+
+vramd is not a dependency of gpu-arbiter: for the comparison install it into the
+virtual environment (``.venv/bin/pip install vramd==0.3.9``); without it the bench
+says so and skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
+import importlib.metadata
+import pstats
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from gpu_arbiter import Arbiter, Gpu, LeaseHandle
 
 GPU_MB = 24576
 LEASE_MB = 6144  # four per GPU
+CYCLE_MB = 1000
+WARM_UP = 200
+VRAMD_VERSION = "0.3.9"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -29,15 +45,122 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-async def uncontended(cycles: int) -> float:
+async def uncontended(cycles: int, profile: cProfile.Profile | None = None) -> float:
+    """Our cycles per second: ``acquire`` a lease of one GPU, ``release`` it."""
     async with Arbiter(gpus=[Gpu(index=0, total_mb=GPU_MB)]) as arbiter:
-        for _ in range(200):  # warm up
-            await (await arbiter.acquire(1000)).release()
+        for _ in range(WARM_UP):
+            await (await arbiter.acquire(CYCLE_MB)).release()
+        if profile is not None:
+            profile.enable()
         start = time.perf_counter()
         for _ in range(cycles):
-            lease = await arbiter.acquire(1000)
+            lease = await arbiter.acquire(CYCLE_MB)
             await lease.release()
-        return cycles / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if profile is not None:
+            profile.disable()
+        return cycles / elapsed
+
+
+def vramd_version() -> str | None:
+    try:
+        return importlib.metadata.version("vramd")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def vramd_uncontended(cycles: int, profile: cProfile.Profile | None = None) -> float:
+    """vramd's cycles per second for the same uncontended admission, in process.
+
+    vramd admits work as jobs: ``JobQueue.enqueue`` queues one, its ``WorkerPool``
+    claims it (``AffinityScheduler.pick_next``, the VRAM check, ``JobQueue.take``) and
+    runs it (``mark_started``, the backend's ``generate``, ``JobQueue.finish``, which
+    frees the slot). One cycle is that, for a model already loaded that answers at once:
+    the body of ``WorkerPool._loop`` in the caller's thread, without its wait for work
+    (a thread's wake-up would measure threading, not admission)."""
+    from vramd import protocol
+    from vramd.dispatcher import WorkerPool
+    from vramd.job_queue import JobQueue
+
+    class LoadedModel:
+        """vramd's BackendManager as the pool sees it, for one loaded model."""
+
+        def loaded_names(self) -> list[str]:
+            return ["model"]
+
+        def shape_matches_loaded(self, backend: str, request: dict[str, Any]) -> bool:
+            return True
+
+        def generate(self, backend: str, request: dict[str, Any]) -> dict[str, Any]:
+            return {"status": protocol.STATUS_OK}
+
+    queue = JobQueue()
+    pool = WorkerPool(queue, LoadedModel(), query_free_mib=lambda: GPU_MB)  # type: ignore[arg-type]
+
+    def cycle() -> None:
+        queue.enqueue("model", {"vram_mb": CYCLE_MB})
+        job = pool._claim_next()
+        assert job is not None, "vramd admitted nothing"
+        pool._run_job(job)
+
+    for _ in range(WARM_UP):
+        cycle()
+    if profile is not None:
+        profile.enable()
+    start = time.perf_counter()
+    for _ in range(cycles):
+        cycle()
+    elapsed = time.perf_counter() - start
+    if profile is not None:
+        profile.disable()
+    return cycles / elapsed
+
+
+def calls_per_cycle(run: Callable[[int, cProfile.Profile], object], cycles: int) -> float:
+    profile = cProfile.Profile()
+    run(cycles, profile)
+    return pstats.Stats(profile).total_calls / cycles
+
+
+def side_by_side(cycles: int, rounds: int) -> None:
+    """Ours and vramd's uncontended cycle, alternating round by round (a shared machine's
+    load then weighs on both alike), with the median of each and their ratio."""
+    version = vramd_version()
+
+    def ours(n: int, profile: cProfile.Profile | None = None) -> float:
+        return asyncio.run(uncontended(n, profile))
+
+    rates: dict[str, list[float]] = {"gpu-arbiter": [], f"vramd {version}": []}
+    for _ in range(rounds):
+        rates["gpu-arbiter"].append(ours(cycles))
+        if version is not None:
+            rates[f"vramd {version}"].append(vramd_uncontended(cycles))
+    calls = {"gpu-arbiter": calls_per_cycle(ours, cycles)}
+    if version is not None:
+        calls[f"vramd {version}"] = calls_per_cycle(vramd_uncontended, cycles)
+    print(f"uncontended acquire+release (one GPU), {rounds} rounds of {cycles:,} cycles")
+    print(f"  {'':<12} {'median/s':>10} {'min/s':>10} {'max/s':>10} {'calls/cycle':>12}")
+    for name, values in rates.items():
+        if values:
+            print(
+                f"  {name:<12} {statistics.median(values):>10,.0f} {min(values):>10,.0f} "
+                f"{max(values):>10,.0f} {calls[name]:>12.0f}"
+            )
+    if version is None:
+        print(
+            f"  vramd is not installed: no comparison (it is not a dependency; "
+            f"`.venv/bin/pip install vramd=={VRAMD_VERSION}` to compare)"
+        )
+        return
+    if version != VRAMD_VERSION:
+        print(f"  (vramd {version} is installed; the comparison was written for {VRAMD_VERSION})")
+    ours_median = statistics.median(rates["gpu-arbiter"])
+    theirs = rates[f"vramd {version}"]
+    per_round = [a / b for a, b in zip(rates["gpu-arbiter"], theirs, strict=True)]
+    print(
+        f"  ratio gpu-arbiter/vramd: {ours_median / statistics.median(theirs):.2f}x "
+        f"(per round {min(per_round):.2f}x..{max(per_round):.2f}x)"
+    )
 
 
 async def handoff(gpus: int, pending: int, samples: int) -> list[float]:
@@ -79,18 +202,18 @@ async def handoff(gpus: int, pending: int, samples: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument(
+        "--uncontended", action="store_true", help="only the side-by-side of 1. (no latencies)"
+    )
     args = parser.parse_args()
     cycles = 5000 if args.quick else 20000
     queue_sizes = [10, 1000] if args.quick else [10, 1000, 10000, 100000]
     gpu_counts = [8, 100] if args.quick else [8, 1000]
     samples = 200 if args.quick else 1000
 
-    rates = [asyncio.run(uncontended(cycles)) for _ in range(5)]
-    print("uncontended acquire+release (one GPU)")
-    print(
-        f"  median {statistics.median(rates):,.0f} cycles/s  "
-        f"(min {min(rates):,.0f}, max {max(rates):,.0f}, 5 runs of {cycles})"
-    )
+    side_by_side(cycles, rounds=5)
+    if args.uncontended:
+        return
     print()
     print("release-to-grant latency, every GPU full, N requests pending")
     print(f"  {'GPUs':>5} {'pending':>8} {'median us':>10} {'p99 us':>8} {'max us':>8}")
