@@ -454,13 +454,19 @@ class StrictPriority(_Baseline):
             return None
         return (1, lease.priority, -lease.granted_at, lease.attempt.seq)
 
-    def _may_preempt(self, attempt: Attempt) -> bool:
-        """Whether any lease could be a victim for ``attempt``, or memory being revoked could
-        make room for it (if neither, no search can find a plan)."""
-        if self.books.revoking_count:
-            return True
+    def _may_take(self, attempt: Attempt) -> bool:
+        """Whether any lease at all could be a victim for ``attempt``."""
         lowest = self.books.lowest_busy_priority()
         return lowest is not None and lowest < attempt.item.priority
+
+    def _revoked_will_do(self, attempt: Attempt, room: Mapping[GpuId, int]) -> bool:
+        """Whether memory being revoked alone makes room for ``attempt`` on some worker."""
+        needs = self._needs(attempt)
+        revoking = self.books.revoking_mb
+        return any(
+            sum(room[g] + revoking[g] >= needs[g] for g in ids) >= attempt.item.gpus
+            for ids in self._matching(attempt).values()
+        )
 
     def _victims_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
         """The memory of every lease on the GPU that may be a victim for ``attempt``."""
@@ -469,8 +475,10 @@ class StrictPriority(_Baseline):
     def _victims(self, attempt: Attempt, room: Mapping[GpuId, int]) -> _Plan | None:
         """The cheapest victims on one worker, and the GPUs they free (no victims while
         revoked memory will do); None when no set of victims makes room."""
-        if not self._may_preempt(attempt):
-            return None
+        if not self._may_take(attempt) and not (
+            self.books.revoking_count and self._revoked_will_do(attempt, room)
+        ):
+            return None  # what the search would find: with no victims, only revoked memory
         best: tuple[tuple[int, int, int, str], _Plan] | None = None
         needs = self._needs(attempt)
         for worker, ids in self._matching(attempt).items():
@@ -543,8 +551,8 @@ class PriorityWarm(StrictPriority):
             return (0, 0, lease.last_used_at, lease.attempt.seq)
         return super()._victim_key(attempt, lease)
 
-    def _may_preempt(self, attempt: Attempt) -> bool:
-        return self.books.idle_count > 0 or super()._may_preempt(attempt)
+    def _may_take(self, attempt: Attempt) -> bool:
+        return self.books.idle_count > 0 or super()._may_take(attempt)
 
     def _victims_mb(self, attempt: Attempt, gpu_id: GpuId) -> int:
         return self.books.idle_mb[gpu_id] + super()._victims_mb(attempt, gpu_id)
