@@ -308,3 +308,36 @@ async def test_a_reclaim_seen_before_the_idle_mark_answered_is_a_reclaim(world: 
     await settle()
     stops = world.model.metrics.stops.labels("chat", "reclaimed")._value.get()
     assert stops == 1
+
+
+async def test_a_crash_backs_off_before_the_next_start_doubling_in_a_row(world: World) -> None:
+    """No restart loop: after a crash the model refuses (503, retry-after) for 1 s, then
+    starts again; a start that fails too, in a row, doubles the back-off (2 s); a start
+    that loads ends the streak. Exactly, on the virtual clock."""
+
+    async def refused_until(backoff_s: float) -> None:
+        await world.clock.advance(backoff_s - 0.1)
+        with pytest.raises(Refused) as refused:
+            await world.request()
+        assert refused.value.status == 503
+        assert "next start in 0.1s" in refused.value.reason
+        assert refused.value.retry_after_s == pytest.approx(0.1)
+        await world.clock.advance(0.1)
+
+    await warm(world)
+    world.process.exit(3)
+    await settle()
+    assert world.model.replicas == []
+    await refused_until(1.0)
+    world.launcher.on_start = lambda process: world.launcher.processes[-1].exit(3)
+    with pytest.raises(Refused) as failed:
+        await world.request()  # the back-off over: a new server, which fails to load
+    assert failed.value.status == 502
+    assert len(world.launcher.processes) == 2
+    await refused_until(2.0)
+    assert len(world.launcher.processes) == 2  # nothing started while backing off
+    world.launcher.on_start = None
+    await world.request()
+    assert world.replica.state is ReplicaState.WARM
+    assert len(world.launcher.processes) == 3
+    assert world.model.backoff_left_s() == 0.0

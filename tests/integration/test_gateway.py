@@ -283,11 +283,10 @@ def test_a_crash_is_a_502_and_restarts_back_off(setup: Setup) -> None:
         assert crashed.status_code == 502
         assert "exited with code 3" in crashed.json()["error"]["message"]
         wait_for(lambda: not setup.held("chat"), 10, "the lease released")
-        backing_off = client.post("/v1/completions", json=chat("chat"))
-        assert backing_off.status_code == 503  # no restart loop: the back-off first
-        assert "next start in" in backing_off.json()["error"]["message"]
-        assert int(backing_off.headers["retry-after"]) >= 1
+        # the 503 while it backs off is timed on a virtual clock in
+        # tests/gateway/test_replica.py; here, under any load: no restart by itself
         wait_for(lambda: gateway.model_state("chat")["state"] == "cold", 10, "back-off over")
+        assert len(records(setup.record, "chat")) == 1
         assert client.post("/v1/completions", json=chat("chat")).status_code == 200
     assert len(records(setup.record, "chat")) == 2
 
