@@ -110,6 +110,26 @@ async def test_a_command_runs_through_the_gateways_own_admin_code(world: World) 
         running.cancel()
 
 
+async def test_an_unknown_verb_is_refused_by_the_admin_code_and_changes_nothing(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The verbs are the admin code's to check, for the routes and the commands alike: a
+    command of a verb it does not know is a warning, and the model stays as it was."""
+    app = GatewayApp({"chat": world.model}, {"chat": "chat"}, GatewayMetrics())
+    with pytest.raises(ValueError, match="verb must be one of unload, pin, unpin"):
+        await app.administer("chat", "evict", "a test")
+    controller = FakeController()
+    running = asyncio.ensure_future(reporter(world, controller).run())
+    try:
+        await controller.next_report()
+        controller.commands.put_nowait([{"id": "cmd-1", "model": "chat", "verb": "evict"}])
+        controller.commands.put_nowait([{"id": "cmd-2", "model": "chat", "verb": "pin"}])
+        assert (await controller.next_report())["models"][0]["pinned"] is True
+        assert "command ignored: verb must be one of" in caplog.text
+    finally:
+        running.cancel()
+
+
 async def test_a_controller_that_is_down_is_waited_through_with_one_line_each_way(
     world: World, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -94,7 +94,7 @@ from .replica import Replica
 from .scopes import CancelScope
 from .upstream import Body, UpstreamError
 
-__all__ = ["GatewayApp"]
+__all__ = ["ADMIN_VERBS", "GatewayApp"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 
@@ -130,7 +130,10 @@ timeout from running out on a long load."""
 MAX_ERROR_BYTES = 64 * 1024
 """Of a model server's error answer to a request whose head went out while it waited,
 this much is kept for the SSE error event (the rest is read and dropped)."""
-_ADMIN_ROUTE = re.compile(re.escape(ADMIN_PREFIX) + r"models/([^/]+)/(unload|pin|unpin)")
+ADMIN_VERBS = ("unload", "pin", "unpin")
+_ADMIN_ROUTE = re.compile(
+    re.escape(ADMIN_PREFIX) + r"models/([^/]+)/(" + "|".join(ADMIN_VERBS) + ")"
+)
 _SSE_HEAD = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -265,7 +268,10 @@ class GatewayApp:
         """Unloads, pins or unpins a model (by name or alias) as an operator asked
         (``by``: who, for the log): what it did (unload) or what the model is now; None
         for an unknown model. The admin routes and the controller's commands
-        (``report.py``) both come here."""
+        (``report.py``) both come here; a verb not in :data:`ADMIN_VERBS` is a
+        ``ValueError``."""
+        if verb not in ADMIN_VERBS:
+            raise ValueError(f"verb must be one of {', '.join(ADMIN_VERBS)}, not {verb!r}")
         if name not in self.routes:
             return None
         model = self.models[self.routes[name]]

@@ -39,7 +39,6 @@ REPORT_S = 5.0
 DEBOUNCE_S = 0.25
 COMMANDS_WAIT_S = 30.0
 BACKOFF_FIRST_S = 1.0
-VERBS = ("unload", "pin", "unpin")
 MAX_TEXT = 2000
 REPORTED = (
     "id", "object", "owned_by", "state", "aliases", "vram_mb", "held_mb", "in_flight",
@@ -237,11 +236,11 @@ class Reporter:
 
     async def _run(self, command: Mapping[str, Any]) -> None:
         model, verb = str(command.get("model")), str(command.get("verb"))
-        if verb not in VERBS:
-            log.warning("gateway %s: unknown command %r ignored", self.name, verb)
-            return
         try:
             done = await self.administer(model, verb, f"the controller ({command.get('id')})")
+        except ValueError as error:  # a verb this gateway does not know
+            log.warning("gateway %s: command ignored: %s", self.name, error)
+            return
         except Exception:
             log.exception("gateway %s: command %s %s failed", self.name, verb, model)
             return
