@@ -32,11 +32,13 @@ from dataclasses import dataclass
 
 from .model import Lease, Policy, Request
 
-__all__ = ["Plan", "eligible", "eligible_from", "plan_for_gpu"]
+__all__ = ["Victims", "eligible", "eligible_from", "plan_for_gpu"]
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Victims:
+    """The leases to revoke on one GPU (or one worker's GPUs) so that a request fits."""
+
     victims: tuple[Lease, ...]
 
     @property
@@ -115,12 +117,12 @@ def _choose(
 
 def plan_for_gpu(
     candidates: Sequence[Lease], deficit_mb: int, fits: Callable[[set[str]], bool]
-) -> Plan | None:
+) -> Victims | None:
     """The cheapest victim set on one GPU; idle leases alone first."""
     idle = [lease for lease in candidates if lease.idle]
     if idle and len(idle) < len(candidates):
         victims = _choose(idle, deficit_mb, fits)
         if victims is not None:
-            return Plan(victims)
+            return Victims(victims)
     victims = _choose(candidates, deficit_mb, fits)
-    return None if victims is None else Plan(victims)
+    return None if victims is None else Victims(victims)

@@ -1,28 +1,22 @@
-"""The decision core: state in, decisions out. Pure: no asyncio, no I/O, no clock.
+"""The decision core's state: state in, a plan out. Pure: no asyncio, no I/O, no clock.
 
 Callers (the asyncio engine, the controller, the simulator) report events —
 ``submit``, ``release``, ``ready``, ``set_probe``, ``drain`` ... — each with the
-time as an argument, then call :meth:`Scheduler.decide` with the time. It
-returns :class:`Decisions` (grants, revocations, expiries, time-outs, worker
-transitions) and has already applied them to its own state; the caller carries
-them out (wakes waiters, cancels holders, persists). :meth:`next_deadline`
-says when ``decide`` must run again if nothing else happens: no polling.
+time as an argument, then run a cycle with the time::
 
-One cycle of ``decide(now)``:
-  1. timers: leases whose TTL lapsed expire; loads past ``load_timeout_s`` count
-     as done; drain deadlines revoke what is left.
-  2. placement, unless paused: walk the queue in order (effective priority
-     desc, seq asc). Each request is placed on GPUs where it fits (I1, I2, I3)
-     beyond the holds of nominations ahead of it (I6); else it plans
-     preemption (I5) and holds a nomination there; else it nominates its best
-     GPU. The walk goes class by class (base priority, shape): a class whose
-     head can neither be placed nor preempt is dropped for the cycle. It stops
-     once no GPU has room for the smallest pending request and no pending
-     request could preempt anything. Afterwards no pending request that the
-     pause, a load gate, a hold ahead of it or its constraints do not hold back
-     could be granted (I10).
-  3. pending requests past ``max_wait_s`` time out; empty draining workers
-     become drained.
+    event ──► Scheduler ──tick(now)──► timers fired (expiries, lapsed loads, drain
+                 ▲                     deadlines) and requests no GPU could ever take
+                 │        plan(now) ──► Plan (grants, revocations, nominations,
+                 │                      time-outs, drained workers): the state unchanged
+                 └────── apply(plan) ◄─ the driver, once it may (after storing it)
+
+:meth:`Scheduler.decide` is the three at once, returning :class:`Decisions`; the
+caller carries them out (wakes waiters, cancels holders, persists).
+:meth:`next_deadline` says when the cycle must run again if nothing else happens: no
+polling. The plan is made by :mod:`.cycle` from the stages of :mod:`.stages` and the
+nominations of :mod:`.nominations`; :func:`~.verify.check_plan` checks one against the
+state it was made from. "Why is it pending" (:meth:`Scheduler.explain`) is what the
+stages say of each GPU, against the holds of the last plan.
 
 Before placement, after the cluster changed shape (a worker removed or
 re-registered with other GPUs or labels), pending requests that no registered
@@ -43,13 +37,12 @@ granted again only once the probe shows it free (I4).
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from . import cycle
 from .errors import Conflict, InvalidInput, NotFound, Unschedulable
 from .filters import mismatch
 from .ledger import GpuFigures, Ledger
@@ -66,7 +59,8 @@ from .model import (
     WorkerStatus,
     evolve,
 )
-from .preemption import Plan, eligible_from, plan_for_gpu
+from .nominations import Nomination
+from .plan import Plan
 from .queue import PendingQueue
 from .reasons import (
     Blocker,
@@ -77,11 +71,11 @@ from .reasons import (
     revoking_sentence,
     summarize,
 )
+from .stages import outcome, usable
+from .timers import TimerKind, Timers
 from .units import format_mb
 
 __all__ = ["Decisions", "Scheduler"]
-
-_HELD = (LeaseState.LOADING, LeaseState.ACTIVE, LeaseState.REVOKING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,29 +105,6 @@ class Decisions:
 _NOTHING = Decisions()
 
 
-@dataclass(slots=True)
-class _Nomination:
-    """Memory being freed by preemption, held for its preemptor."""
-
-    gpus: tuple[GpuId, ...]
-    victims: set[str]
-    probe_seqs: dict[GpuId, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Cycle:
-    """Scratch state of one placement walk."""
-
-    now: float
-    holds: dict[GpuId, int] = field(default_factory=dict)
-    journal: list[tuple[str, tuple[GpuId, ...], int]] = field(default_factory=list)
-    failed_shapes: dict[tuple[int, int, Constraints], int] = field(default_factory=dict)
-    grants: list[Lease] = field(default_factory=list)
-    revocations: list[Lease] = field(default_factory=list)
-    preheld: dict[str, tuple[GpuId, ...]] = field(default_factory=dict)
-    granted: set[str] = field(default_factory=set)
-
-
 class Scheduler:
     def __init__(self, policy: Policy | None = None, *, next_token: int = 1, next_seq: int = 1):
         self.policy = policy or Policy()
@@ -143,16 +114,15 @@ class Scheduler:
         self.workers: dict[str, Worker] = {}
         self.leases: dict[str, Lease] = {}
         self.queue = PendingQueue()
-        self._ledger = Ledger()
+        self.ledger = Ledger()  # read by the cycle; changed only here
         self._worker_gpus: dict[str, list[GpuId]] = {}
         self._worker_leases: dict[str, set[str]] = {}
         self._drain_deadlines: dict[str, float] = {}
-        self._nominations: dict[str, _Nomination] = {}
+        self.nominations: dict[str, Nomination] = {}  # preemptors' (see .nominations)
         self._victims: dict[int, int] = {}  # base priority -> busy preemptible leases
         self._idle: dict[int, int] = {}  # base priority -> idle preemptible leases
-        self._timers: list[tuple[float, int, str, str]] = []
-        self._timer_seq = 0
-        self._retries: set[float] = set()  # times of pending "retry" timers
+        self._timers = Timers()
+        self._waits: list[str] = []  # pending requests whose wait ended, for the next plan
         self._match_cache: dict[tuple[Constraints, int, int], frozenset[GpuId]] = {}
         self._drain_check: set[str] = set()  # draining workers that may have become empty
         self._journal: list[tuple[str, tuple[GpuId, ...], int]] = []
@@ -179,13 +149,13 @@ class Scheduler:
         new_ids = [gpu.id for gpu in gpus]
         for old in self._worker_gpus.get(worker.name, []):
             if old not in new_ids:
-                if self._ledger.lease_ids(old):
-                    self._ledger.set_probe(old, None)
+                if self.ledger.lease_ids(old):
+                    self.ledger.set_probe(old, None)
                     new_ids.append(old)
                 else:
-                    self._ledger.drop_gpu(old)
+                    self.ledger.drop_gpu(old)
         for gpu in gpus:
-            self._ledger.put_gpu(gpu)
+            self.ledger.put_gpu(gpu)
         self._worker_gpus[worker.name] = sorted(new_ids)
         self._worker_leases.setdefault(worker.name, set())
         self._match_cache.clear()
@@ -196,7 +166,7 @@ class Scheduler:
         old = self.workers.get(worker.name)
         if old is None:
             return False
-        before = {self._ledger.gpu(g) for g in self._worker_gpus.get(worker.name, ())}
+        before = {self.ledger.gpu(g) for g in self._worker_gpus.get(worker.name, ())}
         return dict(old.labels) != dict(worker.labels) or before != set(gpus)
 
     def remove_worker(self, name: str) -> None:
@@ -206,7 +176,7 @@ class Scheduler:
             raise Conflict(f"worker {name} still holds {len(self._worker_leases[name])} lease(s)")
         self._shrunk = True
         for gpu_id in self._worker_gpus.pop(name, []):
-            self._ledger.drop_gpu(gpu_id)
+            self.ledger.drop_gpu(gpu_id)
         del self.workers[name]
         self._worker_leases.pop(name, None)
         self._drain_deadlines.pop(name, None)
@@ -233,7 +203,7 @@ class Scheduler:
             return self._revoke_worker(name, "drain", now)
         if deadline_s is not None:
             self._drain_deadlines[name] = now + deadline_s
-            self._push_timer(now + deadline_s, "drain", name)
+            self._timers.push(now + deadline_s, TimerKind.DRAIN, name)
         return []
 
     def cancel_drain(self, name: str) -> WorkerStatus:
@@ -263,17 +233,17 @@ class Scheduler:
         ]
 
     def set_probe(self, gpu_id: GpuId, probe: GpuProbe | None) -> None:
-        if gpu_id not in self._ledger:
+        if gpu_id not in self.ledger:
             raise NotFound(f"no GPU {gpu_id}")
-        self._ledger.set_probe(gpu_id, probe)
+        self.ledger.set_probe(gpu_id, probe)
 
     def gpu_ids(self, worker: str | None = None) -> list[GpuId]:
         if worker is not None:
             return list(self._worker_gpus.get(worker, []))
-        return sorted(self._ledger.ids())
+        return sorted(self.ledger.ids())
 
     def figures(self, gpu_id: GpuId) -> GpuFigures:
-        return self._ledger.figures(gpu_id)
+        return self.ledger.figures(gpu_id)
 
     def worker_lease_ids(self, name: str) -> set[str]:
         return set(self._worker_leases.get(name, ()))
@@ -283,14 +253,14 @@ class Scheduler:
     def rejection_for(self, request: Request) -> PendingReason | None:
         """Why no registered GPU could ever satisfy ``request``; None if one could (or no
         worker is registered yet, in which case the request waits for one)."""
-        if not self.workers or self._matching(request):
+        if not self.workers or self.matching(request):
             return None
-        unknown = [str(g) for g in request.constraints.gpu_ids if g not in self._ledger]
+        unknown = [str(g) for g in request.constraints.gpu_ids if g not in self.ledger]
         if unknown:
             return PendingReason(
                 "no_matching_gpu", f"constraints.gpu_ids: no GPU {', '.join(unknown)} is registered"
             )
-        matching = self._matching(request)  # cached per shape: the common case is cheap
+        matching = self.matching(request)  # cached per shape: the common case is cheap
         if request.gpus == 1 and matching:
             return None
         if len(matching) >= request.gpus and request.gpus <= max(
@@ -303,7 +273,7 @@ class Scheduler:
             labels = self.workers[name].labels
             for gpu_id in ids:
                 code = mismatch(
-                    self._ledger.gpu(gpu_id), labels, request.constraints, request.vram_mb
+                    self.ledger.gpu(gpu_id), labels, request.constraints, request.vram_mb
                 )
                 codes[code or "fits"] += 1
                 per_worker[name] += code is None
@@ -312,7 +282,7 @@ class Scheduler:
         if codes["fits"]:
             code, message = "too_few_gpus", f"no worker has {request.gpus} matching GPUs"
         elif codes["too_small"]:
-            largest = max(self._ledger.gpu(g).capacity_mb for g in self._ledger.ids())
+            largest = max(self.ledger.gpu(g).capacity_mb for g in self.ledger.ids())
             code = "too_large"
             message = (
                 f"{format_mb(request.vram_mb)} per GPU is more than any matching GPU "
@@ -339,13 +309,13 @@ class Scheduler:
         self.next_seq = max(self.next_seq, request.seq + 1)
         self.queue.add(request)
         if request.max_wait_s is not None:
-            self._push_timer(request.submitted_at + request.max_wait_s, "wait", request.id)
+            self._timers.push(request.submitted_at + request.max_wait_s, TimerKind.WAIT, request.id)
         self.counters["submitted"] += 1
         return request
 
     def cancel(self, request_id: str) -> Request:
         request = self.queue.remove(request_id)
-        self._nominations.pop(request_id, None)
+        self.nominations.pop(request_id, None)
         self.counters["cancelled"] += 1
         return request
 
@@ -360,18 +330,14 @@ class Scheduler:
         the memory is freed, exactly once."""
         lease = self.lease(lease_id)
         self._forget_lease(lease)
-        self._ledger.uncommit(lease)
+        self.ledger.uncommit(lease)
         del self.leases[lease_id]
         worker = lease.worker
         self._worker_leases[worker].discard(lease_id)
         if self.workers[worker].status is WorkerStatus.DRAINING:
             self._drain_check.add(worker)
-        for nomination in self._nominations.values():
-            if lease_id in nomination.victims:
-                nomination.victims.discard(lease_id)
-                for gpu_id in nomination.gpus:
-                    if gpu_id in self._ledger and self._ledger.has_probe(gpu_id):
-                        nomination.probe_seqs[gpu_id] = self._ledger.probe_seq(gpu_id)
+        for nomination in self.nominations.values():
+            nomination.victim_ended(lease_id, self.ledger)
         self.counters[str(state)] += 1
         return evolve(lease, state=state, ended_at=now, loading=False)
 
@@ -380,7 +346,7 @@ class Scheduler:
         lease = self.lease(lease_id)
         if not lease.loading:
             return lease
-        self._ledger.finish_loading(lease)
+        self.ledger.finish_loading(lease)
         state = LeaseState.ACTIVE if lease.state is LeaseState.LOADING else lease.state
         return self._put(lease, evolve(lease, loading=False, state=state, last_used_at=now))
 
@@ -404,7 +370,7 @@ class Scheduler:
         if grace_end is not None:
             expires_at = min(expires_at, self._revoked_expiry_cap(lease))
         renewed = self._put(lease, evolve(lease, expires_at=expires_at))
-        self._push_timer(renewed.expires_at, "ttl", lease_id)
+        self._timers.push(renewed.expires_at, TimerKind.TTL, lease_id)
         return renewed
 
     def _revoked_expiry_cap(self, lease: Lease) -> float:
@@ -423,7 +389,7 @@ class Scheduler:
             return lease
         changed = self._put(lease, evolve(lease, supervised=supervised))
         if not supervised:
-            self._push_timer(changed.expires_at, "ttl", lease_id)
+            self._timers.push(changed.expires_at, TimerKind.TTL, lease_id)
         return changed
 
     def set_idle(self, lease_id: str, idle: bool, now: float) -> Lease:
@@ -455,7 +421,7 @@ class Scheduler:
             )
         if vram_mb == lease.vram_mb:
             return lease
-        self._ledger.shrink(lease, vram_mb)
+        self.ledger.shrink(lease, vram_mb)
         self.counters["shrunk"] += 1
         return self._put(lease, evolve(lease, shrunk_to_mb=vram_mb))
 
@@ -466,19 +432,7 @@ class Scheduler:
         lease = self.lease(lease_id)
         if lease.state is LeaseState.REVOKING:
             return lease
-        self.counters[f"revoked:{reason}"] += 1
-        revoked = evolve(
-            lease,
-            state=LeaseState.REVOKING,
-            revoke_reason=reason,
-            preempted_for=for_request,
-            revoked_at=now,
-        )
-        cap = self._revoked_expiry_cap(revoked)
-        if lease.expires_at > cap:  # renewed far ahead before: grace + TTL from now at most
-            revoked = evolve(revoked, expires_at=cap)
-            self._push_timer(cap, "ttl", lease_id)
-        return self._put(lease, revoked)
+        return self._put_revoked(lease, self.revoked(lease, reason, now, for_request))
 
     def pause(self) -> None:
         self.paused = True
@@ -497,25 +451,98 @@ class Scheduler:
     # ------------------------------------------------------------------ the cycle
 
     def decide(self, now: float) -> Decisions:
-        if not self.queue and not self._drain_check and not self._due(now):
+        """One cycle: the timers due fire, then the plan of :meth:`plan` is applied."""
+        due = self._due(now)
+        if not self.queue and not self._drain_check and not due:
             return _NOTHING
-        expired, loaded, revocations, waits = self._run_timers(now)
-        rejected = self._reject_unplaceable(now) if self._shrunk else []
-        cycle = _Cycle(now)
-        if not self.paused and not self._place_alone(cycle):
-            self._place(cycle)
-        self._journal = cycle.journal
-        self._journal_at = None
-        timed_out = [self._end_wait(rid) for rid in waits if rid in self.queue]
-        workers = self._finish_drains() if self._drain_check else []
+        fired = self.tick(now) if due or self._shrunk else _NOTHING
+        applied = self.apply(self.plan(now))
+        if fired is _NOTHING:
+            return applied
         return Decisions(
-            grants=tuple(cycle.grants),
-            revocations=tuple(revocations + cycle.revocations),
+            grants=applied.grants,
+            revocations=fired.revocations + applied.revocations,
+            expired=fired.expired,
+            timed_out=applied.timed_out,
+            loaded=fired.loaded,
+            workers=applied.workers,
+            rejected=fired.rejected,
+        )
+
+    def tick(self, now: float) -> Decisions:
+        """What time and the cluster's shape decide before placement: leases whose TTL
+        lapsed expire (or, supervised, are revoked), loads past ``load_timeout_s`` count
+        as done, drain deadlines revoke what is left, and, after the cluster shrank,
+        pending requests no registered GPU could ever satisfy are rejected. Pending
+        requests whose wait ended are timed out by the next plan unless it grants them."""
+        expired: list[Lease] = []
+        loaded: list[Lease] = []
+        revoked: list[Lease] = []
+        for kind, key in self._timers.due(now, self._timer_live):
+            if kind is TimerKind.TTL and self.leases[key].supervised:
+                if self.leases[key].state is not LeaseState.REVOKING:  # its agent stops it
+                    revoked.append(self.revoke(key, "ttl_lapsed", now))
+            elif kind is TimerKind.TTL:
+                expired.append(self.release(key, now, LeaseState.EXPIRED))
+            elif kind is TimerKind.LOAD:
+                loaded.append(self.ready(key, now))
+            elif kind is TimerKind.DRAIN:
+                del self._drain_deadlines[key]
+                revoked += self._revoke_worker(key, "drain_deadline", now)
+            else:
+                self._waits.append(key)
+        rejected = self._reject_unplaceable(now) if self._shrunk else []
+        if not (expired or loaded or revoked or rejected):
+            return _NOTHING
+        return Decisions(
+            revocations=tuple(revoked),
             expired=tuple(expired),
-            timed_out=tuple(timed_out),
             loaded=tuple(loaded),
-            workers=tuple(workers),
             rejected=tuple(rejected),
+        )
+
+    def plan(self, now: float) -> Plan:
+        """What a cycle at ``now`` would grant, revoke, hold and time out (see
+        :mod:`.cycle`), against the state as it is; the state does not change. Run
+        :meth:`tick` first: a plan is made against the state after its timers fired."""
+        drained = self.drains_finished() if self._drain_check else ()
+        return cycle.plan(self, now, self._waits, drained)
+
+    def apply(self, plan: Plan) -> Decisions:
+        """Carries out ``plan``, made by :meth:`plan` against the state as it still is."""
+        grants = plan.grants
+        if grants:
+            for lease in grants:
+                self._add_lease(lease)
+                self.queue.remove(lease.request.id)
+            self.next_token = plan.first_token + len(grants)
+            self.counters["granted"] += len(grants)
+        for revoked in plan.revocations:
+            self._put_revoked(self.leases[revoked.id], revoked)
+        if plan.nominations is not None:
+            self.nominations = dict(plan.nominations)
+        if self.nominations:
+            for lease in grants:
+                self.nominations.pop(lease.request.id, None)
+        timed_out = tuple(self._end_wait(rid) for rid in plan.timed_out) if plan.timed_out else ()
+        if self._waits:
+            self._waits = []
+        for name, _, status in plan.drained:
+            self.workers[name] = evolve(self.workers[name], status=status)
+            self._drain_deadlines.pop(name, None)
+        self._drain_check.clear()
+        for at in plan.retries:
+            self._timers.retry(at)
+        self._journal = list(plan.journal)
+        self._journal_at = None
+        self.counters["examined"] += plan.examined
+        if plan.revocations:
+            self.counters["preemptions"] += len({r.preempted_for for r in plan.revocations})
+        return Decisions(
+            grants=plan.grants,
+            revocations=plan.revocations,
+            timed_out=timed_out,
+            workers=plan.drained,
         )
 
     def _reject_unplaceable(self, now: float) -> list[tuple[Request, PendingReason]]:
@@ -527,7 +554,7 @@ class Scheduler:
             reason = self.rejection_for(request)
             if reason is not None:
                 self.queue.remove(request.id)
-                self._nominations.pop(request.id, None)
+                self.nominations.pop(request.id, None)
                 self.counters["rejected"] += 1
                 rejected.append((request, reason))
         return rejected
@@ -538,244 +565,47 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         """When ``decide`` must run next if no event comes first (None: never)."""
-        while self._timers and not self._timer_live(self._timers[0]):
-            heapq.heappop(self._timers)
-        return self._timers[0][0] if self._timers else None
+        return self._timers.next(self._timer_live)
 
-    def _run_timers(self, now: float) -> tuple[list[Lease], list[Lease], list[Lease], list[str]]:
-        """Fires due timers; pending requests past their wait are returned, to be timed out
-        after placement (a request granted in the very cycle its wait ends is granted)."""
-        expired: list[Lease] = []
-        loaded: list[Lease] = []
-        revoked: list[Lease] = []
-        waits: list[str] = []
-        while self._timers and self._timers[0][0] <= now:
-            entry = heapq.heappop(self._timers)
-            if not self._timer_live(entry):
-                continue
-            _, _, kind, key = entry
-            if kind == "ttl" and self.leases[key].supervised:
-                if self.leases[key].state is not LeaseState.REVOKING:  # its agent stops it
-                    revoked.append(self.revoke(key, "ttl_lapsed", now))
-            elif kind == "ttl":
-                expired.append(self.release(key, now, LeaseState.EXPIRED))
-            elif kind == "load":
-                loaded.append(self.ready(key, now))
-            elif kind == "drain":
-                del self._drain_deadlines[key]
-                revoked += self._revoke_worker(key, "drain_deadline", now)
-            elif kind == "wait":
-                waits.append(key)
-            elif kind == "retry":
-                self._retries.discard(entry[0])
-        return expired, loaded, revoked, waits
-
-    def _timer_live(self, entry: tuple[float, int, str, str]) -> bool:
+    def _timer_live(self, entry: tuple[float, int, TimerKind, str]) -> bool:
         at, _, kind, key = entry
-        if kind == "ttl":
+        if kind is TimerKind.TTL:
             lease = self.leases.get(key)
             return lease is not None and lease.expires_at == at
-        if kind == "load":
+        if kind is TimerKind.LOAD:
             lease = self.leases.get(key)
             return lease is not None and lease.loading and lease.load_deadline == at
-        if kind == "wait":
+        if kind is TimerKind.WAIT:
             return key in self.queue
-        if kind == "drain":
+        if kind is TimerKind.DRAIN:
             return self._drain_deadlines.get(key) == at
-        return True  # "retry": re-run the cycle once
+        return True  # RETRY: re-run the cycle once
 
-    def _retry_at(self, at: float) -> None:
-        """Runs the cycle again at ``at`` (once, however often asked)."""
-        if at not in self._retries and math.isfinite(at):
-            self._retries.add(at)
-            self._push_timer(at, "retry", "")
-
-    def _push_timer(self, at: float, kind: str, key: str) -> None:
-        if not math.isfinite(at):
-            return
-        self._timer_seq += 1
-        heapq.heappush(self._timers, (at, self._timer_seq, kind, key))
+    def retry_pending(self, at: float) -> bool:
+        """Whether the cycle already runs again at ``at``."""
+        return self._timers.retry_pending(at)
 
     def _end_wait(self, request_id: str) -> Request:
-        self._nominations.pop(request_id, None)
+        self.nominations.pop(request_id, None)
         self.counters["timed_out"] += 1
         return self.queue.remove(request_id)
 
-    def _finish_drains(self) -> list[tuple[str, WorkerStatus, WorkerStatus]]:
+    def drains_finished(self) -> tuple[tuple[str, WorkerStatus, WorkerStatus], ...]:
+        """Draining workers that may have become empty and are: (name, from, to)."""
+        if not self._drain_check:
+            return ()
         changes = []
-        names, self._drain_check = self._drain_check, set()
-        for name in sorted(names):
+        for name in sorted(self._drain_check):
             worker = self.workers.get(name)
             if worker is None:
                 continue
             if worker.status is WorkerStatus.DRAINING and not self._worker_leases.get(name):
-                self.workers[name] = evolve(worker, status=WorkerStatus.DRAINED)
-                self._drain_deadlines.pop(name, None)
                 changes.append((name, WorkerStatus.DRAINING, WorkerStatus.DRAINED))
-        return changes
+        return tuple(changes)
 
-    # ------------------------------------------------------------------ placement
+    # ------------------------------------------------------------------ what the cycle reads
 
-    def _place_alone(self, cycle: _Cycle) -> bool:
-        """Grants a lone pending request where it fits now, when no memory is held for a
-        preemptor; False (nothing done) otherwise, for :meth:`_place` to walk the queue.
-
-        The uncontended arbiter's case (an in-process ``acquire``): the walk would examine
-        this one request and grant it on exactly these GPUs, through a third of the cycle's
-        cost in walk machinery (class heap, holds, room checks) with nothing to order."""
-        request = self.queue.only()
-        if request is None or self._nominations:
-            return False
-        gpus = self._fit(request, cycle)
-        if gpus is None:
-            return False
-        self._grant_in(cycle, request, gpus)
-        self.counters["examined"] += 1
-        self.queue.remove(request.id)
-        return True
-
-    def _place(self, cycle: _Cycle) -> None:
-        """Walks the queue class by class (see :class:`~.queue.Walk`): a class whose head
-        can neither be placed nor preempt is dropped for the rest of the cycle, so the
-        cycle's cost follows the number of classes, not of requests. A request holding
-        memory freed by its own preemption is walked on its own, never dropped with its
-        class: that memory is held for it alone (I10)."""
-        smallest = self.queue.smallest_vram_mb()
-        if smallest is None:
-            return
-        highest = max(self.queue.priorities())
-        granted: list[str] = []
-        self._prehold(cycle)
-        walk = self.queue.walk(self.policy, cycle.now, alone=list(cycle.preheld))
-        for request in walk:
-            preheld = cycle.preheld.pop(request.id, None)
-            if preheld is not None:  # its own hold must not stand in its way
-                for gpu_id in preheld:
-                    cycle.holds[gpu_id] -= request.vram_mb
-            lifted = self._lift_preholds(cycle, request)
-            room_left = self._max_room(cycle) >= smallest
-            if not room_left and not cycle.preheld and not self._could_preempt(highest):
-                break
-            outcome = self._turn(request, cycle, room_left=room_left, preheld=preheld is not None)
-            for gpu_id, mb in lifted:
-                cycle.holds[gpu_id] += mb
-            if outcome is True:
-                granted.append(request.id)
-            elif outcome is False:
-                walk.drop()
-        self.counters["examined"] += walk.examined
-        for request_id in granted:
-            self.queue.remove(request_id)
-            self._nominations.pop(request_id, None)
-
-    def _turn(
-        self, request: Request, cycle: _Cycle, *, room_left: bool, preheld: bool
-    ) -> bool | None:
-        """One request's turn: True when granted, None when memory is on its way back for it,
-        False when neither it nor the rest of its class (younger, no more rights, less room)
-        can be placed in this cycle."""
-        shape = request.shape
-        if not preheld and cycle.failed_shapes.get(shape, -1) >= request.priority:
-            if room_left:  # it cannot fit either, but it still holds its best GPU (I6)
-                self._hold(cycle, request, self._nominate(request, cycle))
-            return False
-        if not room_left and not preheld and not self._could_preempt(request.priority):
-            return False  # can neither fit nor preempt, and nobody behind can fit: no hold needed
-        gpus = self._fit(request, cycle)
-        if gpus is not None:
-            self._grant_in(cycle, request, gpus)
-            return True
-        if self._preempt_or_nominate(request, cycle):
-            return None
-        cycle.failed_shapes[shape] = max(cycle.failed_shapes.get(shape, -1), request.priority)
-        return False
-
-    def _prehold(self, cycle: _Cycle) -> None:
-        """Memory freed by preemption is held for its preemptor against every request of
-        equal or lower base priority, even one that aging has moved ahead of it, until the
-        preemptor is granted or finds it still does not fit there (then it plans again): else
-        a stream of aged lower-priority requests could take the memory, and the preemption
-        would repeat. (A request of higher base priority may take it: it could preempt the
-        preemptor right after its grant anyway.) A nomination whose
-        victims are gone and where its preemptor no longer fits at all (memory taken by
-        strangers meanwhile) is dropped first: it would hold memory for nobody."""
-        for request_id, nomination in list(self._nominations.items()):
-            if not all(g in self._ledger for g in nomination.gpus):  # its worker was removed
-                del self._nominations[request_id]
-            elif request_id in self.queue:
-                request = self.queue.get(request_id)
-                if not self._holds_memory(request, nomination):
-                    del self._nominations[request_id]
-                    continue
-                self._hold(cycle, request, nomination.gpus, own=True)
-                cycle.preheld[request_id] = nomination.gpus
-
-    def _lift_preholds(self, cycle: _Cycle, request: Request) -> list[tuple[GpuId, int]]:
-        """Lifts, for ``request``'s turn, the holds of preemptors of lower base priority: it
-        could preempt them right after their grant, so it may take their memory directly.
-        Returns what was lifted, to be put back after the turn."""
-        lifted = []
-        for preemptor_id, gpus in cycle.preheld.items():
-            preemptor = self.queue.get(preemptor_id)
-            if preemptor.priority < request.priority:
-                for gpu_id in gpus:
-                    cycle.holds[gpu_id] -= preemptor.vram_mb
-                    lifted.append((gpu_id, preemptor.vram_mb))
-        return lifted
-
-    def _holds_memory(self, request: Request, nomination: _Nomination) -> bool:
-        """Whether a preemptor's nomination still holds its memory: its victims have not all
-        stopped (or the probe has not shown it yet), or the preemptor fits there now."""
-        return self._still_preempting(nomination) or all(
-            self._usable(g) and self._ledger.free_mb(g) >= request.vram_mb for g in nomination.gpus
-        )
-
-    def held_for_preemptors(self) -> dict[str, tuple[GpuId, ...]]:
-        """Memory freed, or being freed, by preemption and held for its preemptor against
-        every other request in the next cycle: request id -> its GPUs."""
-        return {
-            request_id: nomination.gpus
-            for request_id, nomination in self._nominations.items()
-            if request_id in self.queue
-            and all(g in self._ledger for g in nomination.gpus)
-            and self._holds_memory(self.queue.get(request_id), nomination)
-        }
-
-    def _max_room(self, cycle: _Cycle) -> int:
-        """The most memory any usable GPU has beyond the holds of this cycle."""
-        best = -(1 << 62)
-        for gpu_id, hold in cycle.holds.items():
-            if self._usable(gpu_id):
-                best = max(best, self._ledger.free_mb(gpu_id) - hold)
-        index = self._ledger.by_free
-        for i in range(len(index) - 1, -1, -1):
-            free, gpu_id = index[i]
-            if free <= best:
-                break
-            if gpu_id not in cycle.holds and self._usable(gpu_id):
-                return free
-        return best
-
-    def _could_preempt(self, highest_pending: int) -> bool:
-        """Whether a request of this base priority might find a victim (now or, for idle
-        leases, once time has passed: the plan then says when)."""
-        if self._victims and min(self._victims) < highest_pending:
-            return True
-        if not self._idle:
-            return False
-        policy = self.policy
-        reclaim_later = math.isfinite(policy.idle_reclaim_s) or math.isfinite(policy.starvation_s)
-        return reclaim_later or min(self._idle) <= highest_pending
-
-    def _usable(self, gpu_id: GpuId) -> bool:
-        """A GPU that may take new grants: worker online (I7), probe fresh (I2)."""
-        online = self.workers[gpu_id.worker].status is WorkerStatus.ONLINE
-        return online and not self._ledger.stale(gpu_id)
-
-    def _room(self, gpu_id: GpuId, cycle: _Cycle) -> int:
-        return self._ledger.free_mb(gpu_id) - cycle.holds.get(gpu_id, 0)
-
-    def _matching(self, request: Request) -> frozenset[GpuId]:
+    def matching(self, request: Request) -> frozenset[GpuId]:
         """GPUs that match the constraints, are big enough, and sit on a worker with at least
         ``gpus`` such GPUs (cached until workers change)."""
         key = (request.constraints, request.vram_mb, request.gpus)
@@ -788,7 +618,7 @@ class Scheduler:
                     gpu_id
                     for gpu_id in ids
                     if mismatch(
-                        self._ledger.gpu(gpu_id), labels, request.constraints, request.vram_mb
+                        self.ledger.gpu(gpu_id), labels, request.constraints, request.vram_mb
                     )
                     is None
                 ]
@@ -797,239 +627,62 @@ class Scheduler:
             cached = self._match_cache[key] = frozenset(found)
         return cached
 
-    def _by_worker(self, gpu_ids: Iterable[GpuId]) -> dict[str, list[GpuId]]:
-        grouped: dict[str, list[GpuId]] = {}
-        for gpu_id in gpu_ids:
-            grouped.setdefault(gpu_id.worker, []).append(gpu_id)
-        return grouped
+    def victim_counts(self, *, copy: bool = True) -> tuple[dict[int, int], dict[int, int]]:
+        """Base priority -> how many busy preemptible leases, and how many idle ones, may be
+        victims (copies, unless ``copy`` is False: then only read them)."""
+        if copy:
+            return dict(self._victims), dict(self._idle)
+        return self._victims, self._idle
 
-    def _fit(self, request: Request, cycle: _Cycle) -> tuple[GpuId, ...] | None:
-        """The best GPUs where the request fits now (I1, I2, I3, after holds: I6), or None."""
-        spread = self.policy.placement == "spread"
-        nomination = self._nominations.get(request.id)
-        if nomination is not None and all(
-            self._fits_on(request, g, cycle) for g in nomination.gpus
-        ):
-            return nomination.gpus
-        if request.gpus == 1:
-            one = self._pick_one(request, cycle, need=request.vram_mb, spread=spread, gate=True)
-            return None if one is None else (one,)
-        fitting = [g for g in self._matching(request) if self._fits_on(request, g, cycle)]
-        return self._best(request, fitting, cycle, spread=spread)
-
-    def _fits_on(self, request: Request, gpu_id: GpuId, cycle: _Cycle) -> bool:
-        return (
-            gpu_id in self._ledger
-            and self._usable(gpu_id)
-            and self._room(gpu_id, cycle) >= request.vram_mb
-            and self._ledger.loading(gpu_id) < self.policy.max_concurrent_loads
+    def holds_memory(self, request: Request, nomination: Nomination) -> bool:
+        """Whether a preemptor's nomination still holds its memory: its victims have not all
+        stopped (or the probe has not shown it yet), or the preemptor fits there now."""
+        return nomination.preempting(self.ledger) or all(
+            usable(self, g) and self.ledger.free_mb(g) >= request.vram_mb for g in nomination.gpus
         )
 
-    def _pick_one(
-        self, request: Request, cycle: _Cycle, *, need: int | None, spread: bool, gate: bool
-    ) -> GpuId | None:
-        """The best single GPU by bisection of the ledger's free-memory index.
+    def held_for_preemptors(self) -> dict[str, tuple[GpuId, ...]]:
+        """Memory freed, or being freed, by preemption and held for its preemptor against
+        every other request in the next cycle: request id -> its GPUs."""
+        return {
+            request_id: nomination.gpus
+            for request_id, nomination in self.nominations.items()
+            if request_id in self.queue
+            and all(g in self.ledger for g in nomination.gpus)
+            and self.holds_memory(self.queue.get(request_id), nomination)
+        }
 
-        Candidates: matching, usable GPUs with room >= ``need`` (any room if None) and, with
-        ``gate``, a free load slot. Best: least room (binpack) or most (spread), then GPU id.
-        GPUs holding nominations this cycle are checked one by one (they are few)."""
-        matching = self._matching(request)
-        limit = self.policy.max_concurrent_loads
-        floor = -(1 << 62) if need is None else need
-        sign = -1 if spread else 1
-        best: tuple[int, GpuId] | None = None
-
-        def consider(room: int, gpu_id: GpuId) -> None:
-            nonlocal best
-            if room < floor or gpu_id not in matching or not self._usable(gpu_id):
-                return
-            if gate and self._ledger.loading(gpu_id) >= limit:
-                return
-            if best is None or (sign * room, gpu_id) < (sign * best[0], best[1]):
-                best = (room, gpu_id)
-
-        for gpu_id, hold in cycle.holds.items():
-            consider(self._ledger.free_mb(gpu_id) - hold, gpu_id)
-        index = self._ledger.by_free
-        if spread:
-            positions: Iterable[int] = range(len(index) - 1, -1, -1)
-        else:
-            positions = range(bisect.bisect_left(index, (floor,)), len(index))
-        for i in positions:
-            free, gpu_id = index[i]
-            if free < floor or (best is not None and sign * free > sign * best[0]):
-                break
-            if gpu_id not in cycle.holds:
-                consider(free, gpu_id)
-        return None if best is None else best[1]
-
-    def _best(
-        self, request: Request, gpu_ids: Iterable[GpuId], cycle: _Cycle, *, spread: bool
-    ) -> tuple[GpuId, ...] | None:
-        """Ranks workers' best ``gpus`` GPUs: binpack (least room left) or spread (most)."""
-        best: tuple[tuple[int, str], tuple[GpuId, ...]] | None = None
-        sign = -1 if spread else 1
-        for worker, ids in self._by_worker(gpu_ids).items():
-            if len(ids) < request.gpus:
-                continue
-            ranked = sorted(ids, key=lambda g: (sign * self._room(g, cycle), g))[: request.gpus]
-            score = (sign * sum(self._room(g, cycle) for g in ranked), worker)
-            if best is None or score < best[0]:
-                best = (score, tuple(sorted(ranked)))
-        return None if best is None else best[1]
-
-    def _grant_in(self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...]) -> None:
-        cycle.grants.append(self._grant(request, gpus, cycle.now))
-        cycle.granted.add(request.id)
-
-    def _grant(self, request: Request, gpus: tuple[GpuId, ...], now: float) -> Lease:
-        lease = Lease(
-            request=request,
-            gpus=gpus,
-            token=self.next_token,
-            state=LeaseState.LOADING,
-            granted_at=now,
-            expires_at=math.inf if request.ttl_s is None else now + request.ttl_s,
-            load_deadline=now + request.load_timeout_s,
-            last_used_at=now,
+    def revoked(
+        self, lease: Lease, reason: str, now: float, for_request: str | None = None
+    ) -> Lease:
+        """``lease`` as it is once revoked: its expiry no later than grace + TTL from now."""
+        revoked = evolve(
+            lease,
+            state=LeaseState.REVOKING,
+            revoke_reason=reason,
+            preempted_for=for_request,
+            revoked_at=now,
         )
-        self.next_token += 1
-        self._add_lease(lease)
-        self.counters["granted"] += 1
-        return lease
+        cap = self._revoked_expiry_cap(revoked)
+        if lease.expires_at > cap:  # renewed far ahead before: grace + TTL from now at most
+            revoked = evolve(revoked, expires_at=cap)
+        return revoked
+
+    def _put_revoked(self, lease: Lease, revoked: Lease) -> Lease:
+        self.counters[f"revoked:{revoked.revoke_reason}"] += 1
+        if revoked.expires_at != lease.expires_at:
+            self._timers.push(revoked.expires_at, TimerKind.TTL, lease.id)
+        return self._put(lease, revoked)
 
     def _add_lease(self, lease: Lease) -> None:
-        lease_id = lease.id
+        lease_id = lease.request.id
         self.leases[lease_id] = lease
-        self._ledger.commit(lease)
+        self.ledger.commit(lease)
         self._worker_leases.setdefault(lease.worker, set()).add(lease_id)
         self._count_victim(lease, 1)
-        self._push_timer(lease.expires_at, "ttl", lease_id)
+        self._timers.push(lease.expires_at, TimerKind.TTL, lease_id)
         if lease.loading:
-            self._push_timer(lease.load_deadline, "load", lease_id)
-
-    # ------------------------------------------------------------------ preemption and nomination
-
-    def _preempt_or_nominate(self, request: Request, cycle: _Cycle) -> bool:
-        """Holds memory for a request that does not fit (a nomination, I6). True when memory is
-        on its way back for it (its victims, or leases already being revoked)."""
-        nomination = self._nominations.get(request.id)
-        if nomination is not None and self._still_preempting(nomination):
-            self._hold(cycle, request, nomination.gpus, own=True)
-            return True
-        self._nominations.pop(request.id, None)
-        plan = self._plan(request, cycle) if self._could_preempt(request.priority) else None
-        if plan is not None and not plan[1]:  # memory already on its way back: wait for it
-            self._hold(cycle, request, plan[0])
-            return True
-        if plan is not None:
-            gpus, victims = plan
-            for victim in victims:
-                cycle.revocations.append(
-                    self.revoke(victim.id, "preempted", cycle.now, for_request=request.id)
-                )
-            self.counters["preemptions"] += 1
-            self._nominations[request.id] = _Nomination(gpus, {v.id for v in victims})
-            self._hold(cycle, request, gpus, own=True)
-            return True
-        self._hold(cycle, request, self._nominate(request, cycle))
-        return False
-
-    def _still_preempting(self, nomination: _Nomination) -> bool:
-        if nomination.victims:
-            return True
-        return any(  # victims gone, but the probe has not shown it yet
-            g in self._ledger and self._ledger.probe_seq(g) == seq
-            for g, seq in nomination.probe_seqs.items()
-        )
-
-    def _nominate(self, request: Request, cycle: _Cycle) -> tuple[GpuId, ...]:
-        """The GPUs where the request is closest to fitting (most room); () if none usable."""
-        if request.gpus == 1:
-            one = self._pick_one(request, cycle, need=None, spread=True, gate=False)
-            return () if one is None else (one,)
-        usable = [g for g in self._matching(request) if self._usable(g)]
-        return self._best(request, usable, cycle, spread=True) or ()
-
-    def _reserved(self, cycle: _Cycle, exclude: str) -> dict[GpuId, int]:
-        """GPUs still pre-held for preemptors (other than ``exclude``) -> the highest base
-        priority among them."""
-        reserved: dict[GpuId, int] = {}
-        for preemptor_id, gpus in cycle.preheld.items():
-            if preemptor_id != exclude:
-                priority = self.queue.get(preemptor_id).priority
-                for gpu_id in gpus:
-                    reserved[gpu_id] = max(reserved.get(gpu_id, -1), priority)
-        return reserved
-
-    def _hold(
-        self, cycle: _Cycle, request: Request, gpus: tuple[GpuId, ...], *, own: bool = False
-    ) -> None:
-        """Holds ``gpus`` for ``request`` against the requests behind it (I6). Memory its own
-        preemption frees (``own``) is always held; otherwise a GPU pre-held for a preemptor
-        of equal or higher base priority stays its preemptor's (a request of higher base
-        priority had that hold lifted for its turn, and may hold it)."""
-        held = gpus
-        if not own:
-            reserved = self._reserved(cycle, exclude=request.id)
-            held = tuple(g for g in gpus if reserved.get(g, -1) < request.priority)
-        for gpu_id in held:
-            cycle.holds[gpu_id] = cycle.holds.get(gpu_id, 0) + request.vram_mb
-        cycle.journal.append((request.id, held, request.vram_mb))
-
-    def _plan(
-        self, request: Request, cycle: _Cycle
-    ) -> tuple[tuple[GpuId, ...], tuple[Lease, ...]] | None:
-        """The cheapest victims on one worker that make room for the request (I5); no victims
-        when memory already being revoked will make room."""
-        best: tuple[tuple[object, ...], tuple[GpuId, ...], tuple[Lease, ...]] | None = None
-        usable = [g for g in self._matching(request) if self._usable(g)]
-        for worker, ids in self._by_worker(usable).items():
-            if len(ids) < request.gpus:
-                continue
-            plans: list[tuple[tuple[object, ...], GpuId, Plan]] = []
-            for gpu_id in ids:
-                plan = self._plan_gpu(request, gpu_id, cycle)
-                if plan is not None:
-                    plans.append((plan.cost, gpu_id, plan))
-            if len(plans) < request.gpus:
-                continue
-            plans.sort(key=lambda item: (item[0], item[1]))
-            chosen = plans[: request.gpus]
-            victims = {v.id: v for _, _, plan in chosen for v in plan.victims}
-            combined = Plan(tuple(sorted(victims.values(), key=lambda v: v.id)))
-            key = (combined.cost, worker)
-            if best is None or key < best[0]:
-                best = (key, tuple(sorted(g for _, g, _ in chosen)), combined.victims)
-        return None if best is None else (best[1], best[2])
-
-    def _plan_gpu(self, request: Request, gpu_id: GpuId, cycle: _Cycle) -> Plan | None:
-        held = cycle.holds.get(gpu_id, 0)
-        revoking = {
-            lid
-            for lid in self._ledger.lease_ids(gpu_id)
-            if self.leases[lid].state is LeaseState.REVOKING
-        }
-        candidates = []
-        for lid in self._ledger.lease_ids(gpu_id):
-            lease = self.leases[lid]
-            if lid in cycle.granted:
-                continue  # never take back in the cycle that granted it
-            since = eligible_from(lease, request, self.policy)
-            if since <= cycle.now:
-                candidates.append(lease)
-            else:  # eligible later (age, idle time, wait): run the cycle again then
-                self._retry_at(since)
-
-        def fits(victims: set[str]) -> bool:
-            return self._ledger.free_after(gpu_id, victims | revoking) - held >= request.vram_mb
-
-        if fits(set()):  # memory already on its way back: wait for it, revoke nothing
-            return Plan(())
-        if not candidates:
-            return None
-        deficit = request.vram_mb - (self._ledger.free_after(gpu_id, revoking) - held)
-        return plan_for_gpu(candidates, deficit, fits)
+            self._timers.push(lease.load_deadline, TimerKind.LOAD, lease_id)
 
     # ------------------------------------------------------------------ introspection
 
@@ -1040,8 +693,8 @@ class Scheduler:
             return PendingReason("paused", "the arbiter is paused; nothing is granted until resume")
         if not self.workers:
             return PendingReason("no_workers", "no worker is registered yet; waiting for one")
-        nomination = self._nominations.get(request_id)
-        if nomination is not None and self._still_preempting(nomination):
+        nomination = self.nominations.get(request_id)
+        if nomination is not None and nomination.preempting(self.ledger):
             return self._preempting(nomination, now)
         if self._journal_at is None:
             self._journal_at = {rid: i for i, (rid, _, _) in enumerate(self._journal)}
@@ -1053,10 +706,10 @@ class Scheduler:
                 holds[gpu_id] = holds.get(gpu_id, 0) + mb
                 holders.setdefault(gpu_id, rid)
         own = self._journal[index][1] if index < len(self._journal) else ()
-        verdicts = tuple(self._verdict(request, g, holds) for g in sorted(self._ledger.ids()))
+        verdicts = tuple(self._verdict(request, g, holds) for g in sorted(self.ledger.ids()))
         return self._reason(request, verdicts, holders, own, now)
 
-    def _preempting(self, nomination: _Nomination, now: float) -> PendingReason:
+    def _preempting(self, nomination: Nomination, now: float) -> PendingReason:
         """Waiting for victims to stop: the one that bounds the wait, by name (a victim past
         its grace first), or for the probe to show their memory free."""
         where = ", ".join(map(str, nomination.gpus))
@@ -1101,7 +754,7 @@ class Scheduler:
         for verdict in verdicts:
             if verdict.code != "load_in_progress":
                 continue
-            for lease_id in sorted(self._ledger.lease_ids(verdict.gpu)):
+            for lease_id in sorted(self.ledger.lease_ids(verdict.gpu)):
                 lease = self.leases[lease_id]
                 if lease.loading:  # revoking while loading holds the gate too
                     found.append(
@@ -1131,33 +784,17 @@ class Scheduler:
         )
 
     def _verdict(self, request: Request, gpu_id: GpuId, holds: dict[GpuId, int]) -> GpuVerdict:
-        gpu = self._ledger.gpu(gpu_id)
-        worker = self.workers[gpu_id.worker]
-        free = max(0, self._ledger.free_mb(gpu_id))
-        common = {
-            "need_mb": request.vram_mb,
-            "free_mb": free,
-            "committed_mb": self._ledger.committed_mb(gpu_id),
-            "observed_mb": self._ledger.observed_mb(gpu_id),
-            "held_mb": holds.get(gpu_id, 0),
-        }
-        code = mismatch(gpu, worker.labels, request.constraints, request.vram_mb)
-        if code is None and gpu_id not in self._matching(request):
-            code = "too_few_gpus_on_worker"
-        if code is None and worker.status is not WorkerStatus.ONLINE:
-            code = f"worker_{worker.status}"
-        if code is None and self._ledger.stale(gpu_id):
-            code = "probe_stale"
-        if code is None:
-            if free < request.vram_mb:
-                code = "insufficient_vram"
-            elif free - holds.get(gpu_id, 0) < request.vram_mb:
-                code = "nominated_for"
-            elif self._ledger.loading(gpu_id) >= self.policy.max_concurrent_loads:
-                code = "load_in_progress"
-            else:
-                code = "fits"
-        return GpuVerdict(gpu_id, code, **common)
+        """What the stages say of ``gpu_id`` for ``request`` (see :mod:`.stages`), with the
+        figures behind it."""
+        return GpuVerdict(
+            gpu_id,
+            outcome(self, request, gpu_id, holds) or "fits",
+            need_mb=request.vram_mb,
+            free_mb=max(0, self.ledger.free_mb(gpu_id)),
+            committed_mb=self.ledger.committed_mb(gpu_id),
+            observed_mb=self.ledger.observed_mb(gpu_id),
+            held_mb=holds.get(gpu_id, 0),
+        )
 
     def _reason(
         self,

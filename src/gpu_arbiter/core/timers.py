@@ -1,0 +1,72 @@
+"""The core's timers: when the cycle must run again if no event comes first.
+
+One heap of (time, seq, kind, key). An entry is never removed when what it times moves
+or ends (a lease renewed, a request granted): it is checked when it comes due and
+skipped if stale, which the scheduler decides (``live``). So arming is O(log n) and
+nothing scans the heap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterator
+from enum import StrEnum
+
+__all__ = ["TimerKind", "Timers"]
+
+
+class TimerKind(StrEnum):
+    TTL = "ttl"  # a lease's TTL lapses (key: lease id)
+    LOAD = "load"  # a load runs past its load_timeout_s (key: lease id)
+    DRAIN = "drain"  # a graceful drain's deadline (key: worker name)
+    WAIT = "wait"  # a pending request's max_wait_s ends (key: request id)
+    RETRY = "retry"  # a victim becomes eligible: run the cycle once more (key: "")
+
+
+Entry = tuple[float, int, TimerKind, str]
+
+
+class Timers:
+    __slots__ = ("_heap", "_retries", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[Entry] = []
+        self._seq = 0
+        self._retries: set[float] = set()  # times of pending RETRY entries
+
+    def push(self, at: float, kind: TimerKind, key: str) -> None:
+        """Arms a timer; one at infinity (never) is not kept."""
+        if not math.isfinite(at):
+            return
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, kind, key))
+
+    def retry(self, at: float) -> None:
+        """Runs the cycle again at ``at`` (once, however often asked)."""
+        if at not in self._retries and math.isfinite(at):
+            self._retries.add(at)
+            self.push(at, TimerKind.RETRY, "")
+
+    def retry_pending(self, at: float) -> bool:
+        return at in self._retries
+
+    def next(self, live: Callable[[Entry], bool]) -> float | None:
+        """When the first live timer is due (None: none is armed); stale ones are dropped."""
+        heap = self._heap
+        while heap and not live(heap[0]):
+            entry = heapq.heappop(heap)
+            if entry[2] is TimerKind.RETRY:
+                self._retries.discard(entry[0])
+        return heap[0][0] if heap else None
+
+    def due(self, now: float, live: Callable[[Entry], bool]) -> Iterator[tuple[TimerKind, str]]:
+        """Pops the live timers due at ``now``, in order."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if entry[2] is TimerKind.RETRY:
+                self._retries.discard(entry[0])
+                continue
+            if live(entry):
+                yield entry[2], entry[3]
