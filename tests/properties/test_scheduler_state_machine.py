@@ -33,6 +33,7 @@ from gpu_arbiter.core import (
     Worker,
     WorkerStatus,
 )
+from gpu_arbiter.core.verify import check_plan
 
 GPUS = (
     Gpu(index=0, total_mb=24576, worker="w1"),
@@ -51,6 +52,22 @@ REQUEST_FIELDS = {
     "max_wait_s": st.sampled_from([None, None, 5.0]),
     "ttl_s": st.sampled_from([None, None, 20.0]),
 }
+
+
+def fingerprint(sched: Scheduler) -> tuple[object, ...]:
+    """Everything a plan could change, as values: leases, queue, nominations, memory,
+    tokens, workers, counters."""
+    ledger = sched.ledger
+    return (
+        dict(sched.leases),
+        [r.id for r in sched.queue.ordered(sched.policy, 0.0)],
+        {rid: (n.gpus, set(n.victims), dict(n.probe_seqs)) for rid, n in sched.nominations.items()},
+        [ledger.figures(g) for g in sched.gpu_ids()],
+        list(ledger.by_free),
+        sched.next_token,
+        dict(sched.workers),
+        dict(sched.counters),
+    )
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -207,10 +224,31 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def decide_again(self) -> None:  # cycles are as common as events
-        self.decide()
+        self.decide(planned=False)
+
+    def _cycle(self, now: float, planned: bool) -> Decisions:
+        """One cycle: ``decide``, or its three steps with the plan checked against the
+        state it was made from (plan verification) and that state left as it was."""
+        if not planned:
+            return self.sched.decide(now)
+        fired = self.sched.tick(now)
+        before = fingerprint(self.sched)
+        plan = self.sched.plan(now)
+        assert fingerprint(self.sched) == before, "making a plan changed the state"
+        assert check_plan(self.sched, plan) == []
+        applied = self.sched.apply(plan)
+        return Decisions(
+            grants=applied.grants,
+            revocations=fired.revocations + applied.revocations,
+            expired=fired.expired,
+            timed_out=applied.timed_out,
+            loaded=fired.loaded,
+            workers=applied.workers,
+            rejected=fired.rejected,
+        )
 
     @rule()
-    def decide(self) -> None:
+    def decide(self, planned: bool = True) -> None:
         now = self.now
         statuses = {name: w.status for name, w in self.sched.workers.items()}
         before = {lid: self.sched.lease(lid) for lid in self.held}
@@ -218,7 +256,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.preheld = self.sched.held_for_preemptors()
         paused = self.sched.paused
 
-        decisions = self.sched.decide(now)
+        decisions = self._cycle(now, planned)
 
         for lease in decisions.expired:
             assert before[lease.id].expires_at <= now

@@ -1,0 +1,160 @@
+"""Plan verification: a plan checked against the state it was made from.
+
+What :func:`check_plan` recomputes, independently of the walk that made the plan:
+
+- every grant is of a pending request, once, with the next fencing tokens in order;
+  on ``gpus`` matching GPUs of one worker that is online, with a fresh probe (I7, I2);
+  nothing is granted while paused;
+- memory (I1, I2) and the load gate (I3), grant after grant, through a copy of the
+  ledger: each grant fits what the ones before it left;
+- every revocation is of a held lease not already being revoked nor granted in this
+  plan, for a pending request that may take it (I5), and a preemptor's victims, with
+  what is already being revoked, free enough on each GPU it is nominated to;
+- a request timed out has waited its ``max_wait_s`` and is not granted; a worker marked
+  drained was draining and holds no lease.
+
+It returns the problems found (empty: the plan is sound). Tests run it on every plan.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from .model import GpuId, Lease, LeaseState, WorkerStatus
+from .plan import Plan
+from .preemption import eligible
+from .stages import usable
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["check_plan"]
+
+
+def check_plan(state: Scheduler, plan: Plan) -> list[str]:
+    """The ways ``plan`` breaks an invariant against ``state``, the state it was made from."""
+    return (
+        _tokens(state, plan)
+        + [p for lease in plan.grants for p in _grant(state, lease)]
+        + _memory(state, plan)
+        + _revocations(state, plan)
+        + _endings(state, plan)
+    )
+
+
+def _tokens(state: Scheduler, plan: Plan) -> list[str]:
+    problems = []
+    if plan.first_token != state.next_token:
+        problems.append(f"first token {plan.first_token}, the state's next is {state.next_token}")
+    tokens = [lease.token for lease in plan.grants]
+    if tokens != list(range(plan.first_token, plan.first_token + len(tokens))):
+        problems.append(f"tokens {tokens} are not consecutive from {plan.first_token}")
+    ids = [lease.id for lease in plan.grants]
+    if len(set(ids)) != len(ids):
+        problems.append(f"a request is granted twice: {ids}")
+    if state.paused and plan.grants:
+        problems.append("grants while paused")
+    return problems
+
+
+def _grant(state: Scheduler, lease: Lease) -> list[str]:
+    request = lease.request
+    if request.id not in state.queue or state.queue.get(request.id) != request:
+        return [f"{request.id} is granted but is not that pending request"]
+    problems = []
+    if len(set(lease.gpus)) != request.gpus or len({g.worker for g in lease.gpus}) != 1:
+        problems.append(f"{request.id}: {lease.gpus} are not {request.gpus} GPUs of one worker")
+    matching = state.matching(request)
+    for gpu_id in lease.gpus:
+        if gpu_id not in matching:
+            problems.append(f"{request.id}: {gpu_id} does not match its constraints")
+        elif not usable(state, gpu_id):
+            problems.append(f"{request.id}: {gpu_id} may take no new work (I7, I2)")
+    if lease.state is not LeaseState.LOADING or lease.granted_at != lease.last_used_at:
+        problems.append(f"{request.id}: a new lease must be loading, granted now")
+    return problems
+
+
+def _memory(state: Scheduler, plan: Plan) -> list[str]:
+    """Each grant against what the ones before it left (I1, I2), and the load gate (I3)."""
+    ledger = copy.deepcopy(state.ledger)
+    limit = state.policy.max_concurrent_loads
+    problems = []
+    for lease in plan.grants:
+        for gpu_id in lease.gpus:
+            if gpu_id not in ledger:
+                continue  # reported by _grant
+            if ledger.free_mb(gpu_id) < lease.vram_mb:
+                problems.append(
+                    f"{lease.id}: {lease.vram_mb} MiB on {gpu_id}, "
+                    f"{ledger.free_mb(gpu_id)} MiB free there (I1, I2)"
+                )
+            if ledger.loading(gpu_id) >= limit:
+                problems.append(f"{lease.id}: a load on {gpu_id} with its gate closed (I3)")
+        ledger.commit(lease)
+    return problems
+
+
+def _revocations(state: Scheduler, plan: Plan) -> list[str]:
+    granted = {lease.id for lease in plan.grants}
+    by_preemptor: dict[str, set[str]] = defaultdict(set)
+    problems = []
+    for revoked in plan.revocations:
+        held = state.leases.get(revoked.id)
+        preemptor = revoked.preempted_for
+        if held is None or held.state is LeaseState.REVOKING or revoked.id in granted:
+            problems.append(f"{revoked.id} is revoked but is not a held lease to revoke")
+        elif preemptor is None or preemptor not in state.queue:
+            problems.append(f"{revoked.id} is revoked for {preemptor}, not a pending request")
+        elif not eligible(held, state.queue.get(preemptor), state.policy, plan.now):
+            problems.append(f"{revoked.id} may not be preempted by {preemptor} (I5)")
+        else:
+            by_preemptor[preemptor].add(revoked.id)
+    for preemptor, victims in by_preemptor.items():
+        problems += _frees_enough(state, plan, preemptor, victims)
+    return problems
+
+
+def _frees_enough(state: Scheduler, plan: Plan, preemptor: str, victims: set[str]) -> list[str]:
+    nomination = None if plan.nominations is None else plan.nominations.get(preemptor)
+    if nomination is None or nomination.victims != victims:
+        return [f"{preemptor} preempts {sorted(victims)} without a nomination naming them"]
+    need = state.queue.get(preemptor).vram_mb
+    problems = []
+    for gpu_id in nomination.gpus:
+        gone = victims | _revoking(state, gpu_id)
+        if state.ledger.free_after(gpu_id, gone) < need:
+            problems.append(f"{preemptor}: its victims do not free {need} MiB on {gpu_id}")
+    return problems
+
+
+def _revoking(state: Scheduler, gpu_id: GpuId) -> set[str]:
+    return {
+        lid
+        for lid in state.ledger.lease_ids(gpu_id)
+        if state.leases[lid].state is LeaseState.REVOKING
+    }
+
+
+def _endings(state: Scheduler, plan: Plan) -> list[str]:
+    granted = {lease.id for lease in plan.grants}
+    problems = []
+    for request_id in plan.timed_out:
+        request = state.queue.get(request_id) if request_id in state.queue else None
+        if request is None or request_id in granted:
+            problems.append(f"{request_id} is timed out but is not a pending request")
+        elif request.max_wait_s is None or request.submitted_at + request.max_wait_s > plan.now:
+            problems.append(f"{request_id} is timed out before its max_wait_s")
+    for name, old, new in plan.drained:
+        worker = state.workers.get(name)
+        if (
+            worker is None
+            or worker.status is not WorkerStatus.DRAINING
+            or new is not (WorkerStatus.DRAINED)
+        ):
+            problems.append(f"{name} is marked {new} but was not draining ({old})")
+        elif state.worker_lease_ids(name):
+            problems.append(f"{name} is marked drained but holds leases")
+    return problems

@@ -1,0 +1,66 @@
+"""The stages: the first that says no names the outcome, in the documented order, and
+placement and "why is it pending" ask the same ones."""
+
+from __future__ import annotations
+
+from gpu_arbiter.core import Constraints, GpuProbe
+from gpu_arbiter.core.stages import FEASIBLE, FIT, STAGES, fits, outcome
+
+from .support import GiB, gid, gpu, req, scheduler
+
+A = gid("w1:0")
+
+
+def test_the_stages_are_feasibility_then_fit() -> None:
+    assert STAGES == FEASIBLE + FIT
+    assert [s.__name__ for s in STAGES] == [
+        "matches",
+        "worker_online",
+        "probe_fresh",
+        "memory",
+        "nominations_ahead",
+        "load_gate",
+    ]
+
+
+def test_the_first_stage_that_says_no_names_the_outcome() -> None:
+    sched = scheduler(gpu(total_mb=24 * GiB))
+    sched.drain("w1", 0.0)
+    sched.set_probe(A, None)
+    too_big = req("x", 30 * GiB)
+    assert outcome(sched, too_big, A, {}) == "too_small"  # matches first: nothing will help
+    on_other_worker = req("y", GiB, constraints=Constraints(worker="w2"))
+    assert outcome(sched, on_other_worker, A, {}) == "worker_mismatch"
+    assert outcome(sched, req("z", GiB), A, {}) == "worker_draining"  # before the stale probe
+    sched.cancel_drain("w1")
+    assert outcome(sched, req("z", GiB), A, {}) == "probe_stale"
+
+
+def test_memory_then_the_holds_ahead_then_the_load_gate() -> None:
+    sched = scheduler(gpu(total_mb=24 * GiB))
+    sched.set_probe(A, GpuProbe(used_mb=4 * GiB))
+    sched.submit(req("loading", 2 * GiB), 0.0)
+    sched.decide(0.0)  # granted, loading: the gate is closed
+    assert outcome(sched, req("a", 21 * GiB), A, {}) == "insufficient_vram"
+    assert outcome(sched, req("b", 8 * GiB), A, {A: 13 * GiB}) == "nominated_for"
+    assert outcome(sched, req("c", 8 * GiB), A, {}) == "load_in_progress"
+    sched.ready("loading", 0.0)
+    assert outcome(sched, req("c", 8 * GiB), A, {}) is None
+    assert fits(sched, req("c", 8 * GiB), A, {})
+    assert not fits(sched, req("c", 8 * GiB), gid("w1:7"), {})  # no such GPU
+
+
+def test_why_it_is_pending_is_what_the_stages_said() -> None:
+    sched = scheduler(gpu(total_mb=24 * GiB), gpu(index=1, total_mb=8 * GiB))
+    sched.submit(req("holder", 20 * GiB), 0.0)
+    sched.decide(0.0)
+    sched.ready("holder", 0.0)
+    sched.submit(req("waits", 12 * GiB), 0.0)
+    sched.decide(0.0)
+    reason = sched.explain("waits", 0.0)
+    assert reason.code == "insufficient_vram"
+    assert {str(v.gpu): v.code for v in reason.gpus} == {
+        "w1:0": outcome(sched, req("w", 12 * GiB), A, {}),
+        "w1:1": outcome(sched, req("w", 12 * GiB), gid("w1:1"), {}),
+    }
+    assert {v.code for v in reason.gpus} == {"insufficient_vram", "too_small"}
