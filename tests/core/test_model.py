@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import copy
+import inspect
 import math
+import pickle
+from dataclasses import FrozenInstanceError, fields, replace
 from typing import Any
 
 import pytest
@@ -10,6 +14,7 @@ from gpu_arbiter.core import (
     Gpu,
     GpuId,
     InvalidInput,
+    Lease,
     LeaseState,
     Policy,
     Request,
@@ -18,6 +23,7 @@ from gpu_arbiter.core import (
     compute_capability,
     validate_worker_name,
 )
+from gpu_arbiter.core.model import evolve
 
 
 def _field_of(fn: Any, *args: Any, **kwargs: Any) -> str:
@@ -154,6 +160,72 @@ def test_request_accepts_edge_values() -> None:
     assert Request.build("r", vram_mb=1, max_wait_s=0).max_wait_s == 0.0
     assert Request.build("r", vram_mb=1, ttl_s=None).ttl_s is None
     assert Request.build("r", vram_mb=1, gpus=64).gpus == 64
+
+
+@pytest.mark.parametrize(
+    ("valid", "invalid", "name"),
+    [
+        ({"vram_mb": 1}, {"vram_mb": True}, "vram_mb"),
+        ({"priority": 1}, {"priority": True}, "priority"),
+        ({"preemptible": True}, {"preemptible": 1}, "preemptible"),
+        ({"ttl_s": 1}, {"ttl_s": True}, "ttl_s"),
+        ({"max_wait_s": 0}, {"max_wait_s": False}, "max_wait_s"),
+        ({"load_timeout_s": 1.0}, {"load_timeout_s": True}, "load_timeout_s"),
+    ],
+)
+def test_a_value_equal_to_one_checked_before_is_still_checked_by_its_type(
+    valid: dict[str, Any], invalid: dict[str, Any], name: str
+) -> None:
+    """The checks of the scalar fields are remembered per set of values: ``True == 1``
+    and ``hash(True) == hash(1)``, yet a boolean is no size, priority or time."""
+    for _ in range(2):
+        assert Request.build("r", **{"vram_mb": 1024, **valid})
+        assert _field_of(Request.build, "r", **{"vram_mb": 1024, **invalid}) == name
+
+
+def test_an_unhashable_value_is_refused_naming_its_field() -> None:
+    assert _field_of(Request.build, "r", vram_mb=[1024]) == "vram_mb"
+    assert _field_of(Request.build, "r", vram_mb=1024, priority={"p": 1}) == "priority"
+
+
+def test_requests_and_leases_are_built_as_their_fields_say() -> None:
+    """Their ``__init__`` fills the slots directly: same signature, defaults, factories,
+    and frozen all the same."""
+    first, second = Request("a", 1), Request(id="b", vram_mb=2, gpus=3)
+    assert (first.gpus, first.priority, first.ttl_s, first.seq) == (1, 500, 30.0, 0)
+    assert second.gpus == 3
+    assert first.metadata == {} and first.metadata is not second.metadata
+    assert first == Request("a", 1) and first != second
+    assert replace(first, vram_mb=5) == Request("a", 5)
+    with pytest.raises(TypeError):
+        Request("a")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Request("a", 1, nonsense=1)  # type: ignore[call-arg]
+    with pytest.raises(FrozenInstanceError):
+        first.vram_mb = 2  # type: ignore[misc]
+    lease = Lease(first, (GpuId("w", 0),), 1, LeaseState.LOADING, 0.0, 30.0, 300.0)
+    assert (lease.idle, lease.loading, lease.revoked_at, lease.vram_mb) == (False, True, None, 1)
+    assert evolve(lease, idle=True) == replace(lease, idle=True)
+    assert str(inspect.signature(Request)).startswith("(id: 'str', vram_mb: 'int', gpus")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [GpuId("box-1", 0), Constraints.build(vendor="nvidia", labels={"zone": "a"}), Constraints()],
+)
+def test_a_remembered_hash_is_never_that_of_another_value(value: Any) -> None:
+    """GPU ids and constraints remember their hash; every copy (changed or not) computes
+    its own, so equal values hash alike and a changed copy is found as what it now is."""
+    table = {value: "original"}
+    for copy_of in (copy.copy(value), pickle.loads(pickle.dumps(value)), replace(value)):
+        assert copy_of == value and hash(copy_of) == hash(value)
+        assert table[copy_of] == "original"
+    first_field = fields(value)[0].name
+    other = "w2" if isinstance(value, GpuId) else "amd"
+    for changed in (evolve(value, **{first_field: other}), replace(value, **{first_field: other})):
+        rebuilt = type(value)(**{f.name: getattr(changed, f.name) for f in fields(value)})
+        assert changed == rebuilt and hash(changed) == hash(rebuilt)
+        assert changed not in table
 
 
 # ---------------------------------------------------------------- Constraints

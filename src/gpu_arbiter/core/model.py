@@ -11,11 +11,12 @@ A lease's life::
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from operator import attrgetter
 from typing import Any, Literal, TypeVar
@@ -91,6 +92,53 @@ def _layout(cls: type) -> _Layout:
     read = attrgetter(*names) if len(names) > 1 else lambda v: tuple(getattr(v, n) for n in names)
     layout = _LAYOUTS[cls] = (read, {n: i for i, n in enumerate(names)}, direct)
     return layout
+
+
+class _Factory:
+    """The default of a field whose default comes from a factory, in a :func:`_slot_init`."""
+
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_FACTORY = _Factory()
+
+
+def _slot_init(cls: type[_T]) -> type[_T]:
+    """Gives a frozen, slotted dataclass an ``__init__`` of the same signature that fills
+    each slot through the slot's own descriptor.
+
+    The ``__init__`` that ``dataclass`` writes for a frozen class goes through
+    ``object.__setattr__`` for every field: twice the cost, and a request and a lease are
+    built or copied (:func:`evolve`) several times per grant. Only for a class that
+    validates nothing (no ``__post_init__``) and whose fields are all ``__init__``
+    arguments, positional or by keyword."""
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__} validates in __post_init__: keep its own __init__")
+    scope: dict[str, Any] = {"_FACTORY": _FACTORY}
+    params: list[str] = []
+    lines: list[str] = []
+    for f in fields(cls):  # type: ignore[arg-type]
+        if not f.init or f.kw_only:
+            raise TypeError(f"{cls.__name__}.{f.name} is not a plain __init__ argument")
+        scope[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
+        value = f.name
+        if f.default is not MISSING:
+            scope[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+        elif f.default_factory is not MISSING:
+            scope[f"_factory_{f.name}"] = f.default_factory
+            params.append(f"{f.name}=_FACTORY")
+            value = f"_factory_{f.name}() if {f.name} is _FACTORY else {f.name}"
+        else:
+            params.append(f.name)
+        lines.append(f"    _set_{f.name}(self, {value})")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(lines), scope)
+    init = scope["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__annotations__ = cls.__init__.__annotations__
+    cls.__init__ = init  # type: ignore[method-assign]
+    return cls
 
 
 def json_value_problem(value: Any, max_depth: int) -> tuple[str, str] | None:
@@ -189,12 +237,36 @@ def _parse_capability(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+class _HashedOnce:
+    """A slot for a frozen dataclass's hash, computed on first use: a value that is a key
+    of the core's tables (a GPU id, a request's constraints) is hashed several times per
+    request, at the price of one attribute read after the first. A subclass takes
+    ``__hash__ = _HashedOnce.cached_hash`` (a dataclass replaces an inherited one).
+
+    The slot is not a field, so every copy starts without it: :func:`evolve`, ``replace``,
+    ``copy`` and pickling fill only the fields and the copy computes its own hash."""
+
+    __slots__ = ("_hash",)
+    _hash: int
+
+    def cached_hash(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            fields_of_value = self.__slots__  # a dataclass's slots are its fields
+            value = hash(tuple(getattr(self, name) for name in fields_of_value))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+
 @dataclass(frozen=True, slots=True, order=True)
-class GpuId:
+class GpuId(_HashedOnce):
     """``worker:index``, parsed exactly on the single ``:`` (never by prefix)."""
 
     worker: str
     index: int
+
+    __hash__ = _HashedOnce.cached_hash
 
     def __str__(self) -> str:
         return f"{self.worker}:{self.index}"
@@ -269,7 +341,7 @@ class GpuProbe:
 
 
 @dataclass(frozen=True, slots=True)
-class Constraints:
+class Constraints(_HashedOnce):
     """Where a request may run. Hashable: requests of one shape share work."""
 
     vendor: str | None = None
@@ -280,6 +352,8 @@ class Constraints:
     labels: tuple[tuple[str, str], ...] = ()
     gpu_ids: tuple[GpuId, ...] = ()
     never_preempt: tuple[str, ...] = ()  # lease ids this request never takes (I5 aside)
+
+    __hash__ = _HashedOnce.cached_hash
 
     @classmethod
     def build(
@@ -393,6 +467,7 @@ def _parse_lease_ids(texts: Any) -> tuple[str, ...]:
     return tuple(sorted(set(texts)))
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True)
 class Request:
     """What a client asks for. Build with :meth:`build` to validate human input."""
@@ -442,23 +517,19 @@ class Request:
         of ``constraints.gpu_ids``, else 1; with them it must equal their number.
 
         What is left at its default (no metadata, no holder) is valid as it is and is not
-        checked again: an in-process ``acquire`` builds one request per lease."""
-        mb = parse_mb(vram_mb, "vram_mb")
-        if mb <= 0:
-            raise InvalidInput("vram_mb", "must be > 0")
+        checked again, and the scalar fields are checked once per distinct set of values:
+        an in-process ``acquire`` builds one request per lease, mostly alike."""
+        args = (vram_mb, priority, preemptible, ttl_s, max_wait_s, load_timeout_s)
+        try:
+            scalars = _checked_scalars(*args)
+        except TypeError:  # an unhashable value: checked without the cache, to name its field
+            scalars = _checked_scalars.__wrapped__(*args)
+        mb, prio, preemptible, ttl_s, max_wait_s, load_timeout_s = scalars
         constraints = constraints or _ANY_GPU
         gpus = _check_gpus(gpus, constraints.gpu_ids)
-        prio = parse_priority(priority)
-        if preemptible is None:
-            preemptible = prio < PRIORITY_NAMES["interactive"]
-        elif not isinstance(preemptible, bool):
-            raise InvalidInput("preemptible", "must be true or false")
         if holder != "":
             check_text("holder", holder)
         meta = check_metadata(metadata) if metadata else {}
-        _check_seconds("ttl_s", ttl_s, allow_none=True)
-        _check_seconds("max_wait_s", max_wait_s, allow_none=True, allow_zero=True)
-        _check_seconds("load_timeout_s", load_timeout_s, allow_none=False)
         if idempotency_key is not None:
             check_text("idempotency_key", idempotency_key, min_len=1)
         return cls(
@@ -470,11 +541,46 @@ class Request:
             constraints=constraints,
             holder=holder,
             metadata=meta,
-            ttl_s=None if ttl_s is None else float(ttl_s),
-            max_wait_s=None if max_wait_s is None else float(max_wait_s),
-            load_timeout_s=float(load_timeout_s),
+            ttl_s=ttl_s,
+            max_wait_s=max_wait_s,
+            load_timeout_s=load_timeout_s,
             idempotency_key=idempotency_key,
         )
+
+
+_Scalars = tuple[int, int, bool, float | None, float | None, float]
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: True and 1, 30 and 30.0 kept apart
+def _checked_scalars(
+    vram_mb: Any,
+    priority: Any,
+    preemptible: Any,
+    ttl_s: Any,
+    max_wait_s: Any,
+    load_timeout_s: Any,
+) -> _Scalars:
+    """A request's size, priority, preemptibility and times, checked (errors name the field)
+    and in the form a :class:`Request` holds them. Pure, hence cached by ``Request.build``."""
+    mb = parse_mb(vram_mb, "vram_mb")
+    if mb <= 0:
+        raise InvalidInput("vram_mb", "must be > 0")
+    prio = parse_priority(priority)
+    if preemptible is None:
+        preemptible = prio < PRIORITY_NAMES["interactive"]
+    elif not isinstance(preemptible, bool):
+        raise InvalidInput("preemptible", "must be true or false")
+    _check_seconds("ttl_s", ttl_s, allow_none=True)
+    _check_seconds("max_wait_s", max_wait_s, allow_none=True, allow_zero=True)
+    _check_seconds("load_timeout_s", load_timeout_s, allow_none=False)
+    return (
+        mb,
+        prio,
+        preemptible,
+        None if ttl_s is None else float(ttl_s),
+        None if max_wait_s is None else float(max_wait_s),
+        float(load_timeout_s),
+    )
 
 
 def _check_gpus(gpus: Any, gpu_ids: tuple[GpuId, ...]) -> int:
@@ -533,6 +639,7 @@ _FINAL = frozenset(
 )
 
 
+@_slot_init
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A grant of ``vram_mb`` on each of ``gpus``, fenced by a strictly increasing ``token``.
