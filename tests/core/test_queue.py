@@ -42,6 +42,31 @@ def test_out_of_order_seq_is_sorted() -> None:
     assert _ids(queue, Policy(), 0.0) == ["early", "late"]
 
 
+def test_requests_restored_out_of_order_keep_submission_order_in_bucket_and_class() -> None:
+    queue = PendingQueue()
+    for request_id, seq in (("c", 3), ("a", 1), ("d", 4), ("b", 2), ("b2", 2)):
+        queue.add(_request(request_id, 500, seq))
+    assert _ids(queue, Policy(), 0.0) == ["a", "b", "b2", "c", "d"]
+    assert [r.id for r in queue.bucket(500)] == ["a", "b", "b2", "c", "d"]
+    assert [r.id for r in queue.walk(Policy(), 0.0)] == ["a", "b", "b2", "c", "d"]
+
+
+def test_removing_the_last_of_a_class_or_bucket_forgets_it() -> None:
+    queue = PendingQueue()
+    queue.add(_request("a", 500, 1, mb=100))
+    queue.add(_request("b", 500, 2, mb=200))
+    assert queue.only() is None
+    assert queue.class_count() == 2
+    queue.remove("a")
+    assert queue.class_count() == 1
+    assert queue.only() == queue.get("b")
+    queue.remove("b")
+    assert (queue.class_count(), queue.priorities(), len(queue), queue.only()) == (0, [], 0, None)
+    queue.add(_request("a", 500, 3, mb=100))  # the same id and class again, afresh
+    assert [r.id for r in queue.walk(Policy(), 0.0)] == ["a"]
+    assert queue.class_count() == 1
+
+
 def test_aging_raises_effective_priority_over_time() -> None:
     policy = Policy(aging_interval_s=10, aging_step=50, aging_cap=799)
     queue = PendingQueue()

@@ -31,15 +31,15 @@ Shape = tuple[int, int, Constraints]
 ClassKey = tuple[int, Shape]
 
 
-def _class_of(request: Request) -> ClassKey:
-    return (request.priority, request.shape)
+Members = dict[str, Request]  # one bucket or class, by request id, in submission order
+Entry = tuple[Request, Members, Members, ClassKey]  # a request, its bucket, its class
 
 
-def _add_in_order(members: dict[str, Request], request: Request) -> None:
+def _add_in_order(members: Members, request: Request) -> None:
     """Appends ``request``; one restored out of order is put back in submission order."""
-    last = next(reversed(members.values()), None)
+    in_order = not members or next(reversed(members.values())).seq <= request.seq
     members[request.id] = request
-    if last is not None and last.seq > request.seq:
+    if not in_order:
         ordered = sorted(members.values(), key=lambda r: r.seq)
         members.clear()
         members.update((r.id, r) for r in ordered)
@@ -47,41 +47,44 @@ def _add_in_order(members: dict[str, Request], request: Request) -> None:
 
 class PendingQueue:
     def __init__(self) -> None:
-        self._buckets: dict[int, dict[str, Request]] = {}
-        self._classes: dict[ClassKey, dict[str, Request]] = {}
-        self._priority_of: dict[str, int] = {}
+        self._buckets: dict[int, Members] = {}
+        self._classes: dict[ClassKey, Members] = {}
+        # Where each request is kept: removing one finds its bucket and class without
+        # working out (and hashing) its class key again.
+        self._entries: dict[str, Entry] = {}
         self._sizes: dict[int, int] = {}  # per-GPU size -> how many pending
 
     def __len__(self) -> int:
-        return len(self._priority_of)
+        return len(self._entries)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._priority_of
+        return request_id in self._entries
 
     def get(self, request_id: str) -> Request:
         try:
-            return self._buckets[self._priority_of[request_id]][request_id]
+            return self._entries[request_id][0]
         except KeyError:
             raise NotFound(f"no pending request {request_id!r}") from None
 
     def add(self, request: Request) -> None:
-        if request.id in self._priority_of:
+        if request.id in self._entries:
             raise ValueError(f"request {request.id!r} is already queued")
-        _add_in_order(self._buckets.setdefault(request.priority, {}), request)
-        _add_in_order(self._classes.setdefault(_class_of(request), {}), request)
-        self._priority_of[request.id] = request.priority
+        bucket = self._buckets.setdefault(request.priority, {})
+        key = (request.priority, request.shape)
+        members = self._classes.setdefault(key, {})
+        _add_in_order(bucket, request)
+        _add_in_order(members, request)
+        self._entries[request.id] = (request, bucket, members, key)
         self._sizes[request.vram_mb] = self._sizes.get(request.vram_mb, 0) + 1
 
     def remove(self, request_id: str) -> Request:
-        priority = self._priority_of.pop(request_id, None)
-        if priority is None:
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
             raise NotFound(f"no pending request {request_id!r}")
-        bucket = self._buckets[priority]
-        request = bucket.pop(request_id)
+        request, bucket, members, key = entry
+        del bucket[request_id]
         if not bucket:
-            del self._buckets[priority]
-        key = _class_of(request)
-        members = self._classes[key]
+            del self._buckets[request.priority]
         del members[request_id]
         if not members:
             del self._classes[key]
@@ -92,10 +95,10 @@ class PendingQueue:
 
     def only(self) -> Request | None:
         """The pending request when it is the only one, else None."""
-        if len(self._priority_of) != 1:
+        if len(self._entries) != 1:
             return None
-        (bucket,) = self._buckets.values()
-        return next(iter(bucket.values()))
+        (entry,) = self._entries.values()
+        return entry[0]
 
     def smallest_vram_mb(self) -> int | None:
         """The smallest per-GPU size pending (distinct sizes are few)."""
