@@ -99,6 +99,17 @@ def test_uncommit_releases_exactly_once() -> None:
     assert ledger.lease_ids(G0) == ("b",)
 
 
+def test_uncommit_after_a_shrink_releases_what_the_lease_still_holds() -> None:
+    ledger = _ledger()
+    a = _lease("a", 4000, loading=False)
+    ledger.commit(a)
+    ledger.shrink(a, 1000)
+    ledger.uncommit(a)  # the lease as granted: what it reserved is what is released
+    assert ledger.committed_mb(G0) == 0
+    assert ledger.free_mb(G0) == CAPACITY
+    assert ledger.by_free == [(CAPACITY, G0)]
+
+
 def test_finish_loading_opens_the_load_gate() -> None:
     ledger = _ledger()
     a = _lease("a", 4000)
@@ -140,3 +151,8 @@ def test_resizing_a_gpu_keeps_its_commitments() -> None:
     ledger.commit(_lease("a", 1000))
     ledger.put_gpu(gpu(0, 48 * 1024))
     assert ledger.free_mb(G0) == 48 * 1024 - 1000
+    assert ledger.by_free == [(48 * 1024 - 1000, G0)]
+    ledger.put_gpu(gpu(0, 48 * 1024, headroom_mb=1024))  # the headroom counts at once
+    assert ledger.free_mb(G0) == 47 * 1024 - 1000
+    assert ledger.figures(G0).free_mb == 47 * 1024 - 1000
+    assert ledger.by_free == [(47 * 1024 - 1000, G0)]

@@ -42,6 +42,7 @@ class GpuFigures:
 
 class _Slot:
     __slots__ = (
+        "capacity_mb",
         "committed_mb",
         "gpu",
         "id",
@@ -56,6 +57,7 @@ class _Slot:
 
     def __init__(self, gpu: Gpu) -> None:
         self.gpu = gpu
+        self.capacity_mb = gpu.capacity_mb  # read at every change: kept, not derived
         self.id = gpu.id  # the one GpuId of this GPU: the index's entries are this very key
         self.committed_mb = 0
         self.loading = 0
@@ -89,7 +91,7 @@ class Ledger:
 
     def _refresh(self, slot: _Slot) -> None:
         slot.refresh()
-        entry = (slot.gpu.capacity_mb - slot.occupied_mb, slot.id)
+        entry = (slot.capacity_mb - slot.occupied_mb, slot.id)
         if entry == slot.indexed:
             return
         if slot.indexed is not None:
@@ -115,6 +117,7 @@ class Ledger:
             slot = _Slot(gpu)
             self._slots[slot.id] = slot
         slot.gpu = gpu
+        slot.capacity_mb = gpu.capacity_mb
         self._refresh(slot)
 
     def drop_gpu(self, gpu_id: GpuId) -> None:
@@ -126,10 +129,11 @@ class Ledger:
         del self._slots[gpu_id]
 
     def commit(self, lease: Lease) -> None:
+        vram_mb = lease.vram_mb
         for gpu_id in lease.gpus:
             slot = self._slots[gpu_id]
-            slot.reserved[lease.id] = lease.vram_mb
-            slot.committed_mb += lease.vram_mb
+            slot.reserved[lease.id] = vram_mb
+            slot.committed_mb += vram_mb
             slot.loading += lease.loading
             self._refresh(slot)
 
@@ -148,12 +152,14 @@ class Ledger:
             self._refresh(slot)
 
     def uncommit(self, lease: Lease) -> None:
-        """Releases a lease's memory; a second call for the same lease does nothing."""
+        """Releases a lease's memory: what it reserved on each GPU, exactly once (a second
+        call for the same lease does nothing)."""
         for gpu_id in lease.gpus:
             slot = self._slots.get(gpu_id)
-            if slot is None or slot.reserved.pop(lease.id, None) is None:
+            reserved = None if slot is None else slot.reserved.pop(lease.id, None)
+            if slot is None or reserved is None:
                 continue
-            slot.committed_mb -= lease.vram_mb
+            slot.committed_mb -= reserved
             slot.loading -= lease.loading
             self._refresh(slot)
 
@@ -183,7 +189,7 @@ class Ledger:
         """Capacity less occupied memory: negative on an over-committed GPU (placement
         compares it; what is shown goes through :meth:`figures`)."""
         slot = self._slots[gpu_id]
-        return slot.gpu.capacity_mb - slot.occupied_mb
+        return slot.capacity_mb - slot.occupied_mb
 
     def committed_mb(self, gpu_id: GpuId) -> int:
         return self._slots[gpu_id].committed_mb
@@ -214,7 +220,7 @@ class Ledger:
             occupied = slot.occupied_mb - sum(
                 max(slot.reserved[lid], per_lease.get(lid, 0)) for lid in gone
             )
-        return slot.gpu.capacity_mb - occupied
+        return slot.capacity_mb - occupied
 
     def figures(self, gpu_id: GpuId) -> GpuFigures:
         slot = self._slots[gpu_id]
@@ -222,9 +228,9 @@ class Ledger:
             gpu=slot.gpu,
             committed_mb=slot.committed_mb,
             used_mb=None if slot.probe is None else slot.probe.used_mb,
-            free_mb=max(0, slot.gpu.capacity_mb - slot.occupied_mb),
+            free_mb=max(0, slot.capacity_mb - slot.occupied_mb),
             loading=slot.loading,
             stale=slot.stale,
             lease_ids=tuple(slot.reserved),
-            overcommitted_mb=max(0, slot.committed_mb - slot.gpu.capacity_mb),
+            overcommitted_mb=max(0, slot.committed_mb - slot.capacity_mb),
         )
