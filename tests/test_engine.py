@@ -28,6 +28,7 @@ from gpu_arbiter import (
     Unschedulable,
     WaitTimeout,
 )
+from gpu_arbiter.engine import LoopClock
 
 G0 = GpuId("local", 0)
 CAPACITY = 24576
@@ -752,6 +753,30 @@ async def test_acquires_and_releases_in_one_turn_arm_no_timer() -> None:
         await lease.release()
         await settle()
         assert clock.live() == []
+
+
+async def test_the_default_clock_is_the_running_loops() -> None:
+    loop = asyncio.get_running_loop()
+    async with _arbiter() as arbiter:
+        before = loop.time()
+        lease = await arbiter.acquire(1000, ttl_s=5.0)
+        (held,) = arbiter.leases()
+        assert before <= held.granted_at <= loop.time()
+        assert held.expires_at == held.granted_at + 5.0
+        await lease.release()
+
+
+async def test_a_clock_derived_from_the_loop_clock_is_the_one_asked() -> None:
+    class Ahead(LoopClock):
+        def now(self) -> float:
+            return super().now() + 1000.0
+
+    loop = asyncio.get_running_loop()
+    async with _arbiter(clock=Ahead()) as arbiter:
+        lease = await arbiter.acquire(1000, ttl_s=5.0)
+        (held,) = arbiter.leases()
+        assert held.granted_at >= loop.time() + 999.0
+        await lease.release()
 
 
 async def test_no_timer_at_all_when_nothing_is_due() -> None:

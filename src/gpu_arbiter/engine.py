@@ -242,6 +242,8 @@ class Arbiter:
     ) -> None:
         self.policy = policy or Policy()
         self._clock: Clock = clock or LoopClock()
+        self._now: Callable[[], float] = self._clock.now  # the loop's own, once started
+        self._loop: asyncio.AbstractEventLoop  # the running loop, from start()
         self._scheduler = Scheduler(self.policy)
         by_worker: dict[str, list[Gpu]] = {}
         for gpu in gpus:
@@ -278,9 +280,12 @@ class Arbiter:
     async def start(self) -> None:
         if self._running or self._stopped:
             raise RuntimeError("an Arbiter starts once")
+        self._loop = asyncio.get_running_loop()
+        if type(self._clock) is LoopClock:  # the same time, without finding the loop each time
+            self._now = self._loop.time
         self._running = True
         if self._probe is not None:
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+            self._probe_task = self._loop.create_task(self._probe_loop())
         self._cycle()
 
     async def stop(self) -> None:
@@ -391,7 +396,7 @@ class Arbiter:
             grace_timer.cancel()
         if lease_id not in self._scheduler.leases:
             return
-        now = self._clock.now()
+        now = self._now()
         self._scheduler.release(lease_id, now)
         if self._hooks:
             self._emit("released", lease_id, {"state": "released"})
@@ -457,9 +462,6 @@ class Arbiter:
 
     # ------------------------------------------------------------------ internals
 
-    def _now(self) -> float:
-        return self._clock.now()
-
     def _request(
         self, vram_mb: int | str, *, constraints: Mapping[str, Any], **fields: Any
     ) -> Request:
@@ -493,9 +495,9 @@ class Arbiter:
     ) -> LeaseHandle:
         if not self._running:
             raise ArbiterStopped("the arbiter is not running")
-        now = self._clock.now()
+        now = self._now()
         request = self._scheduler.submit(request, now)
-        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Lease] = self._loop.create_future()
         self._waiters[request.id] = future
         self._cycle(now)
         try:
@@ -504,8 +506,8 @@ class Arbiter:
             self._give_up(request.id, future)
             raise
         handle = LeaseHandle(self, lease, task)
-        self._handles[lease.id] = handle
-        current = self._scheduler.leases.get(lease.id, lease)
+        self._handles[request.id] = handle  # the lease's id is its request's
+        current = self._scheduler.leases.get(request.id, lease)
         if current.state is LeaseState.REVOKING:  # revoked between grant and wake-up
             handle._notify_revoked(current.revoke_reason or "revoked")
         return handle
@@ -526,7 +528,7 @@ class Arbiter:
         if not self._running:
             return
         try:
-            decisions = self._scheduler.decide(self._clock.now() if now is None else now)
+            decisions = self._scheduler.decide(self._now() if now is None else now)
         except Exception:  # a bug in the core must not wedge every waiter
             log.exception("scheduling cycle failed")
             decisions = Decisions()
@@ -535,7 +537,7 @@ class Arbiter:
 
     def _arm_timer_soon(self) -> None:
         if self._rearm is None:
-            self._rearm = asyncio.get_running_loop().call_soon(self._arm_timer)
+            self._rearm = self._loop.call_soon(self._arm_timer)
 
     def _apply(self, decisions: Decisions) -> None:
         for lease in decisions.grants:
@@ -545,7 +547,8 @@ class Arbiter:
                 self._emit("granted", lease.id, {"gpus": gpus, "token": lease.token})
             if future is not None and not future.done():
                 future.set_result(lease)
-        self._revoked(decisions.revocations)
+        if decisions.revocations:
+            self._revoked(decisions.revocations)
         for lease in decisions.expired:
             self._emit("expired", lease.id)
             handle = self._handles.pop(lease.id, None)
@@ -658,7 +661,7 @@ class Arbiter:
             if not woken.done():
                 woken.set_result(None)
 
-        timer = self._clock.call_at(self._clock.now() + seconds, wake)
+        timer = self._clock.call_at(self._now() + seconds, wake)
         try:
             await woken
         finally:
