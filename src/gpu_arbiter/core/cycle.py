@@ -79,6 +79,7 @@ class _Walk:
         self.now = now
         self.holds = _NO_HOLDS  # the lone request's grant holds nothing; the walk does
         self.grants: list[Lease] = []
+        self.granted: set[str] = set()  # their ids, while walking
         self.revoked: dict[str, Lease] = {}
         self.nominations: dict[str, Nomination] | None = None  # copied once changed
         self.retries: set[float] = set()
@@ -103,10 +104,6 @@ class _Walk:
         if self.nominations is None:
             self.nominations = dict(self.state.nominations)
         return self.nominations
-
-    def lease(self, lease_id: str) -> Lease:
-        revoked = self.revoked.get(lease_id)
-        return self.state.leases[lease_id] if revoked is None else revoked
 
     def _count(self, lease: Lease, delta: int) -> None:
         if lease.state is LeaseState.REVOKING or not (lease.idle or lease.request.preemptible):
@@ -324,6 +321,7 @@ class _Walk:
         )
         self.grants.append(lease)
         if self.walking:  # for the rest of the walk; undone when it ends
+            self.granted.add(request.id)
             self.ledger.commit(lease)
             self._count(lease, 1)
 
@@ -390,13 +388,13 @@ class _Walk:
 
     def victims_on(self, request: Request, gpu_id: GpuId) -> Victims | None:
         held = self.holds.by_gpu.get(gpu_id, 0)
-        granted = {lease.id for lease in self.grants}
+        granted, revoked, leases = self.granted, self.revoked, self.state.leases
         revoking: set[str] = set()
         candidates = []
         for lid in self.ledger.lease_ids(gpu_id):
             if lid in granted:
                 continue  # never take back in the cycle that granted it
-            lease = self.lease(lid)
+            lease = revoked.get(lid) or leases[lid]
             if lease.state is LeaseState.REVOKING:
                 revoking.add(lid)
                 continue
