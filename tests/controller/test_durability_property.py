@@ -50,22 +50,22 @@ def _apply(c: Controller, clock: Clock, ids: list[str], step: tuple[Any, ...]) -
     pick = (lambda i: ids[i % len(ids)]) if ids else (lambda i: "none")
     if kind == "submit":
         fields = {"vram_mb": step[1] * 1024, "gpus": step[2], "ttl_s": step[3]}
-        record, _ = c.submit("owner", fields, {})
+        record, _ = c.leases.submit("owner", fields, {})
         ids.append(record.id)
     elif kind in ("release", "ready", "revoke"):
-        getattr(c, kind)(pick(step[1]))
+        getattr(c.leases, kind)(pick(step[1]))
     elif kind == "idle":
-        c.set_idle(pick(step[1]), True)
+        c.leases.set_idle(pick(step[1]), True)
     elif kind == "shrink":  # larger than the lease holds: refused
-        c.shrink(pick(step[1]), step[2] * 512)
+        c.leases.shrink(pick(step[1]), step[2] * 512)
     elif kind == "drain":
-        c.drain(step[1], force=step[2])
+        c.workers.drain(step[1], force=step[2])
     elif kind == "cancel_drain":
-        c.cancel_drain(step[1])
+        c.workers.cancel_drain(step[1])
     elif kind == "heartbeat":
-        c.heartbeat(step[1], [GpuProbeReport(0, step[2] * 1024), GpuProbeReport(1, 0)])
+        c.workers.heartbeat(step[1], [GpuProbeReport(0, step[2] * 1024), GpuProbeReport(1, 0)])
     elif kind == "stop":
-        c.heartbeat(step[1], [], stopped=[pick(step[2])])
+        c.workers.heartbeat(step[1], [], stopped=[pick(step[2])])
     elif kind == "tick":
         clock.now += step[1]
         c.pause()
@@ -75,7 +75,7 @@ def _apply(c: Controller, clock: Clock, ids: list[str], step: tuple[Any, ...]) -
 def _live(c: Controller) -> dict[str, Any]:
     return {
         r.id: (r.state, r.token, r.lease and (r.lease.gpus, r.lease.vram_mb))
-        for r in c.leases()
+        for r in c.leases.all()
         if not r.state.is_final
     }
 
@@ -87,15 +87,17 @@ def _check(c: Controller, store: MemoryStore) -> None:
         for r in snapshot.leases
     }
     assert stored == _live(c)
-    assert {w.name: w.status for w in snapshot.workers} == {w.name: w.status for w in c.workers()}
+    assert {w.name: w.status for w in snapshot.workers} == {
+        w.name: w.status for w in c.workers.all()
+    }
     assert snapshot.meta["next_token"] == c.scheduler.next_token
     committed: dict[Any, int] = defaultdict(int)
-    for record in c.leases():
+    for record in c.leases.all():
         if record.state.holds_memory and record.lease is not None:
             for gpu in record.lease.gpus:
                 committed[gpu] += record.lease.vram_mb  # as shrunk
     for name in WORKERS:
-        for figures in c.gpu_figures(name):
+        for figures in c.workers.gpu_figures(name):
             assert committed[figures.gpu.id] == figures.committed_mb
             assert figures.committed_mb <= figures.gpu.capacity_mb  # I1
 
@@ -104,7 +106,7 @@ async def _run(steps: list[tuple[Any, ...]]) -> None:
     store, clock = MemoryStore(), Clock()
     c = _start(store, clock)
     for name in WORKERS:
-        c.register(name, [Gpu(index=i, total_mb=32768, worker=name) for i in range(2)])
+        c.workers.register(name, [Gpu(index=i, total_mb=32768, worker=name) for i in range(2)])
     ids: list[str] = []
     highest_token = 0
     holders: dict[int, str] = {}
@@ -120,7 +122,7 @@ async def _run(steps: list[tuple[Any, ...]]) -> None:
             with contextlib.suppress(ArbiterError):  # a refusal must change nothing
                 _apply(c, clock, ids, step)
         _check(c, store)
-        granted = {r.id: r.token for r in c.leases() if r.token is not None}
+        granted = {r.id: r.token for r in c.leases.all() if r.token is not None}
         for lease_id, token in granted.items():
             if lease_id not in holders.values():  # granted in this step: above all before
                 assert token > highest_token

@@ -46,7 +46,7 @@ def _gpus(name: str) -> list[Gpu]:
 def _ask(name: str, vram_gib: int, gpu_ids: tuple[str, ...] = (), **fields: Any) -> Step:
     def step(c: Controller, clock: Clock, ids: dict[str, str]) -> LeaseRecord:
         body = {"vram_mb": vram_gib * GiB, "ttl_s": 60.0, "holder": name, **fields}
-        record, _ = c.submit("client", body, {"gpu_ids": list(gpu_ids)} if gpu_ids else {})
+        record, _ = c.leases.submit("client", body, {"gpu_ids": list(gpu_ids)} if gpu_ids else {})
         ids[name] = record.id
         return record
 
@@ -57,15 +57,15 @@ def _on(verb: str, name: str) -> Step:
     def step(c: Controller, clock: Clock, ids: dict[str, str]) -> Any:
         lease_id = ids.get(name, "lease-none")
         if verb == "idle":
-            return c.set_idle(lease_id, True)
-        return getattr(c, verb)(lease_id)
+            return c.leases.set_idle(lease_id, True)
+        return getattr(c.leases, verb)(lease_id)
 
     return step
 
 
 def _shrink(name: str, vram_gib: int) -> Step:
     def step(c: Controller, clock: Clock, ids: dict[str, str]) -> LeaseRecord:
-        return c.shrink(ids.get(name, "lease-none"), vram_gib * GiB)
+        return c.leases.shrink(ids.get(name, "lease-none"), vram_gib * GiB)
 
     return step
 
@@ -73,7 +73,9 @@ def _shrink(name: str, vram_gib: int) -> Step:
 def _heartbeat(worker: str, used_gib: int = 0, stopped: tuple[str, ...] = ()) -> Step:
     def step(c: Controller, clock: Clock, ids: dict[str, str]) -> Any:
         probes = [GpuProbeReport(0, used_gib * GiB), GpuProbeReport(1, 0)]
-        return c.heartbeat(worker, probes, stopped=[ids.get(s, "lease-none") for s in stopped])
+        return c.workers.heartbeat(
+            worker, probes, stopped=[ids.get(s, "lease-none") for s in stopped]
+        )
 
     return step
 
@@ -88,8 +90,8 @@ def _tick(seconds: float) -> Step:
 
 
 SCENARIO: list[tuple[str, Step]] = [
-    ("register box-1", lambda c, clock, ids: c.register("box-1", _gpus("box-1"))),
-    ("register box-2", lambda c, clock, ids: c.register("box-2", _gpus("box-2"))),
+    ("register box-1", lambda c, clock, ids: c.workers.register("box-1", _gpus("box-1"))),
+    ("register box-2", lambda c, clock, ids: c.workers.register("box-2", _gpus("box-2"))),
     ("ask a", _ask("a", 20)),
     ("ask b", _ask("b", 20, priority="batch")),
     ("ask c", _ask("c", 20, priority="batch")),
@@ -105,13 +107,13 @@ SCENARIO: list[tuple[str, Step]] = [
     ("release a", _on("release", "a")),
     ("cancel e", _on("release", "e")),
     ("revoke c", _on("revoke", "c")),
-    ("drain box-2", lambda c, clock, ids: c.drain("box-2")),
-    ("cancel drain box-2", lambda c, clock, ids: c.cancel_drain("box-2")),
+    ("drain box-2", lambda c, clock, ids: c.workers.drain("box-2")),
+    ("cancel drain box-2", lambda c, clock, ids: c.workers.cancel_drain("box-2")),
     ("ask g (short ttl)", _ask("g", 2, ttl_s=5.0)),
     ("tick 10 s (g lapses)", _tick(10.0)),
-    ("force drain box-1", lambda c, clock, ids: c.drain("box-1", force=True)),
+    ("force drain box-1", lambda c, clock, ids: c.workers.drain("box-1", force=True)),
     ("heartbeat box-1 (all stopped)", _heartbeat("box-1", stopped=("a", "c", "d", "f"))),
-    ("remove box-1", lambda c, clock, ids: c.remove("box-1", force=True)),
+    ("remove box-1", lambda c, clock, ids: c.workers.remove("box-1", force=True)),
     ("tick 20 s (box-2 offline)", _tick(20.0)),
     ("heartbeat box-2 (back)", _heartbeat("box-2")),
     ("ask h", _ask("h", 8)),
@@ -123,7 +125,7 @@ SCENARIO: list[tuple[str, Step]] = [
 def _leases(c: Controller) -> dict[str, tuple[Any, ...]]:
     return {
         r.id: (r.state, r.token, r.request.constraints, r.lease and (r.lease.gpus, r.lease.vram_mb))
-        for r in c.leases()
+        for r in c.leases.all()
         if not r.state.is_final
     }
 
@@ -140,12 +142,12 @@ async def _check(
 ) -> None:
     # I1, and the committed memory is the sum over the held leases (revoking included: I4)
     committed: dict[GpuId, int] = defaultdict(int)
-    for record in c.leases():
+    for record in c.leases.all():
         if record.state.holds_memory and record.lease is not None:
             for gpu in record.lease.gpus:
                 committed[gpu] += record.lease.vram_mb  # as shrunk
-    for worker in c.workers():
-        for figures in c.gpu_figures(worker.name):
+    for worker in c.workers.all():
+        for figures in c.workers.gpu_figures(worker.name):
             assert figures.committed_mb == committed[figures.gpu.id]
             assert figures.committed_mb <= figures.gpu.capacity_mb
     # I4: each lease's memory is released once
@@ -157,13 +159,15 @@ async def _check(
     )
     assert all(n == 1 for n in ends.values()), ends
     # I9: memory and store are never apart
-    assert c.broken is None
+    assert c.gate.broken is None
     assert _leases(c) == _stored_leases(store)
-    assert {w.name: w.status for w in c.workers()} == {w.name: w.status for w in snapshot.workers}
+    assert {w.name: w.status for w in c.workers.all()} == {
+        w.name: w.status for w in snapshot.workers
+    }
     assert snapshot.meta.get("next_token") == c.scheduler.next_token
-    assert c.last_event_seq == snapshot.last_event_seq
-    if c.last_event_seq:
-        assert c.events_after(c.last_event_seq - 1)[-1].seq == c.last_event_seq
+    assert c.events.last_seq == snapshot.last_event_seq
+    if c.events.last_seq:
+        assert c.events.after(c.events.last_seq - 1)[-1].seq == c.events.last_seq
     # ... and no acknowledgement is lost
     for record in acknowledged:
         stored = store.lease(record.id)
@@ -174,7 +178,7 @@ async def _check(
     fresh = Controller(_copy(store), clock=clock, heartbeat_timeout_s=15.0)
     fresh.start()
     assert _leases(fresh) == _leases(c)
-    assert [w.name for w in fresh.workers()] == [w.name for w in c.workers()]
+    assert [w.name for w in fresh.workers.all()] == [w.name for w in c.workers.all()]
     fresh.close()
 
 

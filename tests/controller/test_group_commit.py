@@ -43,12 +43,12 @@ def grouped(store: GatedStore) -> Controller:
     gpu = Gpu(index=0, total_mb=81920, worker="local", arch="sm_90")
     controller = Controller(store, clock=Clock(), simulated=[gpu])
     controller.start()  # stored at once, as before group commit begins
-    controller.commit_in_groups()
+    controller.changes.commit_in_groups()
     return controller
 
 
 def ask(controller: Controller, holder: str) -> str:
-    record, _ = controller.submit("client-1", {"vram_mb": 1, "holder": holder}, {})
+    record, _ = controller.leases.submit("client-1", {"vram_mb": 1, "holder": holder}, {})
     return record.id
 
 
@@ -65,11 +65,11 @@ async def test_changes_made_during_a_commit_share_the_next_one_in_order() -> Non
     first = ask(controller, "a")
     await entered(store)  # the first change's transaction is in flight
     rest = [ask(controller, "b"), ask(controller, "c"), ask(controller, "d")]
-    seq = controller.last_event_seq
-    answer = asyncio.create_task(controller.settled(controller.failed_changes))
+    seq = controller.events.last_seq
+    answer = asyncio.create_task(controller.changes.settled(controller.changes.failures))
     await asyncio.sleep(0.05)
     assert not answer.done()  # an answer waits for the transaction holding its change
-    assert controller.last_event_seq == seq  # nobody is told of what is not stored
+    assert controller.events.last_seq == seq  # nobody is told of what is not stored
     store.gate.set()
     await asyncio.wait_for(answer, 60)
     one, grouped_batch = store.batches[written:]
@@ -79,8 +79,8 @@ async def test_changes_made_during_a_commit_share_the_next_one_in_order() -> Non
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # numbered in order, no gap
     requested = [e.lease_id for e in grouped_batch.events if e.kind == "lease.requested"]
     assert requested == rest
-    assert controller.last_event_seq == seqs[-1]
-    await controller.flush()
+    assert controller.events.last_seq == seqs[-1]
+    await controller.changes.flush()
 
 
 async def test_a_failed_commit_fails_every_change_in_it_and_leaves_none_visible() -> None:
@@ -89,20 +89,20 @@ async def test_a_failed_commit_fails_every_change_in_it_and_leaves_none_visible(
     store.gate.clear()
     kept = ask(controller, "a")
     await entered(store)
-    failed_before = controller.failed_changes
+    failed_before = controller.changes.failures
     lost = [ask(controller, "b"), ask(controller, "c")]  # the next transaction: it fails
     store.fail_at = len(store.batches) + 2
-    answer = asyncio.create_task(controller.settled(failed_before))
+    answer = asyncio.create_task(controller.changes.settled(failed_before))
     store.gate.set()
     with pytest.raises(ServiceUnavailable, match="disk full"):
         await asyncio.wait_for(answer, 60)
-    assert controller.broken is None  # reloaded: memory is what the store holds
-    assert [r.id for r in controller.leases()] == [kept]
+    assert controller.gate.broken is None  # reloaded: memory is what the store holds
+    assert [r.id for r in controller.leases.all()] == [kept]
     assert all(store.lease(lease_id) is None for lease_id in lost)
-    assert controller.last_event_seq == store.load().last_event_seq
+    assert controller.events.last_seq == store.load().last_event_seq
     ask(controller, "e")  # it serves on
-    await asyncio.wait_for(controller.settled(controller.failed_changes), 60)
-    await controller.flush()
+    await asyncio.wait_for(controller.changes.settled(controller.changes.failures), 60)
+    await controller.changes.flush()
 
 
 async def test_a_change_that_fails_during_a_commit_reloads_once_the_commit_ends() -> None:
@@ -112,15 +112,15 @@ async def test_a_change_that_fails_during_a_commit_reloads_once_the_commit_ends(
     stored = ask(controller, "a")
     await entered(store)
     queued = ask(controller, "b")
-    failed_before = controller.failed_changes
-    with pytest.raises(RuntimeError), controller._changes.change():  # a bug in a change
+    failed_before = controller.changes.failures
+    with pytest.raises(RuntimeError), controller.changes.change():  # a bug in a change
         raise RuntimeError("a bug halfway through a change")
     with pytest.raises(ServiceUnavailable):  # refused until the reload
         ask(controller, "c")
     store.gate.set()
     with pytest.raises(ServiceUnavailable):
-        await asyncio.wait_for(controller.settled(failed_before), 60)
-    await asyncio.wait_for(controller.flush(), 60)
-    assert controller.broken is None
-    assert [r.id for r in controller.leases()] == [stored]  # the queued one was dropped
+        await asyncio.wait_for(controller.changes.settled(failed_before), 60)
+    await asyncio.wait_for(controller.changes.flush(), 60)
+    assert controller.gate.broken is None
+    assert [r.id for r in controller.leases.all()] == [stored]  # the queued one was dropped
     assert store.lease(queued) is None

@@ -20,8 +20,8 @@ async def test_a_position_the_controller_cannot_serve_is_skipped_and_the_stream_
 ) -> None:
     controller = Controller(MemoryStore())
     controller.start()
-    assert controller.last_event_seq >= 1
-    monkeypatch.setattr(controller, "events_after", never_served)
+    assert controller.events.last_seq >= 1
+    monkeypatch.setattr(controller.events, "after", never_served)
     feed = EventFeed(controller)
     stream = event_stream(feed, 0, lease=None, worker=None)
     turns = 0
@@ -53,7 +53,7 @@ async def test_wait_events_suspends_even_when_the_answer_is_known() -> None:
         ran = True
 
     task = asyncio.create_task(other())
-    assert await controller.wait_events(controller.last_event_seq - 1)
+    assert await controller.events.wait_after(controller.events.last_seq - 1)
     assert ran
     await task
     controller.close()
@@ -63,7 +63,7 @@ async def test_a_closed_feed_ends_its_streams() -> None:
     controller = Controller(MemoryStore())
     controller.start()
     feed = EventFeed(controller)
-    stream = event_stream(feed, controller.last_event_seq, lease=None, worker=None)
+    stream = event_stream(feed, controller.events.last_seq, lease=None, worker=None)
     assert await anext(stream) == b"retry: 1000\n\n"
     following = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0.05)

@@ -68,14 +68,14 @@ async def test_it_stands_by_then_takes_over_when_the_term_ends(
     controller.mirror()
     coordinator = Coordinator(controller, mine, url="http://me:7070", ttl_s=60, poll_s=0.1)
     stop, task = await _run(coordinator, 0.5)
-    assert controller.standby and controller.leader_url == "http://other:7070"
+    assert controller.gate.standby and controller.gate.leader_url == "http://other:7070"
 
     other.step_down()
     for _ in range(100):
-        if not controller.standby:
+        if not controller.gate.standby:
             break
         await asyncio.sleep(0.05)
-    assert not controller.standby and mine.epoch == 2
+    assert not controller.gate.standby and mine.epoch == 2
     assert mine.leader().url == "http://me:7070"
     stop.set()
     await asyncio.wait_for(task, 10)
@@ -99,4 +99,4 @@ async def test_a_loss_reported_after_the_term_was_given_up_does_not_spin_the_loo
     stop.set()
     await asyncio.wait_for(task, 10)
     assert counted.campaigns - before <= 6  # one a poll (4 in a second), not a busy loop
-    assert controller.standby
+    assert controller.gate.standby

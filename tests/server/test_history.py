@@ -119,17 +119,17 @@ def controller_with_leases(clock: Clock) -> tuple[Controller, dict[str, str]]:
     gpus = [Gpu(index=i, total_mb=24576, worker="w", arch="sm_86") for i in range(2)]
     controller = Controller(MemoryStore(), clock=clock)
     controller.start()
-    controller.register("w", gpus)
-    controller.heartbeat("w", [GpuProbeReport(0, 9000), GpuProbeReport(1, 0)])
+    controller.workers.register("w", gpus)
+    controller.workers.heartbeat("w", [GpuProbeReport(0, 9000), GpuProbeReport(1, 0)])
 
     def ask(vram_mb: int, **fields: Any) -> str:
-        record, _ = controller.submit("c", {"vram_mb": vram_mb, "ttl_s": 600, **fields}, {})
+        record, _ = controller.leases.submit("c", {"vram_mb": vram_mb, "ttl_s": 600, **fields}, {})
         return record.id
 
     ids = {"busy": ask(8192, preemptible=False), "idle": ask(4096, preemptible=False)}
     for lease_id in ids.values():
-        controller.ready(lease_id)
-    controller.set_idle(ids["idle"], True)
+        controller.leases.ready(lease_id)
+    controller.leases.set_idle(ids["idle"], True)
     # Both GPUs whole: never granted while the busy lease holds one of them.
     ids["waiting"] = ask(24576, gpus=2, priority=650)
     ids["urgent"] = ask(24576, gpus=2, priority="critical")
@@ -140,8 +140,8 @@ async def test_a_sample_holds_committed_used_and_busy_memory_and_the_queue_by_cl
     clock = Clock(5000.0)
     controller, ids = controller_with_leases(clock)
     try:
-        assert controller.lease(ids["urgent"]).state == "pending"
-        where = {i: controller.lease(i).lease for i in (ids["busy"], ids["idle"])}
+        assert controller.leases.get(ids["urgent"]).state == "pending"
+        where = {i: controller.leases.get(i).lease for i in (ids["busy"], ids["idle"])}
         history = History(clock=clock)
         history.sample(controller)
 

@@ -21,7 +21,7 @@ fails half-applied (a bug, an interruption), the controller drops what it held i
 memory and *reloads* what the store holds, as ``start()`` does (without a new
 term); the caller gets the error (503 ``unavailable`` for a store failure) and
 nothing was acknowledged. The event sequence advances only with a stored commit,
-so ``last_event_seq`` is never ahead of the events it can return. After a reload
+so ``events.last_seq`` is never ahead of the events it can return. After a reload
 the controller keeps serving; GPUs of agents are unknown again (no grants there)
 until each agent's next heartbeat. If the store cannot be read either, the
 controller refuses every change (503, and ``/readyz`` says why) and retries the
@@ -41,8 +41,12 @@ comment says what it owns and what it may call; none reaches into another's stat
 - :mod:`.events` — the event history, the lease waiters and the stream fan-out;
 - :mod:`.timer` — the one timer; :mod:`.roles` — leader, standby, mirror, and the
   reload after a failure;
-- :mod:`.facade` — ``Controller``, the thin facade the service talks to;
-  :mod:`.values` — errors, limits, views and histograms.
+- :mod:`.facade` — ``Controller``, which builds and connects them and exposes each
+  one as an attribute (``controller.leases``, ``.workers``, ``.updates``, ``.events``,
+  ``.changes``, ``.gate``): the service calls the module that owns what it asks for,
+  and the controller itself only what concerns the whole arbiter (start, mirror,
+  demote, close, pause, resume, status); :mod:`.values` — errors, limits, views and
+  histograms.
 
 Roles, when several controllers share one store (PostgreSQL): see :mod:`.roles`. A
 *standby* holds a read-only copy of what the leader committed (``mirror()``

@@ -8,7 +8,7 @@ numbers the change's events, :meth:`Events.stored` announces a stored batch (and
 the serve log's line for a grant, a revocation or the end of a held lease).
 
 Calls only the store (for older history), the :class:`~.change.Gate` (its loop and
-whether it stops) and the lease look-up handed to :meth:`Events.wait_lease`.
+whether it stops) and the lease look-up it is built with (for :meth:`Events.wait_lease`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Events:
         limits: Limits,
         gate: Gate,
         clock: Callable[[], float],
+        lease: Callable[[str], LeaseRecord],
         *,
         flush_s: float,
         tick_s: float,
@@ -44,6 +45,7 @@ class Events:
         self._store = store
         self._gate = gate
         self._clock = clock
+        self._lease = lease
         self._seq = 0
         self._numbered = 0  # the last sequence number given to an event, stored or not
         self._events: deque[Event] = deque(maxlen=limits.event_buffer)
@@ -103,19 +105,15 @@ class Events:
             self.wake_streams()
 
     def wake_streams(self) -> None:
+        """Wakes every :meth:`wait_after` now."""
         self._fanout.wake_now()
 
-    async def wait_lease(
-        self,
-        lease_id: str,
-        state: LeaseState,
-        timeout_s: float,
-        lookup: Callable[[str], LeaseRecord],
-    ) -> LeaseRecord:
-        """The lease once its state differs from ``state``, or as it is after ``timeout_s``."""
+    async def wait_lease(self, lease_id: str, state: LeaseState, timeout_s: float) -> LeaseRecord:
+        """The lease once its state differs from ``state``, or as it is after ``timeout_s``
+        (a long-poll: it is woken when a stored change touched the lease)."""
         deadline = self._clock() + timeout_s
         while True:
-            record = lookup(lease_id)
+            record = self._lease(lease_id)
             left = deadline - self._clock()
             if record.state is not state or record.state.is_final or left <= 0:
                 return record
@@ -125,9 +123,9 @@ class Events:
             try:
                 await asyncio.wait_for(changed.wait(), left)
             except TimeoutError:
-                return lookup(lease_id)
+                return self._lease(lease_id)
 
-    def events_after(self, seq: int, limit: int = 500) -> list[Event]:
+    def after(self, seq: int, limit: int = 500) -> list[Event]:
         """Events after ``seq``: from memory when recent, else from the store's history."""
         events = self._events
         if events and events[0].seq <= seq + 1:
@@ -138,7 +136,7 @@ class Events:
             return list(itertools.islice(events, start, start + limit))
         return self._store.events_after(seq, limit)
 
-    async def wait_events(self, seq: int) -> bool:
+    async def wait_after(self, seq: int) -> bool:
         """Waits until an event after ``seq`` exists (True), or the next tick, or the
         controller stops (False). Always suspends, even when the answer is known at once:
         a caller looping on it never holds the event loop."""

@@ -8,7 +8,7 @@ Its part of every change: :meth:`Leases.absorb` records what the core decided,
 :meth:`Leases.encode` writes the leases a change touched.
 Other modules record a lease's end or revocation only through :meth:`Leases.end` and
 :meth:`Leases.revoked`, a cycle's decisions through :meth:`Leases.absorb`, and read
-leases through :meth:`Leases.record` and :meth:`Leases.lease`.
+leases through :meth:`Leases.record` and :meth:`Leases.get`.
 
 Calls the core through ``changes.scheduler``, runs changes through
 :meth:`~.change.Changes.change`, and reads ended leases from the store.
@@ -115,7 +115,7 @@ class Leases:
                 priority=request.priority,
                 holder=request.holder,
             )
-        return self.lease(record.id), True
+        return self.get(record.id), True
 
     def _replay(self, earlier: LeaseRecord, request: Request) -> LeaseRecord:
         mine = (request.vram_mb, request.gpus, request.priority, request.constraints)
@@ -135,7 +135,7 @@ class Leases:
     def _by_key(self, owner: str | None, key: str) -> LeaseRecord | None:
         lease_id = self._keys.get((owner or "", key))
         if lease_id is not None:
-            return self.lease(lease_id)
+            return self.get(lease_id)
         return self._store.lease_by_key(owner, key)
 
     def _check_limits(self, owner: str | None, request: Request) -> None:
@@ -161,7 +161,7 @@ class Leases:
 
     # ------------------------------------------------------------------ reading
 
-    def lease(self, lease_id: str) -> LeaseRecord:
+    def get(self, lease_id: str) -> LeaseRecord:
         """The current record of a lease, live or ended. Raises NotFound."""
         record = self._records.get(lease_id)
         if record is not None:
@@ -175,14 +175,15 @@ class Leases:
         """The record of a live lease as last stored (KeyError if not live)."""
         return self._records[lease_id]
 
-    def leases(
+    def all(
         self,
         *,
         state: LeaseState | None = None,
         worker: str | None = None,
         holder: str | None = None,
     ) -> list[LeaseRecord]:
-        """Live leases, and recently ended ones, oldest first."""
+        """Live leases, and recently ended ones, oldest first; those in ``state``, on
+        ``worker``, of ``holder`` when given."""
         found = [self._current(r) for r in self._records.values()]
         found += list(self._recent.values())
         return sorted(
@@ -232,7 +233,7 @@ class Leases:
         if held is not None and held.expires_at <= self._changes.clock():
             with self._changes.change():  # its TTL lapsed just before its timer ran: run it first
                 pass
-        record = self.lease(lease_id)
+        record = self.get(lease_id)
         if lease_id not in self._scheduler.leases:
             raise Conflict(
                 f"lease {lease_id} is {record.state}, not held",
@@ -240,23 +241,34 @@ class Leases:
                 state=str(record.state),
             )
 
-    def held_verb(self, lease_id: str, verb: str, ttl_s: float | None = None) -> LeaseRecord:
-        """``renew`` (with ``ttl_s``), ``ready``, ``idle`` or ``busy`` on a held lease."""
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseRecord:
+        """A held lease's TTL starts again from now (``ttl_s``: a new TTL from now on)."""
         self._check_held(lease_id)
         with self._changes.change() as change:
-            scheduler = self._scheduler
-            if verb == "renew":
-                scheduler.renew(lease_id, change.now, ttl_s)
-            elif verb == "ready":
-                if scheduler.leases[lease_id].loading:
-                    change.event("lease.ready", lease_id)
-                scheduler.ready(lease_id, change.now)
-            else:
-                if scheduler.leases[lease_id].idle != (verb == "idle"):
-                    change.event(f"lease.{verb}", lease_id)
-                scheduler.set_idle(lease_id, verb == "idle", change.now)
+            self._scheduler.renew(lease_id, change.now, ttl_s)
             change.leases.add(lease_id)
-        return self.lease(lease_id)
+        return self.get(lease_id)
+
+    def ready(self, lease_id: str) -> LeaseRecord:
+        """A held lease's load finished: the GPU may start the next load (I3)."""
+        self._check_held(lease_id)
+        with self._changes.change() as change:
+            if self._scheduler.leases[lease_id].loading:
+                change.event("lease.ready", lease_id)
+            self._scheduler.ready(lease_id, change.now)
+            change.leases.add(lease_id)
+        return self.get(lease_id)
+
+    def set_idle(self, lease_id: str, idle: bool) -> LeaseRecord:
+        """A held lease is marked idle (keep-warm: a cache that may be reclaimed, I5) or
+        busy again."""
+        self._check_held(lease_id)
+        with self._changes.change() as change:
+            if self._scheduler.leases[lease_id].idle != idle:
+                change.event("lease.idle" if idle else "lease.busy", lease_id)
+            self._scheduler.set_idle(lease_id, idle, change.now)
+            change.leases.add(lease_id)
+        return self.get(lease_id)
 
     def shrink(self, lease_id: str, vram_mb: int | str) -> LeaseRecord:
         """A held lease gives memory back (a model server put to sleep keeps its process):
@@ -278,12 +290,12 @@ class Leases:
                     vram_mb=lease.vram_mb,
                     granted_mb=lease.granted_mb,
                 )
-        return self.lease(lease_id)
+        return self.get(lease_id)
 
     def release(self, lease_id: str) -> LeaseRecord:
         """Releases a held lease, cancels a pending one; an ended one is returned as is."""
         self._changes.gate.check_available()
-        record = self.lease(lease_id)
+        record = self.get(lease_id)
         if record.state.is_final:
             return record
         with self._changes.change() as change:
@@ -293,17 +305,17 @@ class Leases:
             else:
                 ended = self._scheduler.release(lease_id, change.now)
                 self.end(change, record, LeaseState.RELEASED, "released", ended)
-        return self.lease(lease_id)
+        return self.get(lease_id)
 
     def revoke(self, lease_id: str, reason: str = "revoked_by_admin") -> LeaseRecord:
         self._changes.gate.check_available()
-        record = self.lease(lease_id)
+        record = self.get(lease_id)
         if lease_id not in self._scheduler.leases:
             raise Conflict(f"lease {lease_id} is {record.state}, not held", state=str(record.state))
         with self._changes.change() as change:
             lease = self._scheduler.revoke(lease_id, reason, change.now)
             self.revoked(change, [lease])
-        return self.lease(lease_id)
+        return self.get(lease_id)
 
     # ------------------------------------------------------------------ in a change
 

@@ -39,7 +39,7 @@ class Updates:
         self._workers = workers
         self._operations: dict[str, OperationRecord] = {}
 
-    def start_update(
+    def start(
         self,
         name: str,
         *,
@@ -52,10 +52,10 @@ class Updates:
         one transaction. Not done within ``timeout_s``, it fails and the worker stays
         drained; ``drain_deadline_s`` revokes what still runs there by then."""
         self._changes.gate.check_available()
-        record = self._workers.worker(name)
+        record = self._workers.get(name)
         if record.simulated:
             raise Conflict(f"worker {name} is simulated by this controller; it has no agent")
-        running = self.running_update(name)
+        running = self.running(name)
         if running is not None:
             raise Conflict(f"worker {name} is already being updated", operation=running.id)
         with self._changes.change() as change:
@@ -85,22 +85,23 @@ class Updates:
             self._put(change, operation)
         return operation
 
-    def operation(self, operation_id: str) -> OperationRecord:
+    def get(self, operation_id: str) -> OperationRecord:
+        """An operation, running or ended. Raises NotFound."""
         found = self._operations.get(operation_id) or self._store.operation(operation_id)
         if found is None:
             raise NotFound(f"no operation {operation_id!r}", operation=operation_id)
         return found
 
-    def running_update(self, name: str) -> OperationRecord | None:
+    def running(self, name: str) -> OperationRecord | None:
         """The update of worker ``name`` under way, if any."""
         return next(
             (op for op in self._operations.values() if op.worker == name and op.running), None
         )
 
-    def update_for(self, name: str) -> dict[str, Any] | None:
+    def for_agent(self, name: str) -> dict[str, Any] | None:
         """What a heartbeat answer tells the agent of an update: its operation, and whether
         to run the update command now (the worker is drained and it has not run yet)."""
-        operation = self.running_update(name)
+        operation = self.running(name)
         if operation is None:
             return None
         drained = self._workers.worker_now(name).status is WorkerStatus.DRAINED
@@ -109,12 +110,10 @@ class Updates:
             operation = self._step(operation, "drain", "ok", "no lease left on the worker")
         return {"operation": operation.id, "run": drained and not operation.step("update_command")}
 
-    def report_operation(
-        self, operation_id: str, step: str, outcome: str, detail: str
-    ) -> OperationRecord:
+    def report(self, operation_id: str, step: str, outcome: str, detail: str) -> OperationRecord:
         """The agent reports a step it carried out (``update_command``)."""
         self._changes.gate.check_available()
-        operation = self.operation(operation_id)
+        operation = self.get(operation_id)
         if not operation.running:
             raise Conflict(f"operation {operation_id} is {operation.state}", state=operation.state)
         done = operation.step(step)
@@ -133,7 +132,7 @@ class Updates:
 
     def check_cancel_drain(self, name: str) -> None:
         """A drain may not be cancelled while the worker runs its update command."""
-        update = self.running_update(name)
+        update = self.running(name)
         command = None if update is None else update.step("update_command")
         if update is not None and command is not None and update.step("restart") is None:
             raise Conflict(
@@ -145,7 +144,7 @@ class Updates:
     def registered(self, change: Change, name: str, version: str) -> None:
         """An agent back from its update ends the operation and its drain, in the same
         transaction as its registration."""
-        operation = self.running_update(name)
+        operation = self.running(name)
         if operation is None or operation.step("restart") is None:
             return
         detail = f"registered with version {version} (was {operation.from_version})"
@@ -157,12 +156,12 @@ class Updates:
         self._put(change, _with_step(operation, "cancel_drain", "ok", change.now, "back online"))
 
     def drain_cancelled(self, change: Change, name: str) -> None:
-        update = self.running_update(name)
+        update = self.running(name)
         if update is not None:
             self._fail(change, update, "cancelled by cancel-drain")
 
     def removed(self, change: Change, name: str) -> None:
-        update = self.running_update(name)
+        update = self.running(name)
         if update is not None:
             self._fail(change, update, "the worker was removed")
 

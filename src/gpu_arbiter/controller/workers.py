@@ -87,15 +87,17 @@ class Workers:
 
     # ------------------------------------------------------------------ reading
 
-    def workers(self) -> list[WorkerRecord]:
+    def all(self) -> list[WorkerRecord]:
+        """Every registered worker as it is now, by name."""
         return [self.worker_now(name) for name in sorted(self._workers)]
 
-    def worker(self, name: str) -> WorkerRecord:
+    def get(self, name: str) -> WorkerRecord:
+        """A registered worker as it is now. Raises NotFound."""
         if name not in self._workers:
             raise NotFound(f"no worker {name!r}", worker=name)
         return self.worker_now(name)
 
-    def worker_leases(self, name: str) -> list[Lease]:
+    def leases_on(self, name: str) -> list[Lease]:
         """The held leases on a worker, by fencing token."""
         leases = self._scheduler.leases
         return sorted(
@@ -167,7 +169,7 @@ class Workers:
             self._seen_now(name, change)
             if self._listener is not None:
                 self._listener.registered(change, name, agent_version)
-        return self.worker(name), existing is None
+        return self.get(name), existing is None
 
     def _overcommitted(self, name: str) -> dict[str, int]:
         """GPUs registered smaller than their leases (accepted, so that the worker can come
@@ -204,7 +206,7 @@ class Workers:
         and its memory stays committed until the agent reports its process stopped (I4);
         a lease the agent no longer lists falls back to its TTL."""
         self._changes.gate.check_available()
-        record = self.worker(name)
+        record = self.get(name)
         if record.simulated:
             raise Conflict(f"worker {name} is simulated by this controller")
         scheduler = self._scheduler
@@ -238,7 +240,7 @@ class Workers:
                     "holder_stopped",
                     ended,
                 )
-        return self.worker(name)
+        return self.get(name)
 
     def _supervision_changes(
         self, name: str, supervised: Sequence[str] | None, ending: Sequence[str]
@@ -284,7 +286,7 @@ class Workers:
         self, name: str, *, force: bool = False, deadline_s: float | None = None
     ) -> DrainOutcome:
         self._changes.gate.check_available()
-        self.worker(name)
+        self.get(name)
         with self._changes.change() as change:
             outcome = self.drain_in(change, name, force=force, deadline_s=deadline_s)
         return replace(outcome, state=str(self._scheduler.workers[name].status))
@@ -330,7 +332,7 @@ class Workers:
         """Back online, leases kept. It ends an update of the worker that has not yet run
         its command (failed: cancelled); while the command runs it is refused."""
         self._changes.gate.check_available()
-        self.worker(name)
+        self.get(name)
         if self._listener is not None:
             self._listener.check_cancel_drain(name)
         with self._changes.change() as change:
@@ -356,7 +358,7 @@ class Workers:
         """Forgets a worker. Refused while it holds leases, unless ``force``: then its leases
         are revoked (reason ``worker_removed``) and end with it."""
         self._changes.gate.check_available()
-        record = self.worker(name)
+        record = self.get(name)
         held = sorted(self._scheduler.worker_lease_ids(name))
         if held and not force:
             raise Conflict(

@@ -64,7 +64,7 @@ def create_app(
         else:
             controller.start()
         if isinstance(controller.store, SqliteStore) and not standby:
-            controller.commit_in_groups()  # its commits run off the loop, several at once
+            controller.changes.commit_in_groups()  # its commits run off the loop, several at once
         stop = asyncio.Event()
         try:
             async with asyncio.TaskGroup() as background:
@@ -76,7 +76,7 @@ def create_app(
                     stop.set()
         finally:
             controller.close()
-            await controller.flush()
+            await controller.changes.flush()
             controller.store.close()
 
     # /docs (Swagger UI) with its scripts and styles served from the package (fastapi-offline
@@ -114,12 +114,12 @@ def create_app(
         responses={503: {"model": ErrorOut, "description": "Not ready, or a standby"}},
     )
     async def readyz() -> JSONResponse:
-        if controller.standby:
-            leader = {"leader": controller.leader_url} if controller.leader_url else {}
+        if controller.gate.standby:
+            leader = {"leader": controller.gate.leader_url} if controller.gate.leader_url else {}
             return error_response(503, "not_leader", "this controller is a standby", leader)
-        if controller.broken is not None:
-            return error_response(503, "unavailable", controller.broken)
-        if not controller.started:
+        if controller.gate.broken is not None:
+            return error_response(503, "unavailable", controller.gate.broken)
+        if not controller.gate.started:
             return error_response(503, "unavailable", "the controller is not started")
         return JSONResponse({"status": "ready"})
 

@@ -22,7 +22,7 @@ __all__ = ["DurableAnswers"]
 
 
 class DurableAnswers:
-    """ASGI middleware: an answer's start awaits :meth:`Controller.settled`."""
+    """ASGI middleware: an answer's start awaits ``controller.changes.settled``."""
 
     def __init__(self, app: ASGIApp, controller: Controller) -> None:
         self.app = app
@@ -32,8 +32,8 @@ class DurableAnswers:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        controller = self.controller
-        failed_before = controller.failed_changes
+        changes = self.controller.changes
+        failed_before = changes.failures
         replaced = False
 
         async def send_stored(message: Message) -> None:
@@ -42,7 +42,7 @@ class DurableAnswers:
                 return
             if message["type"] == "http.response.start":
                 try:
-                    await controller.settled(failed_before)
+                    await changes.settled(failed_before)
                 except ServiceUnavailable as error:
                     replaced = True
                     await error_response(503, "unavailable", str(error))(scope, receive, send)

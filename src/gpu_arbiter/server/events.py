@@ -76,16 +76,16 @@ class EventFeed:
     @property
     def closed(self) -> bool:
         """Streams end: the server is stopping (:meth:`close`), or the controller."""
-        return self._closed or self.controller.stopping.is_set()
+        return self._closed or self.controller.gate.stopping.is_set()
 
     def close(self) -> None:
         """Ends every stream now (each sends its end): the server is stopping."""
         self._closed = True
-        self.controller.wake_event_streams()
+        self.controller.events.wake_streams()
 
     def read(self, after: int, lease: str | None = None, worker: str | None = None) -> Chunk:
         """The events after ``after`` (at most :data:`READ_LIMIT`) that pass the filters."""
-        current = self.controller.last_event_seq
+        current = self.controller.events.last_seq
         if current != self._chunks_at:
             self._chunks.clear()
             self._chunks_at = current
@@ -98,7 +98,7 @@ class EventFeed:
     def _build(self, after: int, current: int, lease: str | None, worker: str | None) -> Chunk:
         if after >= current:
             return Chunk(b"", after, False)
-        events = self.controller.events_after(after, READ_LIMIT)
+        events = self.controller.events.after(after, READ_LIMIT)
         if not events:  # events the controller counted but cannot serve: skip them
             return Chunk(_gap(after, current + 1), current, False)
         parts = [_gap(after, events[0].seq)] if events[0].seq > after + 1 else []
@@ -135,7 +135,7 @@ async def event_stream(
         if chunk.more:
             await asyncio.sleep(0)  # a backlog: other streams and requests go in between
         elif not feed.closed:  # (a write may have waited for the client)
-            await feed.controller.wait_events(last)
+            await feed.controller.events.wait_after(last)
 
 
 class EventStreamResponse(StreamingResponse):

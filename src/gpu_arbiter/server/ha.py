@@ -95,7 +95,7 @@ class Coordinator:
             loop.call_soon_threadsafe(self._lost.set)
 
         try:
-            while not stop.is_set() and not self.controller.stopping.is_set():
+            while not stop.is_set() and not self.controller.gate.stopping.is_set():
                 if self.leading:
                     self._check_term()
                 else:
@@ -144,14 +144,14 @@ class Coordinator:
             leader = self.store.leader()
             version = self.store.version()
             url = leader.url if leader.alive else None
-            if version != self._seen_version or url != self.controller.leader_url:
+            if version != self._seen_version or url != self.controller.gate.leader_url:
                 self.controller.mirror(url)
                 self._seen_version = version
         except StoreError as error:
             log.warning("cannot refresh from the store: %s", error)
 
     def _check_term(self) -> None:
-        broken = self.controller.broken
+        broken = self.controller.gate.broken
         if self._lost.is_set() or self.store.epoch is None:
             log.warning("the leadership term is over")
         elif broken is not None:

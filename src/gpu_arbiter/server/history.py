@@ -145,13 +145,13 @@ class History:
     def sample(self, controller: Controller) -> None:
         """Records what ``controller`` holds now."""
         gpus: list[GpuSample] = []
-        for worker in controller.workers():
+        for worker in controller.workers.all():
             busy: Counter[str] = Counter()
-            for lease in controller.worker_leases(worker.name):
+            for lease in controller.workers.leases_on(worker.name):
                 if not lease.idle:
                     for gpu in lease.gpus:
                         busy[str(gpu)] += lease.vram_mb
-            for figures in controller.gpu_figures(worker.name):
+            for figures in controller.workers.gpu_figures(worker.name):
                 gpu_id = str(figures.gpu.id)
                 gpus.append(
                     GpuSample(

@@ -103,9 +103,10 @@ class ControllerCollector(Collector):
         self.controller = controller
 
     def collect(self) -> Iterator[Metric]:
-        status = self.controller.status()
-        workers = self.controller.workers()
-        figures = [f for worker in workers for f in self.controller.gpu_figures(worker.name)]
+        controller = self.controller
+        status = controller.status()
+        workers = controller.workers.all()
+        figures = [f for w in workers for f in controller.workers.gpu_figures(w.name)]
         yield from _gpus(figures)
         updating = GaugeMetricFamily(
             "gpu_arbiter_worker_updating",
@@ -113,7 +114,7 @@ class ControllerCollector(Collector):
             labels=["worker"],
         )
         for worker in workers:
-            running = self.controller.running_update(worker.name) is not None
+            running = controller.updates.running(worker.name) is not None
             updating.add_metric([worker.name], int(running))
         yield updating
         yield _queue(status["pending_by_priority"])
@@ -129,15 +130,17 @@ class ControllerCollector(Collector):
         yield _histogram(
             "wait_seconds",
             "Seconds a granted request waited in the queue, from submission to grant",
-            self.controller.wait_times,
+            controller.changes.wait_times,
         )
-        yield _histogram("grant_latency_seconds", GRANT_LATENCY_HELP, self.controller.grant_latency)
+        latency = controller.changes.grant_latency
+        yield _histogram("grant_latency_seconds", GRANT_LATENCY_HELP, latency)
 
     def _controller_state(self, status: Mapping[str, Any]) -> Iterator[Metric]:
         paused = GaugeMetricFamily("gpu_arbiter_paused", "1 while the arbiter is paused")
         paused.add_metric([], int(status["paused"]))
         yield paused
-        ready = self.controller.started and self.controller.broken is None
+        gate = self.controller.gate
+        ready = gate.started and gate.broken is None
         up = GaugeMetricFamily("gpu_arbiter_ready", "1 while the controller accepts changes")
         up.add_metric([], int(ready))
         yield up
@@ -145,7 +148,7 @@ class ControllerCollector(Collector):
             "gpu_arbiter_leader",
             "1 while this controller leads (0: a standby of a shared PostgreSQL store)",
         )
-        leader.add_metric([], int(not self.controller.standby))
+        leader.add_metric([], int(not gate.standby))
         yield leader
         info = InfoMetricFamily("gpu_arbiter_build", "The controller's version")
         info.add_metric([], {"version": __version__})

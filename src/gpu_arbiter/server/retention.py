@@ -41,8 +41,9 @@ async def prune_ended(
     """Until ``stop``; ``retention_s`` 0 keeps ended leases forever."""
     if retention_s <= 0:
         return
+    gate = controller.gate
     while not stop.is_set():
-        if controller.started and not controller.standby and controller.broken is None:
+        if gate.started and not gate.standby and gate.broken is None:
             await _prune(controller, clock() - retention_s)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), prune_interval_s(retention_s))

@@ -87,13 +87,16 @@ def _as_worker(who: Principal, name: str) -> None:
 
 
 def _lease_json(ctl: Controller, record: LeaseRecord, status: int = 200) -> JSONResponse:
-    return JSONResponse(s.lease_out(record, ctl.pending_view(record.id)), status_code=status)
+    return JSONResponse(s.lease_out(record, ctl.leases.pending_view(record.id)), status_code=status)
 
 
 def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
-    record = ctl.worker(name)
+    record = ctl.workers.get(name)
     body = s.worker_out(
-        record, ctl.gpu_figures(name), ctl.last_seen(name), ctl.running_update(name)
+        record,
+        ctl.workers.gpu_figures(name),
+        ctl.workers.last_seen(name),
+        ctl.updates.running(name),
     )
     return JSONResponse(body, status_code=status)
 
@@ -140,7 +143,7 @@ async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
         raise Forbidden(f"a {who.role} token may not ask for leases")
     fields = body.model_dump(exclude={"constraints"})
     constraints = body.constraints.model_dump(exclude_none=True)
-    record, new = ctl.submit(who.id, fields, constraints)
+    record, new = ctl.leases.submit(who.id, fields, constraints)
     if record.state.is_final:
         response = _not_granted(record)
     else:
@@ -175,8 +178,9 @@ async def list_leases(
     holder: Annotated[str | None, Query(max_length=256)] = None,
 ) -> JSONResponse:
     ctl, _who = _context(request)
-    records = ctl.leases(state=state, worker=worker, holder=holder)
-    positions = ctl.positions() if any(r.state is LeaseState.PENDING for r in records) else {}
+    records = ctl.leases.all(state=state, worker=worker, holder=holder)
+    pending = any(r.state is LeaseState.PENDING for r in records)
+    positions = ctl.leases.positions() if pending else {}
     return JSONResponse([s.lease_out(r, position=positions.get(r.id)) for r in records])
 
 
@@ -191,11 +195,11 @@ async def get_lease(
     ends (at most 60 s). With ``state=``, as soon as it differs from that state — at once if
     it already does — so a change between two polls is never missed."""
     ctl, who = _context(request)
-    record = ctl.lease(lease_id)
+    record = ctl.leases.get(lease_id)
     if wait > 0:
         long_polls: Slots = request.app.state.long_polls
         with long_polls.hold(who.id):
-            record = await ctl.wait_lease(lease_id, state or record.state, wait)
+            record = await ctl.events.wait_lease(lease_id, state or record.state, wait)
     return _lease_json(ctl, record)
 
 
@@ -204,30 +208,30 @@ async def renew_lease(
     lease_id: LeaseId, request: Request, body: s.RenewIn | None = None
 ) -> JSONResponse:
     ctl, who = _context(request)
-    _lease_access(who, ctl.lease(lease_id))
+    _lease_access(who, ctl.leases.get(lease_id))
     ttl = None if body is None or body.ttl_s is None else float(body.ttl_s)
-    return _lease_json(ctl, ctl.renew(lease_id, ttl))
+    return _lease_json(ctl, ctl.leases.renew(lease_id, ttl))
 
 
 @router.post("/leases/{lease_id}/ready", response_model=s.LeaseOut, summary="The load finished")
 async def ready_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     ctl, who = _context(request)
-    _lease_access(who, ctl.lease(lease_id))
-    return _lease_json(ctl, ctl.ready(lease_id))
+    _lease_access(who, ctl.leases.get(lease_id))
+    return _lease_json(ctl, ctl.leases.ready(lease_id))
 
 
 @router.post("/leases/{lease_id}/idle", response_model=s.LeaseOut, summary="Keep warm")
 async def idle_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     ctl, who = _context(request)
-    _lease_access(who, ctl.lease(lease_id))
-    return _lease_json(ctl, ctl.set_idle(lease_id, True))
+    _lease_access(who, ctl.leases.get(lease_id))
+    return _lease_json(ctl, ctl.leases.set_idle(lease_id, True))
 
 
 @router.post("/leases/{lease_id}/busy", response_model=s.LeaseOut, summary="Busy again")
 async def busy_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     ctl, who = _context(request)
-    _lease_access(who, ctl.lease(lease_id))
-    return _lease_json(ctl, ctl.set_idle(lease_id, False))
+    _lease_access(who, ctl.leases.get(lease_id))
+    return _lease_json(ctl, ctl.leases.set_idle(lease_id, False))
 
 
 @router.post(
@@ -248,8 +252,8 @@ async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) ->
     memory is granted to others only once the worker's probe shows it free; to hold more
     again, ask for a new lease (``constraints.gpu_ids``: on the very same GPUs)."""
     ctl, who = _context(request)
-    _lease_access(who, ctl.lease(lease_id))
-    return _lease_json(ctl, ctl.shrink(lease_id, body.vram_mb))
+    _lease_access(who, ctl.leases.get(lease_id))
+    return _lease_json(ctl, ctl.leases.shrink(lease_id, body.vram_mb))
 
 
 @router.delete(
@@ -257,15 +261,15 @@ async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) ->
 )
 async def release_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     ctl, who = _context(request)
-    _lease_access(who, ctl.lease(lease_id))
-    return _lease_json(ctl, ctl.release(lease_id))
+    _lease_access(who, ctl.leases.get(lease_id))
+    return _lease_json(ctl, ctl.leases.release(lease_id))
 
 
 @router.post("/leases/{lease_id}/revoke", response_model=s.LeaseOut, summary="Take a lease back")
 async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     ctl, who = _context(request)
     _admin(who)
-    return _lease_json(ctl, ctl.revoke(lease_id))
+    return _lease_json(ctl, ctl.leases.revoke(lease_id))
 
 
 # ---------------------------------------------------------------- workers
@@ -283,7 +287,7 @@ async def register_worker(body: s.WorkerRegister, request: Request) -> JSONRespo
     name = validate_worker_name(body.name, "name")
     _as_worker(who, name)
     gpus = [Gpu(worker=name, **g.model_dump()) for g in body.gpus]
-    _, new = ctl.register(
+    _, new = ctl.workers.register(
         name,
         gpus,
         labels=body.labels,
@@ -304,11 +308,11 @@ async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JS
     name = validate_worker_name(name)
     _as_worker(who, name)
     probes = [GpuProbeReport(p.index, p.used_mb, p.per_lease()) for p in body.gpus]
-    record = ctl.heartbeat(
+    record = ctl.workers.heartbeat(
         name, probes, stopped=body.stopped, stale=body.stale, supervised=body.leases
     )
-    update = ctl.update_for(name)
-    return JSONResponse(s.heartbeat_out(record, ctl.worker_leases(name), update))
+    update = ctl.updates.for_agent(name)
+    return JSONResponse(s.heartbeat_out(record, ctl.workers.leases_on(name), update))
 
 
 @router.get("/workers", response_model=list[s.WorkerOut], summary="Workers and their GPUs")
@@ -317,9 +321,12 @@ async def list_workers(request: Request) -> JSONResponse:
     return JSONResponse(
         [
             s.worker_out(
-                w, ctl.gpu_figures(w.name), ctl.last_seen(w.name), ctl.running_update(w.name)
+                w,
+                ctl.workers.gpu_figures(w.name),
+                ctl.workers.last_seen(w.name),
+                ctl.updates.running(w.name),
             )
-            for w in ctl.workers()
+            for w in ctl.workers.all()
         ]
     )
 
@@ -338,7 +345,8 @@ async def drain_worker(
     _admin(who)
     body = body or s.DrainIn()
     deadline = None if body.deadline_s is None else float(body.deadline_s)
-    outcome = ctl.drain(validate_worker_name(name), force=body.mode == "force", deadline_s=deadline)
+    force = body.mode == "force"
+    outcome = ctl.workers.drain(validate_worker_name(name), force=force, deadline_s=deadline)
     return JSONResponse(s.drain_out(outcome))
 
 
@@ -346,14 +354,14 @@ async def drain_worker(
 async def cancel_drain(name: WorkerName, request: Request) -> JSONResponse:
     ctl, who = _context(request)
     _admin(who)
-    return JSONResponse(s.drain_out(ctl.cancel_drain(validate_worker_name(name))))
+    return JSONResponse(s.drain_out(ctl.workers.cancel_drain(validate_worker_name(name))))
 
 
 @router.delete("/workers/{name}", response_model=s.DrainOut, summary="Remove a worker")
 async def remove_worker(name: WorkerName, request: Request, force: bool = False) -> JSONResponse:
     ctl, who = _context(request)
     _admin(who)
-    return JSONResponse(s.drain_out(ctl.remove(validate_worker_name(name), force=force)))
+    return JSONResponse(s.drain_out(ctl.workers.remove(validate_worker_name(name), force=force)))
 
 
 @router.post(
@@ -370,7 +378,7 @@ async def update_worker(
     ctl, who = _context(request)
     _admin(who)
     body = body or s.UpdateIn()
-    operation = ctl.start_update(
+    operation = ctl.updates.start(
         validate_worker_name(name),
         timeout_s=float(body.timeout_s),
         drain_deadline_s=None if body.drain_deadline_s is None else float(body.drain_deadline_s),
@@ -381,7 +389,7 @@ async def update_worker(
 @router.get("/operations/{operation_id}", response_model=s.OperationOut, summary="An operation")
 async def get_operation(operation_id: LeaseId, request: Request) -> JSONResponse:
     ctl, _who = _context(request)
-    return JSONResponse(s.operation_out(ctl.operation(operation_id)))
+    return JSONResponse(s.operation_out(ctl.updates.get(operation_id)))
 
 
 @router.post(
@@ -393,8 +401,8 @@ async def report_operation(
     operation_id: LeaseId, body: s.OperationReportIn, request: Request
 ) -> JSONResponse:
     ctl, who = _context(request)
-    _as_worker(who, ctl.operation(operation_id).worker)
-    operation = ctl.report_operation(operation_id, body.step, body.outcome, body.detail)
+    _as_worker(who, ctl.updates.get(operation_id).worker)
+    operation = ctl.updates.report(operation_id, body.step, body.outcome, body.detail)
     return JSONResponse(s.operation_out(operation))
 
 
@@ -408,9 +416,9 @@ def _gateways(request: Request) -> tuple[Controller, Principal, GatewayRegistry]
 
 def _leader_only(ctl: Controller) -> None:
     """A standby knows no gateway: a gateway reports to the leader (307 there)."""
-    if ctl.standby:
-        where = f"; the leader is {ctl.leader_url}" if ctl.leader_url else ""
-        raise NotLeader(f"this controller is a standby{where}", leader=ctl.leader_url or "")
+    if ctl.gate.standby:
+        where = f"; the leader is {ctl.gate.leader_url}" if ctl.gate.leader_url else ""
+        raise NotLeader(f"this controller is a standby{where}", leader=ctl.gate.leader_url or "")
 
 
 @router.put(
@@ -538,7 +546,8 @@ async def resume(request: Request) -> JSONResponse:
 async def status(request: Request) -> JSONResponse:
     ctl, _who = _context(request)
     body = ctl.status()
-    body["gpus"] = [s.gpu_out(f) for w in ctl.workers() for f in ctl.gpu_figures(w.name)]
+    workers = ctl.workers
+    body["gpus"] = [s.gpu_out(f) for w in workers.all() for f in workers.gpu_figures(w.name)]
     return JSONResponse(body)
 
 
@@ -548,7 +557,7 @@ async def queue(
 ) -> JSONResponse:
     """The first ``limit`` pending requests, each with its position and reason."""
     ctl, _who = _context(request)
-    return JSONResponse([s.lease_out(record, view) for record, view in ctl.queue(limit)])
+    return JSONResponse([s.lease_out(record, view) for record, view in ctl.leases.queue(limit)])
 
 
 @router.get(
@@ -571,7 +580,7 @@ async def events(
     last_event_id: Annotated[str | None, Header(max_length=32)] = None,
 ) -> EventStreamResponse:
     ctl, who = _context(request)
-    after = ctl.last_event_seq
+    after = ctl.events.last_seq
     resume = (last_event_id or "").strip()
     if resume.isascii() and resume.isdigit():
         after = int(resume)
