@@ -462,14 +462,32 @@ class Arbiter:
 
     # ------------------------------------------------------------------ internals
 
-    def _request(
-        self, vram_mb: int | str, *, constraints: Mapping[str, Any], **fields: Any
+    def _request(  # every field by name: no keyword dict to build and unpack per request
+        self,
+        vram_mb: int | str,
+        *,
+        gpus: int | None,
+        priority: int | str,
+        preemptible: bool | None,
+        holder: str,
+        metadata: Mapping[str, Any] | None,
+        ttl_s: float | None,
+        max_wait_s: float | None,
+        load_timeout_s: float,
+        constraints: Mapping[str, Any],
     ) -> Request:
         return Request.build(
             f"lease-{next(self._ids)}",
             vram_mb=vram_mb,
+            gpus=gpus,
+            priority=priority,
+            preemptible=preemptible,
+            holder=holder,
+            metadata=metadata,
+            ttl_s=ttl_s,
+            max_wait_s=max_wait_s,
+            load_timeout_s=load_timeout_s,
             constraints=Constraints.build(**constraints) if constraints else None,
-            **fields,
         )
 
     def _current(self, lease: Lease) -> Lease:
