@@ -25,8 +25,7 @@ def start(store: MemoryStore, clock: Clock, **kwargs: Any) -> Controller:
 
 
 def ask(controller: Controller, vram_mb: int, **fields: Any) -> str:
-    record, _ = controller.leases.submit("client-1", {"vram_mb": vram_mb, **fields}, {})
-    return record.id
+    return controller.leases.submit("client-1", {"vram_mb": vram_mb, **fields}, {}).record.id
 
 
 async def test_a_restart_keeps_leases_and_tokens_and_waits_for_the_worker() -> None:
@@ -179,16 +178,35 @@ async def test_idempotency_key_finds_an_ended_lease_in_the_store() -> None:
     store, clock = MemoryStore(), Clock()
     controller = start(store, clock)
     controller.workers.register("box-1", gpus("box-1"))
-    first, new = controller.leases.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
-    assert new
-    controller.leases.release(first.id)
-    again, new = controller.leases.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
-    assert not new
-    assert again.id == first.id
-    assert again.state is LeaseState.RELEASED
-    other, new = controller.leases.submit("d", {"vram_mb": 1000, "idempotency_key": "k"}, {})
-    assert new
-    assert other.id != first.id
+    first = controller.leases.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert first.new
+    controller.leases.release(first.record.id)
+    again = controller.leases.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert not again.new
+    assert again.record.id == first.record.id
+    assert again.record.state is LeaseState.RELEASED
+    other = controller.leases.submit("d", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    assert other.new
+    assert other.record.id != first.record.id
+
+
+async def test_a_submit_answers_with_the_place_and_reason_its_change_found() -> None:
+    """The answer to a submit is made in its change: a request left pending carries its
+    position and reason (what a later read finds at the same moment), a granted one none,
+    a replay the earlier request as it is now."""
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.workers.register("box-1", gpus("box-1", count=1))
+    granted = controller.leases.submit("c", {"vram_mb": 20_000, "idempotency_key": "a"}, {})
+    assert granted.record.state is LeaseState.LOADING and granted.pending is None
+    waiting = controller.leases.submit("c", {"vram_mb": 20_000, "idempotency_key": "b"}, {})
+    assert waiting.record.state is LeaseState.PENDING
+    assert waiting.pending is not None
+    assert waiting.pending == controller.leases.pending_view(waiting.record.id)
+    assert (waiting.pending.position, waiting.pending.reason.code) == (1, "insufficient_vram")
+    replay = controller.leases.submit("c", {"vram_mb": 20_000, "idempotency_key": "b"}, {})
+    assert not replay.new and replay.record.id == waiting.record.id
+    assert replay.pending == waiting.pending
 
 
 async def test_renewing_a_lapsed_lease_conflicts_even_before_its_timer_ran() -> None:

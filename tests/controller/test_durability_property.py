@@ -50,7 +50,7 @@ def _apply(c: Controller, clock: Clock, ids: list[str], step: tuple[Any, ...]) -
     pick = (lambda i: ids[i % len(ids)]) if ids else (lambda i: "none")
     if kind == "submit":
         fields = {"vram_mb": step[1] * 1024, "gpus": step[2], "ttl_s": step[3]}
-        record, _ = c.leases.submit("owner", fields, {})
+        record = c.leases.submit("owner", fields, {}).record
         ids.append(record.id)
     elif kind in ("release", "ready", "revoke"):
         getattr(c.leases, kind)(pick(step[1]))

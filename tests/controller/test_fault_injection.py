@@ -46,7 +46,8 @@ def _gpus(name: str) -> list[Gpu]:
 def _ask(name: str, vram_gib: int, gpu_ids: tuple[str, ...] = (), **fields: Any) -> Step:
     def step(c: Controller, clock: Clock, ids: dict[str, str]) -> LeaseRecord:
         body = {"vram_mb": vram_gib * GiB, "ttl_s": 60.0, "holder": name, **fields}
-        record, _ = c.leases.submit("client", body, {"gpu_ids": list(gpu_ids)} if gpu_ids else {})
+        constraints = {"gpu_ids": list(gpu_ids)} if gpu_ids else {}
+        record = c.leases.submit("client", body, constraints).record
         ids[name] = record.id
         return record
 

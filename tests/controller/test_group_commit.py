@@ -48,7 +48,7 @@ def grouped(store: GatedStore) -> Controller:
 
 
 def ask(controller: Controller, holder: str) -> str:
-    record, _ = controller.leases.submit("client-1", {"vram_mb": 1, "holder": holder}, {})
+    record = controller.leases.submit("client-1", {"vram_mb": 1, "holder": holder}, {}).record
     return record.id
 
 

@@ -123,7 +123,9 @@ def controller_with_leases(clock: Clock) -> tuple[Controller, dict[str, str]]:
     controller.workers.heartbeat("w", [GpuProbeReport(0, 9000), GpuProbeReport(1, 0)])
 
     def ask(vram_mb: int, **fields: Any) -> str:
-        record, _ = controller.leases.submit("c", {"vram_mb": vram_mb, "ttl_s": 600, **fields}, {})
+        record = controller.leases.submit(
+            "c", {"vram_mb": vram_mb, "ttl_s": 600, **fields}, {}
+        ).record
         return record.id
 
     ids = {"busy": ask(8192, preemptible=False), "idle": ask(4096, preemptible=False)}

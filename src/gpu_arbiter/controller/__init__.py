@@ -15,6 +15,21 @@ lease table and a worker status that disagree. The only timer is one
 ``call_at`` for the earliest of the core's next deadline and the next
 heartbeat deadline: nothing polls.
 
+One request's path, ``POST /v1/leases``, route to store and back, each step once::
+
+    server/schemas.py    the body: strict JSON, then LeaseCreate (types, bounds)
+    server/routes.py     create_lease: may this token ask?
+    leases.py            Leases.submit: the gate; the core's Request (core/model.py);
+                         an idempotency key seen before; the pending limits
+    change.py            Changes.change: Scheduler.submit, the sweeps, Scheduler.decide,
+                         Leases.absorb; the encoders (leases, workers, updates, events);
+                         Store.commit (store/sqlite.py, store/codec.py); Events.stored;
+                         Timer.arm
+    leases.py            the answer, made in the same pass (:class:`Submitted`): the
+                         record, and for a pending one its position and reason (the
+                         queue walked up to it once, Scheduler.explain)
+    server/schemas.py    lease_out; server/durable.py: it leaves once stored
+
 One rule for every failure: memory and store are never left apart. When a change
 cannot be encoded or stored — any exception, not only a :class:`StoreError` — or
 fails half-applied (a bug, an interruption), the controller drops what it held in
@@ -67,6 +82,7 @@ from .values import (
     NotLeader,
     PendingView,
     ServiceUnavailable,
+    Submitted,
     TooManyRequests,
 )
 
@@ -81,5 +97,6 @@ __all__ = [
     "NotLeader",
     "PendingView",
     "ServiceUnavailable",
+    "Submitted",
     "TooManyRequests",
 ]

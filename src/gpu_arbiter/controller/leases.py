@@ -39,7 +39,7 @@ from ..core import (
 )
 from ..store import Batch, LeaseRecord, Store
 from .change import Change, Changes
-from .values import Limits, PendingView, TooManyRequests
+from .values import Limits, PendingView, Submitted, TooManyRequests
 
 __all__ = ["Leases"]
 
@@ -85,10 +85,12 @@ class Leases:
 
     def submit(
         self, owner: str | None, fields: Mapping[str, Any], constraints: Mapping[str, Any]
-    ) -> tuple[LeaseRecord, bool]:
-        """Queues a request and runs a cycle. Returns the record and whether it is new
-        (False: an earlier request with the same idempotency key). Raises
-        :class:`Unschedulable` when no known GPU could ever satisfy it."""
+    ) -> Submitted:
+        """Queues a request and runs a cycle; the answer is made in the same pass (the
+        record as the cycle left it and, while it waits, its position and reason), so
+        that nobody walks the queue again for it. A replayed idempotency key answers
+        with the earlier request as it is now. Raises :class:`Unschedulable` when no
+        known GPU could ever satisfy it."""
         self._changes.gate.check_available()
         request = Request.build(
             f"lease-{secrets.token_hex(8)}",
@@ -98,12 +100,12 @@ class Leases:
         if request.idempotency_key is not None:
             earlier = self._by_key(owner, request.idempotency_key)
             if earlier is not None:
-                return self._replay(earlier, request), False
+                earlier = self._replay(earlier, request)
+                return Submitted(earlier, False, self.pending_view(earlier.id))
         self._check_limits(owner, request)
-        record = LeaseRecord(request=request, state=LeaseState.PENDING, owner=owner)
         with self._changes.change() as change:
             queued = self._scheduler.submit(request, change.now)
-            record = replace(record, request=queued)
+            record = LeaseRecord(request=queued, state=LeaseState.PENDING, owner=owner)
             self.remember(record)
             self._pending_by_holder[_holder_key(record)] += 1
             change.leases.add(record.id)
@@ -115,7 +117,9 @@ class Leases:
                 priority=request.priority,
                 holder=request.holder,
             )
-        return self.get(record.id), True
+        record = self.get(record.id)
+        pending = record.state is LeaseState.PENDING
+        return Submitted(record, True, self._view(record.id, change.now) if pending else None)
 
     def _replay(self, earlier: LeaseRecord, request: Request) -> LeaseRecord:
         mine = (request.vram_mb, request.gpus, request.priority, request.constraints)
@@ -198,9 +202,14 @@ class Leases:
         )
 
     def pending_view(self, lease_id: str) -> PendingView | None:
+        """A pending request's position, effective priority and reason now; None when it
+        is not pending."""
         if lease_id not in self._scheduler.queue:
             return None
-        now = self._changes.clock()
+        return self._view(lease_id, self._changes.clock())
+
+    def _view(self, lease_id: str, now: float) -> PendingView | None:
+        """The pending view at ``now``: the queue walked up to the request, once."""
         for position, request, effective in self._scheduler.pending(now):
             if request.id == lease_id:
                 return PendingView(position, effective, self._scheduler.explain(lease_id, now))

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..core import ArbiterError, PendingReason
+from ..store import LeaseRecord
 
 __all__ = [
     "GRANT_LATENCY_BOUNDS_S",
@@ -24,6 +25,7 @@ __all__ = [
     "NotLeader",
     "PendingView",
     "ServiceUnavailable",
+    "Submitted",
     "TooManyRequests",
 ]
 
@@ -64,6 +66,18 @@ class PendingView:
     position: int
     effective_priority: int
     reason: PendingReason
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """What a submit answers with, made once, in its change: the record as the cycle
+    left it, whether the request is new (False: an earlier one with the same
+    idempotency key, as it is now), and, while it is pending, its place in the queue
+    and its reason. The answer needs nothing more from the controller."""
+
+    record: LeaseRecord
+    new: bool
+    pending: PendingView | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,8 +86,9 @@ def _as_worker(who: Principal, name: str) -> None:
     raise Forbidden(f"this token may not act as worker {name} (your role: {who.role})")
 
 
-def _lease_json(ctl: Controller, record: LeaseRecord, status: int = 200) -> JSONResponse:
-    return JSONResponse(s.lease_out(record, ctl.leases.pending_view(record.id)), status_code=status)
+def _lease_json(ctl: Controller, record: LeaseRecord) -> JSONResponse:
+    """A lease as it is after a verb or a read; a pending one with its place and reason."""
+    return JSONResponse(s.lease_out(record, ctl.leases.pending_view(record.id)))
 
 
 def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
@@ -143,13 +144,14 @@ async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
         raise Forbidden(f"a {who.role} token may not ask for leases")
     fields = body.model_dump(exclude={"constraints"})
     constraints = body.constraints.model_dump(exclude_none=True)
-    record, new = ctl.leases.submit(who.id, fields, constraints)
+    submitted = ctl.leases.submit(who.id, fields, constraints)
+    record = submitted.record
     if record.state.is_final:
         response = _not_granted(record)
     else:
         status = 202 if record.state is LeaseState.PENDING else 201
-        response = _lease_json(ctl, record, status)
-    if not new:
+        response = JSONResponse(s.lease_out(record, submitted.pending), status_code=status)
+    if not submitted.new:
         response.headers["Idempotent-Replayed"] = "true"
     return response
 
