@@ -9,8 +9,10 @@ Per cluster and load it prints, per policy, the figures the goals are judged on
 (interactive and normal p99 wait, longest batch wait, busy memory, memory
 utilization with and without idle-warm memory, over-commits, concurrent loads,
 invariant violations), then the goals against the best safe baseline of each
-figure. With several seeds (each thins the trace and draws the batch jobs anew)
-the figures are means over the seeds. ``--policy`` sets ours' Policy fields
+figure, and the safe baselines that dominate ours (as good on interactive p50 and
+p99, normal p99, longest batch wait and work per hour, better on one), if any.
+With several seeds (each thins the trace and draws the batch jobs anew) the
+figures are means over the seeds. ``--policy`` sets ours' Policy fields
 (``idle_reclaim_s=120,starvation_s=600``) to measure other settings.
 ``--tiers`` compares ours' tiers instead: ours (keep-warm), ours-sleep (keep-warm
 and the sleep tier of the ``--sleep-*`` and ``--wake-s`` options) and ours-stop
@@ -50,7 +52,7 @@ from gpu_arbiter.sim import (
     summarize,
 )
 from gpu_arbiter.sim.azure import AzureMapping, BatchJobs, Service, convert, read_azure
-from gpu_arbiter.sim.report import goal_lines, targets
+from gpu_arbiter.sim.report import dominators, goal_lines, targets
 
 _G = 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,7 @@ _KEYS = (
     ("batch", "max_s"),
 )
 _FIGURES = (
+    "work_per_hour",
     "busy_mem_util",
     "mem_util",
     "mem_util_no_idle",
@@ -153,6 +156,24 @@ def table(summaries: list[dict[str, Any]]) -> list[str]:
             f"| {checked} | {s['unfinished']:g} |"
         )
     return lines
+
+
+def dominated_line(summaries: list[dict[str, Any]]) -> str:
+    """The safe baselines that dominate ours, with the figures they are judged on."""
+    names = dominators(summaries)
+    if not names:
+        return "- dominated by a safe baseline: no"
+    by_name = {s["policy"]: s for s in summaries}
+    shown = "; ".join(_frontier(by_name[n]) for n in ["ours", *names])
+    return f"- dominated by a safe baseline: **{', '.join(names)}** ({shown})"
+
+
+def _frontier(s: dict[str, Any]) -> str:
+    return (
+        f"{s['policy']} interactive p50/p99 {_wait(s, 'interactive', 'p50_s')}/"
+        f"{_wait(s, 'interactive', 'p99_s')} s, normal p99 {_wait(s, 'normal', 'p99_s')} s, "
+        f"batch max {_wait(s, 'batch', 'max_s')} s, {s['work_per_hour']:.3f} GPU-h/h"
+    )
 
 
 def tier_table(summaries: list[dict[str, Any]]) -> list[str]:
@@ -259,6 +280,7 @@ def main() -> None:
         print("\n".join(table(summaries)))
         print()
         print("\n".join(goal_lines(targets(summaries))))
+        print(dominated_line(summaries))
     print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
 
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from gpu_arbiter.sim import compare, generate, parse_cluster, summarize
-from gpu_arbiter.sim.report import goal_lines, targets
+from gpu_arbiter.sim.report import dominators, goal_lines, targets
 
 SHAPES = (("mixed", "single"), ("mixed", "medium"), ("mixed", "large"))
 
@@ -68,6 +68,8 @@ def main() -> None:
         print("\n".join(_table(summaries)))
         print()
         print("\n".join(goal_lines(targets(summaries))))
+        named = dominators(summaries)
+        print(f"- dominated by a safe baseline: {', '.join(named) if named else 'no'}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ safety            ours has zero over-commit, zero concurrent loads and zero
                   invariant violations.
 
 A goal whose figure no safe baseline (or ours) has is left out.
+
+Beyond the goals, :func:`dominators` names the safe baselines that do strictly
+better than ours: at least as good on every figure of ``FRONTIER`` (interactive
+p50 and p99 wait, normal p99 wait, longest batch wait, work per hour) and better
+on one. Ours is on the trade-off frontier where it names none.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["GOALS", "goal_lines", "safe", "targets"]
+__all__ = ["FRONTIER", "GOALS", "dominators", "goal_lines", "safe", "targets"]
 
 Summary = dict[str, Any]
 _Figure = Callable[[Summary], float | None]
@@ -46,6 +51,46 @@ GOALS: dict[str, tuple[_Figure, bool, float]] = {
     "batch_max": (_wait("batch", "max_s"), False, 1.5),
     "busy_mem": (_busy, True, 0.95),
 }
+
+
+def _work(summary: Summary) -> float | None:
+    found = summary.get("work_per_hour")
+    return None if found is None else float(found)
+
+
+# name: (figure, higher is better): what a baseline must match everywhere to beat ours
+FRONTIER: dict[str, tuple[_Figure, bool]] = {
+    "interactive_p50": (_wait("interactive", "p50_s"), False),
+    "interactive_p99": (_wait("interactive", "p99_s"), False),
+    "normal_p99": (_wait("normal", "p99_s"), False),
+    "batch_max": (_wait("batch", "max_s"), False),
+    "work_per_hour": (_work, True),
+}
+
+
+def _beats(theirs: Summary, ours: Summary) -> bool:
+    """At least as good as ours on every frontier figure both have, better on one."""
+    better = False
+    for figure, higher in FRONTIER.values():
+        a, b = figure(theirs), figure(ours)
+        if a is None or b is None:
+            continue
+        if a == b:
+            continue
+        if (a > b) != higher:
+            return False
+        better = True
+    return better
+
+
+def dominators(summaries: Sequence[Summary]) -> list[str]:
+    """The safe baselines that do strictly better than ours (see the module); [] when
+    none does or ours is missing."""
+    ours = next((s for s in summaries if s["policy"] == "ours"), None)
+    if ours is None:
+        return []
+    pool = [s for s in summaries if not s["policy"].startswith("ours") and safe(s)]
+    return [s["policy"] for s in pool if _beats(s, ours)]
 
 
 def safe(summary: Summary) -> bool:
