@@ -189,9 +189,10 @@ def test_an_unhashable_value_is_refused_naming_its_field() -> None:
 
 
 def test_requests_and_leases_are_built_as_their_fields_say() -> None:
-    """Their ``__init__`` fills the slots directly: same signature, defaults, factories,
-    and frozen all the same."""
+    """Their ``__init__`` assigns the slots of a twin class: same signature, defaults,
+    factories, and an instance of exactly their class, frozen, once built."""
     first, second = Request("a", 1), Request(id="b", vram_mb=2, gpus=3)
+    assert type(first) is Request and type(evolve(first, seq=2)) is Request
     assert (first.gpus, first.priority, first.ttl_s, first.seq) == (1, 500, 30.0, 0)
     assert second.gpus == 3
     assert first.metadata == {} and first.metadata is not second.metadata
@@ -204,9 +205,16 @@ def test_requests_and_leases_are_built_as_their_fields_say() -> None:
     with pytest.raises(FrozenInstanceError):
         first.vram_mb = 2  # type: ignore[misc]
     lease = Lease(first, (GpuId("w", 0),), 1, LeaseState.LOADING, 0.0, 30.0, 300.0)
+    assert type(lease) is Lease and type(replace(lease, token=2)) is Lease
     assert (lease.idle, lease.loading, lease.revoked_at, lease.vram_mb) == (False, True, None, 1)
     assert evolve(lease, idle=True) == replace(lease, idle=True)
     assert str(inspect.signature(Request)).startswith("(id: 'str', vram_mb: 'int', gpus")
+
+
+@pytest.mark.parametrize("final", [Request, Lease])
+def test_requests_and_leases_cannot_be_subclassed(final: type) -> None:
+    with pytest.raises(TypeError, match="is final"):
+        type("Sub", (final,), {})
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from operator import attrgetter
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, final
 
 from .errors import InvalidInput
 from .units import PRIORITY_NAMES, is_ascii_number, parse_mb, parse_priority
@@ -106,38 +106,58 @@ _FACTORY = _Factory()
 
 def _slot_init(cls: type[_T]) -> type[_T]:
     """Gives a frozen, slotted dataclass an ``__init__`` of the same signature that fills
-    each slot through the slot's own descriptor.
+    its slots by plain assignment, and makes the class final.
 
-    The ``__init__`` that ``dataclass`` writes for a frozen class goes through
-    ``object.__setattr__`` for every field: twice the cost, and a request and a lease are
-    built or copied (:func:`evolve`) several times per grant. Only for a class that
-    validates nothing (no ``__post_init__``) and whose fields are all ``__init__``
-    arguments, positional or by keyword."""
+    Frozen, an instance refuses assignment, so the ``__init__`` that ``dataclass`` writes
+    fills every field through ``object.__setattr__``: a call through a slot wrapper (an
+    argument tuple built and taken apart) per field, most of the cost of a request or a
+    lease, and they are built or copied (:func:`evolve`) several times per grant. This one
+    makes the new instance, for the length of the ``__init__``, an instance of a twin class
+    with the very same slots and no ``__setattr__`` (``__class__`` assignment is allowed
+    between two classes of one layout), assigns the fields, and makes it an instance of
+    ``cls`` again: frozen before anyone else can see it. No subclass may share the layout,
+    so there is none. Only for a class that validates nothing (no ``__post_init__``) and
+    whose fields are all ``__init__`` arguments."""
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__} validates in __post_init__: keep its own __init__")
-    scope: dict[str, Any] = {"_FACTORY": _FACTORY}
+    slots: tuple[str, ...] = cls.__slots__  # type: ignore[attr-defined]
+    unfrozen = type(f"_Unfrozen{cls.__name__}", (), {"__slots__": slots})
+    scope: dict[str, Any] = {
+        "_FACTORY": _FACTORY,
+        "_cls": cls,
+        "_unfrozen": unfrozen,
+        "_set_class": object.__setattr__,
+    }
     params: list[str] = []
-    lines: list[str] = []
+    factories: list[str] = []
     for f in fields(cls):  # type: ignore[arg-type]
         if not f.init or f.kw_only:
             raise TypeError(f"{cls.__name__}.{f.name} is not a plain __init__ argument")
-        scope[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
-        value = f.name
         if f.default is not MISSING:
             scope[f"_default_{f.name}"] = f.default
             params.append(f"{f.name}=_default_{f.name}")
         elif f.default_factory is not MISSING:
             scope[f"_factory_{f.name}"] = f.default_factory
             params.append(f"{f.name}=_FACTORY")
-            value = f"_factory_{f.name}() if {f.name} is _FACTORY else {f.name}"
+            factories.append(f"    if {f.name} is _FACTORY: {f.name} = _factory_{f.name}()")
         else:
             params.append(f.name)
-        lines.append(f"    _set_{f.name}(self, {value})")
-    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(lines), scope)
+    body = [
+        *factories,
+        "    _set_class(self, '__class__', _unfrozen)",
+        *(f"    self.{name} = {name}" for name in slots),
+        "    self.__class__ = _cls",
+    ]
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body), scope)
     init = scope["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__annotations__ = cls.__init__.__annotations__
     cls.__init__ = init  # type: ignore[method-assign]
+
+    def refuse_subclass(subclass: type, /, **_: Any) -> None:
+        raise TypeError(f"{cls.__name__} is final (its __init__ relies on its own layout)")
+
+    cls.__init_subclass__ = classmethod(refuse_subclass)  # type: ignore[assignment]
     return cls
 
 
@@ -467,6 +487,7 @@ def _parse_lease_ids(texts: Any) -> tuple[str, ...]:
     return tuple(sorted(set(texts)))
 
 
+@final  # see _slot_init
 @_slot_init
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -639,6 +660,7 @@ _FINAL = frozenset(
 )
 
 
+@final  # see _slot_init
 @_slot_init
 @dataclass(frozen=True, slots=True)
 class Lease:
