@@ -40,6 +40,7 @@ __all__ = [
     "compute_capability",
     "evolve",
     "json_value_problem",
+    "slot_init",
     "validate_worker_name",
 ]
 
@@ -95,7 +96,7 @@ def _layout(cls: type) -> _Layout:
 
 
 class _Factory:
-    """The default of a field whose default comes from a factory, in a :func:`_slot_init`."""
+    """The default of a field whose default comes from a factory, in a :func:`slot_init`."""
 
     def __repr__(self) -> str:
         return "<factory>"
@@ -104,7 +105,7 @@ class _Factory:
 _FACTORY = _Factory()
 
 
-def _slot_init(cls: type[_T]) -> type[_T]:
+def slot_init(cls: type[_T]) -> type[_T]:
     """Gives a frozen, slotted dataclass an ``__init__`` of the same signature that fills
     its slots by plain assignment, and makes the class final.
 
@@ -487,8 +488,8 @@ def _parse_lease_ids(texts: Any) -> tuple[str, ...]:
     return tuple(sorted(set(texts)))
 
 
-@final  # see _slot_init
-@_slot_init
+@final  # see slot_init
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Request:
     """What a client asks for. Build with :meth:`build` to validate human input."""
@@ -660,8 +661,8 @@ _FINAL = frozenset(
 )
 
 
-@final  # see _slot_init
-@_slot_init
+@final  # see slot_init
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A grant of ``vram_mb`` on each of ``gpus``, fenced by a strictly increasing ``token``.
