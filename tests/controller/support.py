@@ -1,10 +1,22 @@
-"""Shared by the controller tests: a fake clock and a store that fails on demand."""
+"""Shared by the controller tests: a fake clock, a store that fails on demand, and
+requests built as the server's route builds them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from gpu_arbiter.controller.leases import Leases
+from gpu_arbiter.core import Constraints, Request
 from gpu_arbiter.store import Batch, MemoryStore, Snapshot, StoreError
+
+
+def request(
+    vram_mb: int | str, constraints: Mapping[str, Any] | None = None, **fields: Any
+) -> Request:
+    """A new request for ``controller.leases.submit``, with a new lease id."""
+    built = Constraints.build(**(constraints or {}))
+    return Request.build(Leases.new_id(), vram_mb=vram_mb, constraints=built, **fields)
 
 
 class Clock:

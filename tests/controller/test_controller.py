@@ -11,7 +11,7 @@ from gpu_arbiter.controller import Controller, GpuProbeReport, ServiceUnavailabl
 from gpu_arbiter.core import Conflict, Gpu, LeaseState, WorkerStatus
 from gpu_arbiter.store import MemoryStore
 
-from .support import Clock, FailingStore
+from .support import Clock, FailingStore, request
 
 
 def gpus(name: str, count: int = 2, total_mb: int = 24576) -> list[Gpu]:
@@ -25,7 +25,7 @@ def start(store: MemoryStore, clock: Clock, **kwargs: Any) -> Controller:
 
 
 def ask(controller: Controller, vram_mb: int, **fields: Any) -> str:
-    return controller.leases.submit("client-1", {"vram_mb": vram_mb, **fields}, {}).record.id
+    return controller.leases.submit("client-1", request(vram_mb, **fields)).record.id
 
 
 async def test_a_restart_keeps_leases_and_tokens_and_waits_for_the_worker() -> None:
@@ -178,14 +178,14 @@ async def test_idempotency_key_finds_an_ended_lease_in_the_store() -> None:
     store, clock = MemoryStore(), Clock()
     controller = start(store, clock)
     controller.workers.register("box-1", gpus("box-1"))
-    first = controller.leases.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    first = controller.leases.submit("c", request(1000, idempotency_key="k"))
     assert first.new
     controller.leases.release(first.record.id)
-    again = controller.leases.submit("c", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    again = controller.leases.submit("c", request(1000, idempotency_key="k"))
     assert not again.new
     assert again.record.id == first.record.id
     assert again.record.state is LeaseState.RELEASED
-    other = controller.leases.submit("d", {"vram_mb": 1000, "idempotency_key": "k"}, {})
+    other = controller.leases.submit("d", request(1000, idempotency_key="k"))
     assert other.new
     assert other.record.id != first.record.id
 
@@ -197,14 +197,14 @@ async def test_a_submit_answers_with_the_place_and_reason_its_change_found() -> 
     store, clock = MemoryStore(), Clock()
     controller = start(store, clock)
     controller.workers.register("box-1", gpus("box-1", count=1))
-    granted = controller.leases.submit("c", {"vram_mb": 20_000, "idempotency_key": "a"}, {})
+    granted = controller.leases.submit("c", request(20_000, idempotency_key="a"))
     assert granted.record.state is LeaseState.LOADING and granted.pending is None
-    waiting = controller.leases.submit("c", {"vram_mb": 20_000, "idempotency_key": "b"}, {})
+    waiting = controller.leases.submit("c", request(20_000, idempotency_key="b"))
     assert waiting.record.state is LeaseState.PENDING
     assert waiting.pending is not None
     assert waiting.pending == controller.leases.pending_view(waiting.record.id)
     assert (waiting.pending.position, waiting.pending.reason.code) == (1, "insufficient_vram")
-    replay = controller.leases.submit("c", {"vram_mb": 20_000, "idempotency_key": "b"}, {})
+    replay = controller.leases.submit("c", request(20_000, idempotency_key="b"))
     assert not replay.new and replay.record.id == waiting.record.id
     assert replay.pending == waiting.pending
 

@@ -15,6 +15,8 @@ from gpu_arbiter.controller import Controller, GpuProbeReport
 from gpu_arbiter.core import ArbiterError, Gpu
 from gpu_arbiter.store import MemoryStore
 
+from .support import request
+
 WORKERS = ("gpu", "gpu-2")
 op = st.one_of(
     st.tuples(st.just("submit"), st.integers(1, 30), st.sampled_from((1, 2)), st.floats(1, 20)),
@@ -49,8 +51,8 @@ def _apply(c: Controller, clock: Clock, ids: list[str], step: tuple[Any, ...]) -
     kind = step[0]
     pick = (lambda i: ids[i % len(ids)]) if ids else (lambda i: "none")
     if kind == "submit":
-        fields = {"vram_mb": step[1] * 1024, "gpus": step[2], "ttl_s": step[3]}
-        record = c.leases.submit("owner", fields, {}).record
+        asked = request(step[1] * 1024, gpus=step[2], ttl_s=step[3])
+        record = c.leases.submit("owner", asked).record
         ids.append(record.id)
     elif kind in ("release", "ready", "revoke"):
         getattr(c.leases, kind)(pick(step[1]))

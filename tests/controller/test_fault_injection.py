@@ -24,7 +24,7 @@ from gpu_arbiter.controller import Controller, GpuProbeReport
 from gpu_arbiter.core import ArbiterError, Gpu, GpuId
 from gpu_arbiter.store import LeaseRecord, MemoryStore, StoreError
 
-from .support import Clock, FailingStore
+from .support import Clock, FailingStore, request
 
 GiB = 1024
 WORKERS = ("box-1", "box-2")
@@ -45,9 +45,9 @@ def _gpus(name: str) -> list[Gpu]:
 
 def _ask(name: str, vram_gib: int, gpu_ids: tuple[str, ...] = (), **fields: Any) -> Step:
     def step(c: Controller, clock: Clock, ids: dict[str, str]) -> LeaseRecord:
-        body = {"vram_mb": vram_gib * GiB, "ttl_s": 60.0, "holder": name, **fields}
         constraints = {"gpu_ids": list(gpu_ids)} if gpu_ids else {}
-        record = c.leases.submit("client", body, constraints).record
+        asked = request(vram_gib * GiB, constraints, **{"ttl_s": 60.0, "holder": name, **fields})
+        record = c.leases.submit("client", asked).record
         ids[name] = record.id
         return record
 

@@ -14,7 +14,7 @@ from gpu_arbiter.controller import Controller, ServiceUnavailable
 from gpu_arbiter.core import Gpu
 from gpu_arbiter.store import Batch, MemoryStore, StoreError
 
-from .support import Clock
+from .support import Clock, request
 
 
 class GatedStore(MemoryStore):
@@ -48,7 +48,7 @@ def grouped(store: GatedStore) -> Controller:
 
 
 def ask(controller: Controller, holder: str) -> str:
-    record = controller.leases.submit("client-1", {"vram_mb": 1, "holder": holder}, {}).record
+    record = controller.leases.submit("client-1", request(1, holder=holder)).record
     return record.id
 
 

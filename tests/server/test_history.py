@@ -20,7 +20,7 @@ from gpu_arbiter.server.history import (
 )
 from gpu_arbiter.store import MemoryStore
 
-from ..controller.support import Clock
+from ..controller.support import Clock, request
 
 
 def gpu(gpu_id: str, committed: int, used: int | None = None, busy: int = 0) -> GpuSample:
@@ -123,10 +123,7 @@ def controller_with_leases(clock: Clock) -> tuple[Controller, dict[str, str]]:
     controller.workers.heartbeat("w", [GpuProbeReport(0, 9000), GpuProbeReport(1, 0)])
 
     def ask(vram_mb: int, **fields: Any) -> str:
-        record = controller.leases.submit(
-            "c", {"vram_mb": vram_mb, "ttl_s": 600, **fields}, {}
-        ).record
-        return record.id
+        return controller.leases.submit("c", request(vram_mb, ttl_s=600, **fields)).record.id
 
     ids = {"busy": ask(8192, preemptible=False), "idle": ask(4096, preemptible=False)}
     for lease_id in ids.values():

@@ -18,9 +18,10 @@ heartbeat deadline: nothing polls.
 One request's path, ``POST /v1/leases``, route to store and back, each step once::
 
     server/schemas.py    the body: strict JSON, then LeaseCreate (types, bounds)
-    server/routes.py     create_lease: may this token ask?
-    leases.py            Leases.submit: the gate; the core's Request (core/model.py);
-                         an idempotency key seen before; the pending limits
+    server/routes.py     create_lease: may this token ask? LeaseCreate.to_request: the
+                         core's Request, built once (core/model.py), handed over typed
+    leases.py            Leases.submit: the gate; an idempotency key seen before; the
+                         pending limits
     change.py            Changes.change: Scheduler.submit, the sweeps, Scheduler.decide,
                          Leases.absorb; the encoders (leases, workers, updates, events);
                          Store.commit (store/sqlite.py, store/codec.py); Events.stored;

@@ -20,14 +20,12 @@ import itertools
 import logging
 import secrets
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from ..core import (
     ArbiterError,
     Conflict,
-    Constraints,
     Decisions,
     Lease,
     LeaseState,
@@ -83,20 +81,19 @@ class Leases:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(
-        self, owner: str | None, fields: Mapping[str, Any], constraints: Mapping[str, Any]
-    ) -> Submitted:
-        """Queues a request and runs a cycle; the answer is made in the same pass (the
-        record as the cycle left it and, while it waits, its position and reason), so
-        that nobody walks the queue again for it. A replayed idempotency key answers
-        with the earlier request as it is now. Raises :class:`Unschedulable` when no
-        known GPU could ever satisfy it."""
+    @staticmethod
+    def new_id() -> str:
+        """A new lease's id (a request keeps it when it is granted)."""
+        return f"lease-{secrets.token_hex(8)}"
+
+    def submit(self, owner: str | None, request: Request) -> Submitted:
+        """Queues ``request`` (the core's, built once by the caller with :meth:`new_id`:
+        nothing here checks it again) and runs a cycle; the answer is made in the same
+        pass (the record as the cycle left it and, while it waits, its position and
+        reason), so that nobody walks the queue again for it. A replayed idempotency key
+        answers with the earlier request as it is now. Raises :class:`Unschedulable` when
+        no known GPU could ever satisfy it."""
         self._changes.gate.check_available()
-        request = Request.build(
-            f"lease-{secrets.token_hex(8)}",
-            constraints=Constraints.build(**constraints),
-            **fields,
-        )
         if request.idempotency_key is not None:
             earlier = self._by_key(owner, request.idempotency_key)
             if earlier is not None:

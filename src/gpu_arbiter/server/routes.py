@@ -142,9 +142,7 @@ async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
     ctl, who = _context(request)
     if who.role not in ("admin", "client"):
         raise Forbidden(f"a {who.role} token may not ask for leases")
-    fields = body.model_dump(exclude={"constraints"})
-    constraints = body.constraints.model_dump(exclude_none=True)
-    submitted = ctl.leases.submit(who.id, fields, constraints)
+    submitted = ctl.leases.submit(who.id, body.to_request(ctl.leases.new_id()))
     record = submitted.record
     if record.state.is_final:
         response = _not_granted(record)

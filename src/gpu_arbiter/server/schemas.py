@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
-from fastapi import Request
+from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import (
@@ -36,10 +36,12 @@ from starlette.responses import Response
 
 from ..controller import UPDATE_TIMEOUT_S, DrainOutcome, PendingView
 from ..core import (
+    Constraints,
     GpuFigures,
     InvalidInput,
     Lease,
     LeaseState,
+    Request,
     check_metadata,
     json_value_problem,
     priority_name,
@@ -88,7 +90,7 @@ def strict_json(body: bytes) -> Any:
     return value
 
 
-class _StrictJsonRequest(Request):
+class _StrictJsonRequest(HttpRequest):
     async def json(self) -> Any:
         if not hasattr(self, "_strict_json"):
             self._strict_json = strict_json(await self.body())
@@ -107,10 +109,10 @@ class StrictJsonRoute(APIRoute):
     refused (422 ``invalid_input`` naming the field) before any validation or handler;
     what is not JSON at all is left to FastAPI (400 ``malformed_json``)."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    def get_route_handler(self) -> Callable[[HttpRequest], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
-        async def strict(request: Request) -> Response:
+        async def strict(request: HttpRequest) -> Response:
             request = _StrictJsonRequest(request.scope, request.receive)
             if _is_json(request.headers.get("content-type")):
                 try:
@@ -206,6 +208,36 @@ class LeaseCreate(_In):
     idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=256), NoControl] | None = (
         None
     )
+
+    def to_request(self, lease_id: str) -> Request:
+        """The core's request, built once, here: the core's own rules (sizes like ``8G``,
+        priority names, compute capabilities, GPU ids, ``gpus`` against ``gpu_ids``)
+        raise :class:`InvalidInput` naming the field, as every other refusal of bad input."""
+        c = self.constraints
+        constraints = Constraints.build(
+            vendor=c.vendor,
+            min_compute_capability=c.min_compute_capability,
+            gpu_arch=c.gpu_arch,
+            gpu_model=c.gpu_model,
+            worker=c.worker,
+            labels=c.labels,
+            gpu_ids=c.gpu_ids,
+            never_preempt=c.never_preempt,
+        )
+        return Request.build(
+            lease_id,
+            vram_mb=self.vram_mb,
+            gpus=self.gpus,
+            priority=self.priority,
+            preemptible=self.preemptible,
+            constraints=constraints,
+            holder=self.holder,
+            metadata=self.metadata,
+            ttl_s=self.ttl_s,
+            max_wait_s=self.max_wait_s,
+            load_timeout_s=self.load_timeout_s,
+            idempotency_key=self.idempotency_key,
+        )
 
 
 class ShrinkIn(_In):
