@@ -46,8 +46,8 @@ from ..core import (
     json_value_problem,
     priority_name,
 )
-from ..store import Event, LeaseRecord, OperationRecord, WorkerRecord
-from ..store.codec import constraints_to_doc, event_to_doc, operation_to_doc
+from ..store import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
+from ..store.codec import constraints_to_doc, event_to_doc
 
 # ---------------------------------------------------------------- strict JSON bodies
 
@@ -662,8 +662,25 @@ def heartbeat_out(
 
 
 def operation_out(op: OperationRecord) -> dict[str, Any]:
-    """An operation as the API shows it: the stored document itself."""
-    return operation_to_doc(op)
+    """An operation as the API shows it (:class:`OperationOut`), each step with its time
+    and outcome. The API's own, not the store's document (``store.codec``): the two hold
+    the same fields today, but a change of what is stored does not change the API."""
+    return {
+        "id": op.id,
+        "kind": op.kind,
+        "worker": op.worker,
+        "state": op.state,
+        "created_at": op.created_at,
+        "steps": [operation_step_out(step) for step in op.steps],
+        "reason": op.reason,
+        "from_version": op.from_version,
+        "to_version": op.to_version,
+        "deadline": op.deadline,
+    }
+
+
+def operation_step_out(step: OperationStep) -> dict[str, Any]:
+    return {"name": step.name, "outcome": step.outcome, "at": step.at, "detail": step.detail}
 
 
 def gpu_out(f: GpuFigures) -> dict[str, Any]:
