@@ -260,6 +260,10 @@ class Changes:
         self._recover = recover
         self._committed = committed
 
+    def next_deadline(self) -> float | None:
+        """The core's next deadline (the core of now: a reload replaces it)."""
+        return self.scheduler.next_deadline()
+
     # ------------------------------------------------------------------ group commit
 
     def commit_in_groups(self) -> None:

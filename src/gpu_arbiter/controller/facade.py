@@ -76,14 +76,8 @@ class Controller:
         self.workers = workers = Workers(changes, leases, self.limits, heartbeat_timeout_s)
         self.updates = updates = Updates(changes, store, leases, workers)
         workers.listen(updates)
-        self._timer = timer = Timer(
-            changes,
-            [
-                lambda: changes.scheduler.next_deadline(),  # the core is replaced on reload
-                workers.next_deadline,
-                updates.next_deadline,
-            ],
-        )
+        deadlines = [changes.next_deadline, workers.next_deadline, updates.next_deadline]
+        self._timer = timer = Timer(changes, deadlines)
         self._roles = Roles(
             changes,
             policy=self.policy,
