@@ -52,6 +52,46 @@ def test_youngest_among_equals() -> None:
     assert _preempt(sched, 10000) == ["young"]
 
 
+def test_lower_priority_goes_first_whatever_work_it_loses() -> None:
+    # a 4-GPU run of 100 s (400 GPU-seconds) before a 1-GPU run of 10 s of higher priority
+    sched = scheduler(*(gpu(i, 24576) for i in range(5)))
+    grant_now(sched, req("finetune", 20000, priority="batch", gpus=4), 0.0)
+    grant_now(sched, req("solo", 20000, priority="background"), 90.0)
+    assert _preempt(sched, 10000) == ["finetune"]
+
+
+def _behind_a_load() -> Scheduler:
+    """gpu 0: a busy ``batch`` run, 4576 MiB free; gpu 1: 14576 MiB free, its load gate
+    taken by a lease nobody below ``normal`` may revoke."""
+    sched = scheduler(gpu(0, 24576), gpu(1, 24576))
+    grant_now(sched, req("run", 20000, priority="batch"), 0.0)
+    grant_now(sched, req("loader", 10000), 1.0, ready=False)
+    g0, g1 = sched.gpu_ids()
+    assert sched.lease("run").gpus == (g0,) and sched.lease("loader").gpus == (g1,)
+    return sched
+
+
+def test_a_request_that_fits_behind_a_load_gate_waits_instead_of_preempting() -> None:
+    sched = _behind_a_load()
+    assert _preempt(sched, 10000, now=10.0) == []
+    assert sched.explain("p", 10.0).code == "load_in_progress"
+    sched.ready("loader", 20.0)
+    decisions = sched.decide(20.0)
+    assert granted_ids(decisions) == ["p"]
+    assert decisions.grants[0].gpus == (sched.gpu_ids()[1],)
+
+
+def test_memory_behind_a_load_gate_held_by_a_request_ahead_is_not_room_for_the_next() -> None:
+    # "a" waits for the gate and holds what gpu 1 has free: "b" could only wait for a's run
+    sched = _behind_a_load()
+    sched.submit(req("a", 10000), 10.0)
+    sched.submit(req("b", 10000), 10.0)
+    decisions = sched.decide(10.0)
+    assert granted_ids(decisions) == []
+    assert revoked_ids(decisions) == ["run"]
+    assert sched.leases["run"].preempted_for == "b"
+
+
 def test_revoked_leases_keep_their_memory_and_state() -> None:
     sched = _with_leases(("a", 20000, BATCH))
     assert _preempt(sched, 10000) == ["a"]

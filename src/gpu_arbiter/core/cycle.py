@@ -387,6 +387,10 @@ class _Walk:
         return None if best is None else (best[1], best[2])
 
     def victims_on(self, request: Request, gpu_id: GpuId) -> Victims | None:
+        """The cheapest victims on one GPU (None: none make room). No victims when the GPU
+        has the room beyond the holds ahead, its load gate closed or memory on its way back:
+        that empty plan is the cheapest, so the request waits for the gate (a load ends
+        within its load timeout) instead of interrupting busy work elsewhere."""
         held = self.holds.by_gpu.get(gpu_id, 0)
         granted, revoked, leases = self.granted, self.revoked, self.state.leases
         revoking: set[str] = set()

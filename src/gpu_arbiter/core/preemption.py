@@ -22,6 +22,11 @@ fewest victims are chosen, and among sets of that size the cheapest in
 ``cost`` order (idle LRU, then lowest priority, then youngest). Every plan is
 checked against the ledger (``fits``): no revocation starts that cannot free
 enough memory.
+
+The cost counts busy victims, not the GPU-seconds of work they lose: ranking by lost
+work spares a multi-GPU run at the price of one single-GPU victim per request behind it,
+and on the simulator's mixed traces that revoked more leases and threw away more work in
+all (``large``, seed 11: 89 -> 130 busy leases, 56,089 -> 80,923 GPU-seconds).
 """
 
 from __future__ import annotations
