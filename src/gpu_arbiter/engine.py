@@ -57,6 +57,8 @@ from .core import (
     Unschedulable,
     WaitTimeout,
     Worker,
+    WorkerStatus,
+    hand_over,
     parse_mb,
 )
 
@@ -255,6 +257,7 @@ class Arbiter:
         self._hooks = list(hooks)
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._handles: dict[str, LeaseHandle] = {}
+        self._carried = _Carried(self)
         self._ids = itertools.count(1)
         self._timer: Timer | None = None
         self._rearm: asyncio.Handle | None = None  # the timer's re-arming, due this turn
@@ -558,36 +561,27 @@ class Arbiter:
             self._rearm = self._loop.call_soon(self._arm_timer)
 
     def _apply(self, decisions: Decisions) -> None:
-        for lease in decisions.grants:
-            future = self._waiters.pop(lease.id, None)
-            if self._hooks:  # the detail is for hooks only
-                gpus = [str(g) for g in lease.gpus]
-                self._emit("granted", lease.id, {"gpus": gpus, "token": lease.token})
-            if future is not None and not future.done():
-                future.set_result(lease)
-        if decisions.revocations:
-            self._revoked(decisions.revocations)
-        for lease in decisions.expired:
-            self._emit("expired", lease.id)
-            handle = self._handles.pop(lease.id, None)
-            if handle is not None:
-                handle._notify_revoked("expired")
-        for lease in decisions.loaded:
-            self._emit("loaded", lease.id, {"reason": "load_timeout"})
-        for request, why in decisions.rejected:
-            self._emit("rejected", request.id, {"reason": why.code})
-            future = self._waiters.pop(request.id, None)
-            if future is not None and not future.done():
-                future.set_exception(Unschedulable(why))
-        for request in decisions.timed_out:
-            self._emit("timed_out", request.id)
-            future = self._waiters.pop(request.id, None)
-            if future is not None and not future.done():
-                future.set_exception(
-                    WaitTimeout(
-                        f"no grant within max_wait_s={request.max_wait_s}", request_id=request.id
-                    )
-                )
+        if decisions:
+            hand_over(decisions, self._carried)
+
+    def _granted(self, lease: Lease) -> None:
+        future = self._waiters.pop(lease.id, None)
+        if self._hooks:  # the detail is for hooks only
+            gpus = [str(g) for g in lease.gpus]
+            self._emit("granted", lease.id, {"gpus": gpus, "token": lease.token})
+        if future is not None and not future.done():
+            future.set_result(lease)
+
+    def _expired(self, lease: Lease) -> None:
+        self._emit("expired", lease.id)
+        handle = self._handles.pop(lease.id, None)
+        if handle is not None:
+            handle._notify_revoked("expired")
+
+    def _fail_waiter(self, request_id: str, error: Exception) -> None:
+        future = self._waiters.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
 
     def _revoked(self, leases: Sequence[Lease]) -> None:
         for lease in leases:
@@ -684,6 +678,42 @@ class Arbiter:
             await woken
         finally:
             timer.cancel()
+
+
+class _Carried:
+    """The engine's :class:`~.core.Outcomes`: each decision carried out on the loop (a
+    waiter woken or failed, a holder told, the hooks called)."""
+
+    __slots__ = ("_arbiter",)
+
+    def __init__(self, arbiter: Arbiter) -> None:
+        self._arbiter = arbiter
+
+    def granted(self, lease: Lease) -> None:
+        self._arbiter._granted(lease)
+
+    def revoked(self, leases: Sequence[Lease]) -> None:
+        self._arbiter._revoked(leases)
+
+    def expired(self, lease: Lease) -> None:
+        self._arbiter._expired(lease)
+
+    def loaded(self, lease: Lease) -> None:
+        self._arbiter._emit("loaded", lease.id, {"reason": "load_timeout"})
+
+    def rejected(self, request: Request, reason: PendingReason) -> None:
+        self._arbiter._emit("rejected", request.id, {"reason": reason.code})
+        self._arbiter._fail_waiter(request.id, Unschedulable(reason))
+
+    def timed_out(self, request: Request) -> None:
+        self._arbiter._emit("timed_out", request.id)
+        error = WaitTimeout(
+            f"no grant within max_wait_s={request.max_wait_s}", request_id=request.id
+        )
+        self._arbiter._fail_waiter(request.id, error)
+
+    def drained(self, worker: str, previous: WorkerStatus, status: WorkerStatus) -> None:
+        pass  # in-process GPUs are never drained
 
 
 class _LeaseBlock:

@@ -30,9 +30,12 @@ from ..core import (
     Lease,
     LeaseState,
     NotFound,
+    PendingReason,
     Request,
     Scheduler,
     Unschedulable,
+    WorkerStatus,
+    hand_over,
     parse_mb,
 )
 from ..store import Batch, LeaseRecord, Store
@@ -326,27 +329,12 @@ class Leases:
     # ------------------------------------------------------------------ in a change
 
     def absorb(self, change: Change, decisions: Decisions) -> None:
-        """Records what one cycle decided, causes before their effects: the leases that
-        ended (expired, timed out, rejected) and the loads that finished, then the drains
-        that their end completed, the revocations, and last the grants they made room for."""
-        for lease in decisions.expired:
-            self.end(change, self._records[lease.id], LeaseState.EXPIRED, "expired", lease)
-        for request in decisions.timed_out:
-            self.end(change, self._records[request.id], LeaseState.TIMED_OUT, "max_wait")
-        for request, why in decisions.rejected:  # the cluster shrank under it
-            record = self._records[request.id]
-            self.end(change, record, LeaseState.REJECTED, why.code, message=why.message)
-        for lease in decisions.loaded:
-            change.leases.add(lease.id)
-            change.event("lease.loaded", lease.id, lease.worker, reason="load_timeout")
-        for name, previous, status in decisions.workers:
-            change.workers.add(name)
-            change.event("worker.drained", worker=name, previous=str(previous), state=str(status))
-        self.revoked(change, decisions.revocations)
-        for lease in decisions.grants:
-            self._granted(change, lease)
+        """Records what one cycle decided in ``change``, in the core's order (causes
+        before their effects, :func:`~..core.driver.hand_over`)."""
+        hand_over(decisions, _Recorded(self, change))
 
-    def _granted(self, change: Change, lease: Lease) -> None:
+    def granted(self, change: Change, lease: Lease) -> None:
+        """Records a grant of the cycle in ``change``: its event, the wait it ended."""
         change.leases.add(lease.id)
         self._pending_by_holder[_holder_key(self._records[lease.id])] -= 1
         change.grants += 1
@@ -472,3 +460,44 @@ class Leases:
                 continue
             self.remember(record)
             self._pending_by_holder[_holder_key(record)] += 1
+
+
+class _Recorded:
+    """The controller's :class:`~..core.driver.Outcomes`: each decision of a cycle recorded
+    in the change being made (its records, its events), to be stored with it."""
+
+    __slots__ = ("_change", "_leases")
+
+    def __init__(self, leases: Leases, change: Change) -> None:
+        self._leases = leases
+        self._change = change
+
+    def expired(self, lease: Lease) -> None:
+        record = self._leases.record(lease.id)
+        self._leases.end(self._change, record, LeaseState.EXPIRED, "expired", lease)
+
+    def timed_out(self, request: Request) -> None:
+        record = self._leases.record(request.id)
+        self._leases.end(self._change, record, LeaseState.TIMED_OUT, "max_wait")
+
+    def rejected(self, request: Request, reason: PendingReason) -> None:  # the cluster shrank
+        record = self._leases.record(request.id)
+        self._leases.end(
+            self._change, record, LeaseState.REJECTED, reason.code, message=reason.message
+        )
+
+    def loaded(self, lease: Lease) -> None:
+        self._change.leases.add(lease.id)
+        self._change.event("lease.loaded", lease.id, lease.worker, reason="load_timeout")
+
+    def drained(self, worker: str, previous: WorkerStatus, status: WorkerStatus) -> None:
+        self._change.workers.add(worker)
+        self._change.event(
+            "worker.drained", worker=worker, previous=str(previous), state=str(status)
+        )
+
+    def revoked(self, leases: Sequence[Lease]) -> None:
+        self._leases.revoked(self._change, leases)
+
+    def granted(self, lease: Lease) -> None:
+        self._leases.granted(self._change, lease)

@@ -1,5 +1,6 @@
 """The pure decision core: stdlib only, synchronous, no I/O, no clock reads."""
 
+from .driver import Outcomes, hand_over
 from .errors import (
     ArbiterError,
     ArbiterStopped,
@@ -60,6 +61,7 @@ __all__ = [
     "LeaseRevoked",
     "LeaseState",
     "NotFound",
+    "Outcomes",
     "PendingReason",
     "Policy",
     "Request",
@@ -73,6 +75,7 @@ __all__ = [
     "compute_capability",
     "format_mb",
     "format_s",
+    "hand_over",
     "is_ascii_number",
     "json_value_problem",
     "parse_mb",

@@ -34,18 +34,22 @@ Two variants over the same core, to show what each tier buys:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from ..core import (
     Constraints,
     GpuId,
     GpuProbe,
+    Lease,
     LeaseState,
+    PendingReason,
     Policy,
     Request,
     Scheduler,
     Unschedulable,
+    WorkerStatus,
+    hand_over,
 )
 from .base import Attempt, SleepTier, Step
 from .cluster import Cluster
@@ -104,13 +108,9 @@ class Ours:
         self._asked.pop(lease_id, None)
 
     def decide(self, now: float) -> Step:
-        decisions = self.scheduler.decide(now)
-        return Step(
-            grants=tuple((lease.id, lease.gpus) for lease in decisions.grants),
-            revocations=tuple(
-                (lease.id, lease.revoke_reason or "revoked") for lease in decisions.revocations
-            ),
-        )
+        steps = _Steps()
+        hand_over(self.scheduler.decide(now), steps)
+        return Step(grants=tuple(steps.grants), revocations=tuple(steps.revocations))
 
     def next_deadline(self) -> float | None:
         return self.scheduler.next_deadline()
@@ -272,3 +272,35 @@ class OursSleep(Ours):
             if free > capacity - used:
                 problems.append(f"I2: {gpu_id} shows {free} MiB free but processes hold {used}")
         return problems
+
+
+class _Steps:
+    """The simulator's :class:`~..core.Outcomes`: it follows grants and revocations (its
+    leases have no TTL and its requests no max_wait_s, its workers never drain)."""
+
+    __slots__ = ("grants", "revocations")
+
+    def __init__(self) -> None:
+        self.grants: list[tuple[str, tuple[GpuId, ...]]] = []
+        self.revocations: list[tuple[str, str]] = []
+
+    def granted(self, lease: Lease) -> None:
+        self.grants.append((lease.id, lease.gpus))
+
+    def revoked(self, leases: Sequence[Lease]) -> None:
+        self.revocations += ((lease.id, lease.revoke_reason or "revoked") for lease in leases)
+
+    def expired(self, lease: Lease) -> None:
+        pass
+
+    def timed_out(self, request: Request) -> None:
+        pass
+
+    def rejected(self, request: Request, reason: PendingReason) -> None:
+        pass
+
+    def loaded(self, lease: Lease) -> None:
+        pass
+
+    def drained(self, worker: str, previous: WorkerStatus, status: WorkerStatus) -> None:
+        pass
