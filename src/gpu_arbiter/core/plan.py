@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .model import GpuId, Lease, WorkerStatus
+from .model import GpuId, Lease, WorkerStatus, slot_init
 from .nominations import Nomination
 
 __all__ = ["Plan"]
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Plan:
     """``grants``: new leases, tokens from ``first_token`` on, in walk order;

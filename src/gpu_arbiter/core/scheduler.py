@@ -58,6 +58,7 @@ from .model import (
     Worker,
     WorkerStatus,
     evolve,
+    slot_init,
 )
 from .nominations import Nomination
 from .plan import Plan
@@ -78,6 +79,7 @@ from .units import format_mb
 __all__ = ["Decisions", "Scheduler"]
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Decisions:
     grants: tuple[Lease, ...] = ()
