@@ -17,7 +17,6 @@ from gpu_arbiter.core import (
 
 from .support import GiB, gpu, req, scheduler
 
-
 W1, W2 = Constraints(worker="w1"), Constraints(worker="w2")
 
 
