@@ -379,11 +379,13 @@ def test_every_command_the_local_banner_prints_works_as_printed_in_a_new_shell(
     command = [str(script), "serve", "--local", "--port", "0", "--state-dir", str(state)]
     with log.open("wb") as out, subprocess.Popen(command, stdout=out, stderr=out, env=env) as serve:
         try:
-            text = wait_for(
-                lambda: "try it from another shell:" in log.read_text() and log.read_text(),
-                timeout_s=30,
-                what="the banner",
-            )
+            run_line = re.compile(rf"\n  {re.escape(str(script))} run --vram 8G -- [^\n]*\n")
+
+            def whole_banner() -> str | None:  # down to the end of its last line
+                text = log.read_text()
+                return text if run_line.search(text) else None
+
+            text = wait_for(whole_banner, timeout_s=30, what="the banner, down to its run line")
             banner = text.split("try it from another shell:\n")[1].splitlines()
             printed = [line.split("  ", 1)[1] for line in banner if line.startswith("  ")][:4]
             assert printed[-1].startswith(f"{script} run --vram 8G -- python3 -c "), printed
