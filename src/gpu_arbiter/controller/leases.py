@@ -35,6 +35,7 @@ from ..core import (
     Scheduler,
     Unschedulable,
     WorkerStatus,
+    evolve,
     hand_over,
     parse_mb,
 )
@@ -443,7 +444,7 @@ class Leases:
         for _, lease, record in held:
             ttl = lease.request.ttl_s
             if ttl is not None and lease.expires_at < change.now + ttl:
-                lease = replace(lease, expires_at=change.now + ttl)  # a revoked one too
+                lease = evolve(lease, expires_at=change.now + ttl)  # a revoked one too
             try:
                 self._scheduler.restore_lease(lease)
             except (ArbiterError, KeyError) as error:

@@ -27,6 +27,7 @@ from .model import (
     check_metadata,
     check_text,
     compute_capability,
+    evolve,
     json_value_problem,
     validate_worker_name,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "check_metadata",
     "check_text",
     "compute_capability",
+    "evolve",
     "format_mb",
     "format_s",
     "hand_over",
