@@ -8,7 +8,7 @@ time as an argument, then run a cycle with the time::
                  ▲                     deadlines) and requests no GPU could ever take
                  │        plan(now) ──► Plan (grants, revocations, nominations,
                  │                      time-outs, drained workers): the state unchanged
-                 └────── apply(plan) ◄─ the driver, once it may (after storing it)
+                 └────── apply(plan) ◄─ the driver carries it out
 
 :meth:`Scheduler.decide` is the three at once, returning :class:`Decisions`; the
 caller carries them out (wakes waiters, cancels holders, persists).
