@@ -3,8 +3,11 @@ placement and "why is it pending" ask the same ones."""
 
 from __future__ import annotations
 
-from gpu_arbiter.core import Constraints, GpuProbe
-from gpu_arbiter.core.stages import FEASIBLE, FIT, STAGES, fits, outcome
+import inspect
+import re
+
+from gpu_arbiter.core import Constraints, GpuProbe, WorkerStatus, filters
+from gpu_arbiter.core.stages import FEASIBLE, FIT, STAGES, Outcome, fits, outcome
 
 from .support import GiB, gid, gpu, req, scheduler
 
@@ -64,3 +67,15 @@ def test_why_it_is_pending_is_what_the_stages_said() -> None:
         "w1:1": outcome(sched, req("w", 12 * GiB), gid("w1:1"), {}),
     }
     assert {v.code for v in reason.gpus} == {"insufficient_vram", "too_small"}
+
+
+def test_every_code_a_stage_can_return_is_a_typed_outcome_saying_what_helps() -> None:
+    returned = set(re.findall(r'return "(\w+)"', inspect.getsource(filters)))
+    returned |= {f"worker_{s}" for s in WorkerStatus if s is not WorkerStatus.ONLINE}
+    assert returned <= {o.value for o in Outcome}
+    assert Outcome("worker_offline").helped_by == "an event"
+    assert Outcome.LOAD_IN_PROGRESS.helped_by == "room"
+    assert Outcome.LABEL_MISMATCH.helped_by == "nothing"
+    sched = scheduler(gpu())
+    code = outcome(sched, req("x", 30 * GiB), A, {})
+    assert code is Outcome.TOO_SMALL and f"{code}" == "too_small"
