@@ -27,9 +27,8 @@ from the what. Codes:
                                             too_few_gpus_on_worker
     not now (an event may help)             worker_draining worker_drained worker_offline
                                             probe_stale
-    does not fit (room helps: preemption    insufficient_vram nominated_for
-    may make it)
-                                            load_in_progress
+    does not fit (room helps; preemption    insufficient_vram nominated_for
+    may make it)                            load_in_progress
 
 A new rule (MIG slices, NUMA, a warm model's affinity) is one more function here.
 """
