@@ -236,16 +236,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.sched.plan(now)
         assert fingerprint(self.sched) == before, "making a plan changed the state"
         assert check_plan(self.sched, plan) == []
-        applied = self.sched.apply(plan)
-        return Decisions(
-            grants=applied.grants,
-            revocations=fired.revocations + applied.revocations,
-            expired=fired.expired,
-            timed_out=applied.timed_out,
-            loaded=fired.loaded,
-            workers=applied.workers,
-            rejected=fired.rejected,
-        )
+        return Decisions.of_cycle(fired, self.sched.apply(plan))
 
     @rule()
     def decide(self, planned: bool = True) -> None:

@@ -90,6 +90,20 @@ class Decisions:
     workers: tuple[tuple[str, WorkerStatus, WorkerStatus], ...] = ()
     rejected: tuple[tuple[Request, PendingReason], ...] = ()
 
+    @staticmethod
+    def of_cycle(fired: Decisions, applied: Decisions) -> Decisions:
+        """One cycle's decisions: what :meth:`Scheduler.tick` fired, then what
+        :meth:`Scheduler.apply` carried out."""
+        return Decisions(
+            grants=applied.grants,
+            revocations=fired.revocations + applied.revocations,
+            expired=fired.expired,
+            timed_out=applied.timed_out,
+            loaded=fired.loaded,
+            workers=applied.workers,
+            rejected=fired.rejected,
+        )
+
     def __bool__(self) -> bool:
         return any(
             (
@@ -459,17 +473,7 @@ class Scheduler:
             return _NOTHING
         fired = self.tick(now) if due or self._shrunk else _NOTHING
         applied = self.apply(self.plan(now))
-        if fired is _NOTHING:
-            return applied
-        return Decisions(
-            grants=applied.grants,
-            revocations=fired.revocations + applied.revocations,
-            expired=fired.expired,
-            timed_out=applied.timed_out,
-            loaded=fired.loaded,
-            workers=applied.workers,
-            rejected=fired.rejected,
-        )
+        return applied if fired is _NOTHING else Decisions.of_cycle(fired, applied)
 
     def tick(self, now: float) -> Decisions:
         """What time and the cluster's shape decide before placement: leases whose TTL
