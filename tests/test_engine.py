@@ -755,6 +755,26 @@ async def test_acquires_and_releases_in_one_turn_arm_no_timer() -> None:
         assert clock.live() == []
 
 
+async def test_a_ttl_lapses_even_when_its_timer_rings_a_moment_early() -> None:
+    """The loop may run a timer just before its time: the cycle then finds nothing due, and
+    the arbiter must arm a timer for the same deadline again rather than wait for nothing."""
+
+    class Early(VirtualClock):
+        def call_at(self, when: float, callback: Callable[[], object]) -> VirtualTimer:
+            def early() -> None:
+                self.time -= 1e-6  # rung a microsecond before ``when``, once
+                callback()
+
+            return super().call_at(when, early if len(self.armed) == 0 else callback)
+
+    clock = Early()
+    async with _arbiter(clock=clock) as arbiter:
+        await arbiter.acquire(1000, ttl_s=5.0)
+        await clock.advance(5.0)
+        await clock.advance(1.0)
+        assert arbiter.leases() == []  # expired
+
+
 async def test_the_default_clock_is_the_running_loops() -> None:
     loop = asyncio.get_running_loop()
     async with _arbiter() as arbiter:

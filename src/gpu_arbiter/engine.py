@@ -31,14 +31,15 @@ import asyncio
 import functools
 import itertools
 import logging
-import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 from .core import (
+    Alarm,
     ArbiterStopped,
+    Clock,
     Constraints,
     Decisions,
     Gpu,
@@ -54,6 +55,7 @@ from .core import (
     Policy,
     Request,
     Scheduler,
+    Timer,
     Unschedulable,
     WaitTimeout,
     Worker,
@@ -77,22 +79,6 @@ log = logging.getLogger("gpu_arbiter.engine")
 
 Probe = Callable[[], Awaitable[Mapping[GpuId, GpuProbe | None]]]
 Hook = Callable[["ArbiterEvent"], object]
-
-
-class Timer(Protocol):
-    """A callback a :class:`Clock` will run at :meth:`when` unless cancelled first."""
-
-    def when(self) -> float: ...
-
-    def cancel(self) -> None: ...
-
-
-class Clock(Protocol):
-    """The time the arbiter runs on: monotonic seconds, and a callback run at a time."""
-
-    def now(self) -> float: ...
-
-    def call_at(self, when: float, callback: Callable[[], object]) -> Timer: ...
 
 
 class LoopClock:
@@ -259,7 +245,7 @@ class Arbiter:
         self._handles: dict[str, LeaseHandle] = {}
         self._carried = _Carried(self)
         self._ids = itertools.count(1)
-        self._timer: Timer | None = None
+        self._alarm = Alarm(self._clock, self._cycle)  # the core's next deadline
         self._rearm: asyncio.Handle | None = None  # the timer's re-arming, due this turn
         self._grace_timers: dict[str, Timer] = {}
         self._probe_task: asyncio.Task[None] | None = None
@@ -298,8 +284,7 @@ class Arbiter:
             return
         self._stopped = True
         self._running = False
-        if self._timer is not None:
-            self._timer.cancel()
+        self._alarm.cancel()
         if self._rearm is not None:
             self._rearm.cancel()
         for grace_timer in self._grace_timers.values():
@@ -622,20 +607,12 @@ class Arbiter:
         self._scheduler.counters["revocations_ignored"] += 1
 
     def _arm_timer(self) -> None:
-        """Moves the one timer to the core's next deadline. It runs once per turn of the
-        event loop, after the turn's events: a turn that acquires and releases a lease arms
-        and cancels nothing, and no deadline is missed, as timers fire between turns."""
+        """Moves the alarm to the core's next deadline. It runs once per turn of the event
+        loop, after the turn's events: a turn that acquires and releases a lease arms and
+        cancels nothing, and no deadline is missed, as timers fire between turns."""
         self._rearm = None
-        if not self._running:
-            return
-        deadline = self._scheduler.next_deadline()
-        if self._timer is not None:
-            if self._timer.when() == deadline:
-                return
-            self._timer.cancel()
-            self._timer = None
-        if deadline is not None and math.isfinite(deadline):
-            self._timer = self._clock.call_at(deadline, self._cycle)
+        if self._running:
+            self._alarm.set(self._scheduler.next_deadline())
 
     def _emit(
         self, kind: str, lease_id: str | None, detail: Mapping[str, Any] | None = None

@@ -1,8 +1,10 @@
 """The controller's one timer: a ``call_later`` for the earliest deadline of the core,
 of the heartbeats and of the running updates; when it fires it runs an empty change
-(whose cycle expires, times out, revokes and sweeps what is due). Nothing polls.
+(whose cycle expires, times out, revokes and sweeps what is due). Nothing polls. It is
+the core's :class:`~..core.Alarm`, as the engine's and the simulator's timers are, on the
+controller's clock with its callbacks on the server's loop.
 
-Owns only its timer handle. Calls :meth:`~.change.Changes.change`, reads the
+Owns only its alarm. Calls :meth:`~.change.Changes.change`, reads the
 :class:`~.change.Gate`, and asks the deadline callables it was given.
 """
 
@@ -12,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from ..core import Alarm
 from .change import Changes
 from .values import ServiceUnavailable
 
@@ -20,12 +23,29 @@ __all__ = ["Timer"]
 log = logging.getLogger("gpu_arbiter.controller")
 
 
+class _OnLoop:
+    """The controller's clock (:attr:`Changes.clock`, which tests move), its callbacks run
+    on the server's loop when that clock reaches their time."""
+
+    __slots__ = ("_changes",)
+
+    def __init__(self, changes: Changes) -> None:
+        self._changes = changes
+
+    def now(self) -> float:
+        return self._changes.clock()
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
+        loop = self._changes.gate.loop
+        assert loop is not None, "armed only once the server's loop runs"
+        return loop.call_later(max(0.0, when - self.now()), callback)
+
+
 class Timer:
     def __init__(self, changes: Changes, deadlines: Sequence[Callable[[], float | None]]) -> None:
         self._changes = changes
         self._deadlines = tuple(deadlines)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._alarm = Alarm(_OnLoop(changes), self._on_timer)
 
     def next_wakeup(self) -> float | None:
         found = [deadline() for deadline in self._deadlines]
@@ -35,26 +55,12 @@ class Timer:
         gate = self._changes.gate
         if gate.loop is None or gate.idle:
             return
-        at = self.next_wakeup()
-        if at == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = at
-        if at is not None:
-            delay = max(0.0, at - self._changes.clock())
-            self._timer = gate.loop.call_later(delay, self._on_timer)
+        self._alarm.set(self.next_wakeup())
 
     def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
-        self._timer_at = None
+        self._alarm.cancel()
 
     def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
         gate = self._changes.gate
         if gate.broken is not None or gate.idle:
             return

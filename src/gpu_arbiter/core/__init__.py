@@ -1,6 +1,6 @@
 """The pure decision core: stdlib only, synchronous, no I/O, no clock reads."""
 
-from .driver import Outcomes, hand_over
+from .driver import Alarm, Clock, Outcomes, Timer, hand_over
 from .errors import (
     ArbiterError,
     ArbiterStopped,
@@ -46,8 +46,10 @@ from .units import (
 
 __all__ = [
     "PRIORITY_NAMES",
+    "Alarm",
     "ArbiterError",
     "ArbiterStopped",
+    "Clock",
     "Conflict",
     "Constraints",
     "Decisions",
@@ -67,6 +69,7 @@ __all__ = [
     "Policy",
     "Request",
     "Scheduler",
+    "Timer",
     "Unschedulable",
     "WaitTimeout",
     "Worker",

@@ -15,19 +15,24 @@ method per kind, causes before their effects::
     granted ─── last, the grants all of this made room for
 
 After it, the driver moves its one timer to :meth:`~.scheduler.Scheduler.next_deadline`
-(the core never polls, and never needs a tick).
+(the core never polls, and never needs a tick). That timer is an :class:`Alarm` for
+every driver: armed at one deadline at a time on the driver's :class:`Clock` (the event
+loop's, the controller's, a test's virtual one, the simulator's event heap), moved only
+when the deadline moves, and disarmed by its own ringing, so that a timer that rang a
+moment early is armed again rather than taken for the one still due.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from .model import Lease, Request, WorkerStatus
 from .reasons import PendingReason
 from .scheduler import Decisions
 
-__all__ = ["Outcomes", "hand_over"]
+__all__ = ["Alarm", "Clock", "Outcomes", "Timer", "hand_over"]
 
 
 class Outcomes(Protocol):
@@ -64,3 +69,54 @@ def hand_over(decisions: Decisions, outcomes: Outcomes) -> None:
         outcomes.revoked(decisions.revocations)
     for lease in decisions.grants:
         outcomes.granted(lease)
+
+
+class Timer(Protocol):
+    """A callback a :class:`Clock` will run unless cancelled first."""
+
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """A driver's time: monotonic seconds, and a callback run at a time."""
+
+    def now(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer: ...
+
+
+class Alarm:
+    """A driver's one timer: ``ring`` is called once the deadline it was last
+    :meth:`set` to has come (None or an infinite one: never). Setting the deadline it is
+    already armed for changes nothing, so that a driver may set it after every event
+    without cancelling and arming a timer each time."""
+
+    __slots__ = ("_clock", "_ring", "_timer", "at")
+
+    def __init__(self, clock: Clock, ring: Callable[[], object]) -> None:
+        self._clock = clock
+        self._ring = ring
+        self._timer: Timer | None = None
+        self.at: float | None = None
+        """The deadline it is armed for; None when disarmed."""
+
+    def set(self, deadline: float | None) -> None:
+        if deadline is not None and not math.isfinite(deadline):
+            deadline = None
+        if deadline == self.at:
+            return
+        self.cancel()
+        if deadline is not None:
+            self.at = deadline
+            self._timer = self._clock.call_at(deadline, self._rang)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self.at = None
+
+    def _rang(self) -> None:
+        self._timer = None
+        self.at = None
+        self._ring()

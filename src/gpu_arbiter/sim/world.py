@@ -37,10 +37,11 @@ count would show it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..core import GpuId
+from ..core import Alarm, GpuId
 from .base import Allocator, Attempt, Sleeper, Step
 from .clock import EventHeap
 from .cluster import Cluster
@@ -52,6 +53,20 @@ __all__ = ["Simulation"]
 _Event = tuple[str, str, int]  # kind, key, version
 _BUSY = frozenset({"loading", "running", "waking"})  # memory doing work
 _IDLE = frozenset({"idle", "sleeping", "asleep", "wake_wait"})  # memory kept as a cache
+
+
+def _nothing() -> None:
+    """What the alarm's ringing does: nothing of its own, as every event makes a step."""
+
+
+@dataclass(slots=True)
+class _Wake:
+    """A wake the alarm asked for; cancelled, it rings nothing."""
+
+    ring: Callable[[], object] | None
+
+    def cancel(self) -> None:
+        self.ring = None
 
 
 @dataclass(slots=True)
@@ -167,7 +182,10 @@ class Simulation:
         )
         self._tries: dict[int, int] = {}
         self._seq = 0
-        self._deadlines: set[float] = set()
+        self._now = 0.0
+        self._wakes: dict[int, _Wake] = {}  # by their event's version
+        self._wake_keys = itertools.count()
+        self._alarm = Alarm(self, _nothing)  # the policy's next deadline
         self._owners: dict[str, str] = {}  # a wake's lease: the process's own lease
         self._waking: dict[str, str] = {}  # a pending wake request: the sleeping lease
         self._dirty: set[GpuId] = set()  # GPUs whose memory changed since the last probe
@@ -181,6 +199,7 @@ class Simulation:
         for index, item in enumerate(self.trace):
             self.events.schedule(item.arrival_s, ("arrive", str(index), 0))
         while (now := self.events.next_time()) is not None and now <= self.horizon_s:
+            self._now = now
             for kind, key, version in self.events.pop_due(now):
                 self._handle(kind, key, version, now)
             self._probe()
@@ -189,11 +208,22 @@ class Simulation:
                 self.rec.violations.extend(self.allocator.check(now, step, self._present))
             self.rec.steps += 1
             deadline = self.allocator.next_deadline()
-            if deadline is not None and deadline > now and deadline not in self._deadlines:
-                self._deadlines.add(deadline)
-                self.events.schedule(deadline, ("deadline", "", 0))
+            self._alarm.set(deadline if deadline is not None and deadline > now else None)
         self._finish()
         return self.rec
+
+    # The world's event heap is the alarm's clock: a wake is a ``deadline`` event. One that
+    # was cancelled still makes a step at its time, as every event does; with nothing due
+    # the policy decides nothing then.
+
+    def now(self) -> float:
+        return self._now
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> _Wake:
+        key = next(self._wake_keys)
+        self._wakes[key] = wake = _Wake(callback)
+        self.events.schedule(when, ("deadline", "", key))
+        return wake
 
     def _finish(self) -> None:
         end = max(self.events.next_time() or 0.0, self.rec.last_completion)
@@ -216,7 +246,9 @@ class Simulation:
             self._arrive(int(key), now)
             return
         if kind == "deadline":
-            self._deadlines.discard(now)
+            ring = self._wakes.pop(version).ring
+            if ring is not None:
+                ring()
             return
         proc = self.procs.get(key)
         if proc is None or proc.version != version:
