@@ -209,6 +209,47 @@ async def test_a_submit_answers_with_the_place_and_reason_its_change_found() -> 
     assert replay.pending == waiting.pending
 
 
+async def test_a_live_lease_is_read_listed_and_stored_as_the_core_holds_it() -> None:
+    """A live lease exists once, in the core: after every verb, the record read, the one
+    listed and the one stored carry the core's own lease (its state, expiry, size, idle
+    flag), with the owner that asked; an ended one keeps the core's last word on it."""
+    store, clock = MemoryStore(), Clock()
+    controller = start(store, clock)
+    controller.workers.register("box-1", gpus("box-1", count=1))
+    lease_id = ask(controller, 20_000, ttl_s=60)
+    waiting = ask(controller, 20_000)
+    core = controller.changes.scheduler
+    verbs = [
+        lambda: controller.leases.ready(lease_id),
+        lambda: controller.leases.renew(lease_id, ttl_s=120),
+        lambda: controller.leases.set_idle(lease_id, True),
+        lambda: controller.leases.shrink(lease_id, 10_000),
+        lambda: controller.leases.set_idle(lease_id, False),
+    ]
+    for verb in verbs:
+        clock.now += 1
+        answered = verb()
+        held = core.leases[lease_id]
+        listed = controller.leases.all(state=held.state)
+        assert [r.id for r in listed] == [lease_id]
+        for record in (answered, controller.leases.get(lease_id), *listed, store.lease(lease_id)):
+            assert record is not None
+            assert (record.id, record.lease, record.state) == (lease_id, held, held.state)
+            assert (record.request, record.owner) == (held.request, "client-1")
+    (pending,) = [r for r, _ in controller.leases.queue()]
+    assert (pending.id, pending.owner, pending.request) == (
+        waiting,
+        "client-1",
+        core.queue.get(waiting),
+    )
+    last = core.leases[lease_id]
+    released = controller.leases.release(lease_id)
+    assert released.state is LeaseState.RELEASED and released.end_reason == "released"
+    assert released.lease is not None and released.lease.expires_at == last.expires_at
+    assert store.lease(lease_id) == released
+    assert controller.leases.get(waiting).state is LeaseState.LOADING  # granted its room
+
+
 async def test_renewing_a_lapsed_lease_conflicts_even_before_its_timer_ran() -> None:
     clock = Clock()
     controller = start(MemoryStore(), clock)

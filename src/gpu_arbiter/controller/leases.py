@@ -1,14 +1,21 @@
 """Leases: requests and held leases, their verbs, the queue views, the limits on
 pending requests, and how a cycle's decisions are recorded.
 
-Owns the live lease records, the recently ended ones, the idempotency keys of both in
-memory (an ended lease's key stays until the lease leaves the recent ones, so that a
-replay finds it even before its end is stored) and the pending counts by (token, holder).
-Its part of every change: :meth:`Leases.absorb` records what the core decided,
+A live request or lease exists once, in the core (its queue, its leases): this module
+keeps only who owns each (the token that asked), and a live lease's
+:class:`~..store.LeaseRecord` is made from the core's object and its owner whenever it
+is read or stored, so that there is no second copy to reconcile. An ended lease's record
+is its last word (the core's last lease or request, its end state and reason), kept among
+the recent ones until the store answers for it.
+
+Owns the owners of live leases, the recently ended records, the idempotency keys of
+both in memory (an ended lease's key stays until the lease leaves the recent ones, so
+that a replay finds it even before its end is stored) and the pending counts by (token,
+holder). Its part of every change: :meth:`Leases.absorb` records what the core decided,
 :meth:`Leases.encode` writes the leases a change touched.
 Other modules record a lease's end or revocation only through :meth:`Leases.end` and
 :meth:`Leases.revoked`, a cycle's decisions through :meth:`Leases.absorb`, and read
-leases through :meth:`Leases.record` and :meth:`Leases.get`.
+leases through :meth:`Leases.get`.
 
 Calls the core through ``changes.scheduler``, runs changes through
 :meth:`~.change.Changes.change`, and reads ended leases from the store.
@@ -21,7 +28,6 @@ import logging
 import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
 
 from ..core import (
     ArbiterError,
@@ -65,8 +71,8 @@ class _PendingCounts(Counter[tuple[str, str]]):
         self.by_owner.clear()
 
 
-def _holder_key(record: LeaseRecord) -> tuple[str, str]:
-    return (record.owner or "", record.request.holder)
+def _holder_key(owner: str | None, request: Request) -> tuple[str, str]:
+    return (owner or "", request.holder)
 
 
 class Leases:
@@ -74,7 +80,7 @@ class Leases:
         self._changes = changes
         self._store = store
         self._limits = limits
-        self._records: dict[str, LeaseRecord] = {}
+        self._owners: dict[str, str | None] = {}  # every live request and lease: its token
         self._recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._keys: dict[tuple[str, str], str] = {}
         self._pending_by_holder = _PendingCounts()
@@ -106,19 +112,18 @@ class Leases:
         self._check_limits(owner, request)
         with self._changes.change() as change:
             queued = self._scheduler.submit(request, change.now)
-            record = LeaseRecord(request=queued, state=LeaseState.PENDING, owner=owner)
-            self.remember(record)
-            self._pending_by_holder[_holder_key(record)] += 1
-            change.leases.add(record.id)
+            self._live(owner, queued)
+            self._pending_by_holder[_holder_key(owner, queued)] += 1
+            change.leases.add(queued.id)
             change.event(
                 "lease.requested",
-                record.id,
+                queued.id,
                 vram_mb=request.vram_mb,
                 gpus=request.gpus,
                 priority=request.priority,
                 holder=request.holder,
             )
-        record = self.get(record.id)
+        record = self.get(request.id)
         pending = record.state is LeaseState.PENDING
         return Submitted(record, True, self._view(record.id, change.now) if pending else None)
 
@@ -148,7 +153,7 @@ class Leases:
         limit on pending requests. A token is the caller's authenticated identity (with
         auth off every caller is one: ``anonymous``), so no name the caller picks can
         take a share of another caller's limit."""
-        holder = _holder_key(LeaseRecord(request, LeaseState.PENDING, owner))
+        holder = _holder_key(owner, request)
         counts = (
             ("max_pending_per_token", self._pending_by_holder.by_owner[holder[0]]),
             ("max_pending", len(self._scheduler.queue)),
@@ -168,17 +173,20 @@ class Leases:
 
     def get(self, lease_id: str) -> LeaseRecord:
         """The current record of a lease, live or ended. Raises NotFound."""
-        record = self._records.get(lease_id)
-        if record is not None:
-            return self._current(record)
+        if lease_id in self._owners:
+            return self._record(lease_id)
         record = self._recent.get(lease_id) or self._store.lease(lease_id)
         if record is None:
             raise NotFound(f"no lease {lease_id!r}", lease_id=lease_id)
         return record
 
-    def record(self, lease_id: str) -> LeaseRecord:
-        """The record of a live lease as last stored (KeyError if not live)."""
-        return self._records[lease_id]
+    def _record(self, lease_id: str) -> LeaseRecord:
+        """A live lease's record, made from the core's lease or queued request."""
+        owner = self._owners[lease_id]
+        lease = self._scheduler.leases.get(lease_id)
+        if lease is not None:
+            return LeaseRecord(lease.request, lease.state, owner, lease)
+        return LeaseRecord(self._scheduler.queue.get(lease_id), LeaseState.PENDING, owner)
 
     def all(
         self,
@@ -189,7 +197,7 @@ class Leases:
     ) -> list[LeaseRecord]:
         """Live leases, and recently ended ones, oldest first; those in ``state``, on
         ``worker``, of ``holder`` when given."""
-        found = [self._current(r) for r in self._records.values()]
+        found = [self._record(lease_id) for lease_id in self._owners]
         found += list(self._recent.values())
         return sorted(
             (
@@ -227,7 +235,7 @@ class Leases:
         scheduler = self._scheduler
         return [
             (
-                self._current(self._records[request.id]),
+                LeaseRecord(request, LeaseState.PENDING, self._owners[request.id]),
                 PendingView(position, effective, scheduler.explain(request.id, now)),
             )
             for position, request, effective in itertools.islice(scheduler.pending(now), limit)
@@ -311,10 +319,10 @@ class Leases:
         with self._changes.change() as change:
             if lease_id in self._scheduler.queue:
                 self._scheduler.cancel(lease_id)
-                self.end(change, record, LeaseState.CANCELLED, "cancelled")
+                self.end(change, record.request, LeaseState.CANCELLED, "cancelled")
             else:
                 ended = self._scheduler.release(lease_id, change.now)
-                self.end(change, record, LeaseState.RELEASED, "released", ended)
+                self.end(change, ended, LeaseState.RELEASED, "released")
         return self.get(lease_id)
 
     def revoke(self, lease_id: str, reason: str = "revoked_by_admin") -> LeaseRecord:
@@ -337,7 +345,7 @@ class Leases:
     def granted(self, change: Change, lease: Lease) -> None:
         """Records a grant of the cycle in ``change``: its event, the wait it ended."""
         change.leases.add(lease.id)
-        self._pending_by_holder[_holder_key(self._records[lease.id])] -= 1
+        self._pending_by_holder[_holder_key(self._owners[lease.id], lease.request)] -= 1
         change.grants += 1
         waited_s = max(0.0, lease.granted_at - lease.request.submitted_at)
         change.waited_s.append(waited_s)
@@ -366,65 +374,50 @@ class Leases:
     def end(
         self,
         change: Change,
-        record: LeaseRecord,
+        last: Lease | Request,
         state: LeaseState,
         reason: str,
-        lease: Lease | None = None,
         *,
         message: str | None = None,
     ) -> None:
-        """A record reaches a final state: it leaves the live set, kept as recent.
-        ``message``: the reason in words, for the event."""
-        if lease is None and record.lease is None and record.id in self._records:  # never granted
-            self._pending_by_holder[_holder_key(record)] -= 1
-        ended = replace(
-            record,
-            state=state,
-            lease=lease if lease is not None else record.lease,
-            ended_at=change.now,
-            end_reason=reason,
-        )
-        self._records.pop(record.id, None)
-        self._recent[record.id] = ended
+        """A live lease or request reaches a final state: it leaves the live set, its
+        record kept as recent. ``last``: the core's last word on it (the lease it ended,
+        or the request that never had one). ``message``: the reason in words, for the
+        event."""
+        lease = last if isinstance(last, Lease) else None
+        request = last.request if isinstance(last, Lease) else last
+        owner = self._owners.pop(request.id)
+        if lease is None:  # never granted: it was pending
+            self._pending_by_holder[_holder_key(owner, request)] -= 1
+        ended = LeaseRecord(request, state, owner, lease, change.now, reason)
+        self._recent[request.id] = ended
         while len(self._recent) > self._limits.recent_final_leases:
             _, old = self._recent.popitem(last=False)
             key = (old.owner or "", old.request.idempotency_key or "")
             if self._keys.get(key) == old.id:  # long stored: the store answers for it now
                 del self._keys[key]
-        change.ended[record.id] = ended
-        worker = None if ended.lease is None else ended.lease.worker
+        change.ended[request.id] = ended
+        worker = None if lease is None else lease.worker
         more = {} if message is None else {"message": message}
-        change.event(f"lease.{state}", record.id, worker, reason=reason, **more)
+        change.event(f"lease.{state}", request.id, worker, reason=reason, **more)
 
     def encode(self, change: Change, batch: Batch) -> None:
         """The leases ``change`` touched, as they are now, and those it ended."""
         for lease_id in change.leases - change.ended.keys():
-            if lease_id in self._records:
-                record = self._current(self._records[lease_id])
-                self._records[lease_id] = record
-                batch.leases[lease_id] = record
+            if lease_id in self._owners:
+                batch.leases[lease_id] = self._record(lease_id)
         batch.leases.update(change.ended)
 
-    def remember(self, record: LeaseRecord) -> None:
-        self._records[record.id] = record
-        if record.request.idempotency_key is not None:
-            self._keys[(record.owner or "", record.request.idempotency_key)] = record.id
-
-    def _current(self, record: LeaseRecord) -> LeaseRecord:
-        lease = self._scheduler.leases.get(record.id)
-        if lease is not None:
-            if record.lease is lease:
-                return record
-            return replace(record, request=lease.request, state=lease.state, lease=lease)
-        if record.id in self._scheduler.queue:
-            request = self._scheduler.queue.get(record.id)
-            return record if record.request is request else replace(record, request=request)
-        return record
+    def _live(self, owner: str | None, request: Request) -> None:
+        """``request`` (queued or granted in the core) is live from now on, ``owner``'s."""
+        self._owners[request.id] = owner
+        if request.idempotency_key is not None:
+            self._keys[(owner or "", request.idempotency_key)] = request.id
 
     # ------------------------------------------------------------------ restore
 
     def clear(self) -> None:
-        self._records.clear()
+        self._owners.clear()
         self._recent.clear()
         self._keys.clear()
         self._pending_by_holder.clear()
@@ -441,26 +434,24 @@ class Leases:
         so that a restart costs no write per lease. The store keeps the expiry the holder
         last renewed to until its next renew or end writes the lease."""
         held = sorted((r.lease.token, r.lease, r) for r in records if r.lease is not None)
-        for _, lease, record in held:
-            ttl = lease.request.ttl_s
+        for _, stored, record in held:
+            self._live(record.owner, record.request)
+            lease, ttl = stored, stored.request.ttl_s
             if ttl is not None and lease.expires_at < change.now + ttl:
                 lease = evolve(lease, expires_at=change.now + ttl)  # a revoked one too
             try:
                 self._scheduler.restore_lease(lease)
             except (ArbiterError, KeyError) as error:
                 log.warning("lease %s cannot be restored (%s); ending it", record.id, error)
-                self.end(change, record, LeaseState.EXPIRED, "gpu_gone")
-                continue
-            self.remember(record)
+                self.end(change, stored, LeaseState.EXPIRED, "gpu_gone")
         pending = sorted((r for r in records if r.lease is None), key=lambda r: r.request.seq)
         for record in pending:
+            self._live(record.owner, record.request)
+            self._pending_by_holder[_holder_key(record.owner, record.request)] += 1
             try:
                 self._scheduler.submit(record.request, record.request.submitted_at)
             except Unschedulable as error:
-                self.end(change, record, LeaseState.REJECTED, error.reason.code)
-                continue
-            self.remember(record)
-            self._pending_by_holder[_holder_key(record)] += 1
+                self.end(change, record.request, LeaseState.REJECTED, error.reason.code)
 
 
 class _Recorded:
@@ -474,17 +465,14 @@ class _Recorded:
         self._change = change
 
     def expired(self, lease: Lease) -> None:
-        record = self._leases.record(lease.id)
-        self._leases.end(self._change, record, LeaseState.EXPIRED, "expired", lease)
+        self._leases.end(self._change, lease, LeaseState.EXPIRED, "expired")
 
     def timed_out(self, request: Request) -> None:
-        record = self._leases.record(request.id)
-        self._leases.end(self._change, record, LeaseState.TIMED_OUT, "max_wait")
+        self._leases.end(self._change, request, LeaseState.TIMED_OUT, "max_wait")
 
     def rejected(self, request: Request, reason: PendingReason) -> None:  # the cluster shrank
-        record = self._leases.record(request.id)
         self._leases.end(
-            self._change, record, LeaseState.REJECTED, reason.code, message=reason.message
+            self._change, request, LeaseState.REJECTED, reason.code, message=reason.message
         )
 
     def loaded(self, lease: Lease) -> None:

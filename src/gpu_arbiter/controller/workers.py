@@ -233,13 +233,7 @@ class Workers:
                 change.leases.add(lease_id)
             for lease_id in ending:
                 ended = self._scheduler.release(lease_id, change.now)
-                self._leases.end(
-                    change,
-                    self._leases.record(lease_id),
-                    LeaseState.RELEASED,
-                    "holder_stopped",
-                    ended,
-                )
+                self._leases.end(change, ended, LeaseState.RELEASED, "holder_stopped")
         return self.get(name)
 
     def _supervision_changes(
@@ -372,10 +366,9 @@ class Workers:
                 ended = self._scheduler.release(lease_id, change.now)
                 self._leases.end(
                     change,
-                    self._leases.record(lease_id),
+                    replace(ended, revoke_reason=revoked.revoke_reason),
                     LeaseState.RELEASED,
                     "worker_removed",
-                    replace(ended, revoke_reason=revoked.revoke_reason),
                 )
             if self._listener is not None:
                 self._listener.removed(change, name)

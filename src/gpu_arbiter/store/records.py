@@ -26,9 +26,13 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class LeaseRecord:
-    """One request and, once granted, its lease — through to its final state.
+    """One request and, once granted, its lease — through to its final state: what the
+    store keeps and the API shows of a lease.
 
-    ``owner`` is the principal (token id) that created it; ``end_reason`` says why a
+    While the lease is live the core holds its one copy (the queued request, or the
+    lease, whose own request and state these are) and the controller makes this record
+    from it whenever it is read or stored; a final record is the core's last word on
+    it. ``owner`` is the principal (token id) that created it; ``end_reason`` says why a
     final record ended (``released``, ``expired``, ``holder_stopped``, ...)."""
 
     request: Request
