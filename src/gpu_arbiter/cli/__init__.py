@@ -1,45 +1,110 @@
-"""The ``gpu-arbiter`` command: arguments -> library or client -> rendering. No decisions here."""
+"""The ``gpu-arbiter`` command: arguments -> library or client -> rendering. No decisions here.
+
+A command's module is imported only when that command is looked up (:class:`Commands`):
+``gpu-arbiter serve`` imports the server, never the agent, the gateway or the simulator;
+``gpu-arbiter status`` imports the client, never the server. A lazy group rather than
+imports inside every command's body: the modules keep their imports at the top, where
+typer resolves a command's annotations, and what a command costs is one table away.
+``gpu-arbiter --help`` looks up every command, to show its line.
+"""
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
+from collections.abc import Iterator, MutableMapping
 from typing import Annotated, Any
 
 import typer
+import typer.core
 import typer.main
 
-from .agent import agent
-from .demo import demo
-from .gateway import gateway
-from .logs import logs
-from .models import MODEL_COMMANDS
-from .ops import COMMANDS
-from .run import run
-from .serve import serve, token_app
-from .simulate import simulate
-from .top import top
+SETTINGS: dict[str, Any] = {
+    "pretty_exceptions_enable": False,
+    "rich_markup_mode": None,  # plain help: a flag shows no value placeholder
+}
+"""How typer builds the commands: the root's and, one by one, each command's."""
+
+_OPERATORS: tuple[str, ...] = ("status", "queue", "leases", "events", "drain", "cancel-drain")
+_OPERATORS += ("update", "operation", "remove", "pause", "resume", "release")  # ops.COMMANDS
+_MODELS = ("models", "unload", "pin", "unpin")  # models.MODEL_COMMANDS
+
+DEFINED_IN: dict[str, tuple[str, str]] = {
+    "demo": ("demo", "demo"),
+    "simulate": ("simulate", "simulate"),
+    "serve": ("serve", "serve"),
+    "agent": ("agent", "agent"),
+    "run": ("run", "run"),
+    "gateway": ("gateway", "gateway"),
+    "logs": ("logs", "logs"),
+    **{name: ("ops", "COMMANDS") for name in _OPERATORS},
+    **{name: ("models", "MODEL_COMMANDS") for name in _MODELS},
+    "top": ("top", "top"),
+    "token": ("serve", "token_app"),
+}
+"""Each command, in the order ``--help`` lists them: its module, and the function (or
+the typer app of a command group, or a table of functions by command) it is there."""
+
+
+class Commands(typer.core.TyperGroup):
+    """The root group: every command's name, and each command built from its module
+    (:data:`DEFINED_IN`) at its first lookup (:class:`BuiltOnLookup`)."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        self.commands = BuiltOnLookup()
+
+
+class BuiltOnLookup(MutableMapping[str, Any]):
+    """The root's commands by name, as typer's groups keep them (listed for ``--help``
+    and for "did you mean"), each built when it is first looked up. Fixed: the commands
+    are those of :data:`DEFINED_IN`."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._built:
+            if name not in DEFINED_IN:
+                raise KeyError(name)
+            self._built[name] = _build(name)
+        return self._built[name]
+
+    def __setitem__(self, name: str, command: Any) -> None:
+        raise TypeError(f"the root's commands are fixed (add {name!r} to DEFINED_IN)")
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError(f"the root's commands are fixed ({name!r} is one)")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DEFINED_IN)
+
+    def __len__(self) -> int:
+        return len(DEFINED_IN)
+
+
+def _build(name: str) -> Any:
+    """``name``'s click command, built by typer as it builds a registered command."""
+    module, attribute = DEFINED_IN[name]
+    found = getattr(importlib.import_module(f".{module}", __name__), attribute)
+    one = typer.Typer(**SETTINGS)
+    if isinstance(found, typer.Typer):
+        one.add_typer(found, name=name)
+    else:
+        one.command(name)(found[name] if isinstance(found, dict) else found)
+    command = typer.main.get_group(one).commands[name]
+    _name_values(command)
+    return command
+
 
 app = typer.Typer(
     name="gpu-arbiter",
     help="The single authority for GPU memory: leases of VRAM, granted safely.",
     no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # plain help: a flag shows no value placeholder
+    cls=Commands,
+    **SETTINGS,
 )
-app.command()(demo)
-app.command()(simulate)
-app.command()(serve)
-app.command()(agent)
-app.command()(run)
-app.command()(gateway)
-app.command()(logs)
-app.add_typer(token_app, name="token")
-for _name, _command in COMMANDS.items():
-    app.command(_name)(_command)
-for _name, _command in MODEL_COMMANDS.items():
-    app.command(_name)(_command)
-app.command()(top)
 
 
 def _print_version(given: bool) -> None:
@@ -101,8 +166,9 @@ def _name_values(command: Any) -> None:
         is_option = param.param_type_name == "option"
         if is_option and param.metavar is None and not getattr(param, "is_flag", False):
             param.metavar = _metavar(param)
-    for sub in getattr(command, "commands", {}).values():
-        _name_values(sub)
+    if not isinstance(command, Commands):  # the root's are named as they are built
+        for sub in getattr(command, "commands", {}).values():
+            _name_values(sub)
 
 
 _SERVICES = frozenset({"serve", "agent", "run", "gateway"})

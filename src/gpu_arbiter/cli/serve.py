@@ -1,7 +1,8 @@
 """``gpu-arbiter serve`` and ``gpu-arbiter token create``.
 
 The server (FastAPI, uvicorn) is imported only by these commands, so that ``run`` and
-``agent`` start quickly."""
+``agent`` start quickly; the agent (and the client) only by ``serve --local``, the
+gateway only by ``serve --local --models``, so that a controller starts quickly."""
 
 from __future__ import annotations
 
@@ -19,16 +20,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..agent.agent import Agent, AgentConfig
-from ..agent.probes import FakeProbe, parse_fake_spec
-from ..client import DEFAULT_URL
 from ..core import InvalidInput, validate_worker_name
 from ..logs import say
 from ..paths import default_state_dir
-from .agent import open_agent_probe, worker_name
 
 if TYPE_CHECKING:
-    from ..server.serve import Companion, Stopping
+    from ..gateway.process import GatewayRefused
+    from ..server.serve import Companion, ServeRefused, Stopping
     from ..store import Store
 
 Gateway = Callable[..., Awaitable[None]]
@@ -200,9 +198,7 @@ def serve(
         "max_header_bytes": max_header_bytes,
         "header_timeout_s": header_timeout_s,
     }
-    from ..gateway.process import GatewayRefused
     from ..server.config import ServeConfig
-    from ..server.serve import ServeRefused
     from ..server.serve import serve as run_server
     from ..store import StoreError
 
@@ -215,15 +211,28 @@ def serve(
         raise typer.BadParameter("--models runs the gateway beside the local agent: add --local")
     companion = None
     token_file = settings.state_path / "admin.token" if settings.auth else None
+    refusals = _refusals(with_gateway=models is not None)
     try:
         if local:
             companion = local_agent(spec, token_file, models, settings.state_path)
         run_server(settings, companion)
-    except (ServeRefused, GatewayRefused) as refused:  # one line, and its exit code
+    except refusals as refused:  # one line, and its exit code
         typer.echo(f"gpu-arbiter serve: {refused}", err=True)
         raise typer.Exit(refused.exit_code) from None
     except StoreError as error:  # at start: once serving, the store's failures are 503s
         raise SystemExit(f"gpu-arbiter serve: {error}") from error
+
+
+def _refusals(with_gateway: bool) -> tuple[type[ServeRefused | GatewayRefused], ...]:
+    """What refuses to start ``serve`` (one line and an exit code): the server, and the
+    gateway where one runs beside it (its modules are imported only then)."""
+    from ..server.serve import ServeRefused
+
+    if not with_gateway:
+        return (ServeRefused,)
+    from ..gateway.process import GatewayRefused
+
+    return (ServeRefused, GatewayRefused)
 
 
 def local_agent(
@@ -237,6 +246,10 @@ def local_agent(
     another gateway on the directory 73, before anything starts). On stop the gateway
     stops first (its servers stopped, their leases released, the agent still there to
     stop them), then the agent."""
+    from ..agent.agent import Agent, AgentConfig
+    from ..agent.probes import FakeProbe, parse_fake_spec
+    from .agent import open_agent_probe, worker_name
+
     gateway = None if models is None else local_gateway(models, state_dir or default_state_dir())
     if simulate is not None:
         try:
@@ -368,6 +381,8 @@ def command_word() -> str:
 def usage_lines(url: str, token_file: Path | None) -> list[str]:
     """Commands that work as printed in a new shell: the URL and token only where the
     command would not find them by itself (another port, another state directory)."""
+    from ..client import DEFAULT_URL
+
     lines = [] if url == DEFAULT_URL else [f"export GPU_ARBITER_URL={url}"]
     if token_file is not None and token_file.parent != default_state_dir():
         lines.append(f"export GPU_ARBITER_TOKEN=$(cat {shlex.quote(str(token_file))})")
