@@ -30,14 +30,14 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import uvicorn
 
 from ..controller import Controller, Limits
 from ..logs import say, setup_logging
-from ..store import MemoryStore, PostgresStore, SqliteStore, Store, is_postgres_url
+from ..store import MemoryStore, SqliteStore, Store, is_postgres_url
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
@@ -46,6 +46,9 @@ from .guards import allowed_hosts
 from .ha import Coordinator, LeaderStore
 from .history import History
 from .limits import ClientLimits
+
+if TYPE_CHECKING:
+    from ..store import PostgresStore
 
 __all__ = [
     "EXIT_CANNOT_LISTEN",
@@ -97,12 +100,24 @@ def open_store(config: ServeConfig) -> Store:
     if config.store == "memory":
         return MemoryStore()
     if is_postgres_url(config.store):
+        from ..store import PostgresStore  # asyncpg: only for this store
+
         return PostgresStore(config.store, step_down_on_close=True)
     state_dir = config.state_path
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     return SqliteStore(
         state_dir / "state.db", synchronous="FULL" if config.sync == "full" else "NORMAL"
     )
+
+
+def _shared(store: Store, config: ServeConfig) -> PostgresStore | None:
+    """``store`` if several controllers share it (a leader is elected beside the server):
+    a PostgreSQL store, whose module is imported only where ``config`` names one."""
+    if not is_postgres_url(config.store):
+        return None
+    from ..store import PostgresStore
+
+    return store if isinstance(store, PostgresStore) else None
 
 
 class ServeRefused(Exception):
@@ -177,6 +192,7 @@ def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | N
         with contextlib.suppress(ValueError):
             redactor.hide(urlsplit(config.store).password)  # the database's, if in the URL
     store = open_store(config)
+    shared = _shared(store, config)
     admin_token = None
     token_file = None
     if config.auth:
@@ -208,7 +224,7 @@ def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | N
             max_long_polls=config.max_long_polls,
             max_long_polls_per_token=config.max_long_polls_per_token,
         ),
-        standby=isinstance(store, PostgresStore),  # shared: a leader is elected beside
+        standby=shared is not None,  # a leader is elected beside
         allowed_hosts=allowed_hosts(sock.getsockname()[0], config),
         retention_s=config.retention_s,
         history=History(sample_s=config.history_sample_s),
@@ -216,8 +232,8 @@ def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | N
     )
     server = _Server(app.state.event_feed.close, _uvicorn_config(app, config))
     companions = [] if companion is None else [companion]
-    if isinstance(store, PostgresStore):
-        companions.insert(0, _coordinate(controller, store, config))
+    if shared is not None:
+        companions.insert(0, _coordinate(controller, shared, config))
     if not companions:
         server.run(sockets=[sock])
     else:

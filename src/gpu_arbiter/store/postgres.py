@@ -60,7 +60,7 @@ from .codec import (
 )
 from .records import Batch, Event, LeaseRecord, OperationRecord, Snapshot, TokenRecord
 
-__all__ = ["MIGRATIONS", "Leader", "PostgresStore", "is_postgres_url"]
+__all__ = ["MIGRATIONS", "Leader", "PostgresStore"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,11 +179,6 @@ _FAILURES: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
 )
-
-
-def is_postgres_url(text: str) -> bool:
-    """``postgresql://...`` or ``postgres://...``."""
-    return text.startswith(("postgresql://", "postgres://"))
 
 
 @dataclass(frozen=True, slots=True)
