@@ -390,17 +390,25 @@ class GatewayReportIn(_In):
 # ---------------------------------------------------------------- outputs (documentation)
 
 
-class ErrorBody(BaseModel):
+class _Out(BaseModel):
+    """A shape the API answers with, for the OpenAPI schema: the answers themselves are
+    built by the ``*_out`` functions, so its validator is built only if something uses
+    it (the schema's own generation, a test), not for every route at the start."""
+
+    model_config = ConfigDict(defer_build=True)
+
+
+class ErrorBody(_Out):
     code: str
     message: str
     details: dict[str, Any] = Field(default_factory=dict)
 
 
-class ErrorOut(BaseModel):
+class ErrorOut(_Out):
     error: ErrorBody
 
 
-class LeaseOut(BaseModel):
+class LeaseOut(_Out):
     id: str
     state: str
     gpus: list[str]
@@ -432,7 +440,7 @@ class LeaseOut(BaseModel):
     reason: dict[str, Any] | None = None
 
 
-class GpuOut(BaseModel):
+class GpuOut(_Out):
     id: str
     index: int
     uuid: str
@@ -451,13 +459,13 @@ class GpuOut(BaseModel):
     leases: list[str]
 
 
-class WorkerUpdateOut(BaseModel):
+class WorkerUpdateOut(_Out):
     operation: str
     waiting_on: str
     deadline: float | None
 
 
-class WorkerOut(BaseModel):
+class WorkerOut(_Out):
     name: str
     state: str
     url: str
@@ -471,7 +479,7 @@ class WorkerOut(BaseModel):
     gpus: list[GpuOut]
 
 
-class HeartbeatOut(BaseModel):
+class HeartbeatOut(_Out):
     name: str
     state: str
     leases: list[str]
@@ -479,14 +487,14 @@ class HeartbeatOut(BaseModel):
     update: dict[str, Any] | None = None
 
 
-class OperationStepOut(BaseModel):
+class OperationStepOut(_Out):
     name: str
     outcome: str
     at: float
     detail: str
 
 
-class OperationOut(BaseModel):
+class OperationOut(_Out):
     id: str
     kind: str
     worker: str
@@ -499,7 +507,7 @@ class OperationOut(BaseModel):
     deadline: float | None
 
 
-class DrainOut(BaseModel):
+class DrainOut(_Out):
     worker: str
     previous_state: str
     state: str
@@ -509,7 +517,7 @@ class DrainOut(BaseModel):
     leases_left: int
 
 
-class GatewayCommandOut(BaseModel):
+class GatewayCommandOut(_Out):
     """A command queued for a gateway: ``verb`` one of unload, pin, unpin."""
 
     id: str
@@ -517,7 +525,7 @@ class GatewayCommandOut(BaseModel):
     verb: str
 
 
-class GatewayReportOut(BaseModel):
+class GatewayReportOut(_Out):
     """The answer to a report: the gateway is stale after ``ttl_s`` without another
     (report every ``report_s``); ``commands``: those queued for it, handed over now."""
 
@@ -527,19 +535,19 @@ class GatewayReportOut(BaseModel):
     commands: list[GatewayCommandOut]
 
 
-class GatewayCommandsOut(BaseModel):
+class GatewayCommandsOut(_Out):
     name: str
     commands: list[GatewayCommandOut]
 
 
-class GatewayCommandQueuedOut(BaseModel):
+class GatewayCommandQueuedOut(_Out):
     id: str
     gateway: str
     model: str
     verb: str
 
 
-class GatewayOut(BaseModel):
+class GatewayOut(_Out):
     """A gateway as it last reported: ``stale`` once it has not for ``ttl_s``; its
     models as its ``GET /v1/models`` describes them."""
 
@@ -553,7 +561,7 @@ class GatewayOut(BaseModel):
     models: list[dict[str, Any]]
 
 
-class GatewayGoneOut(BaseModel):
+class GatewayGoneOut(_Out):
     name: str
     forgotten: bool
 
@@ -725,7 +733,7 @@ def event_out(event: Event) -> dict[str, Any]:
 # ---------------------------------------------------------------- history and access
 
 
-class GpuHistoryOut(BaseModel):
+class GpuHistoryOut(_Out):
     """One GPU's samples, one value per time of ``times`` (``null``: the GPU was not
     there then; for ``used_mb`` also: its probe reported nothing)."""
 
@@ -736,7 +744,7 @@ class GpuHistoryOut(BaseModel):
     busy_mb: list[int | None]
 
 
-class HistoryOut(BaseModel):
+class HistoryOut(_Out):
     """The controller's recent history, kept in its memory (a restart starts it afresh):
     a sample every ``sample_s`` seconds, the last ``samples`` of them, for at most
     ``max_gpus`` GPUs (``gpus_left_out``: how many more the last sample saw)."""
@@ -753,7 +761,7 @@ class HistoryOut(BaseModel):
     )
 
 
-class AccessOut(BaseModel):
+class AccessOut(_Out):
     """How to sign in. ``auth``: whether tokens are needed; ``role``: the role of the
     token sent, if the controller knows it (``null`` without one, or for an unknown one);
     ``admin_token_file``: where this controller keeps its admin token, told only to a
