@@ -8,8 +8,13 @@ accepts changes: the store loaded, every lease restored to the core, each one's 
 re-armed from the restart) is measured. The same for an empty store in the same run,
 so that the figure that matters is the ratio: what the leases cost beyond a start.
 
-Run: ``python bench/bench_restart.py [--leases 10000] [--rounds 5]``. Prints the
-median, best and worst of each, and the ratio of the medians.
+``--baseline SRC`` also starts the ``src`` directory of other code (``git worktree add
+/tmp/base COMMIT``, then ``--baseline /tmp/base/src``) on the same state directories,
+each restart right after ours (a load on the machine weighs on both alike), and prints
+ours against it; the state is written by ours, which the other code must read.
+
+Run: ``python bench/bench_restart.py [--leases 10000] [--rounds 5] [--baseline SRC]``.
+Prints the median, best and worst of each, and the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ class Controller:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
-    def start(self) -> float:
-        """Starts the process; seconds until it accepts changes."""
+    def start(self, src: Path = SRC) -> float:
+        """Starts the process of the code in ``src``; seconds until it accepts changes."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        env = {**os.environ, "PYTHONPATH": str(src)}
         env.pop("GPU_ARBITER_CONFIG", None)
         command = [sys.executable, "-m", "gpu_arbiter", "serve", "--port", "0"]
         command += ["--state-dir", str(self.state_dir), "--simulate", SIMULATED]
@@ -97,23 +102,30 @@ async def fill(url: str, token: str, count: int, clients: int = 32) -> None:
         await asyncio.gather(*(one_client() for _ in range(clients)))
 
 
-def rounds(state_dir: Path, leases: int, count: int) -> list[float]:
+def rounds(state_dir: Path, leases: int, count: int, sources: list[Path]) -> list[list[float]]:
+    """``count`` restarts of each code of ``sources`` on one state directory of ``leases``
+    (written by the first), in turn; each one's times, in the order of ``sources``."""
     controller = Controller(state_dir)
-    controller.start()
+    controller.start(sources[0])
     if leases:
         asyncio.run(fill(controller.url, controller.token(), leases))
-    times = []
+    times: list[list[float]] = [[] for _ in sources]
     for _ in range(count):
-        controller.kill9()
-        times.append(controller.start())
+        for src, taken in zip(sources, times, strict=True):
+            controller.kill9()
+            taken.append(controller.start(src))
+            check_restored(controller, leases, src)
+    controller.kill9()
+    return times
+
+
+def check_restored(controller: Controller, leases: int, src: Path) -> None:
     restored = httpx.get(
         controller.url + "/v1/status", headers={"Authorization": f"Bearer {controller.token()}"}
     ).json()
-    controller.kill9()
     held = restored.get("leases_by_state", {})
     if sum(held.values()) != leases:
-        raise SystemExit(f"the last restart holds {held}, not {leases} leases")
-    return times
+        raise SystemExit(f"a restart of {src} holds {held}, not {leases} leases")
 
 
 def line(name: str, times: list[float]) -> str:
@@ -123,18 +135,40 @@ def line(name: str, times: list[float]) -> str:
     )
 
 
+def report(leases: int, empty: list[float], full: list[float]) -> None:
+    print(line("empty store", empty))
+    print(line(f"{leases} leases", full))
+    ratio = statistics.median(full) / statistics.median(empty)
+    print(f"{'ratio':>14}: {ratio:.2f}x the empty store's start")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leases", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        type=Path,
+        default=None,
+        help="also restart this src directory (other code) and print the ratios",
+    )
     args = parser.parse_args()
+    if args.baseline is not None and not (args.baseline / "gpu_arbiter").is_dir():
+        parser.error(f"--baseline: {args.baseline} holds no gpu_arbiter package")
+    sources = [SRC] if args.baseline is None else [SRC, args.baseline]
     with tempfile.TemporaryDirectory() as scratch:
-        empty = rounds(Path(scratch) / "empty", 0, args.rounds)
-        full = rounds(Path(scratch) / "full", args.leases, args.rounds)
-    print(line("empty store", empty))
-    print(line(f"{args.leases} leases", full))
-    ratio = statistics.median(full) / statistics.median(empty)
-    print(f"{'ratio':>14}: {ratio:.2f}x the empty store's start")
+        empty = rounds(Path(scratch) / "empty", 0, args.rounds, sources)
+        full = rounds(Path(scratch) / "full", args.leases, args.rounds, sources)
+    report(args.leases, empty[0], full[0])
+    if args.baseline is not None:
+        print(f"\nagainst {args.baseline} (base), same run")
+        report(args.leases, empty[1], full[1])
+        print(
+            f"{'ours/base':>14}: empty store "
+            f"{statistics.median(empty[0]) / statistics.median(empty[1]):.2f}x, "
+            f"{args.leases} leases {statistics.median(full[0]) / statistics.median(full[1]):.2f}x"
+        )
 
 
 if __name__ == "__main__":
