@@ -288,6 +288,8 @@ class _Walk:
             free, gpu_id = index[i]
             if free < floor or (best is not None and sign * free > sign * best[0]):
                 break
+            if not spread and best is not None and (free, gpu_id) > best:
+                break  # the index ascends by (room, id), binpack's own order: none can win
             if gpu_id not in holds:
                 consider(free, gpu_id)
         return None if best is None else best[1]
