@@ -6,7 +6,17 @@ from __future__ import annotations
 import inspect
 import re
 
-from gpu_arbiter.core import Constraints, GpuProbe, WorkerStatus, filters
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_arbiter.core import (
+    Constraints,
+    GpuProbe,
+    Policy,
+    Unschedulable,
+    WorkerStatus,
+    filters,
+)
 from gpu_arbiter.core.stages import FEASIBLE, FIT, STAGES, Outcome, fits, outcome
 
 from .support import GiB, gid, gpu, req, scheduler
@@ -79,3 +89,41 @@ def test_every_code_a_stage_can_return_is_a_typed_outcome_saying_what_helps() ->
     sched = scheduler(gpu())
     code = outcome(sched, req("x", 30 * GiB), A, {})
     assert code is Outcome.TOO_SMALL and f"{code}" == "too_small"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([8, 16, 24]), min_size=1, max_size=12),
+    held=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 8), st.booleans()), max_size=10),
+    want=st.integers(1, 24),
+    placement=st.sampled_from(["binpack", "spread"]),
+)
+def test_a_request_for_one_gpu_gets_the_best_gpu_every_stage_lets_through(
+    sizes: list[int], held: list[tuple[int, int, bool]], want: int, placement: str
+) -> None:
+    """Placement is the stages' verdicts ranked: of the GPUs every stage lets the request
+    through on, the least room left (binpack) or the most (spread), then the lowest id;
+    GPUs of equal room (an idle cluster) are many and must not change the pick."""
+    policy = Policy(placement=placement)  # type: ignore[arg-type]
+    sched = scheduler(*(gpu(i, s * GiB) for i, s in enumerate(sizes)), policy=policy)
+    for k, (index, gib, loaded) in enumerate(held):
+        on = Constraints(gpu_ids=(f"w1:{index % len(sizes)}",))
+        try:
+            sched.submit(req(f"h{k}", gib * GiB, constraints=on), 0.0)
+        except Unschedulable:  # larger than that GPU can ever hold
+            continue
+        if sched.decide(0.0).grants and loaded:
+            sched.ready(f"h{k}", 0.0)
+    for request in list(sched.queue.ordered(policy, 0.0)):  # those that did not fit
+        sched.cancel(request.id)
+    request = req("new", want * GiB)
+    through = [g for g in sched.gpu_ids() if fits(sched, request, g, {})]
+    sign = -1 if placement == "spread" else 1
+    expected = min(through, key=lambda g: (sign * sched.ledger.free_mb(g), g), default=None)
+    try:
+        sched.submit(request, 0.0)
+    except Unschedulable:  # no GPU could ever hold it
+        assert through == []
+        return
+    grants = sched.decide(0.0).grants
+    assert [lease.gpus for lease in grants] == ([] if expected is None else [(expected,)])
