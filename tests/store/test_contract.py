@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +27,7 @@ from gpu_arbiter.store import (
     TokenRecord,
     WorkerRecord,
 )
+from gpu_arbiter.store.sqlite import CHECKPOINT_EVERY
 
 
 def _open(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Store:
@@ -314,3 +317,39 @@ def test_sqlite_reads_never_see_a_commit_in_flight_on_another_thread(tmp_path: P
         writer.join(30)
     assert [w.name for w in store.load().workers] == ["box-1"]
     store.close()
+
+
+def test_sqlite_log_is_copied_into_the_database_by_the_checkpointer_not_by_a_commit(
+    tmp_path: Path,
+) -> None:
+    """No commit copies the write-ahead log back (SQLite's own checkpoint would, and flush
+    the database file inside that commit): every CHECKPOINT_EVERY commits the
+    checkpointer's thread does, so that the database file itself (read without the log)
+    holds what was committed; closing the store ends that thread."""
+    path = tmp_path / "state.db"
+    store = SqliteStore(path)
+    try:
+        for k in range(CHECKPOINT_EVERY - 1):
+            lease = _granted(f"l-{k}", k + 1)
+            store.commit(Batch(leases={lease.id: lease}))
+        assert _in_database_file(path) == 0  # all of it still in the log
+        last = _granted("l-last", CHECKPOINT_EVERY)
+        store.commit(Batch(leases={last.id: last}))
+        guard = time.monotonic() + 30  # the thread is woken at once; this only bounds a hang
+        while _in_database_file(path) != CHECKPOINT_EVERY and time.monotonic() < guard:
+            time.sleep(0.01)  # nothing to wait on: the checkpoint is SQLite's, on its thread
+        assert _in_database_file(path) == CHECKPOINT_EVERY
+    finally:
+        store.close()
+    assert not [t for t in threading.enumerate() if t.name == "sqlite-checkpoint"]
+
+
+def _in_database_file(path: Path) -> int:
+    """Leases in the database file alone, its write-ahead log ignored."""
+    db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM leases").fetchone()[0])
+    except sqlite3.OperationalError:  # the tables themselves are still in the log
+        return 0
+    finally:
+        db.close()
