@@ -101,13 +101,15 @@ class Alarm:
         """The deadline it is armed for; None when disarmed."""
 
     def set(self, deadline: float | None) -> None:
+        if deadline == self.at:  # the common case: first, and nothing else to do
+            return
         if deadline is not None and not math.isfinite(deadline):
             deadline = None
-        if deadline == self.at:
-            return
-        self.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.at = deadline
         if deadline is not None:
-            self.at = deadline
             self._timer = self._clock.call_at(deadline, self._rang)
 
     def cancel(self) -> None:
