@@ -360,3 +360,28 @@ def _in_database_file(path: Path) -> int:
         return -1
     finally:
         db.close()
+
+
+def test_sqlite_a_checkpoint_that_fails_is_logged_and_commits_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The checkpointer cannot open its connection (any error of SQLite's): it says so,
+    and every commit still lands, in the log, to be loaded back whole."""
+    store = SqliteStore(tmp_path / "state.db")
+
+    def refuse(*args: object, **kwargs: object) -> sqlite3.Connection:
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(sqlite3, "connect", refuse)  # opened already: only its own refused
+    try:
+        with caplog.at_level("WARNING", logger="gpu_arbiter.store"):
+            for k in range(CHECKPOINT_EVERY + 1):
+                lease = _granted(f"l-{k}", k + 1)
+                store.commit(Batch(leases={lease.id: lease}))
+            guard = time.monotonic() + 30  # the thread is woken at once; this bounds a hang
+            while "checkpoint of" not in caplog.text and time.monotonic() < guard:
+                time.sleep(0.01)
+        assert "unable to open database file" in caplog.text
+        assert len(store.load().leases) == CHECKPOINT_EVERY + 1
+    finally:
+        store.close()

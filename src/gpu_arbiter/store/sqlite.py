@@ -329,8 +329,7 @@ class _Checkpointer:
     a reader or a writer) every :data:`CHECKPOINT_EVERY` commits, on a connection and a
     daemon thread of its own, started at the first checkpoint asked for (a store only
     read, by a command, starts none). A checkpoint that fails is logged and tried again
-    at the next; the log stays correct meanwhile, only longer. ``done`` counts the
-    checkpoints made."""
+    at the next; the log stays correct meanwhile, only longer."""
 
     def __init__(self, path: Path, synchronous: str) -> None:
         self._path = path
@@ -339,7 +338,6 @@ class _Checkpointer:
         self._wanted = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.done = 0
 
     def committed(self) -> None:
         self._commits += 1
@@ -351,22 +349,23 @@ class _Checkpointer:
         self._wanted.set()
 
     def _run(self) -> None:
-        db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        db: sqlite3.Connection | None = None
         try:
-            db.execute(f"PRAGMA synchronous={self._synchronous}")
             while True:
                 self._wanted.wait()
                 self._wanted.clear()
                 if self._closed:
                     return
                 try:
+                    if db is None:
+                        db = sqlite3.connect(self._path, isolation_level=None)
+                        db.execute(f"PRAGMA synchronous={self._synchronous}")
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)")
                 except sqlite3.Error as error:
                     log.warning("checkpoint of %s failed: %s", self._path, error)
-                else:
-                    self.done += 1
         finally:
-            db.close()
+            if db is not None:
+                db.close()
 
     def close(self) -> None:
         self._closed = True
