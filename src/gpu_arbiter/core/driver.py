@@ -77,12 +77,16 @@ class Timer(Protocol):
     def cancel(self) -> None: ...
 
 
-class Clock(Protocol):
+class Schedules(Protocol):
+    """What an :class:`Alarm` needs of a clock: a callback run at a time."""
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer: ...
+
+
+class Clock(Schedules, Protocol):
     """A driver's time: monotonic seconds, and a callback run at a time."""
 
     def now(self) -> float: ...
-
-    def call_at(self, when: float, callback: Callable[[], object]) -> Timer: ...
 
 
 class Alarm:
@@ -93,7 +97,7 @@ class Alarm:
 
     __slots__ = ("_clock", "_ring", "_timer", "at")
 
-    def __init__(self, clock: Clock, ring: Callable[[], object]) -> None:
+    def __init__(self, clock: Schedules, ring: Callable[[], object]) -> None:
         self._clock = clock
         self._ring = ring
         self._timer: Timer | None = None

@@ -182,7 +182,6 @@ class Simulation:
         )
         self._tries: dict[int, int] = {}
         self._seq = 0
-        self._now = 0.0
         self._wakes: dict[int, _Wake] = {}  # by their event's version
         self._wake_keys = itertools.count()
         self._alarm = Alarm(self, _nothing)  # the policy's next deadline
@@ -199,7 +198,6 @@ class Simulation:
         for index, item in enumerate(self.trace):
             self.events.schedule(item.arrival_s, ("arrive", str(index), 0))
         while (now := self.events.next_time()) is not None and now <= self.horizon_s:
-            self._now = now
             for kind, key, version in self.events.pop_due(now):
                 self._handle(kind, key, version, now)
             self._probe()
@@ -215,9 +213,6 @@ class Simulation:
     # The world's event heap is the alarm's clock: a wake is a ``deadline`` event. One that
     # was cancelled still makes a step at its time, as every event does; with nothing due
     # the policy decides nothing then.
-
-    def now(self) -> float:
-        return self._now
 
     def call_at(self, when: float, callback: Callable[[], object]) -> _Wake:
         key = next(self._wake_keys)
