@@ -27,7 +27,14 @@ from ..agent.local import local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import InvalidInput
 from ..logs import Redactor, say
-from ..web.connections import HeadLimits, bounded_http, raise_open_files_limit, set_aside_files
+from ..web.connections import (
+    HeadLimits,
+    Listener,
+    bound,
+    bounded_http,
+    raise_open_files_limit,
+    set_aside_files,
+)
 from .access import Access, ApiKey, check_exposure
 from .app import GatewayApp
 from .config import GatewayConfig, ModelConfig
@@ -138,6 +145,7 @@ async def _serve(
         )  # fmt: skip
         _hide(config.keys)
         server = _Server(_uvicorn_config(app, config))
+        sock.cap = server.config.limit_concurrency or sock.cap
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
         say(f"gateway on http://{host}:{port} for {', '.join(models)} (worker {worker or 'any'})")
@@ -239,11 +247,7 @@ def _hide(keys: tuple[ApiKey, ...]) -> None:
                     found.hide(key.key)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: NODELAY
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(False)
+def _listen(host: str, port: int) -> Listener:
+    sock = bound(host, port)
+    sock.listen(2048)  # connections made before uvicorn serves wait rather than fail
     return sock

@@ -38,10 +38,10 @@ import uvicorn
 from ..controller import Controller, Limits
 from ..logs import say, setup_logging
 from ..store import MemoryStore, SqliteStore, Store, is_postgres_url
+from ..web.connections import HeadLimits, Listener, bound, bounded_http, raise_open_files_limit
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
 from .config import ServeConfig, is_loopback, parse_simulate
-from .connections import HeadLimits, bounded_http, raise_open_files_limit
 from .guards import allowed_hosts
 from .ha import Coordinator, LeaderStore
 from .history import History
@@ -152,22 +152,17 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> Listener:
     """A socket bound to ``host:port`` (uvicorn listens on it), or :class:`ServeRefused`."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: NODELAY
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return bound(host, port)
     except OSError as error:
-        sock.close()
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if error.errno == errno.EADDRINUSE:
             why = f"{where} is already in use (another gpu-arbiter? `--port` chooses another)"
         else:
             why = f"cannot listen on {where}: {error.strerror or error}"
         raise ServeRefused(why, EXIT_CANNOT_LISTEN) from None
-    return sock
 
 
 def serve(config: ServeConfig, companion: Companion | None = None) -> None:
@@ -186,7 +181,7 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
         _serve_on(sock, config, companion)
 
 
-def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | None) -> None:
+def _serve_on(sock: Listener, config: ServeConfig, companion: Companion | None) -> None:
     redactor = setup_logging(config.log_format, config.log_level)
     if is_postgres_url(config.store):
         with contextlib.suppress(ValueError):
@@ -231,6 +226,7 @@ def _serve_on(sock: socket.socket, config: ServeConfig, companion: Companion | N
         admin_token_file=token_file,
     )
     server = _Server(app.state.event_feed.close, _uvicorn_config(app, config))
+    sock.cap = server.config.limit_concurrency or sock.cap
     companions = [] if companion is None else [companion]
     if shared is not None:
         companions.insert(0, _coordinate(controller, shared, config))

@@ -14,9 +14,11 @@ as it comes. :func:`bounded_http` subclasses it minimally:
   ``timeout_keep_alive``.
 
 Beyond the cap on connections (uvicorn's ``limit_concurrency``), a request is answered
-503 (uvicorn) and a new connection is answered 503 and closed at once (here), so that
-connections never take the descriptors the store needs; the cap is kept below the limit
-of open files, raised to its hard limit at start (:func:`raise_open_files_limit`).
+503 (uvicorn) and a new connection is answered 503 and closed at once, by the listening
+socket as it accepts (:class:`Listener`) and by the protocol when it sees the connection,
+so that connections never take the descriptors the store needs, even in a burst that
+comes while the loop is busy; the cap is kept below the limit of open files, raised to
+its hard limit at start (:func:`raise_open_files_limit`).
 
 Two listeners in one process (``serve --local --models``: the controller and the
 gateway) share its descriptors. The second one sets its share aside before the first
@@ -28,16 +30,29 @@ so the record of what was set aside is the process's too (a module variable).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
+import socket
 from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-__all__ = ["HeadLimits", "bounded_http", "raise_open_files_limit", "set_aside_files"]
+__all__ = [
+    "HeadLimits",
+    "Listener",
+    "bound",
+    "bounded_http",
+    "raise_open_files_limit",
+    "set_aside_files",
+]
 
 RESERVED_FILES = 64
 """Descriptors kept for the store, logs and the agent beside the connections."""
+
+REFUSED_PER_TURN = 64
+"""Connections beyond the cap one :meth:`Listener.accept` refuses before it lets the loop
+go on (a flood cannot hold the loop for longer)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,13 +134,7 @@ class _BoundedHttp(HttpToolsProtocol):
         self._cancel_head_timer()
         if self.transport.is_closing():
             return
-        body = text.encode("ascii")
-        self.transport.write(
-            STATUS_LINE[status]
-            + b"content-type: text/plain; charset=utf-8\r\n"
-            + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-            + body
-        )
+        self.transport.write(_plain(status, text))
         self.transport.close()
 
     def _arm_head_timer(self) -> None:
@@ -145,6 +154,91 @@ class _BoundedHttp(HttpToolsProtocol):
 def bounded_http(limits: HeadLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with ``limits`` (pass it as ``uvicorn.Config(http=)``)."""
     return type("BoundedHttp", (_BoundedHttp,), {"limits": limits})
+
+
+class Listener(socket.socket):
+    """A listening TCP socket that keeps at most ``cap`` of the connections it accepted
+    open: beyond it, :meth:`accept` answers a connection 503 and closes it at once.
+
+    asyncio accepts up to its backlog (uvicorn's 2,048) connections each time the socket
+    is readable, and a protocol sees its connection only turns of the loop later. A cap
+    checked there (``connection_made``) lets a burst that arrived while the loop was busy
+    take every descriptor of the process first: then no listener of the process can
+    accept (EMFILE) and the store cannot open a file. Here the cap holds at ``accept``,
+    before a descriptor is kept. uvloop accepts in libuv, not through this method: there
+    the check in ``connection_made`` is what holds.
+    """
+
+    cap = 1 << 30
+    """Set by the server once it knows its cap on connections."""
+
+    def __init__(self, family: int) -> None:
+        super().__init__(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: NODELAY
+        self.open = 0  # accepted here, not yet closed
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        for _ in range(REFUSED_PER_TURN):
+            fd, address = self._accept()  # type: ignore[attr-defined]  # BlockingIOError: none
+            if self.open < self.cap:
+                self.open += 1
+                return _Accepted(self, fd), address
+            _refuse_at_once(fd)
+        raise BlockingIOError  # more are waiting: the next turn of the loop takes them
+
+
+class _Accepted(socket.socket):
+    """A connection :class:`Listener` counts until it is closed."""
+
+    def __init__(self, listener: Listener, fd: int) -> None:
+        super().__init__(listener.family, listener.type, listener.proto, fileno=fd)
+        self._listener: Listener | None = listener
+
+    def close(self) -> None:
+        self._uncount()
+        super().close()
+
+    def detach(self) -> int:
+        self._uncount()
+        return super().detach()
+
+    def __del__(self) -> None:  # a socket dropped without close() is closed here
+        self._uncount()
+        super().__del__()  # type: ignore[misc]
+
+    def _uncount(self) -> None:
+        if self._listener is not None:
+            self._listener.open -= 1
+            self._listener = None
+
+
+def _refuse_at_once(fd: int) -> None:
+    with socket.socket(fileno=fd) as sock:
+        sock.setblocking(False)
+        with contextlib.suppress(OSError):  # the client may be gone already
+            sock.send(_plain(503, "too many connections"))
+
+
+def bound(host: str, port: int) -> Listener:
+    """A :class:`Listener` bound to ``host:port`` (``OSError`` if it cannot be)."""
+    sock = Listener(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _plain(status: int, text: str) -> bytes:
+    """An answer ``status`` with ``text`` that closes the connection."""
+    body = text.encode("ascii")
+    return (
+        STATUS_LINE[status]
+        + b"content-type: text/plain; charset=utf-8\r\n"
+        + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        + body
+    )
 
 
 _set_aside: list[int] = [0]
