@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpu_arbiter.server.serve import EXIT_CANNOT_LISTEN, EXIT_STATE_DIR_IN_USE
+from gpu_arbiter.store.codec import DOCUMENT_FORMAT
 
 from .conftest import SRC, Server
 
@@ -95,3 +96,27 @@ def test_state_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
             assert (state_dir / name).stat().st_mode & 0o777 == 0o600, name
     finally:
         server.stop()
+
+
+def test_a_state_dir_written_by_a_newer_gpu_arbiter_is_refused_in_one_line_and_kept(
+    start_server: Callable[..., Server],
+) -> None:
+    """A database of a newer document format (``PRAGMA user_version``): refused before
+    the admin token is made, and left as it was, for the newer code to open again."""
+    server = start_server("--simulate", "1x8G")
+    with server.client() as admin:
+        assert admin.post("/v1/leases", json={"vram_mb": "1G"}).status_code == 201
+    server.stop()
+    with sqlite3.connect(server.state_dir / "state.db") as db:
+        db.execute(f"PRAGMA user_version={DOCUMENT_FORMAT + 1}")
+    before = _rows(server.state_dir)
+
+    refused = _serve(server.state_dir, "--port", "0", "--simulate", "1x8G")
+
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == [
+        f"gpu-arbiter serve: cannot open {server.state_dir / 'state.db'}: written by a newer "
+        f"gpu-arbiter (document format {DOCUMENT_FORMAT + 1}; this one reads up to "
+        f"{DOCUMENT_FORMAT}): upgrade gpu-arbiter"
+    ]
+    assert _rows(server.state_dir) == before

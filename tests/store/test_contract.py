@@ -27,6 +27,7 @@ from gpu_arbiter.store import (
     TokenRecord,
     WorkerRecord,
 )
+from gpu_arbiter.store import sqlite as sqlite_store
 from gpu_arbiter.store.sqlite import CHECKPOINT_EVERY
 
 
@@ -344,6 +345,40 @@ def test_sqlite_log_is_copied_into_the_database_by_the_checkpointer_not_by_a_com
     finally:
         store.close()
     assert not [t for t in threading.enumerate() if t.name == "sqlite-checkpoint"]
+
+
+def test_sqlite_log_that_every_checkpoint_left_behind_is_emptied_once_it_is_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that holds an old snapshot keeps every passive checkpoint from copying
+    the whole log, so it never starts again and grows with every commit (as a steady
+    stream of commits does). Once it is LOG_LIMIT_PAGES long and the reader is gone, the
+    checkpointer copies and empties it."""
+    monkeypatch.setattr(sqlite_store, "LOG_LIMIT_PAGES", 64)
+    path = tmp_path / "state.db"
+    log_file = tmp_path / "state.db-wal"
+    store = SqliteStore(path)
+    reader = sqlite3.connect(path)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM leases").fetchone()  # an old snapshot, held
+        for k in range(2 * CHECKPOINT_EVERY):
+            lease = _granted(f"l-{k}", k + 1)
+            store.commit(Batch(leases={lease.id: lease}))
+        grown = log_file.stat().st_size
+        assert grown > 64 * 4096
+        reader.rollback()
+        for k in range(2 * CHECKPOINT_EVERY, 3 * CHECKPOINT_EVERY):
+            lease = _granted(f"l-{k}", k + 1)
+            store.commit(Batch(leases={lease.id: lease}))
+        guard = time.monotonic() + 30  # the thread is woken at once; this only bounds a hang
+        while log_file.stat().st_size >= 64 * 4096 and time.monotonic() < guard:
+            time.sleep(0.01)  # nothing to wait on: the checkpoint is SQLite's, on its thread
+        assert log_file.stat().st_size < 64 * 4096
+        assert len(store.load().leases) == 3 * CHECKPOINT_EVERY
+    finally:
+        reader.close()
+        store.close()
 
 
 def _in_database_file(path: Path) -> int:

@@ -20,6 +20,7 @@ from ..core import Constraints, Gpu, GpuId, Lease, LeaseState, Request, WorkerSt
 from .records import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
 
 __all__ = [
+    "DOCUMENT_FORMAT",
     "constraints_to_doc",
     "dumps",
     "event_from_doc",
@@ -78,84 +79,169 @@ def _constraints_from_doc(doc: dict[str, Any]) -> Constraints:
     )
 
 
-def request_to_doc(r: Request) -> dict[str, Any]:
+DOCUMENT_FORMAT = 1
+"""The format of the documents this code writes; it reads this one and every earlier one.
+
+- 0: a lease's document has every field.
+- 1: a lease's document leaves out each field whose value is the one its reader assumes
+  when the field is absent: most fields of most leases (a lease's document is about half
+  as long, and a restart decodes it in about half the time). A document of format 0
+  reads the same.
+
+A store records the format it was written in and refuses to open one written in a newer
+format than :data:`DOCUMENT_FORMAT` (code older than format 1 does not check: it fails
+on a document of format 1)."""
+
+# The defaults are the format's, written here once, not the dataclasses': a later default
+# of Request or Lease must not change what a stored document means.
+
+_REQUEST_DEFAULTS: dict[str, Any] = {
+    "gpus": 1,
+    "priority": 500,
+    "preemptible": True,
+    "constraints": {},
+    "holder": "",
+    "metadata": {},
+    "ttl_s": 30.0,
+    "max_wait_s": None,
+    "load_timeout_s": 300.0,
+    "idempotency_key": None,
+    "seq": 0,
+    "submitted_at": 0.0,
+}
+_GRANT_DEFAULTS: dict[str, Any] = {
+    "expires_at": None,  # no expiry (math.inf)
+    "idle": False,
+    "last_used_at": 0.0,
+    "loading": True,
+    "revoke_reason": None,
+    "preempted_for": None,
+    "ended_at": None,
+    "revoked_at": None,
+    "supervised": False,
+    "shrunk_to_mb": None,
+}
+_LEASE_DEFAULTS: dict[str, Any] = {
+    "owner": None,
+    "lease": None,
+    "ended_at": None,
+    "end_reason": None,
+}
+_CONSTRAINT_DEFAULTS: dict[str, Any] = {
+    "vendor": None,
+    "min_compute_capability": None,
+    "gpu_arch": [],
+    "gpu_model": None,
+    "worker": None,
+    "labels": {},
+    "gpu_ids": [],
+    "never_preempt": [],
+}
+
+
+def _without_defaults(doc: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` without the fields whose value is their default (of the same type: a
+    ``1`` is not left out for a default ``True``)."""
     return {
-        "id": r.id,
-        "vram_mb": r.vram_mb,
-        "gpus": r.gpus,
-        "priority": r.priority,
-        "preemptible": r.preemptible,
-        "constraints": constraints_to_doc(r.constraints),
-        "holder": r.holder,
-        "metadata": dict(r.metadata),
-        "ttl_s": r.ttl_s,
-        "max_wait_s": r.max_wait_s,
-        "load_timeout_s": r.load_timeout_s,
-        "idempotency_key": r.idempotency_key,
-        "seq": r.seq,
-        "submitted_at": r.submitted_at,
+        key: value
+        for key, value in doc.items()
+        if key not in defaults
+        or value != (default := defaults[key])
+        or type(value) is not type(default)
     }
 
 
+def request_to_doc(r: Request) -> dict[str, Any]:
+    return _without_defaults(
+        {
+            "id": r.id,
+            "vram_mb": r.vram_mb,
+            "gpus": r.gpus,
+            "priority": r.priority,
+            "preemptible": r.preemptible,
+            "constraints": _without_defaults(
+                constraints_to_doc(r.constraints), _CONSTRAINT_DEFAULTS
+            ),
+            "holder": r.holder,
+            "metadata": dict(r.metadata),
+            "ttl_s": r.ttl_s,
+            "max_wait_s": r.max_wait_s,
+            "load_timeout_s": r.load_timeout_s,
+            "idempotency_key": r.idempotency_key,
+            "seq": r.seq,
+            "submitted_at": r.submitted_at,
+        },
+        _REQUEST_DEFAULTS,
+    )
+
+
 def request_from_doc(doc: dict[str, Any]) -> Request:
+    get = doc.get
     return Request(
         id=doc["id"],
         vram_mb=doc["vram_mb"],
-        gpus=doc["gpus"],
-        priority=doc["priority"],
-        preemptible=doc["preemptible"],
-        constraints=_constraints_from_doc(doc["constraints"]),
-        holder=doc["holder"],
-        metadata=doc["metadata"],
-        ttl_s=doc["ttl_s"],
-        max_wait_s=doc["max_wait_s"],
-        load_timeout_s=doc["load_timeout_s"],
-        idempotency_key=doc["idempotency_key"],
-        seq=doc["seq"],
-        submitted_at=doc["submitted_at"],
+        gpus=get("gpus", 1),
+        priority=get("priority", 500),
+        preemptible=get("preemptible", True),
+        constraints=_constraints_from_doc(get("constraints") or {}),
+        holder=get("holder", ""),
+        metadata=get("metadata") or {},
+        ttl_s=get("ttl_s", 30.0),
+        max_wait_s=get("max_wait_s"),
+        load_timeout_s=get("load_timeout_s", 300.0),
+        idempotency_key=get("idempotency_key"),
+        seq=get("seq", 0),
+        submitted_at=get("submitted_at", 0.0),
     )
 
 
 def _grant_to_doc(lease: Lease) -> dict[str, Any]:
-    return {
-        "gpus": [str(g) for g in lease.gpus],
-        "token": lease.token,
-        "state": str(lease.state),
-        "granted_at": lease.granted_at,
-        "expires_at": _finite(lease.expires_at),
-        "load_deadline": lease.load_deadline,
-        "idle": lease.idle,
-        "last_used_at": lease.last_used_at,
-        "loading": lease.loading,
-        "revoke_reason": lease.revoke_reason,
-        "preempted_for": lease.preempted_for,
-        "ended_at": lease.ended_at,
-        "revoked_at": lease.revoked_at,
-        "supervised": lease.supervised,
-        "shrunk_to_mb": lease.shrunk_to_mb,
-    }
+    return _without_defaults(
+        {
+            "gpus": [str(g) for g in lease.gpus],
+            "token": lease.token,
+            "state": str(lease.state),
+            "granted_at": lease.granted_at,
+            "expires_at": _finite(lease.expires_at),
+            "load_deadline": lease.load_deadline,
+            "idle": lease.idle,
+            "last_used_at": lease.last_used_at,
+            "loading": lease.loading,
+            "revoke_reason": lease.revoke_reason,
+            "preempted_for": lease.preempted_for,
+            "ended_at": lease.ended_at,
+            "revoked_at": lease.revoked_at,
+            "supervised": lease.supervised,
+            "shrunk_to_mb": lease.shrunk_to_mb,
+        },
+        _GRANT_DEFAULTS,
+    )
 
 
 def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
-    expires = doc["expires_at"]
+    get = doc.get
+    expires = get("expires_at")
     return Lease(
         request=request,
         gpus=tuple(_gpu_id(text) for text in doc["gpus"]),
         token=doc["token"],
-        state=LeaseState(doc["state"]),
+        state=_STATES[doc["state"]],
         granted_at=doc["granted_at"],
         expires_at=math.inf if expires is None else expires,
         load_deadline=doc["load_deadline"],
-        idle=doc["idle"],
-        last_used_at=doc["last_used_at"],
-        loading=doc["loading"],
-        revoke_reason=doc["revoke_reason"],
-        preempted_for=doc["preempted_for"],
-        ended_at=doc["ended_at"],
-        revoked_at=doc.get("revoked_at"),  # absent from leases stored by earlier versions
-        supervised=doc.get("supervised", False),
-        shrunk_to_mb=doc.get("shrunk_to_mb"),  # absent from leases stored before shrinking
+        idle=get("idle", False),
+        last_used_at=get("last_used_at", 0.0),
+        loading=get("loading", True),
+        revoke_reason=get("revoke_reason"),
+        preempted_for=get("preempted_for"),
+        ended_at=get("ended_at"),
+        revoked_at=get("revoked_at"),
+        supervised=get("supervised", False),
+        shrunk_to_mb=get("shrunk_to_mb"),
     )
+
+
+_STATES = {str(state): state for state in LeaseState}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -166,26 +252,30 @@ def _gpu_id(text: str) -> GpuId:
 
 
 def lease_to_doc(record: LeaseRecord) -> dict[str, Any]:
-    return {
-        "request": request_to_doc(record.request),
-        "state": str(record.state),
-        "owner": record.owner,
-        "lease": None if record.lease is None else _grant_to_doc(record.lease),
-        "ended_at": record.ended_at,
-        "end_reason": record.end_reason,
-    }
+    return _without_defaults(
+        {
+            "request": request_to_doc(record.request),
+            "state": str(record.state),
+            "owner": record.owner,
+            "lease": None if record.lease is None else _grant_to_doc(record.lease),
+            "ended_at": record.ended_at,
+            "end_reason": record.end_reason,
+        },
+        _LEASE_DEFAULTS,
+    )
 
 
 def lease_from_doc(doc: dict[str, Any]) -> LeaseRecord:
     request = request_from_doc(doc["request"])
-    grant = doc["lease"]
+    get = doc.get
+    grant = get("lease")
     return LeaseRecord(
         request=request,
-        state=LeaseState(doc["state"]),
-        owner=doc["owner"],
+        state=_STATES[doc["state"]],
+        owner=get("owner"),
         lease=None if grant is None else _grant_from_doc(request, grant),
-        ended_at=doc["ended_at"],
-        end_reason=doc["end_reason"],
+        ended_at=get("ended_at"),
+        end_reason=get("end_reason"),
     )
 
 

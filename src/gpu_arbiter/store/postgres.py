@@ -100,9 +100,16 @@ MIGRATIONS: tuple[str, ...] = (
     INSERT INTO leadership (id, epoch, holder, url, expires_at, commits)
         VALUES (1, 0, NULL, NULL, '-infinity', 0);
     """,
+    # 2: leases are written in document format 1 (``codec.DOCUMENT_FORMAT``: fields at
+    # their defaults left out). The tables do not change; the version does, so that a
+    # controller older than the format refuses the database rather than fail on a lease.
+    """
+    COMMENT ON TABLE leases IS 'documents: gpu-arbiter document format 1';
+    """,
 )
 """The schema, one SQL script per version (version ``i + 1`` is ``MIGRATIONS[i]``).
-Append only: a released migration never changes."""
+Append only: a released migration never changes. A new document format
+(``codec.DOCUMENT_FORMAT``) is a new migration too."""
 
 _MIGRATION_LOCK = 0x6770_752D_6172_62  # pg_advisory_xact_lock key: "gpu-arb"
 

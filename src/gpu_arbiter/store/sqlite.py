@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from .base import StoreError
 from .codec import (
+    DOCUMENT_FORMAT,
     dumps,
     event_from_doc,
     event_to_doc,
@@ -59,6 +60,17 @@ log = logging.getLogger("gpu_arbiter.store")
 CHECKPOINT_EVERY = 256
 """Commits between two checkpoints asked of the checkpointer (SQLite's own threshold is
 1,000 pages of log; a commit here writes a few)."""
+
+LOG_LIMIT_PAGES = 16_384
+"""A log this long (64 MiB of 4 KiB pages) is copied whole and emptied (``TRUNCATE``):
+the log starts again from its beginning only once a checkpoint has copied all of it
+before the next commit, which under a steady stream of commits may not happen for long,
+and the log would grow the whole while. The writer waits for that checkpoint (a few ms,
+the passive one just before having copied most), at most ``TRUNCATE_WAIT_S``."""
+
+TRUNCATE_WAIT_S = 0.2
+"""How long the emptying checkpoint waits for readers and the writer before it gives up
+until the next checkpoint (the commits it held back go on then)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BIGINT NOT NULL);
@@ -122,9 +134,11 @@ class SqliteStore:
             os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             self._db = self._connect(synchronous)
             self._db.execute("PRAGMA journal_mode=WAL")
+            self._check_format()  # before the schema: a newer database is left as it is
             self._db.executescript(_SCHEMA)
             self._writer = self._connect(synchronous)
             self._writer.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's work
+            self._writer.execute(f"PRAGMA journal_size_limit={LOG_LIMIT_PAGES * 4096}")
             self._checkpointer = _Checkpointer(self.path, synchronous)
             self._keys: set[tuple[str, str]] = set(
                 self._db.execute(
@@ -134,6 +148,20 @@ class SqliteStore:
             self._make_private()
         except (sqlite3.Error, OSError) as error:
             raise StoreError(f"cannot open {self.path}: {error}") from error
+
+    def _check_format(self) -> None:
+        """Refuses a database written in a newer document format than this code reads;
+        records this code's in an older one (``user_version``: this code writes its
+        format from now on)."""
+        (written,) = self._db.execute("PRAGMA user_version").fetchone()
+        if written > DOCUMENT_FORMAT:
+            self._db.close()
+            raise StoreError(
+                f"cannot open {self.path}: written by a newer gpu-arbiter (document format "
+                f"{written}; this one reads up to {DOCUMENT_FORMAT}): upgrade gpu-arbiter"
+            )
+        if written < DOCUMENT_FORMAT:
+            self._db.execute(f"PRAGMA user_version={DOCUMENT_FORMAT}")
 
     def _connect(self, synchronous: str) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
@@ -328,8 +356,9 @@ class _Checkpointer:
     """Checkpoints the write-ahead log (``PASSIVE``: as much as it can without waiting for
     a reader or a writer) every :data:`CHECKPOINT_EVERY` commits, on a connection and a
     daemon thread of its own, started at the first checkpoint asked for (a store only
-    read, by a command, starts none). A checkpoint that fails is logged and tried again
-    at the next; the log stays correct meanwhile, only longer."""
+    read, by a command, starts none); empties a log of :data:`LOG_LIMIT_PAGES`. A
+    checkpoint that fails is logged and tried again at the next; the log stays correct
+    meanwhile, only longer."""
 
     def __init__(self, path: Path, synchronous: str) -> None:
         self._path = path
@@ -358,9 +387,13 @@ class _Checkpointer:
                     return
                 try:
                     if db is None:
-                        db = sqlite3.connect(self._path, isolation_level=None)
+                        db = sqlite3.connect(
+                            self._path, isolation_level=None, timeout=TRUNCATE_WAIT_S
+                        )
                         db.execute(f"PRAGMA synchronous={self._synchronous}")
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    _, pages, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    if pages >= LOG_LIMIT_PAGES:
+                        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 except sqlite3.Error as error:
                     log.warning("checkpoint of %s failed: %s", self._path, error)
         finally:
