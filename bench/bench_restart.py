@@ -9,9 +9,10 @@ re-armed from the restart) is measured. The same for an empty store in the same 
 so that the figure that matters is the ratio: what the leases cost beyond a start.
 
 ``--baseline SRC`` also starts the ``src`` directory of other code (``git worktree add
-/tmp/base COMMIT``, then ``--baseline /tmp/base/src``) on the same state directories,
-each restart right after ours (a load on the machine weighs on both alike), and prints
-ours against it; the state is written by ours, which the other code must read.
+/tmp/base COMMIT``, then ``--baseline /tmp/base/src``), each restart right after ours (a
+load on the machine weighs on both alike), and prints ours against it; each code restarts
+on a state directory it filled itself, the same way (older code may not read a newer
+document format).
 
 Run: ``python bench/bench_restart.py [--leases 10000] [--rounds 5] [--baseline SRC]``.
 Prints the median, best and worst of each, and the ratio of the medians.
@@ -103,19 +104,21 @@ async def fill(url: str, token: str, count: int, clients: int = 32) -> None:
 
 
 def rounds(state_dir: Path, leases: int, count: int, sources: list[Path]) -> list[list[float]]:
-    """``count`` restarts of each code of ``sources`` on one state directory of ``leases``
-    (written by the first), in turn; each one's times, in the order of ``sources``."""
-    controller = Controller(state_dir)
-    controller.start(sources[0])
-    if leases:
-        asyncio.run(fill(controller.url, controller.token(), leases))
+    """``count`` restarts of each code of ``sources``, in turn, each on a state directory
+    of ``leases`` that code wrote itself (older code may not read a newer format); one
+    controller runs at a time. Each one's times, in the order of ``sources``."""
+    controllers = [Controller(state_dir / f"code-{i}") for i in range(len(sources))]
+    for controller, src in zip(controllers, sources, strict=True):
+        controller.start(src)
+        if leases:
+            asyncio.run(fill(controller.url, controller.token(), leases))
+        controller.kill9()
     times: list[list[float]] = [[] for _ in sources]
     for _ in range(count):
-        for src, taken in zip(sources, times, strict=True):
-            controller.kill9()
+        for src, controller, taken in zip(sources, controllers, times, strict=True):
             taken.append(controller.start(src))
             check_restored(controller, leases, src)
-    controller.kill9()
+            controller.kill9()
     return times
 
 
