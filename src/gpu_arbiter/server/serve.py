@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -186,6 +187,7 @@ def _serve_on(sock: Listener, config: ServeConfig, companion: Companion | None) 
     if is_postgres_url(config.store):
         with contextlib.suppress(ValueError):
             redactor.hide(urlsplit(config.store).password)  # the database's, if in the URL
+    gc.freeze()  # what the imports made lives as long as the process: no collection scans it
     store = open_store(config)
     shared = _shared(store, config)
     admin_token = None
