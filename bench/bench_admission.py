@@ -11,8 +11,11 @@ released so that the next sample starts from the same state.
 
 For each N the median and p99 of one cycle are printed, with the requests the
 cycle examined, then the ratio of the largest N's median to the smallest's.
-Last, queueing: N requests submitted one by one, each followed by a cycle (as
-the engine and the controller do), total time and time per request.
+Then where the last of N pending requests stands, as a 202 answers it: by bisection
+in each priority's bucket (``Scheduler.position``) against walking the queue up to it
+(``Scheduler.pending``), in the same run. Last, queueing: N requests submitted one by
+one, each followed by a cycle (as the engine and the controller do), total time and time
+per request.
 
 Run: python bench/bench_admission.py                  (10 ... 100,000 pending)
      python bench/bench_admission.py --sizes 10,1000  (a smoke run)
@@ -88,6 +91,31 @@ def queueing(pending: int) -> float:
     return time.perf_counter() - start
 
 
+def answer_cost(pending: int, samples: int) -> tuple[float, float]:
+    """Median microseconds to find where the last of ``pending`` queued requests stands
+    (what a 202 answers with its reason): by bisection (``Scheduler.position``), and by
+    walking the queue up to it (``Scheduler.pending``, as it was found before)."""
+    sched = cluster()
+    for i in range(pending):
+        sched.submit(pinned(i), 1.0)
+    sched.decide(1.0)
+    last = f"pinned-{pending - 1}"
+    found, walked = [], []
+    gc.collect()
+    gc.disable()
+    for n in range(samples):
+        now = 2.0 + n
+        start = time.perf_counter()
+        position, _ = sched.position(last, now)
+        found.append((time.perf_counter() - start) * 1e6)
+        start = time.perf_counter()
+        walk = next(p for p, request, _ in sched.pending(now) if request.id == last)
+        walked.append((time.perf_counter() - start) * 1e6)
+        assert position == walk == pending
+    gc.enable()
+    return statistics.median(found), statistics.median(walked)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,1000,10000,100000", help="pending counts")
@@ -109,6 +137,12 @@ def main() -> None:
         ratio = medians[sizes[-1]] / medians[sizes[0]]
         print(f"  ratio median({sizes[-1]:,})/median({sizes[0]:,}) = {ratio:.2f}")
         print()
+    print("where the last of N pending requests stands (a 202's position)")
+    print(f"  {'pending':>8} {'bisect us':>10} {'walk us':>9} {'walk/bisect':>12}")
+    for pending in sizes:
+        found, walked = answer_cost(pending, max(10, min(args.samples, 200_000 // pending)))
+        print(f"  {pending:>8} {found:>10.1f} {walked:>9.1f} {walked / found:>11.1f}x")
+    print()
     print("queueing N requests, one cycle after each")
     print(f"  {'N':>8} {'total s':>9} {'us per request':>15}")
     for pending in [n for n in sizes if n <= args.queueing_max]:

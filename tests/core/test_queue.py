@@ -3,6 +3,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpu_arbiter.core import NotFound, Policy, Request
 from gpu_arbiter.core.queue import PendingQueue
@@ -173,3 +175,34 @@ def test_a_dropped_class_is_skipped_but_requests_walked_alone_are_not() -> None:
             walk.drop()
     assert seen == ["n1", "n4", "other"]
     assert walk.examined == 3
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([0, 100, 500, 800, 1000]), st.floats(0, 50), st.booleans()),
+        min_size=1,
+        max_size=40,
+    ),
+    st.sampled_from([0, 50, 100]),
+    st.sampled_from([10.0, 30.0]),
+    st.floats(0, 3000),
+)
+def test_a_position_is_where_the_queue_order_has_the_request(
+    drawn: list[tuple[int, float, bool]], step: int, interval: float, now: float
+) -> None:
+    """Found by bisection in each bucket, the position of every pending request is the
+    one its walk in queue order gives, with aging interleaving the priorities, and after
+    removals (the requests drawn ``True`` are removed)."""
+    queue = PendingQueue()
+    policy = Policy(aging_step=step, aging_interval_s=interval)
+    at = 0.0
+    for seq, (priority, gap, _) in enumerate(drawn, start=1):
+        at += gap  # submitted in order: a later seq was submitted no earlier
+        queue.add(_request(f"r{seq}", priority, seq, at=at))
+    for seq, (_, _, removed) in enumerate(drawn, start=1):
+        if removed and len(queue) > 1:
+            queue.remove(f"r{seq}")
+    ordered = _ids(queue, policy, at + now)
+    assert [queue.position(rid, policy, at + now) for rid in ordered] == list(
+        range(1, len(ordered) + 1)
+    )

@@ -217,12 +217,10 @@ class Leases:
             return None
         return self._view(lease_id, self._changes.clock())
 
-    def _view(self, lease_id: str, now: float) -> PendingView | None:
-        """The pending view at ``now``: the queue walked up to the request, once."""
-        for position, request, effective in self._scheduler.pending(now):
-            if request.id == lease_id:
-                return PendingView(position, effective, self._scheduler.explain(lease_id, now))
-        return None
+    def _view(self, lease_id: str, now: float) -> PendingView:
+        """The pending view of a pending request at ``now``."""
+        position, effective = self._scheduler.position(lease_id, now)
+        return PendingView(position, effective, self._scheduler.explain(lease_id, now))
 
     def positions(self) -> dict[str, tuple[int, int]]:
         """Every pending request's (position, effective priority), in one pass."""

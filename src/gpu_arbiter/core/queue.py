@@ -18,6 +18,7 @@ request per class that failed, however many wait in it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Collection, Iterable, Iterator, Mapping
@@ -128,6 +129,23 @@ class PendingQueue:
             else:
                 key = -policy.effective_priority(following, now)
                 heapq.heapreplace(heap, (key, following.seq, priority, following, it))
+
+    def position(self, request_id: str, policy: Policy, now: float) -> int:
+        """Where :meth:`ordered` yields the pending request ``request_id`` (from 1),
+        without walking the requests ahead of it: each bucket is sorted by the queue's
+        key, so the requests of a bucket that come before it are found by bisection (a
+        few calls per bucket, not one per request ahead: 10,000 pending made every
+        answer of a queued request walk them all)."""
+        request = self.get(request_id)
+        key = (-policy.effective_priority(request, now), request.seq)
+
+        def order(other: Request) -> tuple[int, int]:
+            return (-policy.effective_priority(other, now), other.seq)
+
+        ahead = 0
+        for bucket in self._buckets.values():
+            ahead += bisect.bisect_left(list(bucket.values()), key, key=order)
+        return ahead + 1
 
     def bucket(self, priority: int) -> Iterator[Request]:
         """The requests of one base priority, in submission order."""

@@ -855,6 +855,13 @@ class Scheduler:
                 overdue.append((lease_id, now - (lease.revoked_at or now)))
         return sorted(overdue, key=lambda item: (-item[1], item[0]))
 
+    def position(self, request_id: str, now: float) -> tuple[int, int]:
+        """(position from 1, effective priority) of a pending request, as :meth:`pending`
+        would yield them, without walking the queue ahead of it; changes nothing."""
+        request = self.queue.get(request_id)
+        position = self.queue.position(request_id, self.policy, now)
+        return position, self.policy.effective_priority(request, now)
+
     def pending(self, now: float) -> Iterator[tuple[int, Request, int]]:
         """(position from 1, request, effective priority) in queue order; changes nothing."""
         for position, request in enumerate(self.queue.ordered(self.policy, now), start=1):
