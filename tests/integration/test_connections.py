@@ -5,6 +5,9 @@ others hold connections open."""
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -134,3 +137,29 @@ def test_idle_connections_beyond_the_cap_neither_use_up_files_nor_keep_a_client_
             timeout_s=10,
             what="the idle connections to be cut after the header timeout",
         )
+
+
+def test_a_burst_while_the_controller_is_stopped_is_refused_at_accept_not_by_running_out(
+    limited: Server,
+) -> None:
+    """200 connections arrive while the controller is stopped (SIGSTOP, as a loop busy
+    elsewhere) under a limit of 128 open files; the cap is 20. Its listening socket
+    accepts 20 and answers the rest 503 as it accepts them, so no accept fails for want
+    of a descriptor (EMFILE) and the controller answers again once they are gone."""
+    assert limited.proc is not None
+    pid = limited.proc.pid
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (128, 128))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        opened = [_connect(limited) for _ in range(200)]  # each waits to be accepted
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        answers = [_answer(sock, deadline_s=30)[:13] for sock in opened]
+    finally:
+        for sock in opened:
+            sock.close()
+    assert answers.count(b"HTTP/1.1 503 ") >= 200 - 20  # the 20 within the cap: 408 or 503
+    assert set(answers) <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 ", b""}
+    assert "out of system resource" not in limited.log.read_text()
+    wait_for(lambda: _healthy(limited), timeout_s=20, what="the controller to answer")
