@@ -85,7 +85,7 @@ DOCUMENT_FORMAT = 1
 - 0: a lease's document has every field.
 - 1: a lease's document leaves out each field whose value is the one its reader assumes
   when the field is absent: most fields of most leases (a lease's document is about half
-  as long, and a restart decodes it in about half the time). A document of format 0
+  as long, and a restart decodes it in about 40 % less time). A document of format 0
   reads the same.
 
 A store records the format it was written in and refuses to open one written in a newer
