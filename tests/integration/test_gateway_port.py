@@ -148,6 +148,30 @@ def test_connections_beyond_the_cap_are_answered_503_and_closed(port: Port) -> N
     wait_for(lambda: _healthy(gateway.url), 20, "the gateway to answer again")
 
 
+def test_a_burst_while_the_gateway_is_stopped_is_refused_at_accept(port: Port) -> None:
+    """The gateway alone, on uvloop (which accepts in libuv, not through the listening
+    socket): 200 connections arrive while it is stopped (SIGSTOP) under a limit of 128
+    open files; the cap is 20. Each one beyond the cap is answered 503, and it answers
+    again once they are gone."""
+    gateway = port.gateway(BOUNDS)
+    assert gateway.proc is not None
+    pid = gateway.proc.pid
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (128, 128))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        opened = [_connect(gateway.url) for _ in range(200)]  # each waits to be accepted
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        answers = [_answer(sock, deadline_s=30)[:13] for sock in opened]
+    finally:
+        for sock in opened:
+            sock.close()
+    assert answers.count(b"HTTP/1.1 503 ") >= 200 - 20  # the 20 within the cap: 408 or 503
+    assert set(answers) <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 ", b""}
+    wait_for(lambda: _healthy(gateway.url), 20, "the gateway to answer again")
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/healthz", timeout=5).status_code == 200

@@ -280,10 +280,10 @@ class _Server(uvicorn.Server):
 
 def _uvicorn_config(app: Any, config: ServeConfig) -> uvicorn.Config:
     """uvicorn with the connection limits of ``config`` (see ``connections.py``), on
-    asyncio's own loop, as ``serve --local`` runs: its listening socket then refuses a
-    connection beyond the cap as it accepts it (uvloop accepts in libuv, past it; and
-    the controller's time is its Python, not the loop's: the same throughput within the
-    noise of one run)."""
+    asyncio's own loop alone as beside an agent or a gateway (``serve --local``): one
+    loop however it runs, whose accepts go through the listening socket (its cap), and
+    uvloop made no difference to its throughput beyond the noise of one run (its time
+    is its Python, not the loop's)."""
     max_connections = config.max_connections
     files = raise_open_files_limit()
     if max_connections > files:
