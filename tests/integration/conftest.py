@@ -6,7 +6,9 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +66,32 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         time.sleep(0.02)
+
+
+def burst_while_stopped(pid: int, url: str, count: int = 200, files: int = 128) -> list[bytes]:
+    """``count`` connections to ``url`` made while process ``pid`` is stopped (SIGSTOP,
+    as a loop busy elsewhere: each waits in the listen queue to be accepted) under a limit
+    of ``files`` open files; the status line each one got before it was closed (b""
+    for none)."""
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (files, files))
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        opened = [socket.create_connection((host, int(port)), timeout=30) for _ in range(count)]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    answers = []
+    try:
+        for sock in opened:
+            received = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(65536):
+                    received += chunk
+            answers.append(received[:13])
+    finally:
+        for sock in opened:
+            sock.close()
+    return answers
 
 
 class ManagedProcess:

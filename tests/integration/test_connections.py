@@ -5,9 +5,6 @@ others hold connections open."""
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
-import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Server, wait_for
+from .conftest import Server, burst_while_stopped, wait_for
 
 
 def _connect(server: Server) -> socket.socket:
@@ -147,18 +144,7 @@ def test_a_burst_while_the_controller_is_stopped_is_refused_at_accept_not_by_run
     accepts 20 and answers the rest 503 as it accepts them, so no accept fails for want
     of a descriptor (EMFILE) and the controller answers again once they are gone."""
     assert limited.proc is not None
-    pid = limited.proc.pid
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, (128, 128))
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        opened = [_connect(limited) for _ in range(200)]  # each waits to be accepted
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    try:
-        answers = [_answer(sock, deadline_s=30)[:13] for sock in opened]
-    finally:
-        for sock in opened:
-            sock.close()
+    answers = burst_while_stopped(limited.proc.pid, limited.url)
     assert answers.count(b"HTTP/1.1 503 ") >= 200 - 20  # the 20 within the cap: 408 or 503
     assert set(answers) <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 ", b""}
     assert "out of system resource" not in limited.log.read_text()

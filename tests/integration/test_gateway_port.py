@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from .agents import AgentProcess, env_for, worker_state
-from .conftest import Server, wait_for
+from .conftest import Server, burst_while_stopped, wait_for
 from .gateways import LISTENING, GatewayProcess, chat, metric, model_entry
 
 pytestmark = pytest.mark.timeout(180)
@@ -155,18 +155,7 @@ def test_a_burst_while_the_gateway_is_stopped_is_refused_at_accept(port: Port) -
     again once they are gone."""
     gateway = port.gateway(BOUNDS)
     assert gateway.proc is not None
-    pid = gateway.proc.pid
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, (128, 128))
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        opened = [_connect(gateway.url) for _ in range(200)]  # each waits to be accepted
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    try:
-        answers = [_answer(sock, deadline_s=30)[:13] for sock in opened]
-    finally:
-        for sock in opened:
-            sock.close()
+    answers = burst_while_stopped(gateway.proc.pid, gateway.url)
     assert answers.count(b"HTTP/1.1 503 ") >= 200 - 20  # the 20 within the cap: 408 or 503
     assert set(answers) <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 ", b""}
     wait_for(lambda: _healthy(gateway.url), 20, "the gateway to answer again")
