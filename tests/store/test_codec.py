@@ -206,3 +206,27 @@ def test_sqlite_reads_a_database_of_format_0_and_writes_its_own_from_then_on(
         store.close()
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone() == (DOCUMENT_FORMAT,)
+
+
+@pytest.mark.parametrize("failure", ["not a database", "any error"])
+def test_sqlite_that_cannot_open_closes_what_it_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """A file that is no database (SQLite's error), or any exception while the store
+    opens: the error goes to the caller and no connection is left open."""
+    path = tmp_path / "state.db"
+    expected: type[BaseException] = StoreError
+    if failure == "not a database":
+        path.write_bytes(b"\x8f" * 8192)
+    else:
+
+        def fail(self: SqliteStore) -> None:
+            raise KeyError("anything")
+
+        monkeypatch.setattr(SqliteStore, "_check_format", fail)
+        expected = KeyError
+    files = _open_files()
+    for _ in range(3):
+        with pytest.raises(expected):
+            SqliteStore(path)
+    assert _open_files() == files

@@ -130,13 +130,16 @@ class SqliteStore:
         self.path = Path(path)
         self._event_history = event_history
         self._commits = 0
+        opened: list[sqlite3.Connection] = []  # closed again if the store cannot open
         try:
             os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             self._db = self._connect(synchronous)
+            opened.append(self._db)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._check_format()  # before the schema: a newer database is left as it is
             self._db.executescript(_SCHEMA)
             self._writer = self._connect(synchronous)
+            opened.append(self._writer)
             self._writer.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's work
             self._writer.execute(f"PRAGMA journal_size_limit={LOG_LIMIT_PAGES * 4096}")
             self._checkpointer = _Checkpointer(self.path, synchronous)
@@ -146,8 +149,12 @@ class SqliteStore:
                 )
             )
             self._make_private()
-        except (sqlite3.Error, OSError) as error:
-            raise StoreError(f"cannot open {self.path}: {error}") from error
+        except BaseException as error:
+            for db in opened:
+                db.close()
+            if isinstance(error, sqlite3.Error | OSError):
+                raise StoreError(f"cannot open {self.path}: {error}") from error
+            raise
 
     def _check_format(self) -> None:
         """Refuses a database written in a newer document format than this code reads;
@@ -155,7 +162,6 @@ class SqliteStore:
         format from now on)."""
         (written,) = self._db.execute("PRAGMA user_version").fetchone()
         if written > DOCUMENT_FORMAT:
-            self._db.close()
             raise StoreError(
                 f"cannot open {self.path}: written by a newer gpu-arbiter (document format "
                 f"{written}; this one reads up to {DOCUMENT_FORMAT}): upgrade gpu-arbiter"
@@ -165,7 +171,11 @@ class SqliteStore:
 
     def _connect(self, synchronous: str) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
-        db.execute(f"PRAGMA synchronous={synchronous}")
+        try:
+            db.execute(f"PRAGMA synchronous={synchronous}")
+        except BaseException:
+            db.close()
+            raise
         return db
 
     def _make_private(self) -> None:
