@@ -92,8 +92,9 @@ A store records the format it was written in and refuses to open one written in 
 format than :data:`DOCUMENT_FORMAT` (code older than format 1 does not check: it fails
 on a document of format 1)."""
 
-# The defaults are the format's, written here once, not the dataclasses': a later default
-# of Request or Lease must not change what a stored document means.
+# The defaults are the format's, written here once (the writer leaves them out, the reader
+# puts them back), not the dataclasses': a later default of Request or Lease must not
+# change what a stored document means.
 
 _REQUEST_DEFAULTS: dict[str, Any] = {
     "gpus": 1,
@@ -176,22 +177,22 @@ def request_to_doc(r: Request) -> dict[str, Any]:
 
 
 def request_from_doc(doc: dict[str, Any]) -> Request:
-    get = doc.get
+    get, default = doc.get, _REQUEST_DEFAULTS
     return Request(
         id=doc["id"],
         vram_mb=doc["vram_mb"],
-        gpus=get("gpus", 1),
-        priority=get("priority", 500),
-        preemptible=get("preemptible", True),
+        gpus=get("gpus", default["gpus"]),
+        priority=get("priority", default["priority"]),
+        preemptible=get("preemptible", default["preemptible"]),
         constraints=_constraints_from_doc(get("constraints") or {}),
-        holder=get("holder", ""),
-        metadata=get("metadata") or {},
-        ttl_s=get("ttl_s", 30.0),
-        max_wait_s=get("max_wait_s"),
-        load_timeout_s=get("load_timeout_s", 300.0),
-        idempotency_key=get("idempotency_key"),
-        seq=get("seq", 0),
-        submitted_at=get("submitted_at", 0.0),
+        holder=get("holder", default["holder"]),
+        metadata=get("metadata") or {},  # a new dict each: the default is not shared
+        ttl_s=get("ttl_s", default["ttl_s"]),
+        max_wait_s=get("max_wait_s", default["max_wait_s"]),
+        load_timeout_s=get("load_timeout_s", default["load_timeout_s"]),
+        idempotency_key=get("idempotency_key", default["idempotency_key"]),
+        seq=get("seq", default["seq"]),
+        submitted_at=get("submitted_at", default["submitted_at"]),
     )
 
 
@@ -219,8 +220,8 @@ def _grant_to_doc(lease: Lease) -> dict[str, Any]:
 
 
 def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
-    get = doc.get
-    expires = get("expires_at")
+    get, default = doc.get, _GRANT_DEFAULTS
+    expires = get("expires_at", default["expires_at"])
     return Lease(
         request=request,
         gpus=tuple(_gpu_id(text) for text in doc["gpus"]),
@@ -229,15 +230,15 @@ def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
         granted_at=doc["granted_at"],
         expires_at=math.inf if expires is None else expires,
         load_deadline=doc["load_deadline"],
-        idle=get("idle", False),
-        last_used_at=get("last_used_at", 0.0),
-        loading=get("loading", True),
-        revoke_reason=get("revoke_reason"),
-        preempted_for=get("preempted_for"),
-        ended_at=get("ended_at"),
-        revoked_at=get("revoked_at"),
-        supervised=get("supervised", False),
-        shrunk_to_mb=get("shrunk_to_mb"),
+        idle=get("idle", default["idle"]),
+        last_used_at=get("last_used_at", default["last_used_at"]),
+        loading=get("loading", default["loading"]),
+        revoke_reason=get("revoke_reason", default["revoke_reason"]),
+        preempted_for=get("preempted_for", default["preempted_for"]),
+        ended_at=get("ended_at", default["ended_at"]),
+        revoked_at=get("revoked_at", default["revoked_at"]),
+        supervised=get("supervised", default["supervised"]),
+        shrunk_to_mb=get("shrunk_to_mb", default["shrunk_to_mb"]),
     )
 
 
@@ -267,15 +268,15 @@ def lease_to_doc(record: LeaseRecord) -> dict[str, Any]:
 
 def lease_from_doc(doc: dict[str, Any]) -> LeaseRecord:
     request = request_from_doc(doc["request"])
-    get = doc.get
-    grant = get("lease")
+    get, default = doc.get, _LEASE_DEFAULTS
+    grant = get("lease", default["lease"])
     return LeaseRecord(
         request=request,
         state=_STATES[doc["state"]],
-        owner=get("owner"),
+        owner=get("owner", default["owner"]),
         lease=None if grant is None else _grant_from_doc(request, grant),
-        ended_at=get("ended_at"),
-        end_reason=get("end_reason"),
+        ended_at=get("ended_at", default["ended_at"]),
+        end_reason=get("end_reason", default["end_reason"]),
     )
 
 
