@@ -313,7 +313,9 @@ def test_insufficient_vram_reason_carries_the_figures() -> None:
     assert verdicts["w1:0"].observed_mb == 21000
     assert verdicts["w1:0"].free_mb == 24576 - 21000
     assert verdicts["w2:0"].free_mb == 16384 - 14000
-    assert reason.message == "0/2 GPUs fit: 2 insufficient_vram (need 7.8 GiB, most free 3.5 GiB)"
+    summary = "0/2 GPUs fit: 2 insufficient_vram (need 7.8 GiB, most free 3.5 GiB)"
+    assert reason.message.startswith(f"{summary}; waiting for busy lease ")
+    assert "not preemptible by normal (I5)" in reason.message  # equal priority, busy
     assert reason.as_dict()["code"] == "insufficient_vram"
 
 

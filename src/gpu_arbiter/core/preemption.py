@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from .model import Lease, Policy, Request
 
-__all__ = ["Victims", "eligible", "eligible_from", "plan_for_gpu"]
+__all__ = ["Victims", "eligible", "eligible_from", "giving_way", "plan_for_gpu"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,30 @@ def eligible_from(lease: Lease, request: Request, policy: Policy) -> float:
         lease.granted_at + policy.preempt_exempt_s,
         request.submitted_at + policy.preempt_patience_s,
     )
+
+
+def giving_way(lease: Lease, request: Request, policy: Policy) -> tuple[float, str]:
+    """:func:`eligible_from` with the rule that sets it, for "why is it pending" (never on
+    the cycle's path): ``at_once`` (an idle lease of equal or lower priority),
+    ``idle_reclaim_s`` or ``starvation_s`` (whichever comes first), ``preempt_exempt_s`` or
+    ``preempt_patience_s`` (whichever comes last), or, at ``inf``, why never:
+    ``revoking``, ``never_preempt``, ``not_preemptible`` (I5)."""
+    at = eligible_from(lease, request, policy)
+    if lease.revoke_reason is not None:
+        return at, "revoking"
+    if lease.id in request.constraints.never_preempt:
+        return at, "never_preempt"
+    if lease.idle:
+        if at == -math.inf:
+            return at, "at_once"
+        if not math.isfinite(at):
+            return at, "not_preemptible"
+        reclaim_at = lease.last_used_at + policy.idle_reclaim_s
+        return at, "idle_reclaim_s" if at == reclaim_at else "starvation_s"
+    if not math.isfinite(at):
+        return at, "not_preemptible"
+    exempt_at = lease.granted_at + policy.preempt_exempt_s
+    return at, "preempt_exempt_s" if at == exempt_at else "preempt_patience_s"
 
 
 def eligible(lease: Lease, request: Request, policy: Policy, now: float) -> bool:

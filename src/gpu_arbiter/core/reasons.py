@@ -15,18 +15,30 @@ Codes (Kubernetes' split between "does not match" and "does not fit"):
 
 The last three name what is in the way (a :class:`Blocker`: the loading lease, the
 preempted lease still stopping, the request ahead), with its holder and when it ends
-at the latest, in the structured fields and in the sentence alike.
+at the latest, in the structured fields and in the sentence alike. So does
+``insufficient_vram`` when nothing but leases is in the way on a candidate GPU
+(:func:`lease_blockers`): each lease that must go, idle or busy, loading or revoking,
+with its priority, and when it gives way to this request and by which rule (I5: an
+idle lease after ``idle_reclaim_s`` or once the request waited ``starvation_s``; a
+busy one after ``preempt_exempt_s`` and ``preempt_patience_s``; a revoked one when its
+holder stops, at the latest grace + TTL after its revocation; never, when this
+priority may not preempt it). It is worked out only for a request that waits, GPU by
+GPU where the leases could make room.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .model import GpuId
-from .units import format_mb, format_s
+from .ledger import Ledger
+from .model import GpuId, Lease, LeaseState, Policy, Request
+from .preemption import giving_way
+from .units import format_mb, format_s, priority_name
 
-__all__ = ["Blocker", "GpuVerdict", "PendingReason"]
+__all__ = ["Blocker", "GpuVerdict", "PendingReason", "lease_blockers"]
 
 #  Per-GPU verdicts. "Does not match" codes first, "does not fit" after.
 MISMATCH_CODES = (
@@ -76,7 +88,14 @@ class Blocker:
     preempted lease whose holder has not stopped yet) or ``request`` (a request ahead in
     the queue that holds the memory). ``since``: loading since, revoked at, or waiting
     since. ``until``: when it ends at the latest (the load timeout; the end of the
-    grace). ``expires_at``: its TTL, which ends it sooner unless it is renewed."""
+    grace). ``expires_at``: its TTL, which ends it sooner unless it is renewed.
+
+    ``kind`` ``lease``: a lease in the way of an ``insufficient_vram`` request. Its
+    ``state`` (``idle``, ``busy``, ``loading``, ``revoking``), its ``priority`` (base),
+    ``until``: when it gives way to the request (None: never), and ``rule``: why then
+    (``at_once``, ``idle_reclaim_s``, ``starvation_s``, ``preempt_exempt_s``,
+    ``preempt_patience_s``, ``revoking``) or why never (``not_preemptible``,
+    ``never_preempt``)."""
 
     kind: str
     id: str
@@ -85,9 +104,12 @@ class Blocker:
     since: float
     until: float | None = None
     expires_at: float | None = None
+    state: str | None = None
+    priority: int | None = None
+    rule: str | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "kind": self.kind,
             "id": self.id,
             "holder": self.holder,
@@ -96,6 +118,12 @@ class Blocker:
             "until": self.until,
             "expires_at": self.expires_at,
         }
+        if self.kind == "lease":
+            out["state"] = self.state
+            out["priority"] = self.priority
+            out["priority_name"] = None if self.priority is None else priority_name(self.priority)
+            out["rule"] = self.rule
+        return out
 
     @property
     def who(self) -> str:
@@ -109,7 +137,8 @@ class PendingReason:
     """Why a request waits: a ``code``, the sentence (``message``), each GPU's verdict,
     the GPUs nominated for it, and what is in the way: ``blocker`` (named, with its
     holder and times) and ``blocked_by``, its id (for ``preempting``, only once the
-    victim has let its grace pass)."""
+    victim has let its grace pass). ``blockers``: every lease in the way of an
+    ``insufficient_vram`` request (``blocker`` is the one it waits for last)."""
 
     code: str
     message: str
@@ -117,6 +146,7 @@ class PendingReason:
     nominated: tuple[GpuId, ...] = ()
     blocked_by: str | None = None
     blocker: Blocker | None = None
+    blockers: tuple[Blocker, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -126,6 +156,7 @@ class PendingReason:
             "nominated": [str(g) for g in self.nominated],
             "blocked_by": self.blocked_by,
             "blocker": None if self.blocker is None else self.blocker.as_dict(),
+            "blockers": [b.as_dict() for b in self.blockers],
         }
 
     @staticmethod
@@ -187,3 +218,127 @@ def holding_sentence(blocker: Blocker, held_mb: int) -> str:
     queue'."""
     where = _gpus(blocker)
     return f"up to {format_mb(held_mb)} of {where} is held for {blocker.who}, ahead in the queue"
+
+
+# ---------------------------------------------------------------------- leases in the way
+
+_NEVER = (math.inf, ())
+
+
+def lease_blockers(
+    request: Request,
+    verdicts: tuple[GpuVerdict, ...],
+    leases: Mapping[str, Lease],
+    ledger: Ledger,
+    policy: Policy,
+) -> tuple[Blocker, ...]:
+    """The leases an ``insufficient_vram`` request waits for, on the worker where they give
+    way first (those that give way last first); () when something other than leases is in
+    the way everywhere (memory the arbiter does not know about, GPUs too few)."""
+    per_worker: dict[str, list[tuple[float, tuple[Blocker, ...]]]] = {}
+    for verdict in verdicts:
+        if verdict.code == "too_few_gpus_on_worker" and verdict.free_mb >= request.vram_mb:
+            found: tuple[float, tuple[Blocker, ...]] = (-math.inf, ())  # room there already
+        elif verdict.code == "insufficient_vram":
+            found = _on_gpu(request, verdict.gpu, leases, ledger, policy)
+        else:
+            continue
+        if found[1] or found[0] == -math.inf:
+            per_worker.setdefault(verdict.gpu.worker, []).append(found)
+    best: tuple[float, str, tuple[Blocker, ...]] | None = None
+    for worker, found_on in sorted(per_worker.items()):
+        if len(found_on) < request.gpus:
+            continue
+        chosen = sorted(found_on, key=lambda item: item[0])[: request.gpus]
+        at = max(item[0] for item in chosen)
+        if best is None or at < best[0]:
+            best = (at, worker, tuple(b for _, named in chosen for b in named))
+    if best is None:
+        return ()
+    unique = {b.id: b for b in best[2]}.values()
+    return tuple(sorted(unique, key=lambda b: (-_until(b), b.id)))
+
+
+def _until(blocker: Blocker) -> float:
+    return math.inf if blocker.until is None else blocker.until
+
+
+def _on_gpu(
+    request: Request, gpu_id: GpuId, leases: Mapping[str, Lease], ledger: Ledger, policy: Policy
+) -> tuple[float, tuple[Blocker, ...]]:
+    """When ``gpu_id`` has room for ``request`` if only leases give way, and the leases that
+    must (soonest first until the room is made); never if all of them would not do."""
+    ids = ledger.lease_ids(gpu_id)
+    if not ids or ledger.free_after(gpu_id, set(ids)) < request.vram_mb:
+        return _NEVER
+    named = sorted(
+        (_blocker(leases[lid], request, policy) for lid in ids), key=lambda b: (_until(b), b.id)
+    )
+    gone: set[str] = set()
+    for count, blocker in enumerate(named, start=1):
+        gone.add(blocker.id)
+        if ledger.free_after(gpu_id, gone) >= request.vram_mb:
+            return _until(blocker), tuple(named[:count])
+    return _NEVER
+
+
+def _blocker(lease: Lease, request: Request, policy: Policy) -> Blocker:
+    if lease.state is LeaseState.REVOKING:
+        until: float | None = lease.expires_at  # capped at revoked_at + grace + TTL
+        rule, since = "revoking", lease.revoked_at or lease.granted_at
+    else:
+        at, rule = giving_way(lease, request, policy)
+        until = None if at == math.inf else at
+        since = lease.last_used_at if lease.idle else lease.granted_at
+    return Blocker(
+        "lease",
+        lease.id,
+        lease.request.holder or None,
+        lease.gpus,
+        since=since,
+        until=until,
+        expires_at=lease.expires_at,
+        state=_state(lease),
+        priority=lease.base_priority,
+        rule=rule,
+    )
+
+
+def _state(lease: Lease) -> str:
+    if lease.state is LeaseState.REVOKING:
+        return "revoking"
+    if lease.loading:
+        return "loading"
+    return "idle" if lease.idle else "busy"
+
+
+_WHY_NEVER = {
+    "not_preemptible": "not preemptible by {prio} (I5)",
+    "never_preempt": "never preempted for this request (constraints.never_preempt)",
+}
+
+
+def lease_sentence(blocker: Blocker, request_priority: int, now: float) -> str:
+    """'idle lease L (holder 'chat', interactive) on w1:0: reclaimable by batch in 55s
+    (idle_reclaim_s)'; 'busy lease B (...): not preemptible by batch (I5)'; 'revoking
+    lease V (...): memory back when its holder stops, at the latest in 40s (grace + TTL)'."""
+    prio = priority_name(request_priority)
+    holder = f"holder {blocker.holder!r}, " if blocker.holder else ""
+    own = "" if blocker.priority is None else priority_name(blocker.priority)
+    who = f"{blocker.state} lease {blocker.id} ({holder}{own}) on {_gpus(blocker)}"
+    rule = blocker.rule or ""
+    if blocker.until is None:
+        return f"{who}: " + _WHY_NEVER.get(rule, "not preemptible by {prio}").format(prio=prio)
+    left = "now" if blocker.until <= now else f"in {format_s(blocker.until - now)}"
+    if rule == "revoking":
+        return f"{who}: memory back when its holder stops, at the latest {left} (grace + TTL)"
+    if rule == "at_once":
+        return f"{who}: reclaimable by {prio} now (equal or higher priority)"
+    verb = "reclaimable" if blocker.state == "idle" else "preemptible"
+    return f"{who}: {verb} by {prio} {left} ({rule})"
+
+
+def waiting_sentence(blockers: tuple[Blocker, ...], request_priority: int, now: float) -> str:
+    """'waiting for <the lease it waits for last>; and <each other>'."""
+    parts = [lease_sentence(b, request_priority, now) for b in blockers]
+    return "waiting for " + "; and ".join(parts)

@@ -68,9 +68,11 @@ from .reasons import (
     GpuVerdict,
     PendingReason,
     holding_sentence,
+    lease_blockers,
     loading_sentence,
     revoking_sentence,
     summarize,
+    waiting_sentence,
 )
 from .stages import outcome, usable
 from .timers import TimerKind, Timers
@@ -285,20 +287,21 @@ class Scheduler:
             return None
         per_worker: Counter[str] = Counter()
         codes: Counter[str] = Counter()
+        largest = 0  # the capacity of the largest GPU that matches all but the size
         for name, ids in self._worker_gpus.items():
             labels = self.workers[name].labels
             for gpu_id in ids:
-                code = mismatch(
-                    self.ledger.gpu(gpu_id), labels, request.constraints, request.vram_mb
-                )
+                gpu = self.ledger.gpu(gpu_id)
+                code = mismatch(gpu, labels, request.constraints, request.vram_mb)
                 codes[code or "fits"] += 1
                 per_worker[name] += code is None
+                if code == "too_small":
+                    largest = max(largest, gpu.capacity_mb)
         if any(count >= request.gpus for count in per_worker.values()):
             return None
         if codes["fits"]:
             code, message = "too_few_gpus", f"no worker has {request.gpus} matching GPUs"
         elif codes["too_small"]:
-            largest = max(self.ledger.gpu(g).capacity_mb for g in self.ledger.ids())
             code = "too_large"
             message = (
                 f"{format_mb(request.vram_mb)} per GPU is more than any matching GPU "
@@ -836,10 +839,28 @@ class Scheduler:
             message = f"{summary}; {loading_sentence(loading, now)}"
             return PendingReason("load_in_progress", message, verdicts, own, loading.id, loading)
         if "insufficient_vram" in codes:
-            return PendingReason("insufficient_vram", summary, verdicts, own)
+            return self._insufficient(request, verdicts, own, summary, now)
         if codes & {"worker_draining", "worker_drained", "worker_offline", "probe_stale"}:
             return PendingReason("workers_draining", summary, verdicts, own)
         return PendingReason("no_matching_gpu", summary, verdicts, own)
+
+    def _insufficient(
+        self,
+        request: Request,
+        verdicts: tuple[GpuVerdict, ...],
+        own: tuple[GpuId, ...],
+        summary: str,
+        now: float,
+    ) -> PendingReason:
+        """Too full: the leases in the way by name, when nothing else is (see :mod:`.reasons`)."""
+        blockers = lease_blockers(request, verdicts, self.leases, self.ledger, self.policy)
+        if not blockers:
+            return PendingReason("insufficient_vram", summary, verdicts, own)
+        message = f"{summary}; {waiting_sentence(blockers, request.priority, now)}"
+        last = blockers[0]
+        return PendingReason(
+            "insufficient_vram", message, verdicts, own, last.id, last, blockers=blockers
+        )
 
     def overdue_revocations(
         self, now: float, among: Iterable[str] | None = None
