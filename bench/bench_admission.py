@@ -13,7 +13,8 @@ For each N the median and p99 of one cycle are printed, with the requests the
 cycle examined, then the ratio of the largest N's median to the smallest's.
 Then where the last of N pending requests stands, as a 202 answers it: by bisection
 in each priority's bucket (``Scheduler.position``) against walking the queue up to it
-(``Scheduler.pending``), in the same run. Last, queueing: N requests submitted one by
+(``Scheduler.pending``), in the same run, and what its reason costs
+(``Scheduler.explain``). Last, queueing: N requests submitted one by
 one, each followed by a cycle (as the engine and the controller do), total time and time
 per request.
 
@@ -91,16 +92,17 @@ def queueing(pending: int) -> float:
     return time.perf_counter() - start
 
 
-def answer_cost(pending: int, samples: int) -> tuple[float, float]:
+def answer_cost(pending: int, samples: int) -> tuple[float, float, float]:
     """Median microseconds to find where the last of ``pending`` queued requests stands
     (what a 202 answers with its reason): by bisection (``Scheduler.position``), and by
-    walking the queue up to it (``Scheduler.pending``, as it was found before)."""
+    walking the queue up to it (``Scheduler.pending``, as it was found before); and of its
+    reason (``Scheduler.explain``: it names the lease in the way, ``filler``)."""
     sched = cluster()
     for i in range(pending):
         sched.submit(pinned(i), 1.0)
     sched.decide(1.0)
     last = f"pinned-{pending - 1}"
-    found, walked = [], []
+    found, walked, reasons = [], [], []
     gc.collect()
     gc.disable()
     for n in range(samples):
@@ -112,8 +114,12 @@ def answer_cost(pending: int, samples: int) -> tuple[float, float]:
         walk = next(p for p, request, _ in sched.pending(now) if request.id == last)
         walked.append((time.perf_counter() - start) * 1e6)
         assert position == walk == pending
+        start = time.perf_counter()
+        reason = sched.explain(last, now)
+        reasons.append((time.perf_counter() - start) * 1e6)
+        assert reason.blocked_by == "filler", reason
     gc.enable()
-    return statistics.median(found), statistics.median(walked)
+    return statistics.median(found), statistics.median(walked), statistics.median(reasons)
 
 
 def main() -> None:
@@ -137,11 +143,16 @@ def main() -> None:
         ratio = medians[sizes[-1]] / medians[sizes[0]]
         print(f"  ratio median({sizes[-1]:,})/median({sizes[0]:,}) = {ratio:.2f}")
         print()
-    print("where the last of N pending requests stands (a 202's position)")
-    print(f"  {'pending':>8} {'bisect us':>10} {'walk us':>9} {'walk/bisect':>12}")
+    print("where the last of N pending requests stands (a 202's position), and its reason")
+    print(
+        f"  {'pending':>8} {'bisect us':>10} {'walk us':>9} {'walk/bisect':>12} {'reason us':>10}"
+    )
     for pending in sizes:
-        found, walked = answer_cost(pending, max(10, min(args.samples, 200_000 // pending)))
-        print(f"  {pending:>8} {found:>10.1f} {walked:>9.1f} {walked / found:>11.1f}x")
+        samples = max(10, min(args.samples, 200_000 // pending))
+        found, walked, reason = answer_cost(pending, samples)
+        print(
+            f"  {pending:>8} {found:>10.1f} {walked:>9.1f} {walked / found:>11.1f}x {reason:>10.1f}"
+        )
     print()
     print("queueing N requests, one cycle after each")
     print(f"  {'N':>8} {'total s':>9} {'us per request':>15}")

@@ -232,9 +232,30 @@ def lease_blockers(
     ledger: Ledger,
     policy: Policy,
 ) -> tuple[Blocker, ...]:
-    """The leases an ``insufficient_vram`` request waits for, on the worker where they give
-    way first (those that give way last first); () when something other than leases is in
-    the way everywhere (memory the arbiter does not know about, GPUs too few)."""
+    """The leases an ``insufficient_vram`` request waits for, on the GPU (the worker, for
+    several GPUs) where they give way first, those that give way last first; () when
+    something other than leases is in the way everywhere (memory the arbiter does not know
+    of, too few GPUs)."""
+    if request.gpus > 1:
+        return _on_worker(request, verdicts, leases, ledger, policy)
+    best: tuple[float, tuple[Blocker, ...]] = _NEVER
+    for verdict in verdicts:
+        if verdict.code == "insufficient_vram":
+            found = _on_gpu(request, verdict.gpu, leases, ledger, policy)
+            if found[1] and (not best[1] or found[0] < best[0]):
+                best = found
+    return _last_first(best[1])
+
+
+def _on_worker(
+    request: Request,
+    verdicts: tuple[GpuVerdict, ...],
+    leases: Mapping[str, Lease],
+    ledger: Ledger,
+    policy: Policy,
+) -> tuple[Blocker, ...]:
+    """For a request of several GPUs: the worker whose ``gpus`` GPUs have room first (a GPU
+    with room already counts at once)."""
     per_worker: dict[str, list[tuple[float, tuple[Blocker, ...]]]] = {}
     for verdict in verdicts:
         if verdict.code == "too_few_gpus_on_worker" and verdict.free_mb >= request.vram_mb:
@@ -253,10 +274,13 @@ def lease_blockers(
         at = max(item[0] for item in chosen)
         if best is None or at < best[0]:
             best = (at, worker, tuple(b for _, named in chosen for b in named))
-    if best is None:
-        return ()
-    unique = {b.id: b for b in best[2]}.values()
-    return tuple(sorted(unique, key=lambda b: (-_until(b), b.id)))
+    return () if best is None else _last_first(tuple({b.id: b for b in best[2]}.values()))
+
+
+def _last_first(blockers: tuple[Blocker, ...]) -> tuple[Blocker, ...]:
+    if len(blockers) < 2:
+        return blockers
+    return tuple(sorted(blockers, key=lambda b: (-_until(b), b.id)))
 
 
 def _until(blocker: Blocker) -> float:
@@ -271,6 +295,9 @@ def _on_gpu(
     ids = ledger.lease_ids(gpu_id)
     if not ids or ledger.free_after(gpu_id, set(ids)) < request.vram_mb:
         return _NEVER
+    if len(ids) == 1:  # the common case: one lease in the way, and it is enough
+        blocker = _blocker(leases[ids[0]], request, policy)
+        return _until(blocker), (blocker,)
     named = sorted(
         (_blocker(leases[lid], request, policy) for lid in ids), key=lambda b: (_until(b), b.id)
     )
