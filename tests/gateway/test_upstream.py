@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httptools
 import pytest
 
-from gpu_arbiter.gateway.upstream import Upstream, UpstreamError
+from gpu_arbiter.gateway.upstream import IDLE_MAX_S, Upstream, UpstreamError, _idle_max_s
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
@@ -84,10 +85,10 @@ async def _body(upstream: Upstream, method: str = "POST", body: bytes = b"{}") -
 
 
 async def test_one_write_per_request_and_the_connection_is_kept(scripted: Callable) -> None:
-    server = await scripted(lambda c, r: (CHUNKED if r == 1 else OK, False))
+    server = await scripted(lambda c, r: (OK, False))
     upstream = Upstream(server.port, keep=4)
-    assert [await _body(upstream) for _ in range(3)] == [b"ok", b"abcde", b"ok"]
-    assert server.connections == 1  # chunked (decoded) or not, the connection was kept
+    assert [await _body(upstream) for _ in range(3)] == [b"ok", b"ok", b"ok"]
+    assert server.connections == 1  # kept
     assert server.requests[0] == (
         b"POST /v1/x?q=1 HTTP/1.1\r\nhost: 127.0.0.1:%d\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n{}"
         % server.port
@@ -147,6 +148,72 @@ async def test_a_connection_the_server_closed_after_answering_is_not_written_on(
     assert server.connections == 2
     assert len(server.requests) == 2
     upstream.close()
+
+
+async def test_a_post_never_goes_on_a_connection_after_a_chunked_answer(
+    scripted: Callable,
+) -> None:
+    """llama.cpp's server closes the connection right after every streamed (chunked)
+    answer without saying so; the close can come after any check before the write.
+    Here the server closes as the next request comes: on that connection it is lost."""
+    server = await scripted(lambda c, r: (CHUNKED, False) if r == 0 else None)
+    upstream = Upstream(server.port, keep=4)
+    assert await _body(upstream) == b"abcde"  # decoded
+    assert await _body(upstream) == b"abcde"  # on a new connection, the only one it reached
+    assert await _body(upstream) == b"abcde"
+    assert server.connections == 3
+    assert len(server.requests) == 3  # each POST reached the server exactly once
+    upstream.close()
+
+
+async def test_a_post_goes_on_a_new_connection_when_the_kept_one_fails_its_first_write(
+    scripted: Callable,
+) -> None:
+    """A kept connection that looks quiet but cannot send (here: shut for writing) fails
+    the write at once, before any byte left: the request goes on a new connection."""
+    server = await scripted(lambda c, r: (OK, False))
+    upstream = Upstream(server.port, keep=4)
+    answer = await upstream.request("POST", b"/", [], b"{}")
+    sock = answer._connection.writer.get_extra_info("socket")  # type: ignore[union-attr]
+    assert await answer.read() == b"ok"
+    answer.close()  # kept
+    sock.shutdown(socket.SHUT_WR)
+    assert await _body(upstream) == b"ok"
+    assert server.connections == 2
+    assert len(server.requests) == 2  # the second POST reached the server once
+    upstream.close()
+
+
+@pytest.mark.parametrize("keep_alive", [b"timeout=0", b"timeout=1, max=100"])
+async def test_an_idle_connection_is_kept_no_longer_than_its_server_says(
+    scripted: Callable, keep_alive: bytes
+) -> None:
+    """``Keep-Alive: timeout=1``: the server closes it idle after 1 s; it is used again
+    for at most half of that (0: not at all). This server never closes it itself."""
+    said = b"HTTP/1.1 200 OK\r\nkeep-alive: %s\r\ncontent-length: 2\r\n\r\nok" % keep_alive
+    server = await scripted(lambda c, r: (said, False))
+    upstream = Upstream(server.port, keep=4)
+    assert await _body(upstream) == b"ok"
+    await asyncio.sleep(0.6)  # past the half second (a sleep never ends early)
+    assert await _body(upstream) == b"ok"
+    assert server.connections == 2
+    upstream.close()
+
+
+@pytest.mark.parametrize(
+    ("keep_alive", "idle_max_s"),
+    [
+        (b"timeout=5, max=100", 4.0),
+        (b"max=3, Timeout = 3", 2.0),
+        (b"timeout=1", 0.5),
+        (b"timeout=60", IDLE_MAX_S),
+        (b"timeout=nan", IDLE_MAX_S),
+        (b"timeout=x", IDLE_MAX_S),
+        (b"max=5", IDLE_MAX_S),
+    ],
+)
+def test_the_idle_time_a_keep_alive_header_allows(keep_alive: bytes, idle_max_s: float) -> None:
+    assert _idle_max_s(keep_alive) == idle_max_s
 
 
 async def test_no_answer_on_a_new_connection_is_an_error_and_not_retried(

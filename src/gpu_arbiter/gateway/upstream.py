@@ -9,12 +9,23 @@ client's ``Content-Length`` or chunked, and at most once. The answer's head is p
 (httptools, llhttp's parser) and its body handed on as it arrives: by
 ``Content-Length``, chunked (the chunks decoded: the gateway's own server chunks the
 body again) or up to the close. A connection goes back to the pool only after a whole
-answer that lets it stay open; one cut short, abandoned (the caller went away) or
-answered with ``Connection: close`` is closed.
+answer; one cut short or abandoned (the caller went away) is closed.
+
+A connection is kept only where nothing says the server will close it: not after
+``Connection: close``, an HTTP/1.0 answer without keep-alive, a body that ended with the
+connection, a HEAD, or a chunked answer. A server may close right after a chunked
+answer without saying so (llama.cpp's server does after every stream: its close comes
+microseconds after the last chunk, and a request written in between is lost with the
+connection), and no check before writing can tell a close still on its way; a streamed
+answer costs one loopback connect instead. An idle connection is kept at most
+``IDLE_MAX_S`` (4 s: servers commonly close idle ones after 5, uvicorn and llama.cpp's
+among them), or a second less than the server's ``Keep-Alive: timeout=N`` (half of it
+under 2 s): a request written as the server closes it would be lost.
 
 A kept connection is used again only while it is quiet: one the server closed while
 it was idle (its end read by the loop, or still waiting in the socket: a zero-wait
-poll) is dropped before anything is written on it. Should a request still fail on a
+poll) is dropped before anything is written on it, and so is one whose first write
+failed at once (nothing of the request left). Should a request still fail on a
 reused connection before any byte of the answer came, it is sent once more, on a new
 one, only if its method is idempotent (RFC 9110: GET, HEAD, OPTIONS, TRACE, PUT,
 DELETE): the server may have received it. Any other (a POST) is never sent twice: the
@@ -40,6 +51,8 @@ READ_BYTES = 256 * 1024
 ONE_WRITE_BYTES = 64 * 1024
 """A body up to this size leaves in the head's write; a larger one is written apart."""
 _FRAMING = (b"content-length", b"transfer-encoding")
+IDLE_MAX_S = 4.0
+"""An idle connection is closed after this long, or sooner where its server says so."""
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 """Methods whose request may be sent again (RFC 9110, 9.2.2): all others at most once."""
 
@@ -67,6 +80,10 @@ class _Unanswered(UpstreamError):
     """Failed before any byte of the answer came."""
 
 
+class _NotSent(_Unanswered):
+    """Failed before any byte of the request left: it may go on another connection."""
+
+
 class _Connection:
     """One connection, and the parser's state of the answer being read on it."""
 
@@ -83,8 +100,11 @@ class _Connection:
         self.head_done = False
         self.done = False
         self.until_close = False  # a body without length: it ends with the connection
+        self.chunked = False
         self.keep_alive = False
         self.head_only = False
+        self.idle_max_s = IDLE_MAX_S
+        self.idle_until = 0.0  # (the loop's clock) kept, it is closed then
 
     # ------------------------------------------------------------------ parser callbacks
 
@@ -98,7 +118,14 @@ class _Connection:
             return
         self.status = status
         self.head_done = True
-        framed = any(n.lower() in _FRAMING for n, _ in self.headers)
+        framed = False
+        for name, value in self.headers:
+            lowered = name.lower()
+            if lowered in _FRAMING:
+                framed = True
+                self.chunked = self.chunked or b"chunked" in value.lower()
+            elif lowered == b"keep-alive":
+                self.idle_max_s = _idle_max_s(value)
         self.until_close = not framed and status not in (204, 304)
         self.keep_alive = self.parser.should_keep_alive()  # known here, not at the end
         if self.head_only:
@@ -114,7 +141,11 @@ class _Connection:
 
     # ------------------------------------------------------------------ exchange
 
-    def usable(self) -> bool:
+    def usable(self, now: float) -> bool:
+        """Kept, it may be written on: not idle past its time, and quiet."""
+        return now < self.idle_until and self._quiet_now()
+
+    def _quiet_now(self) -> bool:
         """Not closed, and nothing waiting to be read: an idle connection's server sends
         nothing unless it closes it (its end may not have reached the loop yet)."""
         if self.reader.at_eof() or self.writer.is_closing():
@@ -125,7 +156,9 @@ class _Connection:
         """Sends a request and reads up to the end of the answer's head."""
         self.head_only = request.head_only
         try:
-            self.writer.write(request.head)
+            self.writer.write(request.head)  # tries the socket at once, buffers the rest
+            if self.writer.is_closing():  # that first send failed: nothing of it left
+                raise _NotSent("the connection failed before the request was sent")
             await self._send_body(request)
             while not self.head_done:
                 if not await self.feed() and not self.head_done:
@@ -166,20 +199,19 @@ class _Connection:
         return False
 
     def reusable(self) -> bool:
-        return (
-            self.done
-            and not self.until_close
-            and not self.head_only
-            and self.keep_alive
-            and self.usable()
-        )
+        """A whole answer, and nothing said or known that the server closes it."""
+        if not self.done or self.until_close or self.chunked or self.head_only:
+            return False
+        return self.keep_alive and self._quiet_now()
 
-    def reset(self) -> None:
+    def reset(self, now: float) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status, self.headers, self.body = 0, [], []
         self.head_done = self.done = self.until_close = self.keep_alive = False
-        self.head_only = False
+        self.chunked = self.head_only = False
         self.reused = True
+        self.idle_until = now + self.idle_max_s
+        self.idle_max_s = IDLE_MAX_S
 
     def close(self) -> None:
         self.writer.close()
@@ -245,12 +277,14 @@ class Upstream:
         data = _outgoing(method, head, body, length)
         while self._idle:
             connection = self._idle.pop()
-            if not connection.usable():
+            if not connection.usable(asyncio.get_running_loop().time()):
                 connection.close()
                 continue
             if method not in IDEMPOTENT or data.streamed:  # at most once: the caller's
                 try:
                     return await self._exchange(connection, data)
+                except _NotSent:
+                    continue
                 except _Unanswered as error:
                     raise UpstreamError(f"{error} (a {method} is not sent twice)") from None
             with contextlib.suppress(_Unanswered):  # closed while idle: the next one
@@ -281,7 +315,7 @@ class Upstream:
         if self._closed or len(self._idle) >= self.keep or not connection.reusable():
             connection.close()
             return
-        connection.reset()
+        connection.reset(asyncio.get_running_loop().time())
         self._idle.append(connection)
 
     def close(self) -> None:
@@ -290,6 +324,21 @@ class Upstream:
         for connection in self._idle:
             connection.close()
         self._idle.clear()
+
+
+def _idle_max_s(keep_alive: bytes) -> float:
+    """How long to keep a connection idle by the server's ``Keep-Alive`` header
+    (``timeout=5, max=100``): a second less than its timeout, half of one under 2 s."""
+    for part in keep_alive.split(b","):
+        name, _, value = part.partition(b"=")
+        if name.strip().lower() == b"timeout":
+            try:
+                timeout_s = float(value.strip())
+            except ValueError:
+                break
+            if timeout_s == timeout_s:  # not NaN
+                return max(0.0, min(IDLE_MAX_S, timeout_s - 1 if timeout_s >= 2 else timeout_s / 2))
+    return IDLE_MAX_S
 
 
 def _outgoing(method: str, head: list[bytes], body: Body, length: int | None) -> _Outgoing:
