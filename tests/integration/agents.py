@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,9 @@ class RunProcess:
         self.err = runtime / f"{holder}.err"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> RunProcess:
+    def start(self, preexec_fn: Callable[[], object] | None = None) -> RunProcess:
+        """``preexec_fn`` runs in the wrapper's process before its exec (what a launcher
+        leaves behind, such as an ignored signal)."""
         self.runtime.mkdir(parents=True, exist_ok=True)
         with self.err.open("wb") as err:
             self.proc = subprocess.Popen(
@@ -142,6 +145,7 @@ class RunProcess:
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 env=env_for(self.runtime),
+                preexec_fn=preexec_fn,
             )
         return self
 

@@ -176,6 +176,12 @@ _SERVICES = frozenset({"serve", "agent", "run", "gateway"})
 
 
 def main() -> None:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Ignored by whoever started us (a launcher, a shell's background job): SIG_IGN is
+        # inherited across exec, so Ctrl-C would stop no command, nor any child one starts
+        # (run's command, the gateway's model servers, the agent's update command). A
+        # handler, unlike SIG_IGN, is reset to the default in every child at its exec.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not _SERVICES.intersection(sys.argv[1:2]):
         # A report piped into `head` ends quietly when the reader has had enough, as Unix
         # tools do, instead of a traceback from the next write (Python ignores SIGPIPE).
