@@ -23,6 +23,11 @@ lease is held past ``policy.grace_s``: a warning in the log, a
 and how long it has ignored its revocation, and ``stats().overdue_revocations``.
 A lease from :meth:`Arbiter.acquire` has a TTL: once revoked it can be renewed
 only within the grace, so it lapses at most grace + TTL after its revocation.
+
+An in-process asker is present for as long as it awaits its grant (a task that stops
+awaiting cancels its request), and a grant is handed to it as made: the core's presence
+rule (a request unseen for its TTL ends, a grant not taken up is given back: see
+``core.presence``) is the service's, off here, and every grant is claimed as made.
 """
 
 from __future__ import annotations
@@ -681,6 +686,15 @@ class _Carried:
     def rejected(self, request: Request, reason: PendingReason) -> None:
         self._arbiter._emit("rejected", request.id, {"reason": reason.code})
         self._arbiter._fail_waiter(request.id, Unschedulable(reason))
+
+    def unclaimed(self, lease: Lease) -> None:  # never: presence is off in-process
+        self._arbiter._expired(lease)
+
+    def abandoned(self, request: Request) -> None:  # never: presence is off in-process
+        self._arbiter._emit("abandoned", request.id)
+        self._arbiter._fail_waiter(
+            request.id, WaitTimeout("its asker is gone", request_id=request.id)
+        )
 
     def timed_out(self, request: Request) -> None:
         self._arbiter._emit("timed_out", request.id)

@@ -320,6 +320,7 @@ class _Walk:
             expires_at=math.inf if request.ttl_s is None else now + request.ttl_s,
             load_deadline=now + request.load_timeout_s,
             last_used_at=now,
+            claimed=self.state.presence.claimed_at_grant(request.id),
         )
         self.grants.append(lease)
         if self.walking:  # for the rest of the walk; undone when it ends

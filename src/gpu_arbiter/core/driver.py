@@ -6,10 +6,12 @@ wake a waiter, record and store a change, log a step — but they receive them t
 way: :func:`hand_over` gives each decision to the driver's :class:`Outcomes`, one
 method per kind, causes before their effects::
 
-    expired ─┐
-    timed_out├─ leases and requests that ended, loads that finished
-    rejected │
-    loaded  ─┘
+    expired  ─┐
+    unclaimed │
+    timed_out ├─ leases and requests that ended, loads that finished
+    abandoned │
+    rejected  │
+    loaded   ─┘
     drained ─── the drains those ends completed
     revoked ─── the revocations (a preemptor's victims)
     granted ─── last, the grants all of this made room for
@@ -42,6 +44,10 @@ class Outcomes(Protocol):
 
     def timed_out(self, request: Request) -> None: ...
 
+    def abandoned(self, request: Request) -> None: ...
+
+    def unclaimed(self, lease: Lease) -> None: ...
+
     def rejected(self, request: Request, reason: PendingReason) -> None: ...
 
     def loaded(self, lease: Lease) -> None: ...
@@ -57,8 +63,12 @@ def hand_over(decisions: Decisions, outcomes: Outcomes) -> None:
     """Gives each of ``decisions`` to ``outcomes``, in the order of the module."""
     for lease in decisions.expired:
         outcomes.expired(lease)
+    for lease in decisions.unclaimed:
+        outcomes.unclaimed(lease)
     for request in decisions.timed_out:
         outcomes.timed_out(request)
+    for request in decisions.abandoned:
+        outcomes.abandoned(request)
     for request, reason in decisions.rejected:
         outcomes.rejected(request, reason)
     for lease in decisions.loaded:

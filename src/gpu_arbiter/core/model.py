@@ -671,7 +671,9 @@ class Lease:
     agent watches the lease's process and will confirm when it exited; a lapsed TTL then
     revokes the lease instead of freeing its memory (I4). ``shrunk_to_mb``: what it holds
     per GPU since its holder shrank it (None: all it was granted, the request's
-    ``vram_mb``); a lease shrinks, it never grows back."""
+    ``vram_mb``); a lease shrinks, it never grows back. ``claimed``: its holder has taken
+    the grant up (False from a grant made while nobody waited for the answer until the
+    holder renews, reads, readies or runs it: see :class:`~.presence.Presence`)."""
 
     request: Request
     gpus: tuple[GpuId, ...]
@@ -689,6 +691,7 @@ class Lease:
     revoked_at: float | None = None
     supervised: bool = False
     shrunk_to_mb: int | None = None
+    claimed: bool = True
 
     @property
     def id(self) -> str:
@@ -744,6 +747,9 @@ class Policy:
                           a revoked lease can be renewed only within it, and never
                           past ``revoked_at + grace_s + ttl_s``: a holder that ignores
                           its revocation keeps its memory at most grace + TTL (I4).
+    claim_s               where askers must be present (the service), a grant its holder
+                          has not taken up within ``min(claim_s, ttl_s / 3)`` is given
+                          back (``unclaimed``): always well within its TTL (I8).
     """
 
     max_concurrent_loads: int = 1
@@ -757,6 +763,7 @@ class Policy:
     idle_reclaim_s: float = 60.0
     starvation_s: float = 120.0
     preempt_patience_s: float = 0.0
+    claim_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_concurrent_loads, int) or self.max_concurrent_loads < 1:
@@ -773,10 +780,20 @@ class Policy:
             raise InvalidInput("preempt_exempt_s", "must be >= 0")
         if self.grace_s < 0:
             raise InvalidInput("grace_s", "must be >= 0")
+        claim_s = self.claim_s
+        if isinstance(claim_s, bool) or not isinstance(claim_s, int | float) or not claim_s > 0:
+            raise InvalidInput("claim_s", "must be a number of seconds > 0")
+        if not math.isfinite(claim_s):
+            raise InvalidInput("claim_s", "must be a number of seconds > 0")
         for name in ("idle_reclaim_s", "starvation_s", "preempt_patience_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise InvalidInput(name, "must be a number of seconds >= 0 (inf: never)")
+
+    def claim_bound_s(self, ttl_s: float | None) -> float:
+        """How long a grant may wait for its holder to take it up: ``claim_s``, and
+        less than a third of its TTL."""
+        return self.claim_s if ttl_s is None else min(self.claim_s, ttl_s / 3)
 
     def effective_priority(self, request: Request, now: float) -> int:
         """Base priority plus aging, capped at ``aging_cap`` (never lowered by the cap)."""

@@ -33,6 +33,12 @@ A held lease may shrink (:meth:`Scheduler.shrink`: a model server put to sleep);
 never grows. The memory it gives back counts as committed no longer, but as occupied
 for as long as the latest probe shows its process still using it (I2), so it is
 granted again only once the probe shows it free (I4).
+
+With ``presence`` (the service, whose askers can vanish), a pending request whose asker
+is unseen for its ``ttl_s`` ends (``abandoned``), and a grant its holder has not taken up
+within its claim bound is given back (``unclaimed``): see :mod:`.presence`. Renewing,
+readying, marking idle or busy, shrinking, and an agent reporting the lease's process
+take a grant up.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from .model import (
 )
 from .nominations import Nomination
 from .plan import Plan
+from .presence import Presence
 from .queue import PendingQueue
 from .reasons import (
     Blocker,
@@ -91,6 +98,8 @@ class Decisions:
     loaded: tuple[Lease, ...] = ()
     workers: tuple[tuple[str, WorkerStatus, WorkerStatus], ...] = ()
     rejected: tuple[tuple[Request, PendingReason], ...] = ()
+    abandoned: tuple[Request, ...] = ()
+    unclaimed: tuple[Lease, ...] = ()
 
     @staticmethod
     def of_cycle(fired: Decisions, applied: Decisions) -> Decisions:
@@ -104,6 +113,8 @@ class Decisions:
             loaded=fired.loaded,
             workers=applied.workers,
             rejected=fired.rejected,
+            abandoned=fired.abandoned,
+            unclaimed=fired.unclaimed,
         )
 
     def __bool__(self) -> bool:
@@ -116,6 +127,8 @@ class Decisions:
                 self.loaded,
                 self.workers,
                 self.rejected,
+                self.abandoned,
+                self.unclaimed,
             )
         )
 
@@ -124,7 +137,14 @@ _NOTHING = Decisions()
 
 
 class Scheduler:
-    def __init__(self, policy: Policy | None = None, *, next_token: int = 1, next_seq: int = 1):
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        *,
+        next_token: int = 1,
+        next_seq: int = 1,
+        presence: bool = False,
+    ):
         self.policy = policy or Policy()
         self.paused = False
         self.next_token = next_token
@@ -140,6 +160,7 @@ class Scheduler:
         self._victims: dict[int, int] = {}  # base priority -> busy preemptible leases
         self._idle: dict[int, int] = {}  # base priority -> idle preemptible leases
         self._timers = Timers()
+        self.presence = Presence(self._timers, presence)  # askers must show up (I8)
         self._waits: list[str] = []  # pending requests whose wait ended, for the next plan
         self._match_cache: dict[tuple[Constraints, int, int], frozenset[GpuId]] = {}
         self._drain_check: set[str] = set()  # draining workers that may have become empty
@@ -327,6 +348,7 @@ class Scheduler:
             request = evolve(request, seq=self.next_seq, submitted_at=now)
         self.next_seq = max(self.next_seq, request.seq + 1)
         self.queue.add(request)
+        self.presence.seen(request, now)
         if request.max_wait_s is not None:
             self._timers.push(request.submitted_at + request.max_wait_s, TimerKind.WAIT, request.id)
         self.counters["submitted"] += 1
@@ -335,8 +357,31 @@ class Scheduler:
     def cancel(self, request_id: str) -> Request:
         request = self.queue.remove(request_id)
         self.nominations.pop(request_id, None)
+        self.presence.forget(request_id)
         self.counters["cancelled"] += 1
         return request
+
+    def seen(self, request_id: str, now: float) -> None:
+        """A pending request's asker showed up (see :mod:`.presence`)."""
+        if request_id in self.queue:
+            self.presence.seen(self.queue.get(request_id), now)
+
+    def watch(self, request_id: str) -> None:
+        """An answer to a pending request's asker is open (a long-poll): it is present."""
+        self.presence.watch(request_id)
+
+    def unwatch(self, request_id: str, now: float) -> None:
+        """The answer opened by :meth:`watch` closed at ``now``."""
+        pending = self.queue.get(request_id) if request_id in self.queue else None
+        self.presence.unwatch(pending, request_id, now)
+
+    def claim(self, lease_id: str) -> Lease:
+        """Its holder took the grant up (a read of it): it is no longer given back."""
+        lease = self.lease(lease_id)
+        if lease.claimed:
+            return lease
+        self.presence.forget(lease_id)
+        return self._put(lease, evolve(lease, claimed=True))
 
     def lease(self, lease_id: str) -> Lease:
         try:
@@ -349,6 +394,7 @@ class Scheduler:
         the memory is freed, exactly once."""
         lease = self.lease(lease_id)
         self._forget_lease(lease)
+        self.presence.forget(lease_id)
         self.ledger.uncommit(lease)
         del self.leases[lease_id]
         worker = lease.worker
@@ -361,7 +407,13 @@ class Scheduler:
         return evolve(lease, state=state, ended_at=now, loading=False)
 
     def ready(self, lease_id: str, now: float) -> Lease:
-        """The load finished: the GPU's load gate opens."""
+        """The load finished (its holder said so: the grant is taken up): the GPU's load
+        gate opens."""
+        self.claim(lease_id)
+        return self._loaded(lease_id, now)
+
+    def _loaded(self, lease_id: str, now: float) -> Lease:
+        """The load finished, or ran past its ``load_timeout_s``: the load gate opens."""
         lease = self.lease(lease_id)
         if not lease.loading:
             return lease
@@ -372,7 +424,7 @@ class Scheduler:
     def renew(self, lease_id: str, now: float, ttl_s: float | None = None) -> Lease:
         """Moves the expiry to ``now + ttl``. A revoked lease: only within its grace, and
         never past ``revoked_at + grace_s + ttl_s`` (else :class:`Conflict`)."""
-        lease = self.lease(lease_id)
+        lease = self.claim(lease_id)
         grace_end = lease.grace_ends_at(self.policy.grace_s)
         if grace_end is not None and now > grace_end:
             raise Conflict(
@@ -403,7 +455,7 @@ class Scheduler:
     def set_supervised(self, lease_id: str, supervised: bool, now: float) -> Lease:
         """Whether an agent supervises the lease's process (it will confirm its exit). No
         longer supervised, a lease whose TTL has lapsed meanwhile expires at the next cycle."""
-        lease = self.lease(lease_id)
+        lease = self.claim(lease_id) if supervised else self.lease(lease_id)
         if lease.supervised == supervised:
             return lease
         changed = self._put(lease, evolve(lease, supervised=supervised))
@@ -412,7 +464,7 @@ class Scheduler:
         return changed
 
     def set_idle(self, lease_id: str, idle: bool, now: float) -> Lease:
-        lease = self.lease(lease_id)
+        lease = self.claim(lease_id)
         if lease.idle == idle:
             return lease
         return self._put(lease, evolve(lease, idle=idle, last_used_at=now))
@@ -438,6 +490,7 @@ class Scheduler:
                 field="vram_mb",
                 reason="a lease grows only through a new grant",
             )
+        lease = self.claim(lease_id)
         if vram_mb == lease.vram_mb:
             return lease
         self.ledger.shrink(lease, vram_mb)
@@ -459,11 +512,12 @@ class Scheduler:
     def resume(self) -> None:
         self.paused = False
 
-    def restore_lease(self, lease: Lease) -> None:
-        """Puts back a lease loaded from storage (the controller's restart)."""
+    def restore_lease(self, lease: Lease, now: float | None = None) -> None:
+        """Puts back a lease loaded from storage (the controller's restart at ``now``: a
+        grant not taken up yet has its claim bound again from then)."""
         if lease.id in self.leases or not lease.state.holds_memory:
             raise Conflict(f"cannot restore lease {lease.id!r} in state {lease.state}")
-        self._add_lease(lease)
+        self._add_lease(lease, lease.granted_at if now is None else now)
         self.next_token = max(self.next_token, lease.token + 1)
         self.next_seq = max(self.next_seq, lease.request.seq + 1)
 
@@ -483,10 +537,14 @@ class Scheduler:
         lapsed expire (or, supervised, are revoked), loads past ``load_timeout_s`` count
         as done, drain deadlines revoke what is left, and, after the cluster shrank,
         pending requests no registered GPU could ever satisfy are rejected. Pending
-        requests whose wait ended are timed out by the next plan unless it grants them."""
+        requests whose wait ended are timed out by the next plan unless it grants them.
+        With presence, requests whose asker is gone end and grants not taken up are
+        given back (see :mod:`.presence`)."""
         expired: list[Lease] = []
         loaded: list[Lease] = []
         revoked: list[Lease] = []
+        abandoned: list[Request] = []
+        unclaimed: list[Lease] = []
         for kind, key in self._timers.due(now, self._timer_live):
             if kind is TimerKind.TTL and self.leases[key].supervised:
                 if self.leases[key].state is not LeaseState.REVOKING:  # its agent stops it
@@ -494,20 +552,26 @@ class Scheduler:
             elif kind is TimerKind.TTL:
                 expired.append(self.release(key, now, LeaseState.EXPIRED))
             elif kind is TimerKind.LOAD:
-                loaded.append(self.ready(key, now))
+                loaded.append(self._loaded(key, now))
             elif kind is TimerKind.DRAIN:
                 del self._drain_deadlines[key]
                 revoked += self._revoke_worker(key, "drain_deadline", now)
+            elif kind is TimerKind.ABSENT:
+                abandoned.append(self._abandon(key))
+            elif kind is TimerKind.CLAIM:  # no process yet: nothing to wait for (I4)
+                unclaimed.append(self.release(key, now))
             else:
                 self._waits.append(key)
         rejected = self._reject_unplaceable(now) if self._shrunk else []
-        if not (expired or loaded or revoked or rejected):
+        if not (expired or loaded or revoked or rejected or abandoned or unclaimed):
             return _NOTHING
         return Decisions(
             revocations=tuple(revoked),
             expired=tuple(expired),
             loaded=tuple(loaded),
             rejected=tuple(rejected),
+            abandoned=tuple(abandoned),
+            unclaimed=tuple(unclaimed),
         )
 
     def plan(self, now: float) -> Plan:
@@ -522,7 +586,8 @@ class Scheduler:
         grants = plan.grants
         if grants:
             for lease in grants:
-                self._add_lease(lease)
+                self.presence.forget(lease.id)  # pending no more
+                self._add_lease(lease, lease.granted_at)
                 self.queue.remove(lease.request.id)
             self.next_token = plan.first_token + len(grants)
             self.counters["granted"] += len(grants)
@@ -564,6 +629,7 @@ class Scheduler:
             if reason is not None:
                 self.queue.remove(request.id)
                 self.nominations.pop(request.id, None)
+                self.presence.forget(request.id)
                 self.counters["rejected"] += 1
                 rejected.append((request, reason))
         return rejected
@@ -588,6 +654,11 @@ class Scheduler:
             return key in self.queue
         if kind is TimerKind.DRAIN:
             return self._drain_deadlines.get(key) == at
+        if kind is TimerKind.ABSENT:
+            return key in self.queue and self.presence.absent(key, at)
+        if kind is TimerKind.CLAIM:
+            lease = self.leases.get(key)
+            return lease is not None and not lease.claimed and self.presence.unclaimed(key, at)
         return True  # RETRY: re-run the cycle once
 
     def retry_pending(self, at: float) -> bool:
@@ -596,7 +667,15 @@ class Scheduler:
 
     def _end_wait(self, request_id: str) -> Request:
         self.nominations.pop(request_id, None)
+        self.presence.forget(request_id)
         self.counters["timed_out"] += 1
+        return self.queue.remove(request_id)
+
+    def _abandon(self, request_id: str) -> Request:
+        """A pending request whose asker is gone ends (I8's dual)."""
+        self.nominations.pop(request_id, None)
+        self.presence.forget(request_id)
+        self.counters["abandoned"] += 1
         return self.queue.remove(request_id)
 
     def drains_finished(self) -> tuple[tuple[str, WorkerStatus, WorkerStatus], ...]:
@@ -683,7 +762,8 @@ class Scheduler:
             self._timers.push(revoked.expires_at, TimerKind.TTL, lease.id)
         return self._put(lease, revoked)
 
-    def _add_lease(self, lease: Lease) -> None:
+    def _add_lease(self, lease: Lease, since: float) -> None:
+        """A held lease joins the state (granted or restored at ``since``)."""
         lease_id = lease.request.id
         self.leases[lease_id] = lease
         self.ledger.commit(lease)
@@ -692,6 +772,7 @@ class Scheduler:
         self._timers.push(lease.expires_at, TimerKind.TTL, lease_id)
         if lease.loading:
             self._timers.push(lease.load_deadline, TimerKind.LOAD, lease_id)
+        self.presence.granted(lease, since, self.policy.claim_bound_s(lease.request.ttl_s))
 
     # ------------------------------------------------------------------ introspection
 

@@ -22,6 +22,8 @@ class TimerKind(StrEnum):
     DRAIN = "drain"  # a graceful drain's deadline (key: worker name)
     WAIT = "wait"  # a pending request's max_wait_s ends (key: request id)
     RETRY = "retry"  # a victim becomes eligible: run the cycle once more (key: "")
+    ABSENT = "absent"  # a pending request's asker unseen for its ttl_s (key: request id)
+    CLAIM = "claim"  # a grant not taken up within its claim bound (key: lease id)
 
 
 Entry = tuple[float, int, TimerKind, str]

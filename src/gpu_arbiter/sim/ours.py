@@ -296,6 +296,12 @@ class _Steps:
     def timed_out(self, request: Request) -> None:
         pass
 
+    def abandoned(self, request: Request) -> None:  # never: its askers are always there
+        pass
+
+    def unclaimed(self, lease: Lease) -> None:  # never: its grants are taken up as made
+        pass
+
     def rejected(self, request: Request, reason: PendingReason) -> None:
         pass
 

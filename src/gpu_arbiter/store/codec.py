@@ -121,6 +121,7 @@ _GRANT_DEFAULTS: dict[str, Any] = {
     "revoked_at": None,
     "supervised": False,
     "shrunk_to_mb": None,
+    "claimed": True,  # absent in documents older than the field: taken up (the safe side)
 }
 _LEASE_DEFAULTS: dict[str, Any] = {
     "owner": None,
@@ -214,6 +215,7 @@ def _grant_to_doc(lease: Lease) -> dict[str, Any]:
             "revoked_at": lease.revoked_at,
             "supervised": lease.supervised,
             "shrunk_to_mb": lease.shrunk_to_mb,
+            "claimed": lease.claimed,
         },
         _GRANT_DEFAULTS,
     )
@@ -239,6 +241,7 @@ def _grant_from_doc(request: Request, doc: dict[str, Any]) -> Lease:
         revoked_at=get("revoked_at", default["revoked_at"]),
         supervised=get("supervised", default["supervised"]),
         shrunk_to_mb=get("shrunk_to_mb", default["shrunk_to_mb"]),
+        claimed=get("claimed", default["claimed"]),
     )
 
 
