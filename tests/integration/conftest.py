@@ -73,21 +73,34 @@ def burst_while_stopped(pid: int, url: str, count: int = 200, files: int = 128) 
     as a loop busy elsewhere: each waits in the listen queue to be accepted) under a limit
     of ``files`` open files; the status line each one got before it was closed (b""
     for none)."""
+    return [status for status, _ in burst_answers(pid, url, count, files)]
+
+
+def burst_answers(
+    pid: int, url: str, count: int = 200, files: int = 128, request: bytes = b""
+) -> list[tuple[bytes, bool]]:
+    """As :func:`burst_while_stopped`, each connection sending ``request`` as it is
+    made (its bytes wait unread in the stopped process's socket): the status line each
+    one got, and whether it ended in a reset rather than a close."""
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (files, files))
     host, port = url.removeprefix("http://").rsplit(":", 1)
     os.kill(pid, signal.SIGSTOP)
     try:
         opened = [socket.create_connection((host, int(port)), timeout=30) for _ in range(count)]
+        for sock in opened:
+            sock.sendall(request)
     finally:
         os.kill(pid, signal.SIGCONT)
     answers = []
     try:
         for sock in opened:
-            received = b""
-            with contextlib.suppress(ConnectionResetError):
+            received, reset = b"", False
+            try:
                 while chunk := sock.recv(65536):
                     received += chunk
-            answers.append(received[:13])
+            except ConnectionResetError:
+                reset = True
+            answers.append((received[:13], reset))
     finally:
         for sock in opened:
             sock.close()

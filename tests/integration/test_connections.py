@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Server, burst_while_stopped, wait_for
+from gpu_arbiter.web.connections import LINGERING_FILES
+
+from .conftest import Server, burst_answers, burst_while_stopped, wait_for
 
 
 def _connect(server: Server) -> socket.socket:
@@ -128,7 +130,8 @@ def test_idle_connections_beyond_the_cap_neither_use_up_files_nor_keep_a_client_
     files = _open_files(limited)
     with _idle_connections(limited, 200):  # the cap is 20
         time.sleep(0.3)  # every connection accepted (and the extra ones closed)
-        assert _open_files(limited) <= files + 21 + 2
+        # the cap's, and those refused that linger for the rest of their request
+        assert _open_files(limited) <= files + 21 + 2 + LINGERING_FILES
         wait_for(
             lambda: _healthy(limited),
             timeout_s=10,
@@ -149,3 +152,20 @@ def test_a_burst_while_the_controller_is_stopped_is_refused_at_accept_not_by_run
     assert set(answers) <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 ", b""}
     assert "out of system resource" not in limited.log.read_text()
     wait_for(lambda: _healthy(limited), timeout_s=20, what="the controller to answer")
+
+
+def test_a_burst_of_requests_beyond_the_cap_is_answered_503_and_closed_not_reset(
+    limited: Server,
+) -> None:
+    """As above, but each connection sends the start of a request's head before the
+    controller runs again, so its bytes wait unread in the socket the listener refuses.
+    A socket closed with bytes unread is reset (RST), and a reset can cost the client
+    the answer (one still sending fails to send and may never read the 503): each one
+    beyond the cap reads its 503 and then a close."""
+    assert limited.proc is not None
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # still being sent
+    answers = burst_answers(limited.proc.pid, limited.url, request=head)
+    refused = [reset for status, reset in answers if status == b"HTTP/1.1 503 "]
+    assert len(refused) >= 200 - 20  # the 20 within the cap: 408 or 503
+    assert {status for status, _ in answers} <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 "}
+    assert not any(reset for _, reset in answers)

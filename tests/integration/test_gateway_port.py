@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from .agents import AgentProcess, env_for, worker_state
-from .conftest import Server, burst_while_stopped, wait_for
+from .conftest import Server, burst_answers, burst_while_stopped, wait_for
 from .gateways import LISTENING, GatewayProcess, chat, metric, model_entry
 
 pytestmark = pytest.mark.timeout(180)
@@ -159,6 +159,21 @@ def test_a_burst_while_the_gateway_is_stopped_is_refused_at_accept(port: Port) -
     assert answers.count(b"HTTP/1.1 503 ") >= 200 - 20  # the 20 within the cap: 408 or 503
     assert set(answers) <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 ", b""}
     wait_for(lambda: _healthy(gateway.url), 20, "the gateway to answer again")
+
+
+def test_a_burst_of_requests_to_the_stopped_gateway_is_answered_503_and_closed_not_reset(
+    port: Port,
+) -> None:
+    """As above, each connection sending the start of a request's head before the
+    gateway runs again: each one beyond the cap reads its 503 and then a close, not a
+    reset (the protocol's refusal lingers for the request's unread bytes)."""
+    gateway = port.gateway(BOUNDS)
+    assert gateway.proc is not None
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # still being sent
+    answers = burst_answers(gateway.proc.pid, gateway.url, request=head)
+    assert [status for status, _ in answers].count(b"HTTP/1.1 503 ") >= 200 - 20
+    assert {status for status, _ in answers} <= {b"HTTP/1.1 503 ", b"HTTP/1.1 408 "}
+    assert not any(reset for _, reset in answers)
 
 
 def _healthy(url: str) -> bool:

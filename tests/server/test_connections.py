@@ -9,11 +9,12 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpu_arbiter.web.connections import Listener, bound
+from gpu_arbiter.web.connections import LINGERING_FILES, Listener, bound
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,11 +109,68 @@ def test_a_burst_beyond_the_cap_is_refused_at_accept_and_holds_no_more_files() -
             assert len(refused) == BURST - CAP
             assert all(answer.startswith(b"HTTP/1.1 503 ") for answer in refused)
             # a connection was held open only within the cap, even the first one seen
-            assert max(served.files) <= served.before + CAP
+            # (and those refused that linger for the rest of their request)
+            assert max(served.files) <= served.before + CAP + LINGERING_FILES
             assert listener.open == CAP
     finally:
         for client in clients:
             client.close()
+
+
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _reset(client: socket.socket) -> bool:
+    try:
+        client.send(b"x")
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    return False
+
+
+def test_a_refused_client_still_sending_its_request_reads_the_503_and_a_close() -> None:
+    """A client that sent its request's head and sends its body after (as HTTP clients
+    do) is refused with the head unread: it can send the body, and it reads the 503
+    and then an end, not a reset (a socket closed with bytes unread is reset)."""
+    listener = bound("127.0.0.1", 0)
+    listener.cap = 0
+    listener.linger_s = 60.0  # not what ends it here: the client's close does
+    listener.listen(2048)
+    port = listener.getsockname()[1]
+    head = b"POST /v1/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4096\r\n\r\n"
+    clients = [_connect(port) for _ in range(BURST)]
+    for client in clients:
+        client.sendall(head)  # waits unread: no loop yet
+    try:
+        with _serving(listener):
+            for client in clients:
+                answer = b""
+                while chunk := client.recv(4096):  # up to the server's end of file
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 503 ")
+                client.sendall(b"x" * 4096)  # the body: the server still reads
+            for client in clients:
+                assert client.recv(4096) == b""  # no reset
+                client.close()
+            _until(lambda: not listener.lingering, "the refused connections to be closed")
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_refused_client_that_keeps_its_connection_is_closed_after_the_linger_time() -> None:
+    listener = bound("127.0.0.1", 0)
+    listener.cap = 0
+    listener.linger_s = 0.2
+    port = listener.getsockname()[1]
+    with _serving(listener), _connect(port) as client:
+        assert _first_bytes(client).startswith(b"HTTP/1.1 503 ")
+        _until(lambda: not listener.lingering, "the linger time to pass")
+        _until(lambda: _reset(client), "a reset: bytes sent to a closed socket")
 
 
 def test_a_closed_connection_makes_room_for_the_next() -> None:

@@ -20,6 +20,15 @@ so that connections never take the descriptors the store needs, even in a burst 
 comes while the loop is busy; the cap is kept below the limit of open files, raised to
 its hard limit at start (:func:`raise_open_files_limit`).
 
+A refused connection lingers before it is closed (as Apache's and nginx's lingering
+close): its answer sent, its write side is shut (the client reads the answer and an
+end) and what the client still sends is read and dropped, until the client closes,
+``LINGER_BYTES`` or ``LINGER_S``. Closed with bytes of its request unread, the socket
+would be reset (RST) instead, and a client still sending its body would fail to send
+and never read the answer. At most ``LINGERING_FILES`` connections of the process linger
+at once (set aside from the connections' descriptors); beyond them one is closed at
+once, once the bytes already there are read.
+
 Two listeners in one process (``serve --local --models``: the controller and the
 gateway) share its descriptors. The second one sets its share aside before the first
 sizes its cap (:func:`set_aside_files`), so that together they stay below the limit and
@@ -30,7 +39,7 @@ so the record of what was set aside is the process's too (a module variable).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import os
 import resource
 import socket
 from dataclasses import dataclass
@@ -54,6 +63,15 @@ REFUSED_PER_TURN = 64
 """Connections beyond the cap one :meth:`Listener.accept` refuses before it lets the loop
 go on (a flood cannot hold the loop for longer)."""
 
+LINGER_S = 2.0
+"""How long a refused connection may linger for the rest of its request."""
+
+LINGER_BYTES = 256 * 1024
+"""What a lingering connection may still send before it is closed all the same."""
+
+LINGERING_FILES = 32
+"""Refused connections that may linger at once in this process."""
+
 
 @dataclass(frozen=True, slots=True)
 class HeadLimits:
@@ -76,6 +94,8 @@ class _BoundedHttp(HttpToolsProtocol):
         self._reading_head = True
         self._refusal: tuple[int, str] | None = None
         self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_bytes: int | None = None  # while it lingers: what it may still send
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -86,10 +106,17 @@ class _BoundedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            _lingering.give_back()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None:
+        if self._refusal is not None:  # what a refused client still sends is dropped
+            if self._linger_bytes is not None:
+                self._linger_bytes -= len(data)
+                if self._linger_bytes <= 0:
+                    self.transport.close()
             return
         if self._reading_head:
             room = self.limits.max_header_bytes - self._head_bytes
@@ -129,13 +156,22 @@ class _BoundedHttp(HttpToolsProtocol):
         self._refuse(*(self._refusal or (400, msg)))  # a parser error, or a limit's refusal
 
     def _refuse(self, status: int, text: str) -> None:
-        """Answers ``status`` with ``text`` and closes the connection."""
+        """Answers ``status`` with ``text`` and closes the connection, lingering (the
+        client's end of file closes it: uvicorn's ``eof_received`` keeps nothing open).
+        Without room to linger, what the client sent is read from the socket first."""
         self._refusal = (status, text)
         self._cancel_head_timer()
         if self.transport.is_closing():
             return
         self.transport.write(_plain(status, text))
-        self.transport.close()
+        sock = self.transport.get_extra_info("socket")
+        more = LINGER_BYTES if sock is None else _drop_what_came(sock.fileno(), LINGER_BYTES)
+        if not more or not self.transport.can_write_eof() or not _lingering.take():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._linger_bytes = LINGER_BYTES
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_late)
@@ -172,9 +208,12 @@ class Listener(socket.socket):
     cap = 1 << 30
     """Set by the server once it knows its cap on connections."""
 
+    linger_s = LINGER_S
+
     def __init__(self, family: int) -> None:
         super().__init__(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio: NODELAY
         self.open = 0  # accepted here, not yet closed
+        self.lingering: set[_Lingering] = set()  # refused here, not yet closed
 
     def accept(self) -> tuple[socket.socket, Any]:
         for _ in range(REFUSED_PER_TURN):
@@ -182,8 +221,32 @@ class Listener(socket.socket):
             if self.open < self.cap:
                 self.open += 1
                 return _Accepted(self, fd), address
-            _refuse_at_once(fd)
+            self._refuse(socket.socket(fileno=fd))
         raise BlockingIOError  # more are waiting: the next turn of the loop takes them
+
+    def close(self) -> None:
+        for refused in list(self.lingering):
+            refused.close()
+        super().close()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """Answers 503 and shuts ``sock`` for writing; it lingers, on the running loop,
+        unless its client is done already or no loop or room is there for it."""
+        sock.setblocking(False)
+        try:
+            sock.send(_plain(503, "too many connections"))
+            sock.shutdown(socket.SHUT_WR)
+            more = _drop_what_came(sock.fileno(), LINGER_BYTES)
+        except OSError:  # the client may be gone already
+            more = 0
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            more = 0
+        if more and _lingering.take():
+            _Lingering(sock, loop, more, self)
+        else:
+            sock.close()
 
 
 class _Accepted(socket.socket):
@@ -211,11 +274,69 @@ class _Accepted(socket.socket):
             self._listener = None
 
 
-def _refuse_at_once(fd: int) -> None:
-    with socket.socket(fileno=fd) as sock:
-        sock.setblocking(False)
-        with contextlib.suppress(OSError):  # the client may be gone already
-            sock.send(_plain(503, "too many connections"))
+class _Room:
+    """How many refused connections linger in this process (at most
+    ``LINGERING_FILES``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def take(self) -> bool:
+        if self.count >= LINGERING_FILES:
+            return False
+        self.count += 1
+        return True
+
+    def give_back(self) -> None:
+        self.count -= 1
+
+
+_lingering = _Room()
+
+
+class _Lingering:
+    """A connection :class:`Listener` refused, answered and shut for writing: what its
+    client still sends is read and dropped until it closes, ``more`` bytes or the
+    listener's ``linger_s``; then closed (and removed from the loop)."""
+
+    def __init__(
+        self, sock: socket.socket, loop: asyncio.AbstractEventLoop, more: int, listener: Listener
+    ) -> None:
+        self._sock, self._loop, self._more, self._listener = sock, loop, more, listener
+        listener.lingering.add(self)
+        loop.add_reader(sock.fileno(), self._read)
+        self._timer = loop.call_later(listener.linger_s, self.close)
+
+    def _read(self) -> None:
+        self._more = _drop_what_came(self._sock.fileno(), self._more)
+        if not self._more:
+            self.close()
+
+    def close(self) -> None:
+        if self not in self._listener.lingering:
+            return
+        self._listener.lingering.discard(self)
+        _lingering.give_back()
+        self._timer.cancel()
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+
+
+def _drop_what_came(fd: int, more: int) -> int:
+    """Reads and drops what the non-blocking socket ``fd`` has received, up to ``more``
+    bytes; what it may still receive after, 0 once its client closed or failed."""
+    while more > 0:
+        try:
+            chunk = os.read(fd, min(more, 64 * 1024))
+        except BlockingIOError:
+            return more
+        except OSError:
+            return 0
+        if not chunk:
+            return 0
+        more -= len(chunk)
+    return 0
 
 
 def bound(host: str, port: int) -> Listener:
@@ -247,9 +368,10 @@ _set_aside: list[int] = [0]
 
 def raise_open_files_limit() -> int:
     """Raises the soft limit of open files to the hard limit; returns how many of them
-    connections may use (the rest is kept for the store, the logs and the agent, and
-    for what another listener of this process set aside)."""
-    return max(1, _open_files_limit() - RESERVED_FILES - _set_aside[0])
+    connections may use (the rest is kept for the store, the logs and the agent, for
+    refused connections that linger, and for what another listener of this process set
+    aside)."""
+    return max(1, _open_files_limit() - RESERVED_FILES - LINGERING_FILES - _set_aside[0])
 
 
 def set_aside_files(wanted: int) -> int:
