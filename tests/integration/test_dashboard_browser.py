@@ -262,6 +262,31 @@ async def test_before_a_token_the_page_says_where_the_admin_token_is_and_hides_a
     dashboard.assert_clean()
 
 
+async def test_the_badge_says_a_token_is_needed_while_the_controller_is_up(
+    server: Server, dashboard: Dashboard
+) -> None:
+    """A 401 means the controller is up and wants a token: the badge says so, never
+    offline; offline is for a controller that does not answer at all."""
+    page = dashboard.page
+    await page.goto(server.url + "/")
+    conn = page.locator("#conn")
+    await expect(page.locator("#notice")).to_contain_text("Enter a token")
+    await expect(conn).to_have_text("token needed")
+    await expect(conn).to_have_attribute("data-conn", "token")
+    await page.fill("#token", "gat_not-a-token")
+    await page.click("#login button[type=submit]")
+    await expect(page.locator("#notice")).to_contain_text("refused this token")
+    await expect(conn).to_have_text("token needed")
+
+    await page.fill("#token", server.admin_token)
+    await page.click("#login button[type=submit]")
+    await expect(conn).to_have_text("live")
+    dashboard.assert_clean()
+    server.stop()
+    await expect(conn).to_have_text("offline")
+    await expect(conn).to_have_attribute("data-conn", "offline")
+
+
 async def test_a_token_of_another_role_reads_everything_and_sees_no_actions(
     server: Server, admin: httpx.Client, dashboard: Dashboard
 ) -> None:

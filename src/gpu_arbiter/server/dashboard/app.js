@@ -246,9 +246,19 @@ function toast(message, kind) {
   if (kind === "ok") setTimeout(() => { if ($("toast-text").textContent === message) box.hidden = true; }, 4000);
 }
 
-function setLive(live) {
-  $("conn").textContent = live ? "live" : "offline";
-  $("conn").className = "pill " + (live ? "on" : "off");
+// The badge: "live" while the event stream runs; "token needed" while the controller
+// answers but shows nothing without a valid token (a 401 says it is up); "offline" only
+// when it could not be reached; "connecting" until the first answer.
+const CONN = {
+  live: ["live", "on"], token: ["token needed", "token"], offline: ["offline", "off"],
+  connecting: ["connecting", "wait"],
+};
+
+function setConn(kind) {
+  const [text, style] = CONN[kind];
+  $("conn").textContent = text;
+  $("conn").className = "pill " + style;
+  $("conn").dataset.conn = kind;
 }
 
 // Where tokens come from: the admin token's file when the controller tells it (it does
@@ -507,6 +517,13 @@ function modelLeases(model) {
   return leases.length ? leases.join("; ") : "-";
 }
 
+// A model with requests in flight is in use now, whenever its last one came.
+function lastUsed(model) {
+  if (model.in_flight) return `now (${model.in_flight} in flight)`;
+  const ago = model.last_used_ago_s;
+  return ago === null || ago === undefined ? "never" : duration(ago) + " ago";
+}
+
 function keepAliveLeft(model) {
   const left = (model.replicas || []).map((r) => r.keep_alive_left_s).filter((s) => typeof s === "number");
   if (typeof model.keep_alive_left_s === "number") left.push(model.keep_alive_left_s);
@@ -549,7 +566,7 @@ function gatewayBlock(gateway) {
     { title: "memory held / wanted", value: (m) => `${mib(m.held_mb || 0)} / ${mib(m.vram_mb)}` },
     { title: "in flight", value: (m) => m.in_flight || 0 },
     { title: "queued", value: (m) => m.queued || 0 },
-    { title: "last used", value: (m) => (m.last_used_ago_s === null || m.last_used_ago_s === undefined ? "never" : duration(m.last_used_ago_s) + " ago") },
+    { title: "last used", value: lastUsed },
     { title: "keep-alive left", value: keepAliveLeft },
     { title: "pinned", class: "pinned", value: pinnedText },
     { title: "", class: "admin", value: (m) => modelButtons(gateway, m) },
@@ -678,6 +695,7 @@ async function signedIn() {
     setRole(state.access);
   }
   if (!state.access.auth) return true;
+  if (!state.token || !state.access.role) setConn("token");
   if (!state.token) {
     setNotice(el("span", {}, "Enter a token to see this controller. "), tokenHint());
   } else if (!state.access.role) {
@@ -714,9 +732,11 @@ async function refresh() {
     if (generation !== state.generation) return;
     if (err.status === 401) {
       state.access = null; // asked again next time: the token may have been removed
+      setConn("token");
       clearViews();
       setNotice(`The controller refused this token (${err.message}). Enter another one.`);
     } else {
+      if (!(err instanceof ApiError)) setConn("offline"); // no answer at all
       setNotice(`Could not read the controller: ${err.message}`);
     }
   } finally {
@@ -817,14 +837,14 @@ async function follow(generation) {
         signal: controller.signal,
       });
       if (!response.ok) throw new ApiError(response.status, "events", response.statusText);
-      setLive(true);
+      setConn("live");
       scheduleRefresh();
       await readStream(response, generation, (id) => { lastId = id; });
     } catch (err) {
       if (controller.signal.aborted || generation !== state.generation) return;
-      if (err.status === 401) { setLive(false); return; } // refresh() says why
+      if (err.status === 401) { setConn("token"); return; } // refresh() says why
     }
-    setLive(false);
+    setConn("offline");
     await new Promise((resolve) => setTimeout(resolve, 2000));
   }
 }
@@ -885,7 +905,7 @@ function useToken(token) {
   if (state.stream) state.stream.abort();
   $("logout").hidden = !token;
   clearViews();
-  setLive(false);
+  setConn("connecting");
   toast("", "");
   scheduleRefresh();
 }
