@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +64,41 @@ def test_check_exits_2_naming_each_command_whose_program_is_not_found(tmp_path: 
         "executable file",
     ]  # c's is found on the PATH its env gives it
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == ["a", "b", "c"]
+
+
+def test_check_looks_past_env_to_the_program_it_runs(tmp_path: Path) -> None:
+    """The README's Ollama example, ``env NAME=VALUE program ...``: the program env runs
+    is checked, past env's options and words, on the PATH env would search."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = shutil.which("env")
+    assert env is not None
+    (bin_dir / "env").symlink_to(env)
+    (bin_dir / "srv").write_text("#!/bin/sh\n")
+    (bin_dir / "srv").chmod(0o755)
+    path = f'env = {{PATH = "{bin_dir}"}}\n'
+    config = tmp_path / "models.toml"
+    config.write_text(
+        '[models.local]\ncommand = ["env", "OLLAMA_HOST=127.0.0.1:{port}", "ollama", "serve"]\n'
+        f'{path}[models.local.ollama_models]\n"llama3.2:3b" = "3G"\n"qwen3:8b" = "6G"\n'
+        '[models.b]\ncommand = "env -i -u HOME -- no-such-server-7f3 --port {port}"\n'
+        f'vram = "1G"\n{path}'
+        '[models.c]\ncommand = "env -i PATH=/nowhere srv --port {port}"\nvram = "1G"\n'
+        f"{path}"
+        f'[models.d]\ncommand = "env -i PATH={bin_dir} A=1 srv --port {{port}}"\nvram = "1G"\n'
+        '[models.e]\ncommand = "env PORT={port}"\nvram = "1G"\n'
+    )
+    done = _gateway(tmp_path, "--config", str(config), "--check")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"gpu-arbiter gateway: {config}: models.local.command: ollama is not on PATH: "
+        "install it, or give its full path",
+        f"gpu-arbiter gateway: {config}: models.b.command: no-such-server-7f3 is not on "
+        "PATH: install it, or give its full path",
+        f"gpu-arbiter gateway: {config}: models.c.command: srv is not on PATH: install it, "
+        "or give its full path",
+        f"gpu-arbiter gateway: {config}: models.e.command: env is given no program to run",
+    ]  # d's is found on the PATH env gives it
 
 
 def test_a_gateway_starts_with_a_warning_for_a_program_not_found(tmp_path: Path) -> None:

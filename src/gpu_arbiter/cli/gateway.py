@@ -68,19 +68,83 @@ def checked_exposure(config: GatewayConfig, path: Path) -> None:
 def missing_programs(config: GatewayConfig) -> dict[str, str]:
     """Each model whose command's program cannot be run, as ``models.NAME.command`` ->
     why: not on the PATH it starts with (the model's ``env`` PATH, else the gateway's),
-    or, given as a path, not an executable file there."""
+    or, given as a path, not an executable file there. A command run through ``env``
+    is checked for ``env`` and for the program ``env`` runs (:func:`past_env`). The
+    Ollama models of one ``ollama serve`` entry share its command: it is named once."""
     missing: dict[str, str] = {}
     for name, model in config.models.items():
-        program = model.command[0]
+        words: tuple[str, ...] | None = tuple(model.command)
         search = model.env.get("PATH", os.environ.get("PATH", os.defpath))
-        if shutil.which(program, path=search) is not None:
-            continue
-        if os.sep in program:
-            why = f"{program} is not an executable file"
-        else:
-            why = f"{program} is not on PATH: install it, or give its full path"
-        missing[f"models.{name}.command"] = why
+        while words:
+            why = _not_found(words[0], search)
+            if why is None:
+                words, search = past_env(words, search)
+                why = None if words != () else "env is given no program to run"
+            if why is not None:  # an Ollama model's command is its serve entry's
+                missing[f"models.{model.ollama_serve or name}.command"] = why
+                break
     return missing
+
+
+def _not_found(program: str, search: str) -> str | None:
+    if shutil.which(program, path=search) is not None:
+        return None
+    if os.sep in program:
+        return f"{program} is not an executable file"
+    return f"{program} is not on PATH: install it, or give its full path"
+
+
+_ENV_FLAGS = frozenset({"-i", "--ignore-environment", "-", "-0", "--null", "-v", "--debug"})
+_ENV_VALUED = frozenset({"-u", "--unset", "-C", "--chdir", "-S", "--split-string"})
+
+
+def past_env(words: tuple[str, ...], search: str) -> tuple[tuple[str, ...] | None, str]:
+    """What a command starting with ``env`` runs, and the PATH it is found on: past
+    env's options (``-i``, ``-u NAME``, ``-C DIR``, ``-S STRING``, ``--``) and its
+    ``NAME=VALUE`` words (a ``PATH=`` there is the PATH searched; ``-i`` or ``-u PATH``
+    leave the system's default). ``()`` when env runs nothing; None when the command is
+    not env's, or has an option of env's not read here (nothing more is checked)."""
+    if os.path.basename(words[0]) != "env":
+        return None, search
+    rest, chdir = list(words[1:]), ""
+    while rest and rest[0].startswith("-") and rest[0] != "--":
+        read = _env_option(rest)
+        if read is None:
+            return None, search
+        option, value = read
+        if option in ("-i", "--ignore-environment", "-"):
+            search = os.defpath
+        elif option in ("-u", "--unset"):
+            search = os.defpath if value == "PATH" else search
+        elif option in ("-C", "--chdir"):
+            chdir = value
+        elif option in ("-S", "--split-string"):
+            if any(mark in value for mark in "'\"\\$#"):  # env's quoting is not read here
+                return None, search
+            rest[:0] = value.split()
+    if rest and rest[0] == "--":
+        rest.pop(0)
+    while rest and "=" in rest[0]:
+        name, _, value = rest.pop(0).partition("=")
+        search = value if name == "PATH" else search
+    if rest and chdir and os.sep in rest[0]:
+        rest[0] = os.path.join(chdir, rest[0])
+    return tuple(rest), search
+
+
+def _env_option(rest: list[str]) -> tuple[str, str] | None:
+    """The option at the head of ``rest`` and its value (taken off ``rest``), or None
+    for one not read here (several short ones in one word among them)."""
+    word = rest.pop(0)
+    if word.startswith("--"):
+        option, _, value = word.partition("=")
+    else:
+        option, value = word[:2], word[2:]
+    if option in _ENV_VALUED:
+        if not value and rest:
+            value = rest.pop(0)
+        return (option, value) if value else None
+    return (option, "") if option in _ENV_FLAGS and not value else None
 
 
 def sizes_of(config: GatewayConfig, found: dict[str, Estimate | None]) -> dict[str, int]:
