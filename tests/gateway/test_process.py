@@ -386,6 +386,42 @@ async def test_a_chatty_server_never_waits_while_the_event_loop_is_busy(
     assert server.tail(1)[0].startswith("line 0039999 ")
 
 
+async def test_a_server_writing_line_by_line_is_read_in_batches_not_once_a_line(
+    launcher: ProcessLauncher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's server writes a few lines per request, each on its own: the reader
+    waits ``LOG_BATCH_S`` after a small read (it was woken for each line, taking the GIL
+    from the relay as often). A bound of the mechanism, not of speed: each read but the
+    last ones (the server exited: no more waiting) came after a wait of ``LOG_BATCH_S``."""
+    reads: list[int] = []
+    take = process_module._Output._take
+
+    def counted(output: Any, chunk: bytes) -> None:
+        reads.append(len(chunk))
+        take(output, chunk)
+
+    monkeypatch.setattr(process_module._Output, "_take", counted)
+    lines = 60
+    script = (
+        "import time\n"
+        f"for i in range({lines}):\n"
+        "    print(f'line {i:07d}', flush=True)\n"
+        "    time.sleep(0.01)\n"
+    )
+    began = time.monotonic()
+    server = await launcher.start(
+        "chat", [sys.executable, "-c", script], dict(os.environ), lease_id="L1", grace_s=1.0
+    )
+    assert await server.wait() == 0
+    elapsed_s = time.monotonic() - began
+
+    assert len(reads) <= elapsed_s / process_module.LOG_BATCH_S + 2, (reads, elapsed_s)
+    assert len(reads) < lines / 2, reads  # once a line before
+    assert server.tail(lines) == [f"line {i:07d}" for i in range(lines)]  # all of it, whole
+    text = log_path(tmp_path / "state", "chat").read_text().splitlines()
+    assert [line for line in text if line.startswith("line ")] == server.tail(lines)
+
+
 async def test_a_reserved_port_is_not_handed_out_again_until_unreserved(
     launcher: ProcessLauncher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
