@@ -26,8 +26,8 @@ What each guarantees, and how:
   has exited), in blocks of up to the pipe's size (and the log's cap): llama.cpp's
   server writes about ten lines per request, and a thread woken for each took the GIL
   from the relay about as often (11 % of the gateway's CPU at 16 callers; 1 % now).
-  Whole lines, rotated to ``.1`` when the next write would pass ``LOG_MAX_BYTES`` (so at most twice
-  that on disk), the last lines kept in memory for :meth:`LaunchedServer.tail`.
+  Whole lines, rotated to ``.1`` when the next write would pass ``LOG_MAX_BYTES`` (so at
+  most twice that on disk), the last lines kept in memory for :meth:`LaunchedServer.tail`.
 - **Ports.** :meth:`ProcessLauncher.port` never hands out a port it reserved for a
   server until :meth:`~ProcessLauncher.unreserve`. The port is free when handed out, but
   another program may take it before the server binds it: a server that fails to bind
