@@ -8,8 +8,9 @@
 Per cluster and load it prints, per policy, the figures the goals are judged on
 (interactive and normal p99 wait, longest batch wait, busy memory, memory
 utilization with and without idle-warm memory, over-commits, concurrent loads,
-invariant violations), then the goals against the best safe baseline of each
-figure, and the safe baselines that dominate ours (as good on interactive p50 and
+invariant violations), its offered load (``sim.report.offered_load``), then the goals
+against the best safe baseline of each figure (none above 1x capacity: every policy's
+queue grows there), and the safe baselines that dominate ours (as good on interactive p50 and
 p99, normal p99, longest batch wait and work per hour, better on one), if any.
 With several seeds (each thins the trace and draws the batch jobs anew) the
 figures are means over the seeds. ``--policy`` sets ours' Policy fields
@@ -52,7 +53,7 @@ from gpu_arbiter.sim import (
     summarize,
 )
 from gpu_arbiter.sim.azure import AzureMapping, BatchJobs, Service, convert, read_azure
-from gpu_arbiter.sim.report import dominators, goal_lines, targets
+from gpu_arbiter.sim.report import dominators, goal_lines, offered_load, targets
 
 _G = 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +111,16 @@ def _mean(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     for name in _FIGURES:
         out[name] = statistics.fmean(s[name] for s in summaries)
     return out
+
+
+def offered(services: dict[str, Any], spec: str, load: float, seeds: int) -> float:
+    """The offered load (``sim.report.offered_load``) on ``spec`` at ``load``, averaged
+    over the seeds."""
+    total_mb = parse_cluster(spec).total_mb
+    return statistics.fmean(
+        offered_load(convert(services, mapping_for(spec, load, seed)), total_mb)
+        for seed in range(1, seeds + 1)
+    )
 
 
 def _runs(
@@ -221,6 +232,7 @@ def sweep(services: dict[str, Any], configs: list[tuple[str, float]], seeds: int
     memory)."""
     baselines = [n for n in ALL if n != "ours"]
     pools = {c: _runs(services, *c, seeds, baselines, None) for c in configs}
+    loads = {c: offered(services, *c, seeds) for c in configs}
     print("| " + " | ".join(GRID) + " | goals met | worst ratio / bound per goal |")
     print("|---" * (len(GRID) + 2) + "|")
     for values in itertools.product(*GRID.values()):
@@ -229,7 +241,9 @@ def sweep(services: dict[str, Any], configs: list[tuple[str, float]], seeds: int
         worst: dict[str, float] = {}
         for config in configs:
             ours = _runs(services, *config, seeds, ["ours"], policy)
-            for name, goal in targets(ours + pools[config]).items():
+            for name, goal in targets(ours + pools[config], loads[config]).items():
+                if name == "not_judged":
+                    continue
                 judged += 1
                 met += bool(goal["met"])
                 if name == "safety" or goal["ratio"] is None:
@@ -270,16 +284,18 @@ def main() -> None:
         ]
         names = list(TIERS if args.tiers else ALL)
         summaries = _runs(services, spec, load, args.seeds, names, _policy(args.policy), tier)
+        asked = offered(services, spec, load, args.seeds)
         print(
             f"\n#### {spec}, load {load:g} ({args.seeds} seed(s), "
-            f"{statistics.fmean(sizes):.0f} requests on average)\n"
+            f"{statistics.fmean(sizes):.0f} requests on average, offered load "
+            f"{asked:.2f}x capacity)\n"
         )
         if args.tiers:
             print("\n".join(tier_table(summaries)))
             continue
         print("\n".join(table(summaries)))
         print()
-        print("\n".join(goal_lines(targets(summaries))))
+        print("\n".join(goal_lines(targets(summaries, asked))))
         print(dominated_line(summaries))
     print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
 

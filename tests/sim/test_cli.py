@@ -85,7 +85,7 @@ def test_azure_slice_replays_with_its_mapping(tmp_path: Path) -> None:
         "--azure-batch",
         "20:12G:5:30-60",
         "--cluster",
-        "2x24G",
+        "4x24G",  # within capacity (0.86x), so that the goals are judged
     )
     out = _json(*args, "--save-trace", str(trace_file))
     assert (out["azure"], out["load"], out["seed"]) == ("tests/data/azure-llm-2023", 0.5, 1)
@@ -97,8 +97,31 @@ def test_azure_slice_replays_with_its_mapping(tmp_path: Path) -> None:
         assert set(summary) >= {"busy_mem_util", "mem_util", "mem_util_no_idle"}
         assert summary["mem_util_no_idle"] <= summary["mem_util"]
     assert set(out["targets"]) >= {"interactive_p99", "busy_mem", "batch_max", "safety"}
-    replay = _json(str(trace_file), "--cluster", "2x24G")
+    replay = _json(str(trace_file), "--cluster", "4x24G")
     assert replay["policies"] == out["policies"]
+
+
+def test_an_overloaded_run_judges_no_goal_and_the_azure_defaults_fit() -> None:
+    """Every request of the slice on one 24 GiB GPU asks for 2.8x what it holds: the table
+    says so and judges no goal. Given no cluster and no load, --azure runs on 2x24G at
+    0.01, within capacity, and judges the goals."""
+    slice_ = ("--azure", "tests/data/azure-llm-2023", "--policy", "ours,fifo,priority")
+    over = _run(*slice_, "--azure-load", "1", "--cluster", "1x24G", "--seed", "3")
+    assert over.returncode == 0, over.stderr
+    assert "offered load 2.83x capacity" in over.stdout  # the table's title
+    assert "goals not judged: offered load 2.8x capacity: the trace asks for" in over.stdout
+    assert "wait <= best safe baseline" not in over.stdout
+    assert "busy memory >=" not in over.stdout
+    assert "zero over-commit, concurrent loads, violations: 0, 0, 0: met" in over.stdout
+    judged = _json(*slice_, "--azure-load", "1", "--cluster", "1x24G", "--seed", "3")
+    assert judged["offered_load"] == 2.834
+    assert judged["targets"]["not_judged"]["why"] == "offered load 2.8x capacity"
+    assert set(judged["targets"]) == {"not_judged", "safety"}
+
+    default = _json(*slice_)
+    assert (default["cluster"], default["load"]) == ("2x24G", 0.01)
+    assert default["offered_load"] < 1
+    assert "not_judged" not in default["targets"] and "interactive_p99" in default["targets"]
 
 
 def test_tiers_compare_keep_warm_sleep_and_stop_only() -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_arbiter.sim import compare, generate, parse_cluster, summarize
-from gpu_arbiter.sim.report import dominators, safe
+import pytest
+
+from gpu_arbiter.sim import TraceRequest, compare, generate, parse_cluster, summarize
+from gpu_arbiter.sim.report import dominators, goal_lines, offered_load, safe, targets
 
 
 def _summary(
@@ -58,3 +60,45 @@ def test_a_simulated_comparison_names_only_safe_baselines() -> None:
     by_name = {s["policy"]: s for s in summaries}
     assert "ours" not in named
     assert all(safe(by_name[name]) for name in named)
+
+
+def _every(every_s: float, count: int = 12) -> list[TraceRequest]:
+    """``count`` fine-tunes of 20 GiB running 600 s, one every ``every_s``."""
+    return [
+        TraceRequest(arrival_s=i * every_s, model=f"ft-{i}", vram_mb=20 * 1024, run_s=600.0,
+                     load_s=10.0, priority=100, holder="batch")
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def test_offered_load_is_busy_memory_seconds_over_what_the_cluster_holds() -> None:
+    one = parse_cluster("1x24G").total_mb
+    # 12 x 20 GiB x 600 s, from 0 until the last could end (11 x 60 + 600 s), on 24 GiB
+    assert offered_load(_every(60.0), one) == pytest.approx(12 * 20 * 600 / (1260 * 24))
+    assert offered_load(_every(60.0), 2 * one) == pytest.approx(12 * 20 * 600 / (1260 * 48))
+    assert offered_load([], one) == 0.0
+
+
+def test_an_overloaded_seeded_run_judges_no_goal_but_safety() -> None:
+    """One GPU asked for 4.8x what it holds: every policy's waits grow (the last fine-tune
+    waits over an hour under each), and no goal is judged."""
+    cluster = parse_cluster("1x24G")
+    trace = _every(60.0)
+    summaries = [summarize(rec) for rec in compare(trace, cluster, ["ours", "fifo", "priority"])]
+    for summary in summaries:
+        assert summary["wait"]["batch"]["max_s"] > 3600
+    asked = offered_load(trace, cluster.total_mb)
+    assert asked == pytest.approx(4.76, abs=0.01)
+    judged = targets(summaries, asked)
+    assert judged["not_judged"] == {"offered_load": 4.762, "why": "offered load 4.8x capacity"}
+    assert set(judged) == {"not_judged", "safety"}
+    assert judged["safety"]["met"] is True
+    assert goal_lines(judged)[0] == (
+        "- goals **not judged**: offered load 4.8x capacity (every policy's queue grows)"
+    )
+
+    spaced = _every(900.0)  # one at a time: the same requests, within capacity
+    summaries = [summarize(rec) for rec in compare(spaced, cluster, ["ours", "fifo"])]
+    assert offered_load(spaced, cluster.total_mb) < 1
+    judged = targets(summaries, offered_load(spaced, cluster.total_mb))
+    assert "not_judged" not in judged and judged["batch_max"]["met"] is True

@@ -27,12 +27,16 @@ from ..sim import (
     summarize,
 )
 from ..sim.azure import AzureMapping, convert, parse_batch, parse_pair, parse_service, read_azure
-from ..sim.report import targets
+from ..sim.report import offered_load, targets
+
+AZURE_CLUSTER = "2x24G"  # --azure's default cluster: its default mapping fits there
 
 GENERATE_HELP = f"Generate a seeded trace of this kind ({', '.join(KINDS)}; join with +)."
 CLUSTER_HELP = (
     "Groups of W workers with N GPUs of SIZE (1x24G, 4w:2x24G, 2w:8x80G@sm_90) joined "
-    f"by +, or a preset ({', '.join(PRESETS)})."
+    f"by +, or a preset ({', '.join(PRESETS)}). Default: single; with --azure, "
+    f"{AZURE_CLUSTER} (the trace's defaults fit it; on single they ask for about twice what "
+    "it holds)."
 )
 POLICY_HELP = (
     f"'all' (ours and the baselines), 'tiers' (ours, ours-sleep, ours-stop) or names joined "
@@ -66,7 +70,7 @@ def simulate(
     trace: str = typer.Argument(None, help="A JSON-lines trace file (or use --generate)."),
     generate_kind: str = typer.Option(None, "--generate", "-g", help=GENERATE_HELP),
     seed: str = typer.Option("1", help="Seed of the generated trace."),
-    cluster: str = typer.Option("single", help=CLUSTER_HELP),
+    cluster: str = typer.Option(None, help=CLUSTER_HELP),
     policy: str = typer.Option("all", help=POLICY_HELP),
     hours: str = typer.Option("4", help="Hours of generated arrivals."),
     keep_alive: str = typer.Option("300", help="Seconds a holder keeps an idle model warm."),
@@ -75,7 +79,9 @@ def simulate(
     plots: str = typer.Option(None, help="Write wait_cdf.png and memory_utilization.png here."),
     save_trace: str = typer.Option(None, help="Also write the trace used to this file."),
     azure: str = typer.Option(None, help=AZURE_HELP),
-    azure_load: str = typer.Option("1", help="Fraction of the trace's requests kept (0..1]."),
+    azure_load: str = typer.Option(
+        "0.01", help="Fraction of the trace's requests kept (0..1]; 1 replays every one."
+    ),
     azure_conv: str = typer.Option(
         "chat-14b:16G:interactive:12", help=SERVICE_HELP.format("conversation")
     ),
@@ -121,7 +127,7 @@ def simulate(
         wake_s=_number("wake-s", wake_s, low=0, high=3600),
     )
     try:
-        spec = parse_cluster(cluster)
+        spec = parse_cluster(cluster or (AZURE_CLUSTER if azure is not None else "single"))
         names = parse_policies(policy)
         if trace is not None:
             requests = load_trace(trace)
@@ -153,13 +159,15 @@ def simulate(
     except OSError as exc:
         _fail(f"cannot write: {exc}")
     summaries = [summarize(rec) for rec in recordings]
+    offered = offered_load(requests, spec.total_mb)
     result = {
         **source,
         "cluster": spec.spec,
         **({"sleep": _tier_json(tier)} if "ours-sleep" in names else {}),
         "requests": len(requests),
+        "offered_load": round(offered, 3),
         "policies": summaries,
-        "targets": targets(summaries),
+        "targets": targets(summaries, offered),
     }
     if plots is not None:
         from ..sim.plots import write_plots
@@ -231,7 +239,8 @@ def _source(result: dict[str, Any]) -> str:
 
 
 def _render(console: Console, result: dict[str, Any]) -> None:
-    table = Table(title=f"{_source(result)} on {result['cluster']}: {result['requests']} requests")
+    title = f"{_source(result)} on {result['cluster']}: {result['requests']} requests"
+    table = Table(title=f"{title}, offered load {result['offered_load']:.2f}x capacity")
     columns = (
         "policy",
         "interactive wait s\np50 / p95 / p99",
@@ -286,6 +295,12 @@ _GOAL_LINES = {
 def _render_targets(console: Console, t: dict[str, Any]) -> None:
     if not t:
         return
+    if "not_judged" in t:
+        console.print(
+            f"goals [red]not judged[/red]: {t['not_judged']['why']}: the trace asks for more "
+            "busy memory-seconds than the cluster holds until its last run could end; no "
+            "policy keeps up, every queue grows, and the waits measure the backlog"
+        )
     for name, (label, unit) in _GOAL_LINES.items():
         goal = t.get(name)
         if goal is None:

@@ -13,7 +13,11 @@ busy_mem          ours' busy memory (memory loading or running) is at least
 safety            ours has zero over-commit, zero concurrent loads and zero
                   invariant violations.
 
-A goal whose figure no safe baseline (or ours) has is left out.
+A goal whose figure no safe baseline (or ours) has is left out. No goal is judged when
+the trace asks for more than the cluster holds (:func:`offered_load` above 1): every
+policy's queue then grows for as long as the trace arrives, the waits measure the
+backlog, and the best of them says nothing of a policy (``not_judged`` says why; safety
+is still judged).
 
 Beyond the goals, :func:`dominators` names the safe baselines that do strictly
 better than ours: at least as good on every figure of ``FRONTIER`` (interactive
@@ -26,7 +30,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["FRONTIER", "GOALS", "dominators", "goal_lines", "safe", "targets"]
+from .trace import TraceRequest
+
+__all__ = [
+    "FRONTIER",
+    "GOALS",
+    "OVERLOAD",
+    "dominators",
+    "goal_lines",
+    "offered_load",
+    "safe",
+    "targets",
+]
+
+OVERLOAD = 1.0  # offered load above which no goal is judged
 
 Summary = dict[str, Any]
 _Figure = Callable[[Summary], float | None]
@@ -117,14 +134,36 @@ def _judge(ours: Summary, pool: Sequence[Summary], name: str) -> dict[str, Any] 
     }
 
 
-def targets(summaries: Sequence[Summary]) -> dict[str, Any]:
-    """The goals, judged; {} when ours or every baseline is missing."""
+def offered_load(trace: Sequence[TraceRequest], total_mb: int) -> float:
+    """The busy memory-seconds the trace asks for (``vram_mb`` x ``gpus`` x ``run_s``: the
+    runs alone, no load, no wait) over the cluster's memory-seconds from the first arrival
+    until the last run would end if every one started as it arrived: the shortest time
+    any policy could take. Above 1 no policy keeps up. A lower bound: memory never packs
+    perfectly (two 16 GiB models do not share a 24 GiB GPU), so a cluster may be
+    overloaded below 1 too. 0 for an empty trace."""
+    if not trace or total_mb <= 0:
+        return 0.0
+    start_s = min(r.arrival_s for r in trace)
+    end_s = max(r.arrival_s + r.run_s for r in trace)
+    work_mb_s = sum(r.vram_mb * r.gpus * r.run_s for r in trace)
+    return work_mb_s / (max(end_s - start_s, 1e-9) * total_mb)
+
+
+def targets(summaries: Sequence[Summary], offered: float | None = None) -> dict[str, Any]:
+    """The goals, judged; {} when ours or every baseline is missing. With ``offered``
+    (:func:`offered_load`) above :data:`OVERLOAD`, no goal is judged: ``not_judged`` says
+    why, and only safety is."""
     ours = next((s for s in summaries if s["policy"] == "ours"), None)
     pool = [s for s in summaries if not s["policy"].startswith("ours") and safe(s)]
     if ours is None or len(summaries) < 2:
         return {}
     out: dict[str, Any] = {}
-    for name in GOALS:
+    if offered is not None and offered > OVERLOAD:
+        out["not_judged"] = {
+            "offered_load": round(offered, 3),
+            "why": f"offered load {offered:.1f}x capacity",
+        }
+    for name in [] if out else GOALS:
         judged = _judge(ours, pool, name)
         if judged is not None:
             out[name] = judged
@@ -142,7 +181,9 @@ def goal_lines(t: dict[str, Any]) -> list[str]:
     yes = {True: "met", False: "**not met**"}
     out = []
     for name, goal in t.items():
-        if name == "safety":
+        if name == "not_judged":
+            out.append(f"- goals **not judged**: {goal['why']} (every policy's queue grows)")
+        if name in ("safety", "not_judged"):
             continue
         ratio = "-" if goal["ratio"] is None else f"{goal['ratio']:.2f}"
         out.append(
