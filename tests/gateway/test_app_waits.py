@@ -129,7 +129,7 @@ async def test_a_streaming_request_that_waits_is_told_why_then_refused_in_the_st
     assert event.startswith("data: ") and event.endswith("\n\n")
     error = json.loads(event[len("data: ") :])["error"]
     assert error["status"] == 503 and error["code"] == "unavailable"
-    assert "not ready after 10s" in error["message"]
+    assert "still queued for its lease after 10s" in error["message"]
 
 
 async def test_a_request_not_streaming_waits_silently_and_names_its_wait(world: World) -> None:

@@ -174,7 +174,7 @@ def test_a_busy_model_is_preempted_by_a_more_important_one(setup: Setup) -> None
     late = httpx.post(url, json=chat("batch"), timeout=60)
     assert late.status_code == 503
     assert late.headers["retry-after"] == "3"
-    assert "not ready after 3s" in late.json()["error"]["message"]
+    assert "still queued for its lease after 3s" in late.json()["error"]["message"]
     wait_for(lambda: not setup.held("batch"), 10, "the queued request cancelled")
 
 

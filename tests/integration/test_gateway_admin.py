@@ -70,7 +70,9 @@ def test_a_pin_keeps_an_equal_priority_from_reclaiming_the_model_until_unpin(
     assert not lease_idle(setup, "a")  # marked busy before the pin answered
     refused = httpx.post(url, json=chat("b"), timeout=60)  # equal priority: it queues
     assert refused.status_code == 503, refused.text
-    assert "not ready after 2s" in refused.json()["error"]["message"]
+    message = refused.json()["error"]["message"]
+    assert "still queued for its lease after 2s" in message, message
+    assert "'a' is pinned (normal): only a higher priority may preempt it" in message
     assert gateway.model_state("a")["state"] == "warm"
     assert "term_at" not in records(setup.record, "a")[0]
     wait_for(lambda: not setup.held("b"), 10, "b's queued request withdrawn")

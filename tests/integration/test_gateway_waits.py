@@ -101,7 +101,7 @@ def test_the_openai_sdk_skips_the_comments_and_reads_a_late_error(setup: Setup) 
         late = client.chat.completions.create(model="chat", messages=messages, stream=True)
         with pytest.raises(openai.APIError) as raised:  # the head said 200: the error comes later
             list(late)
-        assert "not ready after 2s" in raised.value.message
+        assert "still queued for its lease after 2s" in raised.value.message
         assert isinstance(raised.value.body, dict) and raised.value.body["status"] == 503
         assert setup.admin.delete(f"/v1/leases/{blocker}").status_code == 200
         stream = client.chat.completions.create(model="chat", messages=messages, stream=True)

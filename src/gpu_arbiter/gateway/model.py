@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from ..core import PRIORITY_NAMES
+from ..core import PRIORITY_NAMES, format_s, priority_name
 from .config import ModelConfig
 from .engines import OFFLINE, driver_for
 from .interfaces import Parts, sleep_or
@@ -216,15 +216,62 @@ class ModelServer:
 
     def waiting_for(self) -> str:
         """What a request that waits for a slot waits for now, in words: a replica
-        loading, else one queued for its lease (the arbiter's reason and the position),
-        else a slot on the replicas that serve."""
+        loading, else one queued for its lease (the arbiter's reason and the position,
+        after the model of this gateway in its way, by name: :meth:`_in_the_way`), else a
+        slot on the replicas that serve."""
         live = self._live()
         if any(r.state is ReplicaState.LOADING for r in live):
             return f"loading {self.name}"
-        queued = [r.pending_reason for r in live if r.state is ReplicaState.QUEUED]
+        queued = [r for r in live if r.state is ReplicaState.QUEUED]
         if queued:
-            return f"queued, {queued[0]}"
+            return f"queued, {self._queued_text(queued[0])}"
         return f"waiting for a free slot on {self.name} (max_parallel {self.config.max_parallel})"
+
+    def _queued_text(self, replica: Replica) -> str:
+        in_the_way = self._in_the_way(replica)
+        reason = replica.pending_reason
+        return reason if in_the_way is None else f"{in_the_way}; {reason}"
+
+    def _in_the_way(self, replica: Replica) -> str | None:
+        """The model of this gateway whose lease the controller names in the way of
+        ``replica``'s (its reason's ``blockers``), and when it gives way: a busy one after
+        ``swap_after`` (the gateway's own rule, which the controller does not know), an
+        idle one by the controller's rule (I5). None: no model of this gateway."""
+        reason = replica.lease.get("reason") or {}
+        for blocker in reason.get("blockers") or ():
+            lease_id = blocker.get("id")
+            for other in self.neighbours.values():
+                for held in other.replicas:
+                    if other is not self and held.live and held.lease.get("id") == lease_id:
+                        return other._giving_way(held, blocker, replica)
+        return None
+
+    def _giving_way(self, held: Replica, blocker: Mapping[str, Any], waiting: Replica) -> str:
+        """``held`` (a replica of this model) in the way of ``waiting``, in words."""
+        name, by = f"{self.name!r}", priority_name(waiting.priority)
+        own = priority_name(held.priority)
+        if held.state not in (ReplicaState.WARM, ReplicaState.BUSY):
+            return f"{name} is {held.state} ({own})"
+        if not held.lease_idle:
+            if self.pinned:
+                return f"{name} is pinned ({own}): only a higher priority may preempt it"
+            due = self.swap_due(held.priority)
+            if due is not None:
+                left = format_s(max(0.0, due - self.clock.now()))
+                return f"{name} is busy: swapped after {left} more (swap_after)"
+            return f"{name} is busy ({own}): swap_after does not swap it out for {by}"
+        until, rule = blocker.get("until"), str(blocker.get("rule"))
+        if rule == "at_once":
+            return f"waiting for idle {name} ({own}): reclaimable by {by} now"
+        if until is None:
+            return f"waiting for idle {name} ({own}): not reclaimable by {by} ({rule})"
+        # the controller's clock now: it took the lease at its submitted_at, when the
+        # replica asked for it
+        controller_now = float(waiting.lease.get("submitted_at") or 0.0) + (
+            self.clock.now() - waiting.created_at
+        )
+        left = format_s(max(0.0, float(until) - controller_now))
+        return f"waiting for idle {name} ({own}): reclaimable by {by} in {left} ({rule})"
 
     async def changed(self) -> None:
         """Returns at the next change of the model's replicas (a state, a pending
@@ -232,9 +279,14 @@ class ModelServer:
         await self._changed.wait()
 
     def _queue_timeout_reason(self) -> str:
-        queued = [r.pending_reason for r in self.replicas if r.state is ReplicaState.QUEUED]
-        why = queued[0] if queued else self.state()
-        return f"model {self.name} not ready after {self.config.queue_timeout_s:g}s: {why}"
+        """A replica never granted its lease is still queued, with the controller's reason
+        (its server never started: it is not "not ready")."""
+        after = f"{self.config.queue_timeout_s:g}s"
+        queued = [r for r in self.replicas if r.state is ReplicaState.QUEUED]
+        if queued:
+            why = self._queued_text(queued[0])
+            return f"model {self.name} still queued for its lease after {after}: {why}"
+        return f"model {self.name} not ready after {after}: {self.state()}"
 
     # ------------------------------------------------------------------ replicas
 
