@@ -47,6 +47,8 @@ async def test_a_busy_model_in_the_way_is_named_with_its_swap_after_countdown() 
     )
     await world.clock.advance(5)
     assert other.waiting_for().startswith("queued, 'chat' is busy: swapped after 25s more")
+    described = other.describe()["pending_reason"]  # gpu-arbiter models shows the same
+    assert described.startswith("'chat' is busy: swapped after 25s more (swap_after)")
     await world.clock.advance(60)  # other's queue_timeout: still queued, said so
     with pytest.raises(Refused) as refused:
         await waiting

@@ -440,9 +440,9 @@ class ModelServer:
             "preemptible_by": self.preemptible_by(),
             "replicas": [_replica(r) for r in self.replicas],
         }
-        queued = [r.pending_reason for r in self.replicas if r.state is ReplicaState.QUEUED]
+        queued = [r for r in self.replicas if r.state is ReplicaState.QUEUED]
         if queued:
-            found["pending_reason"] = queued[0]
+            found["pending_reason"] = self._queued_text(queued[0])
         if self.failure and self.backoff_left_s() > 0:
             found["failure"] = self.failure
         return found

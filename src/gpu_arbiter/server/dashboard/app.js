@@ -170,8 +170,9 @@ function fieldText(key, value) {
 }
 
 const VERDICT_KEYS = ["gpu", "code", "need_mb", "free_mb", "committed_mb", "observed_mb", "held_mb"];
-// Shown in words already (the sentence names the blocker; "waits on" names its holder).
-const REASON_KEYS = ["code", "message", "gpus", "nominated", "blocked_by", "blocker"];
+// Shown in words already (the sentence names the blocker and every lease in the way, with
+// its countdown and rule; "waits on" names its holder).
+const REASON_KEYS = ["code", "message", "gpus", "nominated", "blocked_by", "blocker", "blockers"];
 
 function verdictText(verdict) {
   const parts = [words(verdict.code)];
