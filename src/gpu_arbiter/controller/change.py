@@ -264,6 +264,11 @@ class Changes:
         """The core's next deadline (the core of now: a reload replaces it)."""
         return self.scheduler.next_deadline()
 
+    def deadline_moved(self) -> None:
+        """A deadline of the core moved outside a change (an asker was seen, which is
+        not stored): the timer follows it."""
+        self._committed()
+
     # ------------------------------------------------------------------ group commit
 
     def commit_in_groups(self) -> None:

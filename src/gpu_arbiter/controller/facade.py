@@ -61,7 +61,7 @@ class Controller:
         self.policy = policy or Policy()
         self.limits = limits or Limits()
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.changes = changes = Changes(store, Scheduler(self.policy), clock)
+        self.changes = changes = Changes(store, Scheduler(self.policy, presence=True), clock)
         self.gate: Gate = changes.gate
         self.leases = leases = Leases(changes, store, self.limits)
         self.events = events = Events(

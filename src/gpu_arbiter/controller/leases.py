@@ -13,6 +13,16 @@ both in memory (an ended lease's key stays until the lease leaves the recent one
 that a replay finds it even before its end is stored) and the pending counts by (token,
 holder). Its part of every change: :meth:`Leases.absorb` records what the core decided,
 :meth:`Leases.encode` writes the leases a change touched.
+Its clients' presence (I8's dual, :mod:`~..core.presence`): a request is watched while
+its submission's answer and each long-poll of it are open (:meth:`Leases.watching`), and
+seen when one closes; a request unseen for its ``ttl_s`` ends, ``cancelled`` with the
+reason ``abandoned``. A grant made while nobody waited for it is taken up by its
+holder's read (:meth:`Leases.claim`) or any verb on it, else given back within its claim
+bound, ``released`` with the reason ``unclaimed``. The open watches are kept here too, so
+that a reload's new core is told them again; when an asker was last seen is not stored:
+a restart gives every pending request a whole ``ttl_s`` from then, and every grant not
+taken up its whole claim bound.
+
 Other modules record a lease's end or revocation only through :meth:`Leases.end` and
 :meth:`Leases.revoked`, a cycle's decisions through :meth:`Leases.absorb`, and read
 leases through :meth:`Leases.get`.
@@ -27,7 +37,8 @@ import itertools
 import logging
 import secrets
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from ..core import (
     ArbiterError,
@@ -47,7 +58,14 @@ from ..core import (
 )
 from ..store import Batch, LeaseRecord, Store
 from .change import Change, Changes
-from .values import Limits, PendingView, Submitted, TooManyRequests
+from .values import (
+    Limits,
+    NotLeader,
+    PendingView,
+    ServiceUnavailable,
+    Submitted,
+    TooManyRequests,
+)
 
 __all__ = ["Leases"]
 
@@ -84,6 +102,7 @@ class Leases:
         self._recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._keys: dict[tuple[str, str], str] = {}
         self._pending_by_holder = _PendingCounts()
+        self._watches: Counter[str] = Counter()  # requests: answers open to their askers
 
     @property
     def _scheduler(self) -> Scheduler:
@@ -110,6 +129,10 @@ class Leases:
                 earlier = self._replay(earlier, request)
                 return Submitted(earlier, False, self.pending_view(earlier.id))
         self._check_limits(owner, request)
+        with self.watching(request.id):  # a grant in this change is the answer it gets
+            return self._submit(owner, request)
+
+    def _submit(self, owner: str | None, request: Request) -> Submitted:
         with self._changes.change() as change:
             queued = self._scheduler.submit(request, change.now)
             self._live(owner, queued)
@@ -238,6 +261,39 @@ class Leases:
             )
             for position, request, effective in itertools.islice(scheduler.pending(now), limit)
         ]
+
+    # ------------------------------------------------------------------ presence
+
+    @contextmanager
+    def watching(self, lease_id: str) -> Iterator[None]:
+        """An answer to ``lease_id``'s asker is open for the body (a long-poll): while it
+        is pending, its asker is present; once the answer closes it was last seen then."""
+        self._watches[lease_id] += 1
+        self._scheduler.watch(lease_id)
+        try:
+            yield
+        finally:
+            left = self._watches[lease_id] - 1
+            if left > 0:
+                self._watches[lease_id] = left
+            else:
+                del self._watches[lease_id]
+            self._scheduler.unwatch(lease_id, self._changes.clock())
+            self._changes.deadline_moved()
+
+    def claim(self, lease_id: str) -> None:
+        """Its holder read a grant: taken up, it is no longer given back (stored). Does
+        nothing for a lease that is not held or already taken up."""
+        lease = self._scheduler.leases.get(lease_id)
+        if lease is None or lease.claimed:
+            return
+        try:
+            self._changes.gate.check_available()
+        except (NotLeader, ServiceUnavailable):
+            return  # a standby's read, or one while stopping: the leader's holder reads again
+        with self._changes.change() as change:
+            self._scheduler.claim(lease_id)
+            change.leases.add(lease_id)
 
     # ------------------------------------------------------------------ verbs
 
@@ -438,7 +494,7 @@ class Leases:
             if ttl is not None and lease.expires_at < change.now + ttl:
                 lease = evolve(lease, expires_at=change.now + ttl)  # a revoked one too
             try:
-                self._scheduler.restore_lease(lease)
+                self._scheduler.restore_lease(lease, change.now)
             except (ArbiterError, KeyError) as error:
                 log.warning("lease %s cannot be restored (%s); ending it", record.id, error)
                 self.end(change, stored, LeaseState.EXPIRED, "gpu_gone")
@@ -446,10 +502,13 @@ class Leases:
         for record in pending:
             self._live(record.owner, record.request)
             self._pending_by_holder[_holder_key(record.owner, record.request)] += 1
-            try:
-                self._scheduler.submit(record.request, record.request.submitted_at)
+            try:  # its asker has its whole ttl_s from now to show up (I8)
+                self._scheduler.submit(record.request, change.now)
             except Unschedulable as error:
                 self.end(change, record.request, LeaseState.REJECTED, error.reason.code)
+        for lease_id, count in self._watches.items():  # long-polls still open: still there
+            for _ in range(count):
+                self._scheduler.watch(lease_id)
 
 
 class _Recorded:
@@ -467,6 +526,14 @@ class _Recorded:
 
     def timed_out(self, request: Request) -> None:
         self._leases.end(self._change, request, LeaseState.TIMED_OUT, "max_wait")
+
+    def abandoned(self, request: Request) -> None:
+        message = f"nobody asked for it for {request.ttl_s:g} s (ttl_s): its asker is gone"
+        self._leases.end(self._change, request, LeaseState.CANCELLED, "abandoned", message=message)
+
+    def unclaimed(self, lease: Lease) -> None:
+        message = "granted, but its holder never took it up (no read, renew or ready)"
+        self._leases.end(self._change, lease, LeaseState.RELEASED, "unclaimed", message=message)
 
     def rejected(self, request: Request, reason: PendingReason) -> None:  # the cluster shrank
         self._leases.end(

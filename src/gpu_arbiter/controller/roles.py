@@ -117,7 +117,10 @@ class Roles:
         now = self._changes.clock()
         meta = dict(snapshot.meta)
         scheduler = Scheduler(
-            self._policy, next_token=meta.get("next_token", 1), next_seq=meta.get("next_seq", 1)
+            self._policy,
+            next_token=meta.get("next_token", 1),
+            next_seq=meta.get("next_seq", 1),
+            presence=True,  # its clients can vanish: their requests end (I8)
         )
         self._changes.scheduler = scheduler
         self._changes.meta = meta

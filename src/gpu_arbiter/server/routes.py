@@ -12,6 +12,8 @@ queued by an admin (see :mod:`.gateways`).
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Path, Query, Request
@@ -193,14 +195,42 @@ async def get_lease(
 ) -> JSONResponse:
     """With ``wait=SECONDS``, answers as soon as the lease's state changes, or when the wait
     ends (at most 60 s). With ``state=``, as soon as it differs from that state — at once if
-    it already does — so a change between two polls is never missed."""
+    it already does — so a change between two polls is never missed.
+
+    Its asker's read is its presence: a pending request is kept while its asker
+    long-polls it (and ``ttl_s`` after), and a grant its holder reads is taken up."""
     ctl, who = _context(request)
     record = ctl.leases.get(lease_id)
+    mine = record.owner == who.id
     if wait > 0:
         long_polls: Slots = request.app.state.long_polls
-        with long_polls.hold(who.id):
-            record = await ctl.events.wait_lease(lease_id, state or record.state, wait)
+        with long_polls.hold(who.id), ctl.leases.watching(lease_id):
+            waited = ctl.events.wait_lease(lease_id, state or record.state, wait)
+            record = await _unless_gone(request, waited) or ctl.leases.get(lease_id)
+    if mine:
+        ctl.leases.claim(lease_id)
+        record = ctl.leases.get(lease_id)
     return _lease_json(ctl, record)
+
+
+async def _unless_gone(request: Request, answer: Awaitable[LeaseRecord]) -> LeaseRecord | None:
+    """``answer``, or None as soon as the client closed its connection (a client killed
+    while it long-polls is gone at once, not at the end of its wait)."""
+    waiting = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        waiting.cancel()
+        await asyncio.gather(waiting, gone, return_exceptions=True)
+    return None if waiting.cancelled() else waiting.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the request has no body)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @router.post("/leases/{lease_id}/renew", response_model=s.LeaseOut, summary="Extend the TTL")
