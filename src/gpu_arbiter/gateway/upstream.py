@@ -3,7 +3,8 @@ streams, one pool per replica (at most ``keep`` idle connections are kept: the
 replica's ``max_parallel``).
 
 A request's line, headers and a small body leave in one write; a large body follows
-the head as it is (never copied into one buffer with it), and a body given as chunks
+the head as it is (never copied into one buffer with it), a piece at a time as the
+transport has room (``WRITE_PIECE_BYTES``), and a body given as chunks
 (the gateway streams a client's upload as it comes) is sent as they come, with the
 client's ``Content-Length`` or chunked, and at most once. The answer's head is parsed
 (httptools, llhttp's parser) and its body handed on as it arrives: by
@@ -50,6 +51,10 @@ Body = bytes | bytearray | AsyncIterable[bytes | bytearray]
 READ_BYTES = 256 * 1024
 ONE_WRITE_BYTES = 64 * 1024
 """A body up to this size leaves in the head's write; a larger one is written apart."""
+WRITE_PIECE_BYTES = 256 * 1024
+"""A larger body (or a held part of one) is written in pieces of this size, the next once
+the transport has room: asyncio's transport copies what the socket does not take at
+once, so a held body written whole cost about twice its size (uvloop's does not)."""
 _FRAMING = (b"content-length", b"transfer-encoding")
 IDLE_MAX_S = 4.0
 """An idle connection is closed after this long, or sooner where its server says so."""
@@ -171,19 +176,52 @@ class _Connection:
     async def _send_body(self, request: _Outgoing) -> None:
         body = request.body
         if isinstance(body, bytes | bytearray):
-            if body:
-                self.writer.write(body)
+            await self._send_held(body)
             return
         async for chunk in body:  # the caller's errors (its client went away) pass through
             if not chunk:
                 continue  # (an empty chunk would end a chunked body)
-            if request.chunked:
+            if request.chunked and len(chunk) <= WRITE_PIECE_BYTES:
                 self.writer.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+            elif request.chunked:
+                self.writer.write(b"%x\r\n" % len(chunk))
+                await self._send_held(chunk)
+                self.writer.write(b"\r\n")
             else:
-                self.writer.write(chunk)
+                await self._send_held(chunk)
             await self.writer.drain()
         if request.chunked:
             self.writer.write(b"0\r\n\r\n")
+
+    async def _send_held(self, data: bytes | bytearray) -> None:
+        """Writes ``data`` a piece at a time (``WRITE_PIECE_BYTES``), the next once the
+        transport has room, unless the server's answer starts first: then the rest at
+        once, as a body was written before (the answer is read meanwhile)."""
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_PIECE_BYTES):
+            self.writer.write(view[start : start + WRITE_PIECE_BYTES])
+            more = start + WRITE_PIECE_BYTES < len(view)
+            full = self.writer.transport.get_write_buffer_size() >= WRITE_PIECE_BYTES
+            if more and full and await self._answer_came_first():
+                self.writer.write(view[start + WRITE_PIECE_BYTES :])
+                return
+
+    async def _answer_came_first(self) -> bool:
+        """Waits until the transport has room, or what the server sends comes (parsed
+        here: its answer's start, or its end): True then."""
+        drained = asyncio.ensure_future(self.writer.drain())
+        answered = asyncio.ensure_future(self.feed())
+        try:
+            await asyncio.wait((drained, answered), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (drained, answered):
+                task.cancel()  # the other one; both are over before this returns
+            await asyncio.gather(drained, answered, return_exceptions=True)
+        if not answered.cancelled():
+            answered.result()  # its error, if any
+            return True
+        drained.result()
+        return False
 
     async def feed(self) -> bool:
         """Reads what came and parses it; False at the end of the connection (an
