@@ -104,8 +104,8 @@ async def measure(port: int, callers: int, seconds: float) -> tuple[float, float
     return statistics.median(latencies) * 1e3, p99 * 1e3, len(latencies) / elapsed
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+def start(command: list[str], log: Path, src: Path = SRC) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
     for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_CONFIG"):
         env.pop(name, None)
     with log.open("wb") as out:
