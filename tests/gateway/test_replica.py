@@ -12,6 +12,7 @@ import pytest
 
 from gpu_arbiter.gateway.model import Refused
 from gpu_arbiter.gateway.replica import ReplicaState
+from gpu_arbiter.gateway.scopes import CancelScope
 
 from .fakes import World, settle
 
@@ -106,27 +107,90 @@ async def test_a_revoked_busy_replica_finishes_within_the_grace_then_one_sigterm
     assert world.leases.verbs()[-1] == "release"
 
 
+async def relayed(world: World, hold_s: float, seen: list[list[int]]) -> None:
+    """A request relayed as the gateway's app relays one: its slot, its cancel scope in
+    the replica's relays while it runs (``seen``: the signals the server had got when it
+    ended: its connection is closed by then)."""
+    replica, _ = await world.model.acquire()
+    scope = CancelScope()
+    replica.relays.add(scope)
+    try:
+        async with scope:
+            await world.clock.sleep(hold_s)
+    finally:
+        seen.append(list(world.process.signals))
+        replica.relay_ended(scope)
+        replica.leave()
+
+
 async def test_requests_past_the_grace_are_cut_and_the_lease_waits_for_the_exit(
     world: World,
 ) -> None:
     world.launcher.obeys_term = False
     await warm(world)
     replica = world.replica
-    request = world.start(hold_s=100)
+    seen: list[list[int]] = []
+    request = asyncio.ensure_future(relayed(world, 100, seen))
     await world.clock.advance(0.1)
-    replica.relays.add(request)
     world.leases.revoke(replica.lease["id"])
     await world.clock.advance(2.0)
-    with pytest.raises(asyncio.CancelledError):
-        await request
+    await request
     assert replica.cut
+    assert seen == [[]]  # cut, its connection closed, before the SIGTERM
     assert world.process.signals == [signal.SIGTERM]
     await world.clock.advance(6.9)
     assert world.process.signals == [signal.SIGTERM]
-    await world.clock.advance(0.2)  # the grace and the agent's margin: SIGKILL
+    await world.clock.advance(0.2)  # the grace (under stop_s) and the agent's margin
     assert world.process.signals == [signal.SIGTERM, signal.SIGKILL]
     await settle()
     assert world.leases.verbs()[-1] == "release"
+
+
+async def test_a_cut_is_followed_by_the_engines_stop_time_not_a_second_grace() -> None:
+    world = World(idle_after="0.5s", keep_alive="5m", grace="10s")
+    world.launcher.obeys_term = False  # deaf to SIGTERM after a cancelled request
+    world.agent.supervises = False
+    stop_s = world.model.driver.stop_s
+    assert stop_s < 10
+    try:
+        await warm(world)
+        seen: list[list[int]] = []
+        request = asyncio.ensure_future(relayed(world, 100, seen))
+        await world.clock.advance(0.1)
+        world.leases.revoke(world.replica.lease["id"])
+        await world.clock.advance(10.0)
+        await request
+        assert seen == [[]]
+        assert world.process.signals == [signal.SIGTERM]
+        await world.clock.advance(stop_s - 0.1)
+        assert world.process.signals == [signal.SIGTERM]
+        await world.clock.advance(0.2)  # the grace and stop_s: not twice the grace
+        assert world.process.signals == [signal.SIGTERM, signal.SIGKILL]
+        await settle()
+        assert world.leases.verbs()[-1] == "release"
+    finally:
+        await world.close()
+
+
+async def test_requests_done_early_leave_the_server_the_rest_of_the_grace_only() -> None:
+    world = World(idle_after="0.5s", keep_alive="5m", grace="10s")
+    world.launcher.obeys_term = False
+    world.agent.supervises = False
+    try:
+        await warm(world)
+        request = world.start(hold_s=4)
+        await world.clock.advance(0.1)
+        world.leases.revoke(world.replica.lease["id"])
+        await world.clock.advance(4.0)
+        await request
+        await settle()
+        assert world.process.signals == [signal.SIGTERM]  # its request finished: SIGTERM
+        await world.clock.advance(5.8)
+        assert world.process.signals == [signal.SIGTERM]
+        await world.clock.advance(0.2)  # the grace from the revocation, not from the SIGTERM
+        assert world.process.signals == [signal.SIGTERM, signal.SIGKILL]
+    finally:
+        await world.close()
 
 
 async def test_the_lease_is_released_only_after_the_process_exited(world: World) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 
 from gpu_arbiter.gateway.estimate import estimate_vram
 
+from .agents import ExitWatch
 from .conftest import wait_for
 from .gateways import GatewayProcess, metric
 from .test_gateway import Setup, setup
@@ -27,10 +29,12 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def llama_entry(
-    name: str, server: Path, model: Path, *, ctx: int = 512, **keys: Any
-) -> tuple[str, list[str]]:
+    name: str, server: Path, model: Path, *, ctx: int = 512, flags: tuple[str, ...] = (),
+    **keys: Any,
+) -> tuple[str, list[str]]:  # fmt: skip
     """One ``[models.NAME]`` table running the real llama-server, and its command."""
     command = [str(server), "-m", str(model), "-c", str(ctx), "--port", "{port}", "-t", "1"]
+    command += flags
     keys = {"idle_after": "0.3s", "grace": "2s", "queue_timeout": "120s", **keys}
     lines = [f"[models.{name}]", f"command = {json.dumps(command)}"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
@@ -158,19 +162,20 @@ def test_a_stream_of_a_batch_model_is_preempted_by_an_interactive_one(
 ) -> None:
     """A batch stream the client reads slowly is still in flight when an interactive
     model needs the GPU: the batch server is stopped after its grace, its stream ends,
-    and the interactive server starts only once the batch one has exited (I4)."""
+    with a final error event, and the interactive server starts only once the batch one
+    has exited (I4)."""
     setup.agent("1x24G:sm_86", "--grace-s", "1")
     batch, _ = llama_entry(
         "batch", llama_server, tiny_models / "tiny-chat.gguf", ctx=2048, vram="14G",
-        priority="batch", grace="1s",
-    )  # fmt: skip
+        priority="batch", grace="1s", flags=("--context-shift",),
+    )  # fmt: skip  # past its 2048 context: it generates for about 16 s, past the grace
     chat, _ = llama_entry(
         "chat", llama_server, tiny_models / "tiny-big.gguf", vram="14G", priority="interactive"
     )
     gateway = setup.gateway(batch + chat)
     body = {
         "model": "batch", "messages": [{"role": "user", "content": "go"}], "stream": True,
-        "max_tokens": 1900, "ignore_eos": True,
+        "max_tokens": 16000, "ignore_eos": True,
     }  # fmt: skip
     with (
         httpx.Client(timeout=120) as client,
@@ -187,9 +192,9 @@ def test_a_stream_of_a_batch_model_is_preempted_by_an_interactive_one(
         )
         thread.start()
         wait_for(lambda: not Path(f"/proc/{batch_pid}").exists(), 60, "the batch server gone")
-        with pytest.raises(httpx.RemoteProtocolError):  # cut short: never a clean end
-            for _ in lines:
-                pass
+        events = [line for line in lines if line.startswith("data: ")]
+    last = json.loads(events[-1][len("data: ") :])  # cut short: the final event says why
+    assert last["error"]["code"] == "unavailable" and "preempted" in last["error"]["message"]
     thread.join(120)
     assert asked and asked[0].status_code == 200, asked and asked[0].text
     ended = [
@@ -199,3 +204,54 @@ def test_a_stream_of_a_batch_model_is_preempted_by_an_interactive_one(
     assert [lease["revoke_reason"] for lease in ended] == ["preempted"]
     page = httpx.get(gateway.url + "/metrics").text
     assert metric(page, "gpu_arbiter_gateway_stops_total", model="batch", reason="preempted") == 1
+
+
+def test_a_generating_llama_server_is_stopped_without_a_second_grace(
+    setup: Setup, llama_server: Path, tiny_models: Path
+) -> None:
+    """A batch llama-server generates a long stream (read through the SDK) when an
+    interactive model needs the GPU: the stream gets the 4 s grace, is cut with the final
+    error event (the SDK raises it), and the server, which may ignore SIGTERM while it
+    generates or just after a cancelled request, is killed llama.cpp's short stop time
+    after the cut, not a grace later."""
+    grace_s = 4.0
+    setup.agent("1x24G:sm_86", "--grace-s", "60")  # it supervises; its own grace is longer
+    batch, _ = llama_entry(
+        "batch", llama_server, tiny_models / "tiny-chat.gguf", ctx=2048, vram="14G",
+        priority="batch", grace=f"{grace_s:g}s", flags=("--context-shift",),
+    )  # fmt: skip  # past its 2048 context: it generates for about 16 s
+    chat, _ = llama_entry(
+        "chat", llama_server, tiny_models / "tiny-big.gguf", vram="14G", priority="interactive"
+    )
+    gateway = setup.gateway(batch + chat)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model="batch", messages=[{"role": "user", "content": "go"}], stream=True,
+        max_tokens=16000, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    victim = ExitWatch(gateway.model_state("batch")["replicas"][0]["pid"])
+    asked: list[float] = []
+    chat_body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+
+    def ask_chat() -> None:
+        started = time.time()
+        answer = httpx.post(gateway.url + "/v1/chat/completions", json=chat_body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        asked.extend([started, time.time() - started])
+
+    thread = threading.Thread(target=ask_chat)
+    thread.start()
+    with pytest.raises(openai.APIError) as raised:
+        list(chunks)
+    thread.join(120)
+    client.close()
+    assert type(raised.value) is openai.APIError  # the final event, not a broken stream
+    assert "preempted" in raised.value.message
+    assert asked, "the interactive request failed"
+    started, served_s = asked
+    gone_s = victim.wait() - started  # the grace, the cut, the stop time
+    assert gone_s >= grace_s - 0.5  # the stream had its grace
+    assert gone_s < 2 * grace_s - 0.5  # not a second grace
+    print(f"llama: batch gone {gone_s:.1f}s, preemptor served {served_s:.1f}s after it asked")

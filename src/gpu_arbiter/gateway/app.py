@@ -36,12 +36,20 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
     502 model_failed            the model server failed (exited, refused, reset), or
                                 its last starts did (backing off)
     503 unavailable             no replica ready within ``queue_timeout``, or its replica
-                                stopped (revoked, preempted, the gateway stopping) before
-                                the request could finish within the model's ``grace``
+                                stopped (revoked, preempted, unloaded, the gateway
+                                stopping) before the request could finish within the
+                                model's ``grace``, or the gateway is stopping (a request
+                                that comes or still waits for a replica then)
     503 overloaded              the bodies held in memory are at ``max_buffered_bytes``
 
-A 503 carries ``Retry-After``. An answer already streaming when its replica stops
-ends early.
+A 503 carries ``Retry-After``. An event stream already relayed when its replica stops
+(or its server cuts it short) ends with a final ``data: {"error": {...}}`` event in
+that shape, with its ``status`` (the ``openai`` SDK raises it as an ``APIError``); any
+other answer cut short ends with its connection, short of its length.
+
+A gateway that stops (:meth:`GatewayApp.stop`) answers 503 at once to each new request
+for a model and to those waiting for a replica; the requests relayed to a replica get
+its grace (the replica's stop, ``replica.py``), then end as above.
 
 A caller that waits for a replica sees why (:class:`_Wait`): a JSON request with
 ``"stream": true`` gets a 200 event stream's head at once and SSE comment lines
@@ -123,6 +131,7 @@ _HOP = frozenset(
 )
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 _STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_alive", "unloaded"})
+STOPPING = "the gateway is stopping"
 HEARTBEAT_S = 3.0
 """A streaming request that waits for a replica gets a comment line at once, when what it
 waits for changes, and at least this often: it says why, and keeps the client's read
@@ -143,14 +152,17 @@ _SSE_HEAD = [
 
 class _Exchange:
     """One relayed request: the status sent (0 while none was), whether it is over,
-    and whether its client went away."""
+    whether its client went away, whether the answer is an event stream and whether
+    its body was sent to its end."""
 
-    __slots__ = ("done", "gone", "status")
+    __slots__ = ("done", "ended", "event_stream", "gone", "status")
 
     def __init__(self) -> None:
         self.status = 0
         self.done = False
         self.gone = False
+        self.event_stream = False
+        self.ended = False
 
 
 @dataclass(slots=True)
@@ -184,6 +196,24 @@ class GatewayApp:
         self.budget = BodyBudget(max_buffered_bytes)
         metrics.body_bytes_held.set_function(lambda: self.budget.held)
         self.created = int(time.time())  # the models' "created", as OpenAI lists it
+        self.stopping = False
+        self._waits: set[CancelScope] = set()  # requests waiting for a replica
+        self._running = 0  # HTTP requests being answered
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+
+    def stop(self) -> None:
+        """The gateway stops: each new request for a model, and each still waiting for a
+        replica, is answered 503 at once (those relayed get their replica's grace)."""
+        self.stopping = True
+        for wait in self._waits:
+            wait.cancel(STOPPING)
+
+    async def quiet(self, timeout_s: float) -> bool:
+        """Waits until no request is being answered (at most ``timeout_s``); True then."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._quiet.wait(), timeout_s)
+        return self._quiet.is_set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -191,8 +221,15 @@ class GatewayApp:
             return
         if scope["type"] != "http":
             return
-        with contextlib.suppress(ClientGone):
-            await self._http(scope, receive, send)
+        self._running += 1
+        self._quiet.clear()
+        try:
+            with contextlib.suppress(ClientGone):
+                await self._http(scope, receive, send)
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._quiet.set()
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -203,6 +240,8 @@ class GatewayApp:
             await _error(send, denial.status, denial.message, denial.code)
         elif _declared_length(headers) > self.max_body_bytes:
             await self._too_large(send)
+        elif self.stopping and _to_a_model(method, path):
+            await _error(send, 503, f"{STOPPING}: no new requests", "unavailable", 1.0)
         elif path.startswith("/v1/") and method == "POST":
             await self._openai(scope, receive, send, headers)
         elif path.startswith("/models/"):
@@ -385,12 +424,18 @@ class GatewayApp:
             return
         model = self.models[found]
         wait = _Wait(model, send, json_body)
+        scope_of_wait = CancelScope()  # by the client's disconnect, or the gateway's stop
+        self._waits.add(scope_of_wait)
         try:
-            acquired = await _acquire(model, receive, outbound, wait, priority)
+            if self.stopping:
+                scope_of_wait.cancel(STOPPING)
+            acquired = await _acquire(model, receive, outbound, wait, priority, scope_of_wait)
         except Refused as refused:
             self.metrics.requests.labels(found, str(refused.status)).inc()
             await _refused(wait.sender(), refused, wait.waited_s())
             return
+        finally:
+            self._waits.discard(scope_of_wait)
         if acquired is None:
             return  # the client went away while the request queued
         replica, queued_s = acquired
@@ -435,14 +480,15 @@ class GatewayApp:
             await self._too_large(send)
             exchange.status = 413
         finally:
-            replica.relays.discard(cancel)
+            replica.relay_ended(cancel)
             exchange.done = True
             watcher.cancel()
-        if cancel.cancelled_caught:
-            if exchange.gone:
-                return 0
-            if not exchange.status:  # cut off before its answer began: say why
-                exchange.status = await self._stopped(send, replica)
+        if exchange.gone:
+            return 0
+        if cancel.cancelled_caught and not exchange.status:  # cut before its answer began
+            exchange.status = await self._stopped(send, replica)
+        elif exchange.status and exchange.event_stream and not exchange.ended:
+            await self._stream_cut(send, replica, cut=cancel.cancelled_caught)
         return exchange.status
 
     async def _relay(
@@ -467,13 +513,15 @@ class GatewayApp:
             kept += extra
             await send({"type": "http.response.start", "status": answer.status, "headers": kept})
             exchange.status = answer.status
+            exchange.event_stream = _is_event_stream(answer.headers)
             more = True
             while more:  # the last bytes go with the end: one write less
                 chunk = await answer.read()
                 more = not answer.ended
                 await send({"type": "http.response.body", "body": chunk, "more_body": more})
+            exchange.ended = True
         except (OSError, httptools.HttpParserError):
-            pass  # cut mid-body: the client sees the stream end early, as the server did
+            pass  # cut mid-body: an event stream's final event says so, any other ends short
         finally:
             answer.close()
 
@@ -488,6 +536,30 @@ class GatewayApp:
         )
         await _error(send, 503, reason, "unavailable", 1.0)
         return 503
+
+    async def _stream_cut(self, send: Send, replica: Replica, *, cut: bool) -> None:
+        """Ends an event stream cut short with a final error event: 503 when its
+        replica stopped (``cut``: at the end of the grace), else 502 (the server cut it)."""
+        ending = replica.ending
+        if cut:
+            grace_s = replica.model.config.grace_s
+            why = ending.reason if ending is not None else "stopped"
+            status, code = 503, "unavailable"
+            message = (
+                f"model {replica.model.name} stopped: {why}; the answer did not finish "
+                f"within its {grace_s:g}s grace"
+            )
+        elif ending is not None and ending.kind in _STOPPED:
+            status, code = 503, "unavailable"
+            message = f"model {replica.model.name} stopped: {ending.reason}; the answer ended early"
+        else:
+            status, code = 502, "model_failed"
+            why = ending.reason if ending is not None else "it ended the answer early"
+            message = f"model server {replica.model.name} failed: {why}"
+        error = {"message": message, "type": "server_error", "code": code, "status": status}
+        event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": event, "more_body": False})
 
     async def _failed(self, send: Send, replica: Replica, error: Exception) -> int:
         with contextlib.suppress(TimeoutError):  # did the server exit? Then say why.
@@ -536,6 +608,18 @@ async def _chain(
         read.set()
 
 
+def _to_a_model(method: str, path: str) -> bool:
+    """Whether a request is routed to a model (refused while the gateway stops)."""
+    return (path.startswith("/v1/") and method == "POST") or path.startswith("/models/")
+
+
+def _is_event_stream(headers: Headers) -> bool:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower() == b"text/event-stream"
+    return False
+
+
 def _media_type(headers: Mapping[bytes, str]) -> str:
     return headers.get(b"content-type", "").partition(";")[0].strip().lower()
 
@@ -559,22 +643,30 @@ def _target(scope: Scope, path: bytes) -> bytes:
 
 
 async def _acquire(
-    model: ModelServer, receive: Receive, outbound: _Outbound, wait: _Wait, priority: int | None
+    model: ModelServer,
+    receive: Receive,
+    outbound: _Outbound,
+    wait: _Wait,
+    priority: int | None,
+    cancel: CancelScope,
 ) -> tuple[Replica, float] | None:
     """A replica for the request; None when the client went away while it queued (its
-    held body is then given back at once, not after ``queue_timeout``). A streamed body
-    not read yet is the client's to send: its disconnect is seen by the relay. The
-    comment lines of ``wait`` (if any) have ended when it returns."""
-    if outbound.body_read is not None:
-        return await model.acquire(priority=priority)  # not JSON held whole: no comment lines
-    cancel = CancelScope()
-    watcher = asyncio.ensure_future(_watch_disconnect(receive, cancel, _Exchange(), None))
+    held body is then given back at once, not after ``queue_timeout``); :class:`Refused`
+    (503) when the gateway stops meanwhile (``cancel`` cancelled with :data:`STOPPING`).
+    A streamed body not read yet is the client's to send: its disconnect is seen by the
+    relay. The comment lines of ``wait`` (if any) have ended when it returns."""
+    watcher = None
+    if outbound.body_read is None:  # JSON held whole: comment lines while it waits
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, cancel, _Exchange(), None))
     try:
         async with cancel:
-            return await model.acquire(wait.began, priority)
+            return await model.acquire(wait.began if watcher else None, priority)
+        if cancel.reason == STOPPING:
+            raise Refused(503, f"{STOPPING}: model {model.name} takes no new requests", 1.0)
         return None
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
         await wait.end()
 
 

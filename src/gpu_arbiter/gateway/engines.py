@@ -12,7 +12,12 @@ the engine's own documented interfaces:
 - **how it gives memory back without dying** (:attr:`Driver.sleeps`, :meth:`Driver.sleep`,
   :meth:`Driver.wake`, :meth:`Driver.is_sleeping`);
 - **what measures its memory** (:meth:`Driver.used_mb`): the agent's probe of the process
-  group, or the engine's own figure where one group serves several models (Ollama).
+  group, or the engine's own figure where one group serves several models (Ollama);
+- **how long it may take to exit** once its requests were cut at the end of their grace
+  (:attr:`Driver.stop_s`): SIGTERM, its connections closed, then this long before
+  SIGKILL. The grace went to the requests; the server does not get a second one (a
+  ``llama-server`` ignores SIGTERM while it generates or just after a cancelled
+  request: it would hold the preemptor for the whole grace again).
 
 ============  ==============================  ==========================================
 engine        the lease's flags               asleep: how, and what says so
@@ -193,6 +198,8 @@ class Driver:
     sleeps = SleepKind.NONE
     ready_paths: tuple[str, ...] = ("/health", "/v1/models")
     polls_busy = False  # True: busy() says more than the requests in flight
+    stop_s = 3.0
+    """Seconds from SIGTERM to SIGKILL once the requests were cut (at most the grace)."""
 
     def __init__(
         self, http: EngineHttp, *, sleep_after_s: float | None = None, sleep_level: int = 1
@@ -253,6 +260,7 @@ class LlamaCppDriver(Driver):
     engine = Engine.LLAMA_CPP
     sleeps = SleepKind.ITSELF
     ready_paths = ("/health",)
+    stop_s = 1.0  # it frees its memory when killed; SIGTERM may go unheeded meanwhile
 
     def prepare(
         self,
@@ -297,6 +305,7 @@ class VllmDriver(Driver):
     engine = Engine.VLLM
     sleeps = SleepKind.ASKED
     ready_paths = ("/health",)
+    stop_s = 5.0  # its engine core and workers are processes of their own to wind down
     _BUDGET = (
         "--gpu-memory-utilization",
         "--gpu_memory_utilization",
@@ -344,6 +353,7 @@ class SglangDriver(Driver):
     engine = Engine.SGLANG
     sleeps = SleepKind.ASKED
     ready_paths = ("/health",)
+    stop_s = 5.0  # its scheduler and detokenizer are processes of their own
 
     def prepare(
         self,

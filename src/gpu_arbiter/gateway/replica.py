@@ -65,6 +65,10 @@ VISIBLE_DEVICES = (
 READY_POLL_FIRST_S = 0.01  # a server that loads in a moment is seen at once; one that
 READY_POLL_MAX_S = 0.25  # takes minutes is asked four times a second, not a hundred
 AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agent did not
+CUT_WAIT_S = 1.0  # at most this long for cut requests to close their connections
+GRACED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "unloaded"})
+"""Endings that give the requests in flight the grace (the others find none, or the
+server gone)."""
 RELEASE_TRIES = 20
 PORT_TRIES = 3  # a server that could not bind its port is started again on another
 TAIL_LINES = 8
@@ -411,15 +415,19 @@ class Replica:
         """Puts the process group under the local agent's supervision: the controller then
         knows its memory is the lease's (I2), and the agent stops it when the lease lapses
         or this gateway is gone. On a revocation the gateway stops it itself, after the
-        requests in flight had their grace (``holder_stops_s``): the agent's own SIGTERM
-        comes only if it has not by then. A process without a group of its own (``pid``
-        None: an Ollama model, one of several in one serve) is not attached: the agent
-        would stop the whole group when this one lease is revoked."""
+        requests in flight had their grace (``holder_stops_s``: the grace, the wait for
+        cut requests and a margin): the agent's own SIGTERM comes only if it has not by
+        then, and never before the gateway's own stop (whose SIGKILL follows sooner). A
+        process without a group of its own (``pid`` None: an Ollama model, one of several
+        in one serve) is not attached: the agent would stop the whole group when this one
+        lease is revoked."""
         assert self.process is not None
         if self.process.pid is None:
             return False
-        worker, grace_s = str(self.lease["worker"]), self.model.config.grace_s
-        return await self.parts.agent.attach(worker, self.lease["id"], self.process.pid, grace_s)
+        worker = str(self.lease["worker"])
+        stops_s = self.model.config.grace_s + CUT_WAIT_S + AGENT_MARGIN_S  # its stop comes first
+        stops_s = min(stops_s, 3600.0)  # the most the agent takes
+        return await self.parts.agent.attach(worker, self.lease["id"], self.process.pid, stops_s)
 
     async def _reap(self, process: ServerProcess) -> None:
         """Waits for the process group to be gone and keeps the exit code. A server that
@@ -597,45 +605,66 @@ class Replica:
 
     async def _drain(self) -> None:
         """No new requests; those in flight get the grace to finish, and those still in
-        flight after it are cut off (503, naming why the replica stops); then the process
-        group is stopped: SIGTERM once, SIGKILL after the grace."""
+        flight after it are cut off (the ending a preemption gives: a 503 naming why, or
+        a stream's final error event). Then the process group is stopped: its
+        connections closed, SIGTERM once, SIGKILL when it has not exited by the end of
+        the grace, or, where the requests took the whole grace, after the engine's short
+        ``stop_s``: the grace is given once, never twice."""
         assert self.ending is not None
         grace_s, clock = self.model.config.grace_s, self.parts.clock
+        deadline = clock.now() + grace_s
         if self.process is not None and not self.exited.is_set():
             await self.model.measure(self)  # its last figure, for the next lease
-        if self.ending.kind in ("preempted", "reclaimed", "revoked", "shutdown", "unloaded"):
-            deadline = clock.now() + grace_s
+        if self.ending.kind in GRACED:
             while self.in_flight and not self.exited.is_set() and clock.now() < deadline:
                 self.activity.clear()
                 await sleep_or(clock.sleep(deadline - clock.now()), self.activity)
-            self._cut_relays()
+            await self._cut_relays()
         self.state = ReplicaState.STOPPING
         self.model.notify()
+        self.upstream.close()  # the server sees its clients gone: it stops generating
         if self.process is not None and not self.exited.is_set():
-            await self._stop_process(self.process, grace_s)
+            stop_s = min(self.model.driver.stop_s, grace_s)
+            await self._stop_process(self.process, max(stop_s, deadline - clock.now()))
 
-    def _cut_relays(self) -> None:
+    async def _cut_relays(self) -> None:
+        """Cancels the requests still relayed, and waits (briefly) until each has closed
+        its connection to the server: a server that still sees its clients may go on
+        generating, deaf to SIGTERM."""
         self.cut = bool(self.relays)
         for relay in self.relays:
             relay.cancel("the replica stopped")
-        if self.cut:
-            log.info(
-                "model %s replica %d: %d request(s) did not finish within the %gs grace",
-                self.model.name, self.number, len(self.relays), self.model.config.grace_s,
-            )  # fmt: skip
+        if not self.cut:
+            return
+        log.info(
+            "model %s replica %d: %d request(s) did not finish within the %gs grace",
+            self.model.name, self.number, len(self.relays), self.model.config.grace_s,
+        )  # fmt: skip
+        clock = self.parts.clock
+        deadline = clock.now() + CUT_WAIT_S
+        while self.relays and clock.now() < deadline:
+            self.activity.clear()
+            await sleep_or(clock.sleep(deadline - clock.now()), self.activity)
 
-    async def _stop_process(self, process: ServerProcess, grace_s: float) -> None:
+    def relay_ended(self, relay: CancelScope) -> None:
+        """A relayed request is over (its connection to the server closed or handed back)."""
+        self.relays.discard(relay)
+        self.activity.set()
+
+    async def _stop_process(self, process: ServerProcess, wait_s: float) -> None:
         """By the agent where it supervises the process (one SIGTERM, whoever asks), else
-        here; SIGKILL here if it has not exited by the grace (and a margin for the
-        agent's own)."""
+        here; SIGKILL here if it has not exited in ``wait_s`` (and a margin for the
+        agent's own SIGKILL, which it sends after ``wait_s``)."""
         worker = str(self.lease["worker"])
-        by_agent = self._by_agent and await self.parts.agent.stop(worker, self.lease["id"], grace_s)
+        by_agent = self._by_agent and await self.parts.agent.stop(worker, self.lease["id"], wait_s)
         if not by_agent:
             process.signal(signal.SIGTERM)
-        wait_s = grace_s + (AGENT_MARGIN_S if by_agent else 0.0)
-        if not await self._exits_within(process, wait_s):
+        if not await self._exits_within(process, wait_s + (AGENT_MARGIN_S if by_agent else 0.0)):
             name = self.model.name
-            log.warning("model %s: pid %s outlived its grace: SIGKILL", name, process.pid)
+            log.warning(
+                "model %s: pid %s did not exit %gs after SIGTERM: SIGKILL", name, process.pid,
+                wait_s,
+            )  # fmt: skip
             process.signal(signal.SIGKILL)
             await self._exits_within(process, None)
 

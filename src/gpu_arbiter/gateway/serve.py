@@ -5,9 +5,15 @@
 agent. It reports its models to the controller and takes the commands queued for it
 there (``report.py``). At start, before it serves, it takes its state directory (one
 gateway per directory) and stops what a previous gateway there left running, then
-releases those leases (``process.py``). On stop, every replica is stopped (SIGTERM,
-SIGKILL after its grace; SIGKILL at once when ``hurry`` is set) and its lease released
-before it returns.
+releases those leases (``process.py``).
+
+On stop, in this order: each new request for a model, and each still waiting for a
+replica, is answered 503 at once (the listener stays open meanwhile); the requests
+relayed to a replica get the model's grace to finish, and those still running then end
+as a preemption ends them (a 503 naming why; an event stream's final error event); each
+replica's server is stopped (SIGTERM; SIGKILL at the end of the grace, or the engine's
+short ``stop_s`` after a cut; at once when ``hurry`` is set) and its lease released;
+only then does the HTTP server stop, with no request left for it to cancel.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ from .report import Reporter, default_name, listen_url
 __all__ = ["beside_a_controller", "estimates", "run_gateway"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
+ANSWERS_S = 5.0
+"""On stop, once the replicas are gone: how long the answers still being written (to a
+slow client) may take before the HTTP server stops and cancels what is left."""
 
 
 def estimates(config: GatewayConfig) -> dict[str, Estimate | None]:
@@ -159,7 +168,7 @@ async def _serve(
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
             ended.cancel()
         finally:
-            server.should_exit = True
+            app.stop()  # 503 at once to new requests; those relayed keep their grace
             reporting.cancel()
             for model in models.values():
                 model.shutdown()
@@ -169,6 +178,8 @@ async def _serve(
             hurried = asyncio.ensure_future(_kill_when(hurry, launcher))
             await _settle(list(models.values()), tasks, grace_s)
             hurried.cancel()
+            await app.quiet(ANSWERS_S)  # the last answers (503s, final events) go out
+            server.should_exit = True
             await serving
             await health.aclose()
             await engines.aclose()
@@ -178,7 +189,8 @@ async def _serve(
 async def _settle(
     models: list[ModelServer], tasks: set[asyncio.Task[None]], grace_s: float
 ) -> None:
-    """Waits for the replicas to stop and release (twice their grace, and a margin)."""
+    """Waits for the replicas to stop and release: the grace, the engine's stop time,
+    the agent's margin and the release (a bound of twice the grace and a margin)."""
     deadline = asyncio.get_running_loop().time() + 2 * grace_s + 10.0
     while any(m.replicas for m in models) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
