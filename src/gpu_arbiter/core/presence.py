@@ -53,7 +53,8 @@ class Presence:
             return
         at = now + request.ttl_s
         self._absent_at[request.id] = at
-        self._timers.push(at, TimerKind.ABSENT, request.id)
+        if not self.watched(request.id):  # else its unwatch arms it
+            self._timers.push(at, TimerKind.ABSENT, request.id)
 
     def watch(self, request_id: str) -> None:
         """An answer to the asker is open (a long-poll): present until :meth:`unwatch`."""

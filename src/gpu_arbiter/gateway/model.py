@@ -98,6 +98,7 @@ class ModelServer:
         self.replicas: list[Replica] = []
         self.waiting = 0
         self.neighbours: Mapping[str, ModelServer] = {}  # the gateway's models, this one too
+        self.asker: Mapping[str, str] = {}  # which gateway asks (lease metadata; serve.py)
         self._wanting: Counter[int] = Counter()  # the priorities of the callers waiting
         self.failures = 0
         self.failed_at = 0.0
@@ -300,8 +301,9 @@ class ModelServer:
             "preemptible": config.preemptible,  # None: the controller's, for that priority
             "constraints": {"worker": self.worker} if self.worker else {},
             "holder": f"gateway {self.name} #{number}@{host}"[:256],
-            "metadata": {"model": self.name, "replica": number, "gateway": host},
+            "metadata": {"model": self.name, "replica": number, "gateway": host, **self.asker},
             "ttl_s": config.ttl_s,
+            "max_wait_s": config.queue_timeout_s,  # nobody waits for it longer
             "load_timeout_s": config.load_timeout_s,
         }
 

@@ -5,7 +5,10 @@
 agent. It reports its models to the controller and takes the commands queued for it
 there (``report.py``). At start, before it serves, it takes its state directory (one
 gateway per directory) and stops what a previous gateway there left running, then
-releases those leases (``process.py``).
+releases those leases (``process.py``), and ends every other lease the previous gateway
+there asked for that no process holds (a request still queued, a grant it never ran: its
+leases name the directory in their metadata, ``gateway_dir``), so that its first request
+waits behind nothing of its own.
 
 On stop, in this order: each new request for a model, and each still waiting for a
 replica, is answered 503 at once (the listener stays open meanwhile); the requests
@@ -137,12 +140,15 @@ async def _serve(
     engines = EngineHttp()
     async with ArbiterClient(controller or config.controller, token=token) as client:
         await _release(client, await launcher.stop_leftovers())
+        asker = {"gateway_dir": str(launcher.state_dir.resolve())}
+        await _end_asked(client, asker)
         parts = Parts(LoopClock(), launcher, LocalAgentLink(), client, health, engines)
         models = model_servers(
             config.models, parts=parts, metrics=metrics, spawn=spawn, worker=worker, sizes=sizes
         )  # an Ollama entry's models share one serve
         for model in models.values():
             model.neighbours = models  # collation: a busy model yields to one that waits
+            model.asker = asker
         routes = {alias: m.name for m in config.models.values() for alias in m.aliases}
         routes.update({name: name for name in config.models})
         check_exposure(config.host, config.keys)  # the CLI said so already, in one line
@@ -209,6 +215,26 @@ async def _release(client: ArbiterClient, leases: list[str]) -> None:
             continue  # ended already
         except ControllerUnreachable as error:
             log.warning("lease %s of the previous gateway not released (%s)", lease_id, error)
+
+
+async def _end_asked(client: ArbiterClient, asker: dict[str, str]) -> None:
+    """Cancels the requests a previous gateway of this state directory (on this host) left
+    queued, and releases its grants that no agent reports a process for (after
+    :meth:`~.process.ProcessLauncher.stop_leftovers`, none of its servers runs)."""
+    host = socket.gethostname()[:100]
+    try:
+        leases = await client.leases()
+    except (ApiError, ControllerUnreachable) as error:
+        log.warning("the previous gateway's lease requests not looked up (%s)", error)
+        return
+    for lease in leases:
+        metadata = lease.get("metadata") or {}
+        ours = metadata.get("gateway") == host and all(
+            metadata.get(k) == v for k, v in asker.items()
+        )
+        held = lease["state"] in ("loading", "active", "revoking")
+        if ours and (lease["state"] == "pending" or (held and not lease.get("supervised"))):
+            await _release(client, [str(lease["id"])])
 
 
 async def _kill_when(hurry: asyncio.Event | None, launcher: ProcessLauncher) -> None:
