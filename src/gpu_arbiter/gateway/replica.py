@@ -273,7 +273,9 @@ class Replica:
                 self.lease = waiting.result()
         if self.lease["state"] in ("loading", "active") and self.ending is None:
             return True
-        if self.ending is None:
+        if self.ending is None and self.lease["state"] == "timed_out":  # queue_timeout
+            self.stop(Ending("cancelled", "not granted within its queue_timeout"))
+        elif self.ending is None:
             reason = self.lease.get("end_reason") or self.lease["state"]
             self.stop(Ending("failed", f"lease not granted: {reason}"))
         return False
