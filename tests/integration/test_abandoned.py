@@ -8,10 +8,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from .agents import env_for
 from .conftest import Server, events, wait_for
 
 ASKER = """
@@ -109,3 +111,26 @@ def test_a_grant_made_after_its_asker_died_is_given_back_and_the_next_is_granted
     assert (ended["state"], ended["end_reason"]) == ("released", "unclaimed")  # not expired
     assert answer.json()["state"] == "loading"
     assert ended["ended_at"] < granted["granted_at"] + 60.0
+
+
+def test_run_keeps_its_request_alive_while_it_waits_longer_than_its_ttl(
+    server: Server, admin: httpx.Client, tmp_path: Path
+) -> None:
+    """``gpu-arbiter run`` waits with a long-poll that is open all along: a wait of
+    several TTLs does not end its request; once memory frees it runs its command."""
+    big = hold_everything(admin)
+    command = [sys.executable, "-m", "gpu_arbiter", "run", "--controller", server.url]
+    command += ["--token", server.token("client"), "--vram", "20G", "--ttl", "2"]
+    command += ["--holder", "patient", "--", "true"]
+    with subprocess.Popen(command, env=env_for(tmp_path), stderr=subprocess.PIPE) as proc:
+        [asked] = wait_for(
+            lambda: [x for x in admin.get("/v1/leases").json() if x["holder"] == "patient"] or None,
+            60,
+            "run's request",
+        )
+        time.sleep(6.0)  # three of its TTLs (its long-poll waits 30 s)
+        assert lease(admin, asked["id"])["state"] == "pending"
+        assert admin.delete(f"/v1/leases/{big}").status_code == 200
+        assert proc.wait(timeout=120) == 0
+    done = lease(admin, asked["id"])
+    assert (done["state"], done["end_reason"]) == ("released", "released")
