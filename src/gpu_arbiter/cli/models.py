@@ -154,8 +154,7 @@ def _models(body: Any) -> list[Json]:
 def _row(model: Json) -> list[str]:
     replicas = model.get("replicas") or []
     leases = [_lease_words(r) for r in replicas if r.get("lease")]
-    left = [format_s(r["keep_alive_left_s"]) for r in replicas if "keep_alive_left_s" in r]
-    ago = model.get("last_used_ago_s")
+    left = [_keep_alive_words(r) for r in replicas if "keep_alive_left_s" in r]
     state = str(model.get("state"))
     if model.get("pending_reason"):
         state += f": {model['pending_reason']}"
@@ -166,10 +165,26 @@ def _row(model: Json) -> list[str]:
         format_mb(int(model["held_mb"])) if model.get("held_mb") else "-",
         str(model.get("in_flight", 0)),
         str(model.get("queued", 0)),
-        "never" if ago is None else f"{format_s(float(ago))} ago",
+        _last_used_words(model),
         ", ".join(left) or "-",
         _pin_words(model) if model.get("pinned") else "-",
     ]
+
+
+def _last_used_words(model: Json) -> str:
+    """``now`` while requests are in flight (its last use is this one), else how long ago."""
+    in_flight = int(model.get("in_flight") or 0)
+    if in_flight:
+        return f"now ({in_flight} in flight)"
+    ago = model.get("last_used_ago_s")
+    return "never" if ago is None else f"{format_s(float(ago))} ago"
+
+
+def _keep_alive_words(replica: Json) -> str:
+    """How long until keep_alive stops the replica; an asleep one says so (it still stops
+    then: keep_alive runs on while it sleeps)."""
+    left = format_s(float(replica["keep_alive_left_s"]))
+    return f"{left} (asleep)" if replica.get("state") == "asleep" else left
 
 
 def _lease_words(replica: Json) -> str:

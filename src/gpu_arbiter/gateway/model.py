@@ -450,11 +450,14 @@ class ModelServer:
         return found
 
     def _last_used_ago_s(self) -> float | None:
-        """Seconds since a request last came or left (None: never since the start)."""
+        """Seconds since a request last came or left: 0 while one is in flight (in use
+        now); None: never since the start."""
+        if any(r.in_flight for r in self.replicas):
+            return 0.0
         if self.last_used is None:
             return None
-        serving = (ReplicaState.WARM, ReplicaState.BUSY)
-        last = max([self.last_used, *(r.last_used for r in self.replicas if r.state in serving)])
+        served = (ReplicaState.WARM, ReplicaState.BUSY, ReplicaState.ASLEEP, ReplicaState.WAKING)
+        last = max([self.last_used, *(r.last_used for r in self.replicas if r.state in served)])
         return round(max(0.0, self.clock.now() - last), 1)
 
 

@@ -132,8 +132,10 @@ class Replica:
         return self._idle_marked
 
     def keep_alive_left_s(self) -> float | None:
-        """Seconds until keep_alive stops it, while nothing is in flight (None: pinned)."""
-        if self.state is not ReplicaState.WARM or self.in_flight or self.model.pinned:
+        """Seconds until keep_alive stops it, while nothing is in flight: warm, or asleep
+        (keep_alive runs on while it sleeps). None: busy, waking, loading, or pinned."""
+        quiet = (ReplicaState.WARM, ReplicaState.ASLEEP)
+        if self.state not in quiet or self.in_flight or self.model.pinned:
             return None
         left = self.quiet_since + self.model.config.keep_alive_s - self.parts.clock.now()
         return max(0.0, left)
