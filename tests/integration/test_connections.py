@@ -72,6 +72,20 @@ def test_too_many_headers_are_refused_with_431(limited: Server) -> None:
         assert _answer(sock).startswith(b"HTTP/1.1 431 ")
 
 
+def test_a_request_with_two_host_headers_is_refused_400_whichever_comes_last(
+    limited: Server,
+) -> None:
+    """RFC 9112 (3.2): more than one Host is a 400 (judged by the last one, a foreign
+    name first slipped past the Host check)."""
+    for hosts in ((b"attacker.example", b"127.0.0.1"), (b"127.0.0.1", b"attacker.example")):
+        with _connect(limited) as sock:
+            lines = b"".join(b"Host: %s\r\n" % host for host in hosts)
+            sock.sendall(b"GET /v1/workers HTTP/1.1\r\n" + lines + b"Connection: close\r\n\r\n")
+            answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 400 "), (hosts, answer)
+        assert answer.endswith(b"more than one Host header")
+
+
 def test_a_head_within_the_limits_is_answered(limited: Server) -> None:
     with _connect(limited) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-A: " + b"a" * 30_000)

@@ -326,6 +326,24 @@ def test_cross_site_requests_and_a_foreign_host_are_refused_and_start_nothing(
     assert not list(port.record.iterdir())
 
 
+def test_a_request_with_two_host_headers_is_refused_400_whichever_comes_last(
+    port: Port,
+) -> None:
+    """RFC 9112 (3.2): more than one Host is a 400. Judged by the last one, a foreign
+    name first slipped past the Host check (a proxy in front may route by the first)."""
+    gateway = port.gateway()
+    for hosts in (("attacker.example", "127.0.0.1"), ("127.0.0.1", "attacker.example")):
+        with _connect(gateway.url) as sock:
+            lines = "".join(f"Host: {host}\r\n" for host in hosts)
+            sock.sendall(f"GET /v1/models HTTP/1.1\r\n{lines}Connection: close\r\n\r\n".encode())
+            answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 400 "), (hosts, answer)
+        assert answer.endswith(b"more than one Host header")
+    with _connect(gateway.url) as sock:  # one Host: answered as ever
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert _answer(sock).startswith(b"HTTP/1.1 200 ")
+
+
 def test_api_keys_each_key_works_and_nothing_else_does(port: Port) -> None:
     port.agent()
     keys = f'api_keys = ["{KEYS[0]}"]\n[[gateway.keys]]\nkey = "{KEYS[1]}"\nname = "ui"\n'

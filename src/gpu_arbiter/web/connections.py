@@ -8,6 +8,9 @@ as it comes. :func:`bounded_http` subclasses it minimally:
   parser sees it: beyond ``max_header_bytes`` the answer is 431 and the connection is
   closed, so a head never costs more than that plus one read;
 - beyond ``max_headers`` headers, 431 too;
+- a request with more than one ``Host`` header is answered 400 and the connection
+  closed (RFC 9112, 3.2: which one names the server is ambiguous; a guard reading the
+  last and a proxy reading the first would judge different hosts);
 - a connection has ``header_timeout_s`` from its opening, and from the first byte of each
   further request, to complete the head; a client that sends nothing or sends it slowly
   (slowloris) gets 408 and is closed then. Idle keep-alive between requests is uvicorn's
@@ -91,6 +94,7 @@ class _BoundedHttp(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_bytes = 0
         self._header_count = 0
+        self._host_headers = 0
         self._reading_head = True
         self._refusal: tuple[int, str] | None = None
         self._head_timer: asyncio.TimerHandle | None = None
@@ -135,7 +139,7 @@ class _BoundedHttp(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._reading_head = True
-        self._header_count = 0
+        self._header_count = self._host_headers = 0
         if self._head_timer is None:
             self._arm_head_timer()
 
@@ -144,6 +148,11 @@ class _BoundedHttp(HttpToolsProtocol):
         if self._header_count > self.limits.max_headers:
             self._refusal = (431, "more request headers than the limit")
             raise _Refused
+        if name.lower() == b"host":
+            self._host_headers += 1
+            if self._host_headers > 1:
+                self._refusal = (400, "more than one Host header")
+                raise _Refused
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
