@@ -127,6 +127,38 @@ def test_health_needs_no_token(world: World) -> None:
         assert client.get("/readyz").status_code == 200
 
 
+INVALID_BODIES: list[dict[str, Any]] = [
+    {"json": {"vram_mb": "lots", "gpus": -1}},  # a field of the wrong type
+    {"json": {"vram_mb": 1, "surprise": True}},  # an unknown field
+    {"content": b"{not json", "headers": {"Content-Type": "application/json"}},
+]
+
+
+@pytest.mark.parametrize("body", INVALID_BODIES)
+def test_without_a_token_an_invalid_body_is_401_not_its_validation_error(
+    world: World, body: dict[str, Any]
+) -> None:
+    """Authentication comes before the body is read or validated: a caller without a
+    (valid) token learns nothing of the API from its 422; with a token it gets it."""
+    for role in ("none", "wrong"):
+        with world.client(role) as anyone:
+            answer = anyone.post("/v1/leases", **body)
+            assert answer.status_code == 401, (role, answer.text)
+            assert answer.json()["error"]["code"] == "unauthorized"
+            assert answer.headers["WWW-Authenticate"] == "Bearer"
+            assert anyone.get("/v1/queue", params={"limit": "x"}).status_code == 401
+    with world.client("client") as client:
+        assert client.post("/v1/leases", **body).status_code in (400, 422)
+
+
+def test_a_client_token_with_an_invalid_lease_request_gets_422(world: World) -> None:
+    with world.client("client") as client:
+        answer = client.post("/v1/leases", json={"vram_mb": "lots"})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["code"] == "invalid_input"
+    assert "vram_mb" in answer.json()["error"]["message"]
+
+
 def test_malformed_authorization_header_is_401(world: World) -> None:
     for header in ("Basic abc", "Bearer", "Bearer " + "x" * 300, world.tokens["admin"] or ""):
         answer = httpx.get(world.server.url + "/v1/status", headers={"Authorization": header})

@@ -21,7 +21,7 @@ from .durable import DurableAnswers
 from .errors import error_response, install_error_handlers
 from .events import EventFeed
 from .gateways import GatewayRegistry
-from .guards import RequestGuard
+from .guards import RequestGuard, TokenFirst
 from .history import History
 from .limits import BodyLimit, ClientLimits, Slots
 from .metrics import metrics_registry, refusal_counter, render
@@ -150,5 +150,6 @@ def create_app(
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
     app.add_middleware(DurableAnswers, controller=controller)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(TokenFirst, auth=auth)  # 401 before a body is read or validated
     app.add_middleware(RequestGuard, hosts=allowed_hosts, auth=auth.enabled)  # the outermost
     return app

@@ -15,6 +15,12 @@ its own error shape:
 
 The project's client, and so the CLI, the agent and ``run``, and the dashboard send
 ``Content-Type: application/json`` with every change.
+
+Inside these checks, a request to the API (``/v1/...``; not ``/v1/access``, which tells
+a caller how to sign in) needs a valid token before its route reads anything of it
+(:class:`TokenFirst`): without one it is 401, whatever its body or parameters, so a
+caller without a token never learns the API's shape from a 422. What a role may do
+is the routes' to say (403).
 """
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..store import StoreError
 from ..web.guards import host_names, refusal
+from .auth import Authenticator, Unauthorized
 from .config import ServeConfig
 from .errors import error_response
 
-__all__ = ["RequestGuard", "allowed_hosts"]
+__all__ = ["RequestGuard", "TokenFirst", "allowed_hosts"]
+
+OPEN_API_PATHS = frozenset({"/v1/access"})
+"""Paths of the API answered without a token."""
 
 
 def allowed_hosts(bound: str, config: ServeConfig) -> frozenset[str] | None:
@@ -69,3 +80,35 @@ class RequestGuard:
             )
         why = "a change must be sent with Content-Type: application/json"
         return error_response(415, "unsupported_media_type", why)
+
+
+class TokenFirst:
+    """ASGI middleware: a request to the API without a valid token is answered 401
+    before its route validates its body or parameters (see above)."""
+
+    def __init__(self, app: ASGIApp, auth: Authenticator) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.auth.enabled and _needs_token(scope["path"]):
+            try:
+                self.auth.authenticate(_authorization(scope))
+            except Unauthorized as error:
+                await error_response(401, error.code, error.message)(scope, receive, send)
+                return
+            except StoreError:
+                pass  # the route looks it up again, and answers what the store said
+        await self.app(scope, receive, send)
+
+
+def _needs_token(path: str) -> bool:
+    return path.startswith("/v1/") and path not in OPEN_API_PATHS
+
+
+def _authorization(scope: Scope) -> str | None:
+    """The first ``Authorization`` header, as the routes read it."""
+    for name, value in scope["headers"]:
+        if name.lower() == b"authorization":
+            return str(value.decode("latin-1"))
+    return None
