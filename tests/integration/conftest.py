@@ -117,6 +117,12 @@ class ManagedProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
+    def end(self) -> None:
+        """SIGKILL it if it still runs, and reap it (a Popen dropped unreaped warns)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -148,9 +154,13 @@ class Server(ManagedProcess):
         self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
-        port = wait_for(self._port, timeout_s, "the server to listen")
-        self.url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: self._answers("/readyz" if ready else "/healthz"), timeout_s, "ready")
+        try:
+            port = wait_for(self._port, timeout_s, "the server to listen")
+            self.url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: self._answers("/readyz" if ready else "/healthz"), timeout_s, "ready")
+        except BaseException:
+            self.end()  # a start that failed leaves no process running, nor one unreaped
+            raise
         return self
 
     def _port(self) -> str | None:
@@ -199,9 +209,9 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
     def start(*args: str, state_dir: Path | None = None) -> Server:
-        server = Server(state_dir or tmp_path / f"state-{len(started)}", *args).start()
-        started.append(server)
-        return server
+        server = Server(state_dir or tmp_path / f"state-{len(started)}", *args)
+        started.append(server)  # stopped at the end even if its start fails
+        return server.start()
 
     yield start
     for server in started:
