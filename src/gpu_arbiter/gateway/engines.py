@@ -126,10 +126,15 @@ def _ok(answer: Answer | None) -> bool:
 
 class EngineHttp:
     """One request to a model server on loopback: its answer, or None when nothing
-    answered (not started, gone, or slower than the timeout)."""
+    answered (not started, gone, or slower than the timeout). No connection is kept, as
+    for the health check (``links.py``): a server being stopped waits for its idle
+    clients."""
 
     def __init__(self, client: httpx.AsyncClient | None = None) -> None:
-        self._client = client or httpx.AsyncClient(timeout=HTTP_TIMEOUT_S, trust_env=False)
+        no_keep = httpx.Limits(max_keepalive_connections=0)
+        self._client = client or httpx.AsyncClient(
+            timeout=HTTP_TIMEOUT_S, trust_env=False, limits=no_keep
+        )
 
     async def call(
         self,
