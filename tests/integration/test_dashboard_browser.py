@@ -581,7 +581,12 @@ async def test_tables_lead_with_the_holder_and_say_why_in_words(
             line = verdicts.filter(has_text=verdict["gpu"])
             await expect(line).to_contain_text("not enough free memory: needs 20.0 GiB")
             await expect(line).to_contain_text(f"{format_mb(verdict['free_mb'])} free")
-    await expect(verdicts).to_have_count(len(reason["gpus"]))
+    blocker = reason.get("blocked_by")  # a lease in the way: named by its holder
+    await expect(verdicts).to_have_count(len(reason["gpus"]) + (1 if blocker else 0))
+    if blocker:
+        holders = {found["id"]: found["holder"] for found in admin.get("/v1/leases").json()}
+        waits = verdicts.filter(has_text="waits on")
+        await expect(waits).to_have_text(f"waits on {holders[blocker]} ({blocker})")
     for line in await verdicts.all_inner_texts():
         assert "_" not in line, line  # words, not codes
     dashboard.assert_clean()
