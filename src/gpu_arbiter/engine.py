@@ -323,8 +323,9 @@ class Arbiter:
         """``async with arbiter.lease(6000, priority="interactive") as lease:`` — waits for a
         grant, holds it for the block, releases it on the way out. Constraints as keywords:
         ``vendor``, ``min_compute_capability``, ``gpu_arch``, ``gpu_model``, ``worker``,
-        ``labels``, ``gpu_ids`` (exact GPUs: ``gpus`` defaults to their number). The lease
-        has no TTL: it lives exactly as long as the block.
+        ``labels``, ``gpu_ids`` (exact GPUs: ``gpus`` defaults to their number),
+        ``workers`` (any of them), ``prefer_workers`` (placed there first when it fits).
+        The lease has no TTL: it lives exactly as long as the block.
 
         Revoked, the block's task is cancelled and its memory is freed when the block is
         left. A task that catches the cancellation and carries on holds the memory, and

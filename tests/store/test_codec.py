@@ -129,6 +129,8 @@ def _record(draw: st.DrawFn) -> LeaseRecord:
             )
         ),
         never_preempt=tuple(draw(st.lists(_text, max_size=2))),
+        workers=tuple(draw(st.lists(_text, max_size=3))),
+        prefer_workers=tuple(draw(st.lists(_text, max_size=3))),
     )
     request = Request(
         id=draw(_text), vram_mb=draw(st.integers(1, 1 << 20)), gpus=draw(st.integers(1, 8)),

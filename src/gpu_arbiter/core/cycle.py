@@ -236,7 +236,8 @@ class _Walk:
 
     def fit(self, request: Request) -> tuple[GpuId, ...] | None:
         """The best GPUs where the request fits now (the stages: I1, I2, I3, I6, I7), or
-        None."""
+        None. Its own nomination first, then its preferred workers (:meth:`preferred`),
+        then every GPU."""
         holds = self.holds.by_gpu
         nomination = self.nomination(request.id) if self.walking else None
         if nomination is not None and all(
@@ -244,11 +245,30 @@ class _Walk:
         ):
             return nomination.gpus
         spread = self.policy.placement == "spread"
+        if request.constraints.prefer_workers:
+            preferred = self.preferred(request, spread=spread)
+            if preferred is not None:
+                return preferred
         if request.gpus == 1:
             one = self.pick_one(request, need=request.vram_mb, spread=spread, gate=True)
             return None if one is None else (one,)
         fitting = [g for g in self.state.matching(request) if fits(self.state, request, g, holds)]
         return self.best(request, fitting, spread=spread)
+
+    def preferred(self, request: Request, *, spread: bool) -> tuple[GpuId, ...] | None:
+        """The rank stage's affinity: the best GPUs, by binpack or spread, among those of
+        the request's preferred workers where it fits now (the same stages as every GPU),
+        or None for placement to go on as if it preferred nothing. A rank, never a filter:
+        it changes where a request is placed, never whether (nor its reasons, victims or
+        nomination)."""
+        state, holds = self.state, self.holds.by_gpu
+        fitting = [
+            gpu_id
+            for name in request.constraints.prefer_workers
+            for gpu_id in state.gpu_ids(name)
+            if fits(state, request, gpu_id, holds)
+        ]
+        return self.best(request, fitting, spread=spread) if fitting else None
 
     def room(self, gpu_id: GpuId) -> int:
         return self.ledger.free_mb(gpu_id) - self.holds.by_gpu.get(gpu_id, 0)

@@ -19,6 +19,8 @@ def mismatch(gpu: Gpu, labels: Mapping[str, str], c: Constraints, vram_mb: int) 
     """The first reason ``gpu`` (on a worker with ``labels``) can never take the request."""
     if c.worker is not None and gpu.worker != c.worker:
         return "worker_mismatch"
+    if c.workers and gpu.worker not in c.workers:
+        return "worker_mismatch"
     if c.gpu_ids and gpu.id not in c.gpu_ids:
         return "gpu_mismatch"
     if c.vendor is not None and gpu.vendor != c.vendor:

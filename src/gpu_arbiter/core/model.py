@@ -54,6 +54,7 @@ MAX_METADATA_BYTES = 4096
 MAX_METADATA_DEPTH = 8
 MAX_GPUS_PER_REQUEST = 64
 MAX_NEVER_PREEMPT = 16
+MAX_WORKER_NAMES = 64  # constraints.workers, constraints.prefer_workers
 _LEASE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$", re.ASCII)  # as the routes take them
 
 
@@ -363,7 +364,12 @@ class GpuProbe:
 
 @dataclass(frozen=True, slots=True)
 class Constraints(_HashedOnce):
-    """Where a request may run. Hashable: requests of one shape share work."""
+    """Where a request may run. Hashable: requests of one shape share work.
+
+    ``workers``: any of these workers (empty: any worker; with ``worker`` a GPU must
+    satisfy both). ``prefer_workers``: no filter but a rank: among the GPUs where the
+    request fits now, those of these workers come first (a model whose file one of them
+    read last); it never changes whether, nor which victims, only where it is placed."""
 
     vendor: str | None = None
     min_compute_capability: tuple[int, int] | None = None
@@ -373,6 +379,8 @@ class Constraints(_HashedOnce):
     labels: tuple[tuple[str, str], ...] = ()
     gpu_ids: tuple[GpuId, ...] = ()
     never_preempt: tuple[str, ...] = ()  # lease ids this request never takes (I5 aside)
+    workers: tuple[str, ...] = ()  # sorted, distinct
+    prefer_workers: tuple[str, ...] = ()  # sorted, distinct
 
     __hash__ = _HashedOnce.cached_hash
 
@@ -388,6 +396,8 @@ class Constraints(_HashedOnce):
         labels: Mapping[str, str] | None = None,
         gpu_ids: list[str] | tuple[str, ...] | None = None,
         never_preempt: list[str] | tuple[str, ...] | None = None,
+        workers: list[str] | tuple[str, ...] | None = None,
+        prefer_workers: list[str] | tuple[str, ...] | None = None,
     ) -> Constraints:
         """Validates human input; every error names its field."""
         cc = None
@@ -413,6 +423,7 @@ class Constraints(_HashedOnce):
                 raise InvalidInput("constraints.labels", "must map text to text")
             pairs = tuple(sorted(labels.items()))
         folded = validate_worker_name(worker, "constraints.worker") if worker else None
+        any_of = () if workers is None else _parse_worker_names(workers, "constraints.workers", 1)
         return cls(
             vendor=vendor.lower() if vendor else None,
             min_compute_capability=cc,
@@ -420,8 +431,12 @@ class Constraints(_HashedOnce):
             gpu_model=gpu_model,
             worker=folded,
             labels=pairs,
-            gpu_ids=() if gpu_ids is None else _parse_gpu_ids(gpu_ids, folded),
+            gpu_ids=() if gpu_ids is None else _parse_gpu_ids(gpu_ids, folded, any_of),
             never_preempt=_parse_lease_ids(never_preempt),
+            workers=any_of,
+            prefer_workers=()
+            if prefer_workers is None
+            else _parse_worker_names(prefer_workers, "constraints.prefer_workers", 0),
         )
 
     def describe(self) -> str:
@@ -436,18 +451,34 @@ class Constraints(_HashedOnce):
             parts.append(f"model={self.gpu_model}")
         if self.worker:
             parts.append(f"worker={self.worker}")
+        if self.workers:
+            parts.append("workers=" + "|".join(self.workers))
         parts.extend(f"{k}={v}" for k, v in self.labels)
         if self.gpu_ids:
             parts.append("gpu_ids=" + "|".join(map(str, self.gpu_ids)))
         if self.never_preempt:
             parts.append("never_preempt=" + "|".join(self.never_preempt))
+        if self.prefer_workers:
+            parts.append("prefer_workers=" + "|".join(self.prefer_workers))
         return ",".join(parts) or "any GPU"
 
 
 _ANY_GPU = Constraints()  # no constraint: one shared value, valid as it is
 
 
-def _parse_gpu_ids(texts: Any, worker: str | None) -> tuple[GpuId, ...]:
+def _parse_worker_names(texts: Any, field_name: str, least: int) -> tuple[str, ...]:
+    """``least``..64 worker names, each checked and case-folded as ``constraints.worker``;
+    sorted, each once."""
+    if isinstance(texts, str) or not isinstance(texts, list | tuple):
+        raise InvalidInput(field_name, "must be a list of worker names")
+    if not least <= len(texts) <= MAX_WORKER_NAMES:
+        raise InvalidInput(field_name, f"must name {least}..{MAX_WORKER_NAMES} workers")
+    return tuple(sorted({validate_worker_name(text, field_name) for text in texts}))
+
+
+def _parse_gpu_ids(
+    texts: Any, worker: str | None, workers: tuple[str, ...] = ()
+) -> tuple[GpuId, ...]:
     """Exact GPUs (``worker:index``, split on the single ``:``), all on one worker: a
     request that must land where its process already lives (a sleeping model server that
     wakes asks for its full lease again on its own GPUs)."""
@@ -462,11 +493,13 @@ def _parse_gpu_ids(texts: Any, worker: str | None) -> tuple[GpuId, ...]:
         raise InvalidInput(field_name, error.reason) from None
     if len(set(ids)) != len(ids):
         raise InvalidInput(field_name, "names a GPU twice")
-    workers = sorted({gpu_id.worker for gpu_id in ids})
-    if len(workers) > 1:
-        raise InvalidInput(field_name, f"must all be on one worker (got {', '.join(workers)})")
-    if worker is not None and workers[0] != worker:
-        raise InvalidInput(field_name, f"are on worker {workers[0]}, not constraints.worker")
+    on = sorted({gpu_id.worker for gpu_id in ids})
+    if len(on) > 1:
+        raise InvalidInput(field_name, f"must all be on one worker (got {', '.join(on)})")
+    if worker is not None and on[0] != worker:
+        raise InvalidInput(field_name, f"are on worker {on[0]}, not constraints.worker")
+    if workers and on[0] not in workers:
+        raise InvalidInput(field_name, f"are on worker {on[0]}, not one of constraints.workers")
     return tuple(sorted(ids))
 
 

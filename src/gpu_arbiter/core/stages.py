@@ -7,7 +7,10 @@ A cycle asks, for each request in queue order, GPU by GPU::
                 may it take new work now?   its worker online (I7), its probe fresh (I2)
     fit         does it fit now?            free memory (I1, I2), the holds of the
                                             nominations ahead of it (I6), the load gate (I3)
-    rank        which of those?             binpack or spread (:mod:`.cycle`)
+    rank        which of those?             the preferred workers' GPUs first when any
+                                            fits (``constraints.prefer_workers``: where a
+                                            model last ran), then binpack or spread
+                                            (:mod:`.cycle`); an order, never a "no"
     post-filter none fits: what would help? preemption and keep-warm reclaim (I5, in
                                             :mod:`.cycle` and :mod:`.preemption`), else a
                                             nomination on its best GPU (:mod:`.nominations`)
@@ -30,7 +33,7 @@ from the what. Codes:
     does not fit (room helps; preemption    insufficient_vram nominated_for
     may make it)                            load_in_progress
 
-A new rule (MIG slices, NUMA, a warm model's affinity) is one more function here.
+A new rule (MIG slices, NUMA) is one more function here.
 """
 
 from __future__ import annotations

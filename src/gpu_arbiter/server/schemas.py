@@ -182,6 +182,16 @@ class ConstraintsIn(_In):
         description="Lease ids this request never preempts nor reclaims (a lease that grows by "
         "a second one names its first)",
     )
+    workers: Annotated[list[Short], Field(min_length=1, max_length=64)] | None = Field(
+        default=None,
+        description="Any of these workers (with worker, a GPU must satisfy both; gpu_ids must "
+        "be on one of them)",
+    )
+    prefer_workers: Annotated[list[Short], Field(max_length=64)] | None = Field(
+        default=None,
+        description="Workers placed on first when the request fits on one of their GPUs now "
+        "(where a model last ran); never a filter",
+    )
 
 
 class LeaseCreate(_In):
@@ -223,6 +233,8 @@ class LeaseCreate(_In):
             labels=c.labels,
             gpu_ids=c.gpu_ids,
             never_preempt=c.never_preempt,
+            workers=c.workers,
+            prefer_workers=c.prefer_workers,
         )
         return Request.build(
             lease_id,

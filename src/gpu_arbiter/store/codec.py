@@ -57,6 +57,8 @@ def constraints_to_doc(c: Constraints) -> dict[str, Any]:
         "labels": dict(c.labels),
         "gpu_ids": [str(g) for g in c.gpu_ids],
         "never_preempt": list(c.never_preempt),
+        "workers": list(c.workers),
+        "prefer_workers": list(c.prefer_workers),
     }
 
 
@@ -76,6 +78,8 @@ def _constraints_from_doc(doc: dict[str, Any]) -> Constraints:
         labels=tuple(sorted((doc.get("labels") or {}).items())),
         gpu_ids=tuple(_gpu_id(text) for text in doc.get("gpu_ids") or ()),  # absent: older
         never_preempt=tuple(str(text) for text in doc.get("never_preempt") or ()),
+        workers=tuple(str(text) for text in doc.get("workers") or ()),  # absent: older
+        prefer_workers=tuple(str(text) for text in doc.get("prefer_workers") or ()),
     )
 
 
@@ -138,6 +142,8 @@ _CONSTRAINT_DEFAULTS: dict[str, Any] = {
     "labels": {},
     "gpu_ids": [],
     "never_preempt": [],
+    "workers": [],
+    "prefer_workers": [],
 }
 
 
