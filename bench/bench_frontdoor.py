@@ -1,0 +1,358 @@
+"""The cluster front door's extra hop and its cold burst:
+``python bench/bench_frontdoor.py [--seconds 3] [--runs 3] [--burst 200] [--load-s 0.2]``.
+
+A controller (memory store) and two hosts on this machine, each an agent with its own
+worker name, simulated GPU and runtime directory and a gateway on its own loopback
+address: box-2 (``1x4G:sm_86``) with gw-2 on 127.0.0.2, box-3 (``1x24G:sm_86``) with
+gw-3 on 127.0.0.3. Both gateways declare model ``chat`` (tests/integration/model_server.py,
+``vram = "8G"``: it fits only box-3), warmed by one request at gw-2.
+
+1. **The extra hop.** With 1 and 16 concurrent callers (each one keep-alive HTTP/1.1
+   connection sending ``POST /v1/completions`` one after the other), in turn within
+   each run: (a) direct to gw-3, the gateway beside the replica; (b) via gw-2, the
+   front door that forwards to gw-3. Every answer of (b) must carry ``x-served-by:
+   gw-3/chat``. Prints the medians over ``--runs`` of p50, p99 and requests/s of each,
+   and of what the front door adds in each run; the goal: at most 0.5 ms added at p50
+   with one caller.
+2. **The cold burst.** Both gateways also declare fresh models (``cold-N``, 1 GiB,
+   which fit either host). A single caller's first answer from a cold model (at gw-2:
+   the cluster's load, the server's start and ready check, the answer), then, on
+   another fresh model, ``--burst`` callers at once split across both front doors:
+   the time to the first answer and to all answers, the ratio of the first answer to
+   the single cold start (goal: at most 1.2x), and how many servers the burst started
+   (counted by the model server's ``--record`` files: it must be 1). Repeated
+   ``--runs`` times with new models; the medians are printed.
+
+Every process is stopped at the end (SIGTERM, then a wait; SIGKILL after 30 s), also on
+errors. Everything shares this machine's cores: the figures include the contention of
+the callers, both gateways, the agents, the controller and the model servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+MODEL_SERVER = ROOT / "tests" / "integration" / "model_server.py"
+CALLERS = (1, 16)
+GOAL_ADDED_P50_MS = 0.5
+GOAL_BURST_RATIO = 1.2
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection sending ``POST /v1/completions``."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, model: str
+    ) -> None:
+        self.reader, self.writer = reader, writer
+        host, port = writer.get_extra_info("peername")[:2]
+        body = json.dumps({"model": model, "prompt": "hi", "tokens": 1, "max_tokens": 1})
+        self.head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+        self.served_by = ""
+        self.body = b""
+
+    @classmethod
+    async def open(cls, address: tuple[str, int], model: str) -> Conn:
+        return cls(*await asyncio.open_connection(*address), model)
+
+    async def call(self) -> int:
+        self.writer.write(self.head)
+        first = await self.reader.readline()
+        if not first:
+            raise ConnectionError("the gateway closed the connection")
+        status = int(first.split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            name = name.lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "x-served-by":
+                self.served_by = value.strip()
+        self.body = await self.reader.readexactly(length)
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def measure(
+    address: tuple[str, int], callers: int, seconds: float, served_by: str
+) -> tuple[float, float, float]:
+    """(p50 ms, p99 ms, requests/s) of ``callers`` connections to ``address`` for
+    ``seconds``; every answer a 200 served by ``served_by``."""
+    conns = [await Conn.open(address, "chat") for _ in range(callers)]
+    for conn in conns:  # warm each connection
+        assert await conn.call() == 200
+    latencies: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def loop(conn: Conn) -> None:
+        while time.perf_counter() < end:
+            began = time.perf_counter()
+            status = await conn.call()
+            latencies.append(time.perf_counter() - began)
+            if status != 200 or conn.served_by != served_by:
+                raise SystemExit(f"{address}: {status}, served by {conn.served_by!r}")
+
+    began = time.perf_counter()
+    try:
+        await asyncio.gather(*(loop(conn) for conn in conns))
+    finally:
+        for conn in conns:
+            conn.close()
+    elapsed = time.perf_counter() - began
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return statistics.median(latencies) * 1e3, p99 * 1e3, len(latencies) / elapsed
+
+
+class Processes:
+    """Every process this bench started, stopped last first."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, command: list[str], log: Path, runtime: Path | None = None) -> Any:
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_CONFIG"):
+            env.pop(name, None)
+        if runtime is not None:
+            runtime.mkdir(parents=True, exist_ok=True)
+            env["GPU_ARBITER_RUNTIME_DIR"] = str(runtime)
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=out, env=env)
+        self.started.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.started):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def wait_log(log: Path, pattern: str, proc: subprocess.Popen[bytes]) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, log.read_text(errors="replace"))
+        if found:
+            return str(found[-1])
+        if proc.poll() is not None:
+            raise SystemExit(log.read_text())
+        time.sleep(0.05)
+    raise SystemExit(f"timed out waiting for {pattern} in {log}")
+
+
+def wait_until(check: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def model_table(name: str, record: Path, vram: str, mb: int, load_s: float) -> str:
+    command = [sys.executable, str(MODEL_SERVER), "--port", "{port}", "--name", name]
+    command += ["--mb", str(mb), "--load-s", str(load_s), "--record", str(record)]
+    return (
+        f"[models.{name}]\ncommand = {json.dumps(command)}\nvram = {json.dumps(vram)}\n"
+        'max_parallel = 64\nkeep_alive = "10m"\nqueue_timeout = "120s"\n'
+    )
+
+
+def records(directory: Path, name: str) -> int:
+    """How many processes of model ``name`` started (each writes its own record)."""
+    return len(list(directory.glob(f"{name}-*.json")))
+
+
+def sees_each_other(gateways: dict[str, tuple[str, int]], model: str) -> bool:
+    for address in gateways.values():
+        try:
+            entries = httpx.get(f"http://{address[0]}:{address[1]}/v1/models").json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        entry = next((e for e in entries if e["id"] == model), None)
+        seen = {h["gateway"] for h in (entry or {}).get("hosts", []) if h.get("routable")}
+        if seen != set(gateways):
+            return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=3.0, help="each path's turn")
+    parser.add_argument("--runs", type=int, default=3, help="medians over this many runs")
+    parser.add_argument("--burst", type=int, default=200, help="callers of the cold burst")
+    parser.add_argument("--load-s", type=float, default=0.2, help="a cold server's load")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-frontdoor-"))
+    procs = Processes(work)
+    try:
+        gateways, record = start_cluster(procs, work, args)
+        asyncio.run(hop(gateways, args.seconds, args.runs))
+        asyncio.run(cold(gateways, record, args))
+    finally:
+        procs.stop()
+    print(f"(logs in {work})")
+
+
+def start_cluster(
+    procs: Processes, work: Path, args: argparse.Namespace
+) -> tuple[dict[str, tuple[str, int]], Path]:
+    py = sys.executable
+    server = procs.start(
+        [py, "-m", "gpu_arbiter", "serve", "--port", "0", "--state-dir", str(work / "s"),
+         "--store", "memory"],
+        work / "server.log",
+    )  # fmt: skip
+    url = "http://127.0.0.1:" + wait_log(
+        work / "server.log", r"Uvicorn running on http://127\.0\.0\.1:(\d+)", server
+    )
+    token = (work / "s" / "admin.token").read_text().strip()
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    record = work / "record"
+    record.mkdir()
+    models = model_table("chat", record, "8G", 6000, 0.0)
+    for n in range(args.runs):
+        for kind in ("single", "burst"):
+            models += model_table(f"cold-{kind}-{n}", record, "1G", 500, args.load_s)
+    gateways: dict[str, tuple[str, int]] = {}
+    for number, spec in ((2, "1x4G:sm_86"), (3, "1x24G:sm_86")):
+        runtime, worker, address = work / f"host-{number}", f"box-{number}", f"127.0.0.{number}"
+        procs.start(
+            [py, "-m", "gpu_arbiter", "agent", "--controller", url, "--token", token, "--name",
+             worker, "--simulate", spec, "--heartbeat-s", "0.5", "--grace-s", "0.5"],
+            work / f"agent-{number}.log", runtime,
+        )  # fmt: skip
+        wait_until(lambda w=worker: _state(admin, w) == "online", f"{worker} online")
+        head = f'[gateway]\nhost = "{address}"\nname = "gw-{number}"\n\n'
+        (runtime / "models.toml").write_text(head + models)
+        log = work / f"gateway-{number}.log"
+        gateway = procs.start(
+            [py, "-m", "gpu_arbiter", "gateway", "--config", str(runtime / "models.toml"),
+             "--port", "0", "--controller", url, "--token", token, "--log-level", "warning",
+             "--state-dir", str(runtime / "state")],
+            log, runtime,
+        )  # fmt: skip
+        port = wait_log(log, rf"gateway on http://{re.escape(address)}:(\d+)", gateway)
+        gateways[f"gw-{number}"] = (address, int(port))
+    admin.close()
+    wait_until(lambda: sees_each_other(gateways, "chat"), "each gateway to see the other")
+    return gateways, record
+
+
+def _state(admin: httpx.Client, worker: str) -> str | None:
+    answer = admin.get(f"/v1/workers/{worker}")
+    return str(answer.json()["state"]) if answer.status_code == 200 else None
+
+
+async def hop(gateways: dict[str, tuple[str, int]], seconds: float, runs: int) -> None:
+    """Direct to gw-3 and via gw-2 in turn, ``runs`` times: the medians of each figure
+    and of what the front door adds in each run."""
+    warm = await Conn.open(gateways["gw-2"], "chat")  # the first request loads it
+    if await warm.call() != 200:
+        raise SystemExit(f"chat did not load: {warm.body.decode(errors='replace')}")
+    warm.close()
+    print(f"chat warm, served by {warm.served_by}")
+    print(f"{'callers':>7} {'path':>12} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}   ({runs} runs)")
+    for callers in CALLERS:
+        direct, via, added = [], [], []
+        for _ in range(runs):
+            d = await measure(gateways["gw-3"], callers, seconds, "gw-3/chat")
+            v = await measure(gateways["gw-2"], callers, seconds, "gw-3/chat")
+            direct.append(d)
+            via.append(v)
+            added.append((v[0] - d[0], v[1] - d[1], v[2] / d[2]))
+        d50, d99, drps = _medians(direct)
+        v50, v99, vrps = _medians(via)
+        a50, a99, ratio = _medians(added)
+        print(f"{callers:>7} {'direct gw-3':>12} {d50:8.2f} {d99:8.2f} {drps:8.0f}")
+        print(f"{callers:>7} {'via gw-2':>12} {v50:8.2f} {v99:8.2f} {vrps:8.0f}")
+        print(f"{callers:>7} {'added':>12} {a50:8.2f} {a99:8.2f} {ratio:7.2f}x")
+        if callers == 1:
+            verdict = "met" if a50 <= GOAL_ADDED_P50_MS else "NOT met"
+            print(f"goal: at most {GOAL_ADDED_P50_MS} ms added at p50 with one caller: {verdict}")
+
+
+async def cold(gateways: dict[str, tuple[str, int]], record: Path, args: Any) -> None:
+    doors = [gateways["gw-2"], gateways["gw-3"]]
+    singles, firsts, alls, ratios, started = [], [], [], [], []
+    for n in range(args.runs):
+        conn = await Conn.open(doors[0], f"cold-single-{n}")
+        began = time.perf_counter()
+        status = await conn.call()
+        single = time.perf_counter() - began
+        single_by = conn.served_by
+        conn.close()
+        assert status == 200, f"cold-single-{n}: {status}"
+        model = f"cold-burst-{n}"
+        conns = [await Conn.open(doors[i % 2], model) for i in range(args.burst)]
+        began = time.perf_counter()
+        done = await asyncio.gather(*(_timed(conn, began) for conn in conns))
+        for conn in conns:
+            conn.close()
+        statuses = {status for status, _ in done}
+        assert statuses == {200}, f"{model}: statuses {statuses}"
+        served = {conn.served_by for conn in conns}
+        assert len(served) == 1, f"{model}: served by {served}"
+        first, last = min(t for _, t in done), max(t for _, t in done)
+        count = records(record, model)
+        print(
+            f"run {n + 1}: single cold start {single * 1e3:.0f} ms ({single_by}); "
+            f"{args.burst} callers: first answer {first * 1e3:.0f} ms, "
+            f"all {last * 1e3:.0f} ms, {first / single:.2f}x, {count} server(s) started, "
+            f"served by {served.pop()}"
+        )
+        singles.append(single)
+        firsts.append(first)
+        alls.append(last)
+        ratios.append(first / single)
+        started.append(count)
+    ratio = statistics.median(ratios)
+    print(
+        f"cold (median of {args.runs}): single {statistics.median(singles) * 1e3:.0f} ms; "
+        f"{args.burst} callers: first answer {statistics.median(firsts) * 1e3:.0f} ms, all "
+        f"{statistics.median(alls) * 1e3:.0f} ms; ratio {ratio:.2f}x "
+        f"(goal at most {GOAL_BURST_RATIO}x: {'met' if ratio <= GOAL_BURST_RATIO else 'NOT met'}); "
+        f"servers started per burst: {started} "
+        f"({'met' if set(started) == {1} else 'NOT met'}: must be 1)"
+    )
+
+
+async def _timed(conn: Conn, began: float) -> tuple[int, float]:
+    status = await conn.call()
+    return status, time.perf_counter() - began
+
+
+def _medians(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    p50, p99, rps = (statistics.median(column) for column in zip(*rows, strict=True))
+    return p50, p99, rps
+
+
+if __name__ == "__main__":
+    main()
