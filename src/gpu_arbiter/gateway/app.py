@@ -95,12 +95,14 @@ from .bodies import (
     json_true,
     stream_rest,
 )
+from .cluster import Cluster
 from .config import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
 from .metrics import GatewayMetrics
 from .model import ModelServer, Refused
 from .replica import Replica
+from .routing import Kind, Route
 from .scopes import CancelScope
-from .upstream import Body, UpstreamError
+from .upstream import Body, NotConnected, UpstreamError
 
 __all__ = ["ADMIN_VERBS", "GatewayApp"]
 
@@ -130,6 +132,12 @@ _HOP = frozenset(
     }
 )
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
+PEER = b"x-arbiter-peer"
+"""The credential a forwarding gateway shows (issued by the controller: ``cluster.py``);
+with it, ``x-arbiter-priority`` and ``x-arbiter-lease`` are believed."""
+_PEER_HEADERS = frozenset(
+    {PEER, b"x-arbiter-priority", b"x-arbiter-lease", b"x-arbiter-via", b"authorization"}
+)
 _STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_alive", "unloaded"})
 STOPPING = "the gateway is stopping"
 HEARTBEAT_S = 3.0
@@ -196,6 +204,8 @@ class GatewayApp:
         self.budget = BodyBudget(max_buffered_bytes)
         metrics.body_bytes_held.set_function(lambda: self.budget.held)
         self.created = int(time.time())  # the models' "created", as OpenAI lists it
+        self.name = "gateway"  # as it reports itself (``x-served-by``)
+        self.cluster: Cluster | None = None  # the other gateways (None: on its own)
         self.stopping = False
         self._waits: set[CancelScope] = set()  # requests waiting for a replica
         self._running = 0  # HTTP requests being answered
@@ -235,8 +245,13 @@ class GatewayApp:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = {name.lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        denial = self.access.check(method, path, headers)
-        if denial is not None:
+        peer = self._peer(headers)
+        denial = None if peer else self.access.check(method, path, headers)
+        if peer is False:
+            await _error(
+                send, 401, "the x-arbiter-peer credential is not this cluster's", "invalid_peer"
+            )
+        elif denial is not None:
             await _error(send, denial.status, denial.message, denial.code)
         elif _declared_length(headers) > self.max_body_bytes:
             await self._too_large(send)
@@ -258,6 +273,14 @@ class GatewayApp:
         else:
             await _error(send, 404, f"no route {method} {path}", "not_found")
 
+    def _peer(self, headers: Mapping[bytes, str]) -> bool | None:
+        """None: not from a peer; True: a peer gateway with the cluster's credential;
+        False: a credential that is not the cluster's."""
+        key = headers.get(PEER)
+        if key is None:
+            return None
+        return self.cluster is not None and self.cluster.trusts(key)
+
     # ------------------------------------------------------------------ the models
 
     async def _listing(self, send: Send, wanted: str) -> None:
@@ -267,6 +290,8 @@ class GatewayApp:
             for model in self.models.values()
             for alias in (model.name, *model.config.aliases)
         ]
+        if self.cluster is not None:
+            entries = _with_hosts(entries, self.cluster, self.created)
         if not wanted:
             await _json(send, 200, {"object": "list", "data": entries})
             return
@@ -381,7 +406,11 @@ class GatewayApp:
             held.release()
 
     def _priority(self, headers: Mapping[bytes, str]) -> int | None:
-        """The priority of the caller's key (None: the model's)."""
+        """The priority of the caller's key (None: the model's); from a peer, the one
+        its front door found for its caller."""
+        if self._peer(headers):
+            given = headers.get(b"x-arbiter-priority", "")
+            return int(given) if given.isdigit() and int(given) <= 1000 else None
         key = self.access.key_of(headers) if self.access.auth else None
         return None if key is None else key.priority
 
@@ -418,6 +447,19 @@ class GatewayApp:
         """``json_body``: the body held whole, when it is JSON (``"stream": true`` in it
         gets comment lines while it waits); ``priority``: the caller's key's (None: the
         model's), which a lease asked for while it waits follows upward."""
+        headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.cluster is not None and self._peer(headers):
+            lease_id = headers.get(b"x-arbiter-lease")
+            found = self.routes.get(name)
+            if lease_id and found is not None:
+                await self.cluster.adopt(self.models[found], lease_id)
+        elif self.cluster is not None:
+            ended = await self._front_door(
+                scope, receive, send, name, outbound, json_body, priority
+            )
+            if ended:
+                return
+            name = name.rpartition("@")[0] or name
         found = self.routes.get(name)
         if found is None:
             await self._unknown(send, name)
@@ -445,7 +487,10 @@ class GatewayApp:
         gauge = self.metrics.in_flight.labels(found)
         gauge.inc()
         try:
-            queued = [(b"x-queue-seconds", f"{queued_s:.3f}".encode())]
+            queued = [
+                (b"x-queue-seconds", f"{queued_s:.3f}".encode()),
+                (b"x-served-by", f"{self.name}/{found}".encode()),
+            ]
             status = await self._forward(scope, receive, wait.sender(), replica, outbound, queued)
         finally:
             gauge.dec()
@@ -508,22 +553,175 @@ class GatewayApp:
         except UpstreamError as error:
             exchange.status = await self._failed(send, replica, error)
             return
+        await _pass_on(send, answer, exchange, extra)
+
+    # ------------------------------------------------------------------ the front door
+
+    async def _front_door(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        name: str,
+        outbound: _Outbound,
+        json_body: bytearray | None,
+        priority: int | None,
+    ) -> bool:
+        """Routes a request that came to this gateway as the cluster's front door
+        (``routing.py``): True when it was answered here (forwarded, refused), False
+        when this gateway's own replicas serve it. ``MODEL@GATEWAY`` names one gateway's
+        copy (``@`` is in no model's name)."""
+        cluster = self.cluster
+        assert cluster is not None
+        model, at, host = name.rpartition("@")
+        if not at:
+            model, host = name, ""
+        if not host and not cluster.knows(model):
+            return False  # unknown anywhere: the local path names the models it knows
+        model_id = cluster.model_id(model)
+        for _ in range(len(cluster.peers) + 1):
+            decision = _named(cluster, model, host) if host else cluster.decide(model)
+            self.metrics.routes.labels(model_id, str(decision.kind)).inc()
+            if decision.kind is Kind.LOCAL:
+                return False
+            if decision.kind is Kind.NONE:
+                status = 404 if host else 503
+                code = "model_not_found" if host else "unavailable"
+                await _error(send, status, decision.why, code, 1.0 if status == 503 else None)
+                return True
+            lease_id, sender, gateway = None, send, decision.gateway
+            if decision.kind is Kind.LOAD:
+                log.info("route: %s", decision.why)
+                placed = await self._load(send, receive, outbound, model_id, json_body, priority)
+                if placed is None:
+                    return True
+                lease, sender = placed
+                lease_id = str(lease["id"])
+                if lease.get("worker") == cluster.worker and model_id in self.models:
+                    await cluster.adopt(self.models[model_id], lease_id)
+                    return False
+                peer = cluster.peer_on(str(lease.get("worker")))
+                gateway = None if peer is None else peer.name
+            else:
+                log.debug("route: %s", decision.why)
+            if gateway is None:
+                await _error(
+                    sender, 503, f"{model}: its host is not known here", "unavailable", 1.0
+                )
+                return True
+            sent = await self._to_peer(
+                scope, receive, sender, gateway, model_id, outbound, priority, lease_id
+            )
+            if sent is not None:
+                return True
+            self.metrics.routes.labels(model_id, "retried").inc()
+        await _error(send, 503, f"{model}: no host took the request", "unavailable", 1.0)
+        return True
+
+    async def _load(
+        self,
+        send: Send,
+        receive: Receive,
+        outbound: _Outbound,
+        model: str,
+        json_body: bytearray | None,
+        priority: int | None,
+    ) -> tuple[dict[str, Any], Send] | None:
+        """Waits for the cluster's load of ``model`` (a streaming caller sees why, as for
+        a replica: :class:`_Wait`); the granted lease and how the rest of the answer is
+        sent, or None when the request was answered (refused, its client gone)."""
+        cluster = self.cluster
+        assert cluster is not None
+        wanted = priority if priority is not None else _model_priority(self, cluster, model)
+        wait = _Wait(_ClusterLoad(cluster, model), send, json_body)
+        cancel = CancelScope()
+        self._waits.add(cancel)
+        watcher = None
+        if outbound.body_read is None:
+            watcher = asyncio.ensure_future(_watch_disconnect(receive, cancel, _Exchange(), None))
         try:
-            kept = [(k, v) for k, v in answer.headers if k.lower() not in _HOP_OUT]
-            kept += extra
-            await send({"type": "http.response.start", "status": answer.status, "headers": kept})
-            exchange.status = answer.status
-            exchange.event_stream = _is_event_stream(answer.headers)
-            more = True
-            while more:  # the last bytes go with the end: one write less
-                chunk = await answer.read()
-                more = not answer.ended
-                await send({"type": "http.response.body", "body": chunk, "more_body": more})
-            exchange.ended = True
-        except (OSError, httptools.HttpParserError):
-            pass  # cut mid-body: an event stream's final event says so, any other ends short
+            async with cancel:
+                wait.began()
+                return await cluster.load(model, wanted), wait.sender()
+            if cancel.reason == STOPPING:
+                await _error(wait.sender(), 503, f"{STOPPING}: no new requests", "unavailable", 1.0)
+            return None
+        except Refused as refused:
+            await _refused(wait.sender(), refused, wait.waited_s())
+            return None
         finally:
-            answer.close()
+            self._waits.discard(cancel)
+            if watcher is not None:
+                watcher.cancel()
+            await wait.end()
+
+    async def _to_peer(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        gateway: str,
+        model: str,
+        outbound: _Outbound,
+        priority: int | None,
+        lease_id: str | None,
+    ) -> int | None:
+        """Relays the request to gateway ``gateway`` as it comes and its answer as it
+        comes; the status sent (0: the client went away), or None when the peer could
+        not be reached (nothing of the request left: it may go elsewhere). Once the body
+        has left it is never sent again; an answer cut short is the caller's, with a
+        final error event on an event stream."""
+        cluster = self.cluster
+        assert cluster is not None
+        peer = cluster.peers.get(gateway)
+        if peer is None:
+            return None
+        drop = _HOP | _PEER_HEADERS
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
+        headers += [(PEER, cluster.key.encode()), (b"x-arbiter-via", self.name.encode())]
+        if priority is not None:
+            headers.append((b"x-arbiter-priority", str(priority).encode()))
+        if lease_id is not None:
+            headers.append((b"x-arbiter-lease", lease_id.encode()))
+        exchange = _Exchange()
+        cancel = CancelScope()
+        watcher = asyncio.ensure_future(
+            _watch_disconnect(receive, cancel, exchange, outbound.body_read)
+        )
+        key = (gateway, model)
+        cluster.forwarding[key] += 1
+        try:
+            async with cancel:
+                try:
+                    answer = await peer.upstream.request(
+                        scope["method"], outbound.target, headers, outbound.body, outbound.length
+                    )
+                except NotConnected:
+                    cluster.peer_down(gateway)
+                    return None
+                except UpstreamError as error:
+                    message = (
+                        f"gateway {gateway} failed before answering for {model}: {error}; "
+                        "the request is not sent again"
+                    )
+                    await _error(send, 502, message, "peer_failed")
+                    return 502
+                await _pass_on(send, answer, exchange, ())
+        except TooLarge:
+            await self._too_large(send)
+            return 413
+        finally:
+            cluster.forwarding[key] -= 1
+            if cluster.forwarding[key] <= 0:
+                del cluster.forwarding[key]
+            exchange.done = True
+            watcher.cancel()
+        if exchange.gone:
+            return 0
+        if exchange.status and exchange.event_stream and not exchange.ended:
+            message = f"gateway {gateway} cut the answer of {model} short"
+            await _final_error(send, 502, message, "peer_failed")
+        return exchange.status
 
     async def _stopped(self, send: Send, replica: Replica) -> int:
         """503 for a request the replica's stop cut off at the end of its grace."""
@@ -572,6 +770,101 @@ class GatewayApp:
         why = ending.reason if ending is not None else f"{error.__class__.__name__} {error}"
         await _error(send, 502, f"model server {replica.model.name} failed: {why}", "model_failed")
         return 502
+
+
+async def _pass_on(send: Send, answer: Any, exchange: _Exchange, extra: Sequence[Any]) -> None:
+    """Sends an answer on as it comes, ``extra`` headers added; a body cut short ends
+    the answer short (an event stream's final event is the caller's to add)."""
+    try:
+        kept = [(k, v) for k, v in answer.headers if k.lower() not in _HOP_OUT]
+        kept += extra
+        await send({"type": "http.response.start", "status": answer.status, "headers": kept})
+        exchange.status = answer.status
+        exchange.event_stream = _is_event_stream(answer.headers)
+        more = True
+        while more:  # the last bytes go with the end: one write less
+            chunk = await answer.read()
+            more = not answer.ended
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        exchange.ended = True
+    except (OSError, httptools.HttpParserError):
+        pass  # cut mid-body: an event stream's final event says so, any other ends short
+    finally:
+        answer.close()
+
+
+async def _final_error(send: Send, status: int, message: str, code: str) -> None:
+    """The final event of an event stream cut short, in OpenAI's error shape."""
+    error = {"message": message, "type": "server_error", "code": code, "status": status}
+    event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    with contextlib.suppress(OSError):
+        await send({"type": "http.response.body", "body": event, "more_body": False})
+
+
+def _named(cluster: Cluster, model: str, host: str) -> Route:
+    """``MODEL@GATEWAY``: that gateway's copy, or none."""
+    if host == cluster.name and model in cluster.routes:
+        return Route(Kind.LOCAL, host, f"{model}@{host}: named")
+    peer = cluster.peers.get(host)
+    if peer is not None and peer.model(model) is not None:
+        return Route(Kind.PEER, host, f"{model}@{host}: named")
+    return Route(Kind.NONE, None, f"no gateway {host!r} of this cluster serves model {model!r}")
+
+
+class _ClusterLoad:
+    """What a request waiting for the cluster's load of a model sees (:class:`_Wait`)."""
+
+    def __init__(self, cluster: Cluster, model: str) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.clock = cluster.clock
+
+    def waiting_for(self) -> str:
+        return f"{self.model}: {self.cluster.load_waiting(self.model)}"
+
+    async def changed(self) -> None:
+        await self.cluster.changed()
+
+
+def _model_priority(app: GatewayApp, cluster: Cluster, model: str) -> int:
+    """The model's own priority: this gateway's config, else the peers' reports."""
+    if model in app.models:
+        return app.models[model].config.priority
+    for peer in cluster.peers.values():
+        found = peer.model(model)
+        if found is not None:
+            return int(found.get("priority") or 500)
+    return 500
+
+
+def _with_hosts(
+    entries: list[dict[str, Any]], cluster: Cluster, created: int
+) -> list[dict[str, Any]]:
+    """The models of the whole cluster: each of this gateway's with the gateways that
+    serve it (``hosts``: each one's state and requests in flight), and those only
+    other gateways serve as entries of their own."""
+    by_id = {e["id"]: e for e in entries if "alias_of" not in e}
+    for peer in sorted(cluster.peers.values(), key=lambda p: p.name):
+        for model_id, model in peer.models.items():
+            there = {"gateway": peer.name, "worker": peer.worker, "state": model.get("state"),
+                     "in_flight": model.get("in_flight", 0), "routable": peer.routable}  # fmt: skip
+            entry = by_id.get(model_id)
+            if entry is None:
+                entry = {"id": model_id, "object": "model", "created": created,
+                         "owned_by": "gpu-arbiter", "state": model.get("state"),
+                         "aliases": list(model.get("aliases") or ()), "hosts": []}  # fmt: skip
+                by_id[model_id] = entry
+                entries.append(entry)
+                for alias in entry["aliases"]:
+                    entries.append({"id": alias, "object": "model", "created": created,
+                                    "owned_by": "gpu-arbiter", "alias_of": model_id})  # fmt: skip
+            entry.setdefault("hosts", []).append(there)
+    for model_id, entry in by_id.items():
+        if model_id in cluster.routes and cluster.routes[model_id] == model_id:
+            local = {"gateway": cluster.name, "worker": cluster.worker, "state": entry.get("state"),
+                     "in_flight": entry.get("in_flight", 0), "routable": True}  # fmt: skip
+            entry["hosts"] = [local, *entry.get("hosts", [])]
+    return entries
 
 
 async def _multipart_model(
@@ -678,7 +971,9 @@ class _Wait:
     ``loading chat``) and every ``HEARTBEAT_S`` between. A request with a slot free is
     not touched: the body is scanned for ``stream`` only once the wait begins."""
 
-    def __init__(self, model: ModelServer, send: Send, json_body: bytearray | None) -> None:
+    def __init__(
+        self, model: ModelServer | _ClusterLoad, send: Send, json_body: bytearray | None
+    ) -> None:
         self.model = model
         self.send = send
         self.json_body = json_body

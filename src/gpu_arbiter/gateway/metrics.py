@@ -56,3 +56,10 @@ class GatewayMetrics:
             "From a request for a sleeping replica to awake (the memory back, the wake)",
             ["model"], buckets=_SECONDS, registry=r,
         )  # fmt: skip
+        self.routes = Counter(
+            "gpu_arbiter_gateway_routes",
+            "Requests routed by this front door, by outcome: local (its own replica), peer "
+            "(forwarded to another gateway), load (a cold load for the cluster), none (no "
+            "host could take it), retried (a peer refused the connection: routed again)",
+            ["model", "outcome"], registry=r,
+        )  # fmt: skip

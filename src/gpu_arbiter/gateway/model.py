@@ -215,6 +215,33 @@ class ModelServer:
             self.metrics.cold_starts.labels(self.name).inc()
             self.spawn(replica.run())
 
+    def adopt(self, lease: Mapping[str, Any]) -> Replica | None:
+        """Starts a replica under ``lease``, granted to this host for the cluster (a front
+        door asked for it: ``cluster.py``); None when a replica holds it already or it is
+        not held any more. The lease is this gateway's from now: it renews, readies and
+        releases it."""
+        if lease.get("state") not in ("loading", "active"):
+            return None
+        if any(r.lease.get("id") == lease.get("id") for r in self.replicas):
+            return None
+        self._numbers += 1
+        replica = Replica(self, self._numbers)
+        replica.lease = dict(lease)
+        replica.priority = int(lease.get("priority") or self.config.priority)
+        replica.state = ReplicaState.LOADING  # never "queued": nobody's leaving cancels it
+        self.replicas.append(replica)
+        self.metrics.cold_starts.labels(self.name).inc()
+        self.spawn(replica.run())
+        log.info(
+            "model %s replica %d: adopted the cluster's lease %s on %s",
+            self.name, replica.number, lease.get("id"), ", ".join(lease.get("gpus") or ()),
+        )  # fmt: skip
+        self.notify()
+        return replica
+
+    def holds(self, lease_id: str) -> bool:
+        return any(r.lease.get("id") == lease_id and r.live for r in self.replicas)
+
     def waiting_for(self) -> str:
         """What a request that waits for a slot waits for now, in words: a replica
         loading, else one queued for its lease (the arbiter's reason and the position,
@@ -434,6 +461,9 @@ class ModelServer:
             "state": self.state(),
             "aliases": list(self.config.aliases),
             "vram_mb": self.vram_mb,
+            "gpus": self.config.gpus,
+            "max_parallel": self.config.max_parallel,
+            "priority": self.config.priority,
             "held_mb": sum(_held_mb(r) for r in self.replicas),
             "in_flight": sum(r.in_flight for r in self.replicas),
             "queued": self.waiting,

@@ -253,8 +253,12 @@ class Replica:
 
     async def _acquire(self) -> bool:
         """Asks for the lease and waits while it is pending: asked for again when a caller
-        above the priority it was asked at waits (:meth:`outranked`)."""
+        above the priority it was asked at waits (:meth:`outranked`). A replica made for
+        a lease granted already (the cluster's load, adopted: :meth:`ModelServer.adopt`)
+        asks for nothing."""
         leases = self.parts.leases
+        if self.lease:
+            return self.ending is None
         if not await self._ask():
             return False
         while self.lease["state"] == "pending" and self.ending is None:

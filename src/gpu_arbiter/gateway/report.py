@@ -41,9 +41,9 @@ COMMANDS_WAIT_S = 30.0
 BACKOFF_FIRST_S = 1.0
 MAX_TEXT = 2000
 REPORTED = (
-    "id", "object", "owned_by", "state", "aliases", "vram_mb", "held_mb", "in_flight",
-    "queued", "last_used_ago_s", "keep_alive_left_s", "pinned", "preemptible_by",
-    "pending_reason", "failure", "replicas",
+    "id", "object", "owned_by", "state", "aliases", "vram_mb", "gpus", "max_parallel",
+    "priority", "held_mb", "in_flight", "queued", "last_used_ago_s", "keep_alive_left_s",
+    "pinned", "preemptible_by", "pending_reason", "failure", "replicas",
 )  # fmt: skip
 """The fields of a model's description the controller takes (it refuses others)."""
 

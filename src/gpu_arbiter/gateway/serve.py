@@ -46,6 +46,7 @@ from ..web.connections import (
 )
 from .access import Access, ApiKey, check_exposure
 from .app import GatewayApp
+from .cluster import Cluster
 from .config import GatewayConfig, ModelConfig
 from .engines import EngineHttp
 from .estimate import Estimate, estimate_vram
@@ -164,11 +165,16 @@ async def _serve(
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
         say(f"gateway on http://{host}:{port} for {', '.join(models)} (worker {worker or 'any'})")
+        name = config.name or default_name(port)
         reporter = Reporter(
-            client, name=config.name or default_name(port), url=listen_url(host, port),
-            host=socket.gethostname(), worker=worker, models=models, administer=app.administer,
+            client, name=name, url=listen_url(host, port), host=socket.gethostname(),
+            worker=worker, models=models, administer=app.administer,
         )  # fmt: skip
-        reporting = asyncio.ensure_future(reporter.run())
+        app.name = name
+        app.cluster = Cluster(
+            client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock
+        )
+        reporting = asyncio.gather(reporter.run(), app.cluster.follow())
         try:
             ended = asyncio.ensure_future(stop.wait())
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import httptools
 
-__all__ = ["Answer", "Body", "Upstream", "UpstreamError"]
+__all__ = ["Answer", "Body", "NotConnected", "Upstream", "UpstreamError"]
 
 Headers = list[tuple[bytes, bytes]]
 Body = bytes | bytearray | AsyncIterable[bytes | bytearray]
@@ -79,6 +79,10 @@ class _Outgoing:
 
 class UpstreamError(Exception):
     """The server did not answer: refused, reset, or closed before the answer's head."""
+
+
+class NotConnected(UpstreamError):
+    """No connection could be made: nothing of the request left (it may go elsewhere)."""
 
 
 class _Unanswered(UpstreamError):
@@ -333,7 +337,7 @@ class Upstream:
         try:
             reader, writer = await asyncio.open_connection(self.host, self.port, limit=READ_BYTES)
         except OSError as error:
-            raise UpstreamError(f"{error.__class__.__name__}: {error}") from error
+            raise NotConnected(f"{error.__class__.__name__}: {error}") from error
         return _Connection(reader, writer)
 
     async def _exchange(self, connection: _Connection, data: _Outgoing) -> Answer:

@@ -17,6 +17,7 @@ from .. import __version__
 from ..controller import Controller
 from ..store import SqliteStore
 from .auth import Authenticator
+from .cluster import router as cluster_router
 from .durable import DurableAnswers
 from .errors import error_response, install_error_handlers
 from .events import EventFeed
@@ -103,6 +104,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(cluster_router)
 
     @app.get("/healthz", summary="The process is up")
     async def healthz() -> JSONResponse:

@@ -23,6 +23,7 @@ in the answer to the next report or to a long-poll, whichever comes first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ from ..core import Conflict, NotFound
 from .auth import Forbidden, Principal
 
 __all__ = [
+    "CLUSTER_MODEL",
     "FORGET_S",
     "MAX_COMMANDS",
     "MAX_GATEWAYS",
@@ -55,6 +57,8 @@ MAX_GATEWAYS = 1000
 MAX_COMMANDS = 32
 """Commands queued for one gateway and not handed over yet, at most."""
 VERBS = ("unload", "pin", "unpin")
+CLUSTER_MODEL = "cluster_model"
+"""The metadata key of a lease asked for the cluster (``cluster.py``): its model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,7 @@ class GatewayRegistry:
         self,
         *,
         clock: Callable[[], float] = time.monotonic,
+        peer_key: str | None = None,
         ttl_s: float = TTL_S,
         forget_s: float = FORGET_S,
         max_gateways: int = MAX_GATEWAYS,
@@ -108,6 +113,11 @@ class GatewayRegistry:
         self.max_gateways = max_gateways
         self.max_commands = max_commands
         self._gateways: dict[str, _Gateway] = {}
+        self.peer_key = peer_key or secrets.token_urlsafe(32)
+        """The credential gateways show each other when one forwards a request to
+        another (``x-arbiter-peer``): issued by this controller, handed to each gateway
+        that reports (never written in a config); a new leader issues a new one."""
+        self._moved = asyncio.Event()  # a gateway came, left, or its report changed
 
     # ------------------------------------------------------------------ the gateway's side
 
@@ -120,6 +130,8 @@ class GatewayRegistry:
         now = self._clock()
         if found is not None and (found.owner == who.id or not self._stale(found, now)):
             self._check_owner(found, who, "report as")
+            if found.report != report or self._stale(found, now):
+                self._moved_now()
             found.report, found.reported_at = report, now
             return self._hand_over(found)
         if found is not None:
@@ -133,6 +145,7 @@ class GatewayRegistry:
                 current=len(self._gateways),
             )
         self._gateways[name] = _Gateway(name, who.id, report, now)  # new, or taken over
+        self._moved_now()
         return []
 
     async def commands(self, name: str, who: Principal, wait_s: float) -> list[Command]:
@@ -156,6 +169,52 @@ class GatewayRegistry:
         found = self._owned(name, who, "forget")
         del self._gateways[name]
         found.queued.set()  # a long-poll of it ends now, empty
+        self._moved_now()
+
+    # ------------------------------------------------------------------ the cluster
+
+    def owned(self, name: str, who: Principal, doing: str) -> Report:
+        """The live report of gateway ``name``, which ``who`` reports (or an admin).
+        Raises :class:`NotFound`, :class:`Forbidden`, and :class:`Conflict` when stale."""
+        found = self._owned(name, who, doing)
+        if self._stale(found, self._clock()):
+            raise Conflict(
+                f"gateway {name} has not reported for {self._ago(found):.0f}s: report first",
+                gateway=name,
+            )
+        return found.report
+
+    def live(self) -> list[tuple[str, Report]]:
+        """The gateways whose report is live, by name: the cluster's front doors."""
+        self._prune()
+        now = self._clock()
+        return [(n, g.report) for n, g in sorted(self._gateways.items()) if not self._stale(g, now)]
+
+    def holds_worker(self, who: Principal, worker: str) -> bool:
+        """Whether ``who`` reports a live gateway beside ``worker`` (it may hold the
+        cluster's leases granted there)."""
+        now = self._clock()
+        return any(
+            g.owner == who.id and g.report.worker == worker and not self._stale(g, now)
+            for g in self._gateways.values()
+        )
+
+    def holds_lease(self, who: Principal, metadata: Mapping[str, Any], worker: str | None) -> bool:
+        """Whether ``who`` holds a lease of ``metadata`` granted on ``worker`` as the
+        cluster's: a lease asked for the cluster (:data:`CLUSTER_MODEL`) is held by the
+        gateway beside its worker, whoever asked for it."""
+        if CLUSTER_MODEL not in metadata or worker is None or who.role != "client":
+            return False
+        return self.holds_worker(who, worker)
+
+    async def moved(self, timeout_s: float) -> None:
+        """Returns at the next change of the gateways, or after ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._moved.wait(), timeout_s)
+
+    def _moved_now(self) -> None:
+        self._moved.set()
+        self._moved = asyncio.Event()
 
     # ------------------------------------------------------------------ the operator's side
 

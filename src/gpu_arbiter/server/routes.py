@@ -37,17 +37,17 @@ LeaseId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9
 WorkerName = Annotated[str, Path(min_length=1, max_length=64)]
 GatewayName = Annotated[str, Path(min_length=1, max_length=64)]
 ModelName = Annotated[str, Path(min_length=1, max_length=64)]
-_ERRORS: dict[int | str, dict[str, Any]] = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": s.ErrorOut} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
-_ERRORS[400]["description"] = "The body is not valid JSON (malformed_json)"
-_ERRORS[401]["headers"] = {
+ERRORS[400]["description"] = "The body is not valid JSON (malformed_json)"
+ERRORS[401]["headers"] = {
     "WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}
 }
-_ERRORS[429]["description"] = (
+ERRORS[429]["description"] = (
     "A limit was reached; details name it (limit, value, current): retry later"
 )
-_ERRORS[429]["headers"] = {
+ERRORS[429]["headers"] = {
     "Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}
 }
 _REPLAYED = {
@@ -60,10 +60,10 @@ _REPLAYED = {
 }
 MAX_WAIT_S = 60.0
 
-router = APIRouter(prefix="/v1", responses=_ERRORS, route_class=s.StrictJsonRoute)
+router = APIRouter(prefix="/v1", responses=ERRORS, route_class=s.StrictJsonRoute)
 
 
-def _context(request: Request) -> tuple[Controller, Principal]:
+def context(request: Request) -> tuple[Controller, Principal]:
     """The controller, and who is calling (401 without a valid token). A plain call, not a
     dependency: it runs on every request, and dependencies cost more."""
     controller: Controller = request.app.state.controller
@@ -76,8 +76,13 @@ def _admin(who: Principal) -> None:
         raise Forbidden(f"only an admin may do this (your role: {who.role})")
 
 
-def _lease_access(who: Principal, record: LeaseRecord) -> None:
+def _lease_access(request: Request, who: Principal, record: LeaseRecord) -> None:
+    """An admin, the lease's owner, or for a lease asked for the cluster, the gateway
+    beside the worker it was granted on (``cluster.py``)."""
     if who.is_admin or (who.role == "client" and record.owner == who.id):
+        return
+    registry: GatewayRegistry = request.app.state.gateways
+    if registry.holds_lease(who, record.request.metadata, record.worker):
         return
     raise Forbidden(f"lease {record.id} belongs to another holder (your role: {who.role})")
 
@@ -141,7 +146,7 @@ async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
     idempotency key seen before answers by that lease's current state with the same
     statuses (a held lease, revoking included: 201; a lease granted then ended: 409
     ``lease_ended``), with the header ``Idempotent-Replayed: true``."""
-    ctl, who = _context(request)
+    ctl, who = context(request)
     if who.role not in ("admin", "client"):
         raise Forbidden(f"a {who.role} token may not ask for leases")
     submitted = ctl.leases.submit(who.id, body.to_request(ctl.leases.new_id()))
@@ -179,7 +184,7 @@ async def list_leases(
     worker: Annotated[str | None, Query(max_length=64)] = None,
     holder: Annotated[str | None, Query(max_length=256)] = None,
 ) -> JSONResponse:
-    ctl, _who = _context(request)
+    ctl, _who = context(request)
     records = ctl.leases.all(state=state, worker=worker, holder=holder)
     pending = any(r.state is LeaseState.PENDING for r in records)
     positions = ctl.leases.positions() if pending else {}
@@ -199,21 +204,24 @@ async def get_lease(
 
     Its asker's read is its presence: a pending request is kept while its asker
     long-polls it (and ``ttl_s`` after), and a grant its holder reads is taken up."""
-    ctl, who = _context(request)
+    ctl, who = context(request)
     record = ctl.leases.get(lease_id)
-    mine = record.owner == who.id
+    registry: GatewayRegistry = request.app.state.gateways
+    mine = record.owner == who.id or registry.holds_lease(
+        who, record.request.metadata, record.worker
+    )
     if wait > 0:
         long_polls: Slots = request.app.state.long_polls
         with long_polls.hold(who.id), ctl.leases.watching(lease_id):
             waited = ctl.events.wait_lease(lease_id, state or record.state, wait)
-            record = await _unless_gone(request, waited) or ctl.leases.get(lease_id)
+            record = await unless_gone(request, waited) or ctl.leases.get(lease_id)
     if mine:
         ctl.leases.claim(lease_id)
         record = ctl.leases.get(lease_id)
     return _lease_json(ctl, record)
 
 
-async def _unless_gone(request: Request, answer: Awaitable[LeaseRecord]) -> LeaseRecord | None:
+async def unless_gone(request: Request, answer: Awaitable[LeaseRecord]) -> LeaseRecord | None:
     """``answer``, or None as soon as the client closed its connection (a client killed
     while it long-polls is gone at once, not at the end of its wait)."""
     waiting = asyncio.ensure_future(answer)
@@ -237,30 +245,30 @@ async def _disconnected(request: Request) -> None:
 async def renew_lease(
     lease_id: LeaseId, request: Request, body: s.RenewIn | None = None
 ) -> JSONResponse:
-    ctl, who = _context(request)
-    _lease_access(who, ctl.leases.get(lease_id))
+    ctl, who = context(request)
+    _lease_access(request, who, ctl.leases.get(lease_id))
     ttl = None if body is None or body.ttl_s is None else float(body.ttl_s)
     return _lease_json(ctl, ctl.leases.renew(lease_id, ttl))
 
 
 @router.post("/leases/{lease_id}/ready", response_model=s.LeaseOut, summary="The load finished")
 async def ready_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
-    _lease_access(who, ctl.leases.get(lease_id))
+    ctl, who = context(request)
+    _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.ready(lease_id))
 
 
 @router.post("/leases/{lease_id}/idle", response_model=s.LeaseOut, summary="Keep warm")
 async def idle_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
-    _lease_access(who, ctl.leases.get(lease_id))
+    ctl, who = context(request)
+    _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.set_idle(lease_id, True))
 
 
 @router.post("/leases/{lease_id}/busy", response_model=s.LeaseOut, summary="Busy again")
 async def busy_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
-    _lease_access(who, ctl.leases.get(lease_id))
+    ctl, who = context(request)
+    _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.set_idle(lease_id, False))
 
 
@@ -281,8 +289,8 @@ async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) ->
     its process and only what it still uses). Its committed memory drops at once, but the
     memory is granted to others only once the worker's probe shows it free; to hold more
     again, ask for a new lease (``constraints.gpu_ids``: on the very same GPUs)."""
-    ctl, who = _context(request)
-    _lease_access(who, ctl.leases.get(lease_id))
+    ctl, who = context(request)
+    _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.shrink(lease_id, body.vram_mb))
 
 
@@ -290,14 +298,14 @@ async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) ->
     "/leases/{lease_id}", response_model=s.LeaseOut, summary="Release or cancel; idempotent"
 )
 async def release_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
-    _lease_access(who, ctl.leases.get(lease_id))
+    ctl, who = context(request)
+    _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.release(lease_id))
 
 
 @router.post("/leases/{lease_id}/revoke", response_model=s.LeaseOut, summary="Take a lease back")
 async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _admin(who)
     return _lease_json(ctl, ctl.leases.revoke(lease_id))
 
@@ -313,7 +321,7 @@ async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     responses={200: {"model": s.WorkerOut, "description": "Updated"}},
 )
 async def register_worker(body: s.WorkerRegister, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     name = validate_worker_name(body.name, "name")
     _as_worker(who, name)
     gpus = [Gpu(worker=name, **g.model_dump()) for g in body.gpus]
@@ -334,7 +342,7 @@ async def register_worker(body: s.WorkerRegister, request: Request) -> JSONRespo
     summary="Probe snapshot; answers which of the worker's leases are held and revoking",
 )
 async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     name = validate_worker_name(name)
     _as_worker(who, name)
     probes = [GpuProbeReport(p.index, p.used_mb, p.per_lease()) for p in body.gpus]
@@ -347,7 +355,7 @@ async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JS
 
 @router.get("/workers", response_model=list[s.WorkerOut], summary="Workers and their GPUs")
 async def list_workers(request: Request) -> JSONResponse:
-    ctl, _who = _context(request)
+    ctl, _who = context(request)
     return JSONResponse(
         [
             s.worker_out(
@@ -363,7 +371,7 @@ async def list_workers(request: Request) -> JSONResponse:
 
 @router.get("/workers/{name}", response_model=s.WorkerOut, summary="One worker")
 async def get_worker(name: WorkerName, request: Request) -> JSONResponse:
-    ctl, _who = _context(request)
+    ctl, _who = context(request)
     return _worker_json(ctl, validate_worker_name(name))
 
 
@@ -371,7 +379,7 @@ async def get_worker(name: WorkerName, request: Request) -> JSONResponse:
 async def drain_worker(
     name: WorkerName, request: Request, body: s.DrainIn | None = None
 ) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _admin(who)
     body = body or s.DrainIn()
     deadline = None if body.deadline_s is None else float(body.deadline_s)
@@ -382,14 +390,14 @@ async def drain_worker(
 
 @router.post("/workers/{name}/cancel-drain", response_model=s.DrainOut, summary="Back online")
 async def cancel_drain(name: WorkerName, request: Request) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _admin(who)
     return JSONResponse(s.drain_out(ctl.workers.cancel_drain(validate_worker_name(name))))
 
 
 @router.delete("/workers/{name}", response_model=s.DrainOut, summary="Remove a worker")
 async def remove_worker(name: WorkerName, request: Request, force: bool = False) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _admin(who)
     return JSONResponse(s.drain_out(ctl.workers.remove(validate_worker_name(name), force=force)))
 
@@ -405,7 +413,7 @@ async def update_worker(
 ) -> JSONResponse:
     """The agent runs the update command configured on its own host (never one sent over
     the network). Follow the steps in ``GET /v1/operations/{id}``."""
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _admin(who)
     body = body or s.UpdateIn()
     operation = ctl.updates.start(
@@ -418,7 +426,7 @@ async def update_worker(
 
 @router.get("/operations/{operation_id}", response_model=s.OperationOut, summary="An operation")
 async def get_operation(operation_id: LeaseId, request: Request) -> JSONResponse:
-    ctl, _who = _context(request)
+    ctl, _who = context(request)
     return JSONResponse(s.operation_out(ctl.updates.get(operation_id)))
 
 
@@ -430,7 +438,7 @@ async def get_operation(operation_id: LeaseId, request: Request) -> JSONResponse
 async def report_operation(
     operation_id: LeaseId, body: s.OperationReportIn, request: Request
 ) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _as_worker(who, ctl.updates.get(operation_id).worker)
     operation = ctl.updates.report(operation_id, body.step, body.outcome, body.detail)
     return JSONResponse(s.operation_out(operation))
@@ -440,11 +448,11 @@ async def report_operation(
 
 
 def _gateways(request: Request) -> tuple[Controller, Principal, GatewayRegistry]:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     return ctl, who, request.app.state.gateways
 
 
-def _leader_only(ctl: Controller) -> None:
+def leader_only(ctl: Controller) -> None:
     """A standby knows no gateway: a gateway reports to the leader (307 there)."""
     if ctl.gate.standby:
         where = f"; the leader is {ctl.gate.leader_url}" if ctl.gate.leader_url else ""
@@ -463,7 +471,7 @@ async def report_gateway(
     ``ttl_s`` is stale. An admin or a client token; the first reporter's token owns the
     name while its report is live (403 for another token but an admin's)."""
     ctl, who, registry = _gateways(request)
-    _leader_only(ctl)
+    leader_only(ctl)
     if who.role not in ("admin", "client"):
         raise Forbidden(f"a {who.role} token may not report a gateway")
     name = validate_worker_name(name, "name")
@@ -488,7 +496,7 @@ async def gateway_commands(
     """With ``wait=SECONDS`` (at most 60), answers as soon as a command is queued, or
     with none when the wait ends. Its reporter's token or an admin."""
     ctl, who, registry = _gateways(request)
-    _leader_only(ctl)
+    leader_only(ctl)
     name = validate_worker_name(name, "name")
     long_polls: Slots = request.app.state.long_polls
     with long_polls.hold(who.id):
@@ -536,7 +544,7 @@ async def command_gateway(
     its own ``POST /admin/models/{model}/{verb}``; its next report shows the outcome."""
     ctl, who, registry = _gateways(request)
     _admin(who)
-    _leader_only(ctl)
+    leader_only(ctl)
     name = validate_worker_name(name, "name")
     command = registry.queue(name, model, verb)
     return JSONResponse({"gateway": name, **command.as_dict()}, status_code=202)
@@ -547,7 +555,7 @@ async def forget_gateway(name: GatewayName, request: Request) -> JSONResponse:
     """At a clean stop: it leaves the list now, not once stale. Its reporter's token or
     an admin."""
     ctl, who, registry = _gateways(request)
-    _leader_only(ctl)
+    leader_only(ctl)
     name = validate_worker_name(name, "name")
     registry.forget(name, who)
     return JSONResponse({"name": name, "forgotten": True})
@@ -558,7 +566,7 @@ async def forget_gateway(name: GatewayName, request: Request) -> JSONResponse:
 
 @router.post("/pause", summary="Grant nothing until resume")
 async def pause(request: Request) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _admin(who)
     ctl.pause()
     return JSONResponse({"paused": True})
@@ -566,7 +574,7 @@ async def pause(request: Request) -> JSONResponse:
 
 @router.post("/resume", summary="Grant again")
 async def resume(request: Request) -> JSONResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     _admin(who)
     ctl.resume()
     return JSONResponse({"paused": False})
@@ -574,7 +582,7 @@ async def resume(request: Request) -> JSONResponse:
 
 @router.get("/status", summary="Counters, per-GPU figures, queue depth by priority")
 async def status(request: Request) -> JSONResponse:
-    ctl, _who = _context(request)
+    ctl, _who = context(request)
     body = ctl.status()
     workers = ctl.workers
     body["gpus"] = [s.gpu_out(f) for w in workers.all() for f in workers.gpu_figures(w.name)]
@@ -586,7 +594,7 @@ async def queue(
     request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100
 ) -> JSONResponse:
     """The first ``limit`` pending requests, each with its position and reason."""
-    ctl, _who = _context(request)
+    ctl, _who = context(request)
     return JSONResponse([s.lease_out(record, view) for record, view in ctl.leases.queue(limit)])
 
 
@@ -609,7 +617,7 @@ async def events(
     since: Annotated[int | None, Query(ge=0)] = None,
     last_event_id: Annotated[str | None, Header(max_length=32)] = None,
 ) -> EventStreamResponse:
-    ctl, who = _context(request)
+    ctl, who = context(request)
     after = ctl.events.last_seq
     resume = (last_event_id or "").strip()
     if resume.isascii() and resume.isdigit():
@@ -638,7 +646,7 @@ async def history(
 ) -> JSONResponse:
     """A sample every ``sample_s`` seconds; with ``since=T`` (a time of ``times``), only the
     samples after it: poll at the sample rate to follow."""
-    _context(request)
+    context(request)
     kept: History = request.app.state.history
     return JSONResponse(kept.read(since))
 

@@ -377,6 +377,9 @@ class GatewayModelIn(_In):
     state: Short
     aliases: Annotated[list[Short], Field(max_length=64)] = Field(default_factory=list)
     vram_mb: MiB = 0
+    gpus: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    max_parallel: Annotated[StrictInt, Field(ge=1, le=4096)] = 1
+    priority: Annotated[StrictInt, Field(ge=0, le=1000)] = 500
     held_mb: MiB = 0
     in_flight: Count = 0
     queued: Count = 0

@@ -1,0 +1,361 @@
+"""The gateway as one of the cluster's front doors: the other gateways as the controller
+shows them, the routing of a request among them, and the cluster's cold loads.
+
+The view comes from ``GET /v1/gateways/{name}/cluster`` (``server/cluster.py``), a
+long-poll answered when it changes (a gateway came, left or turned stale, a worker began
+draining or went offline, a model's state moved): :meth:`Cluster.follow` keeps it, for
+the gateway's life. Each request is then routed here without asking the controller
+(``routing.py``: warm, then coming, then a load). The view also carries the credential
+the controller issued for gateways to show each other (``x-arbiter-peer``): a request
+forwarded by a peer is trusted with it, and only with it (the previous credential is
+still accepted after a new leader issued another, until the view changes again).
+
+A cold load for the cluster (:meth:`Cluster.load`) is asked once per model by this
+gateway however many requests wait for it (and once for the whole cluster: the
+controller joins every front door that asks while one is pending or loading), and it is
+the cluster's, not the caller's: a caller that hangs up leaves it to the others, and
+when nobody here waits any more this gateway stops asking (the controller then ends it
+as any abandoned request, unless another front door still waits for it). Once it is
+granted, the gateway beside its worker adopts it (:meth:`ModelServer.adopt`): this one
+when the lease is on its own worker, else the one the request is forwarded to, told by
+``x-arbiter-lease``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..client import ApiError, ArbiterClient, ControllerUnreachable, pending_text
+from .interfaces import Clock
+from .model import ModelServer, Refused
+from .replica import ReplicaState
+from .routing import Host, Route, route
+from .upstream import Upstream
+
+__all__ = ["Cluster", "Peer"]
+
+log = logging.getLogger("gpu_arbiter.gateway")
+VIEW_WAIT_S = 20.0
+LOAD_WAIT_S = 20.0
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 5.0
+DOWN_S = 5.0
+"""A peer that refused a connection is left out of routing this long (or until the
+controller's view shows it again after a change)."""
+DEFAULT_QUEUE_TIMEOUT_S = 300.0
+PEER_KEEP = 64
+"""Idle connections kept to each peer gateway."""
+_READY = ("warm", "busy")
+_COMING = ("queued", "loading", "waking", "asleep")
+_LOCAL_COMING = (
+    ReplicaState.QUEUED,
+    ReplicaState.LOADING,
+    ReplicaState.WAKING,
+    ReplicaState.ASLEEP,
+)
+
+
+@dataclass(slots=True)
+class Peer:
+    """Another gateway as the controller last showed it."""
+
+    name: str
+    url: str
+    worker: str | None
+    routable: bool
+    why_not: str
+    models: dict[str, Mapping[str, Any]]  # by id
+    aliases: dict[str, str]  # a name or alias -> the model's id
+    upstream: Upstream = field(repr=False)
+
+    def model(self, name: str) -> Mapping[str, Any] | None:
+        found = self.aliases.get(name)
+        return None if found is None else self.models[found]
+
+
+@dataclass(slots=True)
+class _Load:
+    """A cold load this gateway asked the cluster for: the task asking, and how many
+    of its requests wait for it."""
+
+    task: asyncio.Task[dict[str, Any]]
+    waiters: int = 0
+    waiting: str = "asking the arbiter where to load it"
+
+
+class Cluster:
+    def __init__(
+        self,
+        client: ArbiterClient,
+        *,
+        name: str,
+        worker: str | None,
+        models: Mapping[str, ModelServer],
+        routes: Mapping[str, str],
+        clock: Clock,
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.worker = worker
+        self.models = models
+        self.routes = routes
+        self.clock = clock
+        self.peers: dict[str, Peer] = {}
+        self.keys: list[str] = []  # the peer credentials accepted, newest first
+        self.key = ""
+        self.signature = ""
+        self.seen = asyncio.Event()  # a view came once
+        self.forwarding: Counter[tuple[str, str]] = Counter()  # (gateway, model) in flight
+        self._down: dict[str, float] = {}  # peer -> left out of routing until
+        self._loads: dict[str, _Load] = {}
+        self._adopting: dict[str, asyncio.Task[None]] = {}
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ the view
+
+    async def follow(self) -> None:
+        """Keeps the cluster's view, for the gateway's life (cancelled at its stop)."""
+        backoff = BACKOFF_FIRST_S
+        path = f"/v1/gateways/{self.name}/cluster"
+        try:
+            while True:
+                try:
+                    view = await self.client.request(
+                        "GET", path, params={"after": self.signature, "wait": VIEW_WAIT_S},
+                        timeout_s=VIEW_WAIT_S + 10.0,
+                    )  # fmt: skip
+                except (ApiError, ControllerUnreachable) as error:
+                    if isinstance(error, ApiError) and error.status not in (404, 409):
+                        log.warning("gateway %s: no cluster view (%s)", self.name, error)
+                    await asyncio.sleep(backoff)
+                    backoff = min(BACKOFF_MAX_S, 2 * backoff)
+                    continue
+                backoff = BACKOFF_FIRST_S
+                self.apply(view)
+        finally:
+            for peer in self.peers.values():
+                peer.upstream.close()
+
+    def apply(self, view: Mapping[str, Any]) -> None:
+        """Takes a view of the cluster (``GET /v1/gateways/{name}/cluster``)."""
+        self.signature = str(view.get("signature") or "")
+        key = str(view.get("peer_key") or "")
+        if key and key != self.key:
+            self.keys = [key, *([self.key] if self.key else [])]
+            self.key = key
+        found: dict[str, Peer] = {}
+        for gateway in view.get("gateways") or ():
+            name = str(gateway.get("name"))
+            if name == self.name:
+                continue
+            old = self.peers.pop(name, None)
+            found[name] = _peer(gateway, old)
+        for gone in self.peers.values():
+            gone.upstream.close()
+        self.peers = found
+        self._down.clear()  # a fresh view: every peer it shows is tried again
+        self.seen.set()
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def trusts(self, key: str) -> bool:
+        """Whether ``key`` is a credential this controller issued to its gateways."""
+        return any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys)
+
+    # ------------------------------------------------------------------ routing
+
+    def knows(self, name: str) -> bool:
+        return name in self.routes or any(p.model(name) is not None for p in self.peers.values())
+
+    def model_id(self, name: str) -> str:
+        """The model's name for a name or alias, here or at a peer."""
+        if name in self.routes:
+            return self.routes[name]
+        for peer in self.peers.values():
+            found = peer.model(name)
+            if found is not None:
+                return str(found.get("id"))
+        return name
+
+    def decide(self, name: str) -> Route:
+        """Where a request for ``name`` (a model's name or alias) goes now."""
+        return route(name, self.hosts(name))
+
+    def hosts(self, name: str) -> list[Host]:
+        found: list[Host] = []
+        local = self.routes.get(name)
+        if local is not None:
+            found.append(_local_host(self.name, self.models[local]))
+        now = self.clock.now()
+        for peer in self.peers.values():
+            model = peer.model(name)
+            if model is None:
+                continue
+            down = self._down.get(peer.name, 0.0) > now
+            routable = peer.routable and not down
+            why = "refused a connection just now" if down else peer.why_not
+            ours = self.forwarding[(peer.name, str(model.get("id")))]
+            found.append(_peer_host(peer.name, model, routable, why, ours))
+        return found
+
+    def peer_down(self, name: str) -> None:
+        """A peer refused a connection: left out of routing for :data:`DOWN_S`."""
+        self._down[name] = self.clock.now() + DOWN_S
+        log.warning("gateway %s: peer %s refused a connection; routing around it", self.name, name)
+
+    def peer_on(self, worker: str) -> Peer | None:
+        return next((p for p in self.peers.values() if p.worker == worker), None)
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+    # ------------------------------------------------------------------ loads
+
+    async def load(self, model: str, priority: int) -> dict[str, Any]:
+        """The cluster's lease for a cold load of ``model``, once granted (its ``worker``
+        says where). Raises :class:`Refused` when it ends without a grant."""
+        found = self._loads.get(model)
+        if found is None or found.task.done():
+            found = _Load(asyncio.ensure_future(self._ask(model, priority)))
+            self._loads[model] = found
+        found.waiters += 1
+        try:
+            return await asyncio.shield(found.task)
+        finally:
+            found.waiters -= 1
+
+    def load_waiting(self, model: str) -> str:
+        found = self._loads.get(model)
+        return found.waiting if found is not None else "asking the arbiter where to load it"
+
+    async def _ask(self, model: str, priority: int) -> dict[str, Any]:
+        local = self.routes.get(model)
+        config = self.models[local].config if local is not None else None
+        body = {
+            "model": model,
+            "priority": priority,
+            "ttl_s": config.ttl_s if config else 30.0,
+            "max_wait_s": config.queue_timeout_s if config else DEFAULT_QUEUE_TIMEOUT_S,
+            "load_timeout_s": config.load_timeout_s if config else 300.0,
+        }
+        path = f"/v1/gateways/{self.name}/loads"
+        while True:
+            try:
+                lease: dict[str, Any] = await self.client.request(
+                    "POST", path, json_body=body, params={"wait": LOAD_WAIT_S},
+                    timeout_s=LOAD_WAIT_S + 10.0,
+                )  # fmt: skip
+            except ApiError as error:
+                raise Refused(
+                    503 if error.status >= 500 else 404, f"{model}: {error}", 1.0
+                ) from None
+            except ControllerUnreachable as error:
+                raise Refused(
+                    503, f"{model}: the controller is unreachable ({error})", 1.0
+                ) from None
+            state = lease.get("state")
+            if state in ("loading", "active"):
+                self._say_placed(model, lease)
+                return lease
+            if state != "pending":
+                why = lease.get("end_reason") or state
+                raise Refused(503, f"model {model}: the cluster's load ended unplaced ({why})", 1.0)
+            found = self._loads.get(model)
+            if found is not None:
+                found.waiting = f"queued for the cluster, {pending_text(lease)}"
+            self._changed.set()
+            self._changed = asyncio.Event()
+            if found is None or found.waiters <= 0:
+                raise Refused(503, f"model {model}: nobody waits for its load any more", 1.0)
+
+    def _say_placed(self, model: str, lease: Mapping[str, Any]) -> None:
+        """The routing decision of a cold load, as the operator reads it."""
+        free: Mapping[str, int] = lease.get("free_mb") or {}
+        others = "; ".join(
+            f"{w} has {mb / 1024:.1f} GiB"
+            for w, mb in sorted(free.items())
+            if w != lease.get("worker")
+        )
+        gpus = ", ".join(lease.get("gpus") or ())
+        joined = " (joined)" if lease.get("joined") else ""
+        log.info(
+            "route: %s: cold load on %s, %s MiB asked%s%s",
+            model, gpus, lease.get("vram_mb"), f"; {others}" if others else "", joined,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ adoption
+
+    async def adopt(self, model: ModelServer, lease_id: str) -> None:
+        """Adopts the cluster's lease ``lease_id`` for ``model`` (a peer forwarded a
+        request for it): once, however many requests name it."""
+        if model.holds(lease_id):
+            return
+        task = self._adopting.get(lease_id)
+        if task is None:
+            task = asyncio.ensure_future(self._adopt(model, lease_id))
+            self._adopting[lease_id] = task
+            task.add_done_callback(lambda _: self._adopting.pop(lease_id, None))
+        await asyncio.shield(task)
+
+    async def _adopt(self, model: ModelServer, lease_id: str) -> None:
+        try:
+            lease = await self.client.request("GET", f"/v1/leases/{lease_id}")
+        except (ApiError, ControllerUnreachable) as error:
+            log.warning("gateway %s: lease %s not adopted (%s)", self.name, lease_id, error)
+            return
+        if lease.get("worker") == self.worker and not model.holds(lease_id):
+            model.adopt(lease)
+
+
+def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:
+    url = str(gateway.get("url") or "")
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    if old is not None and old.url == url:
+        upstream = old.upstream
+    else:
+        if old is not None:
+            old.upstream.close()
+        upstream = Upstream(port, PEER_KEEP, host)
+    models: dict[str, Mapping[str, Any]] = {}
+    aliases: dict[str, str] = {}
+    for model in gateway.get("models") or ():
+        model_id = str(model.get("id"))
+        models[model_id] = model
+        aliases[model_id] = model_id
+        for alias in model.get("aliases") or ():
+            aliases.setdefault(str(alias), model_id)
+    state = gateway.get("worker_state")
+    why = "" if gateway.get("routable") else f"worker {gateway.get('worker')} is {state}"
+    return Peer(
+        str(gateway.get("name")), url, gateway.get("worker"), bool(gateway.get("routable")),
+        why, models, aliases, upstream,
+    )  # fmt: skip
+
+
+def _local_host(name: str, model: ModelServer) -> Host:
+    ready = [r for r in model.replicas if r.accepting]
+    coming = any(r.state in _LOCAL_COMING and r.ending is None for r in model.replicas)
+    return Host(
+        name, local=True, ready=len(ready), slots=len(ready) * model.config.max_parallel,
+        in_flight=sum(r.in_flight for r in ready), coming=coming,
+    )  # fmt: skip
+
+
+def _peer_host(name: str, model: Mapping[str, Any], routable: bool, why: str, ours: int) -> Host:
+    replicas = [r for r in model.get("replicas") or () if isinstance(r, Mapping)]
+    ready = sum(1 for r in replicas if r.get("state") in _READY)
+    coming = any(r.get("state") in _COMING for r in replicas)
+    parallel = int(model.get("max_parallel") or 1)
+    in_flight = max(int(model.get("in_flight") or 0), ours)
+    return Host(
+        name, routable=routable, ready=ready, slots=ready * parallel, in_flight=in_flight,
+        coming=coming, why_not=why,
+    )  # fmt: skip

@@ -1,0 +1,268 @@
+"""The cluster's front doors: what a gateway needs to serve a request on any host.
+
+    GET  /v1/gateways/{name}/cluster   every live gateway, its worker's state and its
+                                       models' routing figures, and the credential
+                                       gateways show each other; a long-poll
+    POST /v1/gateways/{name}/loads     a model's cold load, for the whole cluster
+
+A gateway asks for the cluster view with the signature of the view it has (``after``)
+and is answered when the view differs: a gateway came or left, turned stale, its worker
+began draining or went offline, or a model's state moved. Its routing is then its own
+(``gateway/routing.py``), on that view, without asking here per request.
+
+A cold load is one lease request for the cluster, not for the request that caused it:
+its constraints allow every worker whose live gateway declares the model (the core's own
+stages choose the worker and the GPU: measured free memory, the load gate, binpack or
+spread, reclaim, preemption), and it prefers the worker where the model last ran (its
+file is in the page cache). Every front door that asks while the model's load is pending
+or loading joins it instead of asking again, so a burst anywhere starts one server. The
+front doors that wait long-poll it here, which is its presence: a caller that hangs up
+does not cancel it while others wait, and one nobody waits for any more ends as any
+abandoned request does. Once granted, the gateway beside the lease's worker holds it
+(renews, readies, releases it: :meth:`GatewayRegistry.holds_lease`), whoever asked for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, StrictInt, StrictStr
+
+from ..controller import Controller
+from ..core import Constraints, LeaseState, NotFound, WorkerStatus, validate_worker_name
+from ..core import Request as CoreRequest
+from ..store import LeaseRecord
+from . import routes
+from . import schemas as s
+from .auth import Forbidden, Principal
+from .gateways import CLUSTER_MODEL, GatewayRegistry, Report
+from .limits import Slots
+
+__all__ = ["router"]
+
+MAX_WAIT_S = 60.0
+RECHECK_S = 1.0
+"""How often a cluster long-poll looks again for what no report says: a report turning
+stale, a worker draining or going offline."""
+ROUTED = (
+    "id", "aliases", "state", "in_flight", "queued", "max_parallel", "vram_mb", "gpus",
+    "priority",
+)  # fmt: skip
+"""A model's fields in the cluster view (besides its replicas and when it last ran)."""
+
+_LIVE = (LeaseState.PENDING, LeaseState.LOADING, LeaseState.ACTIVE)
+GatewayName = Annotated[str, Path(min_length=1, max_length=64)]
+router = APIRouter(prefix="/v1", responses=routes.ERRORS, route_class=s.StrictJsonRoute)
+
+
+class LoadIn(s._In):
+    """A model's cold load for the cluster: the lease's size, count and place are taken
+    from the gateways that declare the model; the asker says how important it is and how
+    long the lease may wait."""
+
+    model: s.Short
+    priority: (
+        Annotated[StrictInt, Field(ge=0, le=1000)] | Annotated[StrictStr, Field(max_length=16)]
+    ) = "normal"
+    replicas: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    ttl_s: Annotated[s.Seconds, Field(gt=0, le=86400)] = 30.0
+    max_wait_s: Annotated[s.Seconds, Field(ge=0, le=366 * 86400)] | None = None
+    load_timeout_s: Annotated[s.Seconds, Field(gt=0, le=86400)] = 300.0
+
+
+def _context(request: Request, name: str) -> tuple[Controller, Principal, GatewayRegistry, str]:
+    ctl, who = routes.context(request)
+    routes.leader_only(ctl)
+    registry: GatewayRegistry = request.app.state.gateways
+    return ctl, who, registry, validate_worker_name(name, "name")
+
+
+@router.get("/gateways/{name}/cluster", summary="The cluster as a front door routes in it")
+async def cluster_view(
+    name: GatewayName,
+    request: Request,
+    after: Annotated[str, Query(max_length=64)] = "",
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
+) -> JSONResponse:
+    """Answers at once when the view's ``signature`` differs from ``after``, else as
+    soon as it does, or after ``wait`` seconds (at most 60) as it is. Only the token that
+    reports gateway ``name`` (or an admin)."""
+    ctl, who, registry, name = _context(request, name)
+    registry.owned(name, who, "route for")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    long_polls: Slots = request.app.state.long_polls
+    with long_polls.hold(who.id):
+        while True:
+            view = _view(ctl, registry)
+            left = deadline - loop.time()
+            if view["signature"] != after or left <= 0:
+                break
+            await registry.moved(min(left, RECHECK_S))
+    return JSONResponse({**view, "peer_key": registry.peer_key})
+
+
+def _view(ctl: Controller, registry: GatewayRegistry) -> dict[str, Any]:
+    gateways = [_gateway(ctl, name, report) for name, report in registry.live()]
+    signed = json.dumps([_signed(g) for g in gateways], sort_keys=True).encode()
+    return {"signature": hashlib.sha256(signed).hexdigest()[:32], "gateways": gateways}
+
+
+def _gateway(ctl: Controller, name: str, report: Report) -> dict[str, Any]:
+    worker_state = None
+    if report.worker is not None:
+        try:
+            worker_state = str(ctl.workers.get(report.worker).status)
+        except NotFound:
+            worker_state = "unknown"
+    routable = worker_state == str(WorkerStatus.ONLINE)
+    return {
+        "name": name,
+        "url": report.url,
+        "worker": report.worker,
+        "worker_state": worker_state,
+        "routable": routable,
+        "models": [_model(m) for m in report.models],
+    }
+
+
+def _model(model: Mapping[str, Any]) -> dict[str, Any]:
+    found = {key: model[key] for key in ROUTED if key in model}
+    found["last_used_ago_s"] = model.get("last_used_ago_s")
+    found["replicas"] = [
+        {k: r.get(k) for k in ("state", "in_flight", "lease", "gpus")}
+        for r in model.get("replicas") or ()
+        if isinstance(r, Mapping)
+    ]
+    return found
+
+
+def _signed(gateway: Mapping[str, Any]) -> dict[str, Any]:
+    """What a routing decision turns on, without the figures every report moves."""
+    models = [
+        {
+            "id": m.get("id"),
+            "aliases": m.get("aliases"),
+            "state": m.get("state"),
+            "replicas": [(r.get("state"), r.get("lease")) for r in m["replicas"]],
+        }
+        for m in gateway["models"]
+    ]
+    return {**{k: v for k, v in gateway.items() if k != "models"}, "models": models}
+
+
+# ---------------------------------------------------------------- loads
+
+
+@router.post("/gateways/{name}/loads", summary="A model's cold load for the cluster; long-poll")
+async def cluster_load(
+    name: GatewayName,
+    body: LoadIn,
+    request: Request,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
+) -> JSONResponse:
+    """The model's load for the cluster: the one pending or loading (joined), else a new
+    lease request over every worker whose live gateway declares the model, preferring
+    where it last ran; with ``replicas`` above 1, a new one while fewer are held or
+    coming. Answers once it is not pending, or after ``wait`` seconds (at most 60),
+    with the lease, ``joined`` and each candidate worker's most free MiB on one GPU.
+    404 when no routable gateway declares the model."""
+    ctl, who, registry, name = _context(request, name)
+    registry.owned(name, who, "ask loads for")
+    if who.role not in ("admin", "client"):
+        raise Forbidden(f"a {who.role} token may not ask for leases")
+    hosts = _hosts(ctl, registry, body.model)
+    if not hosts:
+        raise NotFound(
+            f"no routable gateway declares model {body.model!r} (a live report, beside an "
+            "online worker)",
+            model=body.model,
+        )
+    live = _live_loads(ctl, body.model)
+    coming = [r for r in live if r.state in (LeaseState.PENDING, LeaseState.LOADING)]
+    joined = bool(coming) or len(live) >= body.replicas
+    if joined:
+        record = (coming or live)[-1]
+    else:
+        submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts))
+        record = submitted.record
+    if record.state is LeaseState.PENDING and wait > 0:
+        long_polls: Slots = request.app.state.long_polls
+        with long_polls.hold(who.id), ctl.leases.watching(record.id):
+            waited = ctl.events.wait_lease(record.id, LeaseState.PENDING, wait)
+            record = await routes.unless_gone(request, waited) or ctl.leases.get(record.id)
+    answer = s.lease_out(record, ctl.leases.pending_view(record.id))
+    return JSONResponse({**answer, "joined": joined, "free_mb": _free(ctl, hosts)})
+
+
+def _hosts(ctl: Controller, registry: GatewayRegistry, model: str) -> dict[str, Mapping[str, Any]]:
+    """The online workers whose live gateway declares ``model`` (by name or alias): the
+    model as that gateway reports it, by worker."""
+    found: dict[str, Mapping[str, Any]] = {}
+    for _, report in registry.live():
+        if report.worker is None:
+            continue
+        try:
+            if ctl.workers.get(report.worker).status is not WorkerStatus.ONLINE:
+                continue
+        except NotFound:
+            continue
+        for reported in report.models:
+            if reported.get("id") == model or model in (reported.get("aliases") or ()):
+                found[report.worker] = reported
+    return found
+
+
+def _live_loads(ctl: Controller, model: str) -> list[LeaseRecord]:
+    """The model's cluster leases pending, loading or serving, oldest first (one being
+    revoked is on its way out: a new one is asked for beside it)."""
+    return [
+        r
+        for r in ctl.leases.all()
+        if r.state in _LIVE and r.request.metadata.get(CLUSTER_MODEL) == model
+    ]
+
+
+def _request(ctl: Controller, body: LoadIn, hosts: Mapping[str, Mapping[str, Any]]) -> CoreRequest:
+    """One request for the cluster: the largest size any host declares (never less than
+    one of them needs), every host's worker allowed, the most recent one preferred."""
+    sizes = [int(m.get("vram_mb") or 0) for m in hosts.values()]
+    gpus = max(int(m.get("gpus") or 1) for m in hosts.values())
+    recent = _last_ran(hosts)
+    constraints = Constraints.build(workers=sorted(hosts), prefer_workers=recent)
+    return CoreRequest.build(
+        ctl.leases.new_id(),
+        vram_mb=max(1, *sizes),
+        gpus=gpus,
+        priority=body.priority,
+        constraints=constraints,
+        holder=f"cluster model {body.model}",
+        metadata={CLUSTER_MODEL: body.model, "model": body.model},
+        ttl_s=body.ttl_s,
+        max_wait_s=body.max_wait_s,
+        load_timeout_s=body.load_timeout_s,
+    )
+
+
+def _last_ran(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The worker where the model was used last, if any has used it since its start."""
+    ran = [
+        (float(m["last_used_ago_s"]), worker)
+        for worker, m in hosts.items()
+        if isinstance(m.get("last_used_ago_s"), int | float)
+    ]
+    return [min(ran)[1]] if ran else []
+
+
+def _free(ctl: Controller, workers: Sequence[str] | Mapping[str, Any]) -> dict[str, int]:
+    """Each worker's most free MiB on one GPU, as the arbiter counts it."""
+    return {
+        worker: max((f.free_mb for f in ctl.workers.gpu_figures(worker)), default=0)
+        for worker in workers
+    }

@@ -1,0 +1,157 @@
+"""The front door's routing decision, alone (``gateway/routing.py``), and the cluster
+view it is made on (``gateway/cluster.py``) on a virtual clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpu_arbiter.gateway.cluster import DOWN_S, Cluster
+from gpu_arbiter.gateway.routing import Host, Kind, route
+
+
+def test_a_ready_replica_with_a_free_slot_and_the_fewest_in_flight_wins() -> None:
+    hosts = [
+        Host("gw-1", local=True, ready=1, slots=2, in_flight=2),  # full
+        Host("gw-2", ready=1, slots=4, in_flight=3),
+        Host("gw-3", ready=1, slots=4, in_flight=1),
+    ]
+    decided = route("chat", hosts)
+    assert (decided.kind, decided.gateway) == (Kind.PEER, "gw-3")
+    assert "warm" in decided.why
+
+
+def test_this_host_wins_a_tie() -> None:
+    hosts = [Host("gw-2", ready=1, slots=1), Host("gw-9", local=True, ready=1, slots=1)]
+    decided = route("chat", hosts)
+    assert (decided.kind, decided.gateway) == (Kind.LOCAL, "gw-9")
+
+
+def test_a_warm_copy_beats_a_load_on_its_way_and_a_load_beats_a_new_one() -> None:
+    coming = Host("gw-2", coming=True)
+    warm = Host("gw-3", ready=1, slots=1, in_flight=1)
+    assert route("chat", [coming, warm]).gateway == "gw-3"
+    decided = route("chat", [Host("gw-1", local=True), coming])
+    assert (decided.kind, decided.gateway) == (Kind.PEER, "gw-2")
+
+
+def test_cold_everywhere_is_one_load_for_the_cluster_and_cold_alone_is_local() -> None:
+    decided = route("chat", [Host("gw-1", local=True), Host("gw-2")])
+    assert decided.kind is Kind.LOAD and decided.gateway is None
+    alone = route("chat", [Host("gw-1", local=True), Host("gw-2", routable=False)])
+    assert alone.kind is Kind.LOCAL
+
+
+def test_a_host_that_is_not_routable_is_never_chosen_and_none_left_says_why() -> None:
+    draining = Host("gw-2", routable=False, ready=1, slots=8, why_not="worker box-2 is draining")
+    assert route("chat", [Host("gw-1", local=True, coming=True), draining]).gateway == "gw-1"
+    decided = route("chat", [draining])
+    assert decided.kind is Kind.NONE
+    assert "box-2 is draining" in decided.why
+
+
+hosts = st.lists(
+    st.builds(
+        Host,
+        gateway=st.sampled_from([f"gw-{i}" for i in range(6)]),
+        local=st.booleans(),
+        routable=st.booleans(),
+        ready=st.integers(0, 2),
+        slots=st.integers(0, 8),
+        in_flight=st.integers(0, 8),
+        coming=st.booleans(),
+    ),
+    max_size=6,
+    unique_by=lambda h: h.gateway,
+)
+
+
+@given(hosts)
+def test_the_decision_is_always_a_usable_host_or_a_load_or_none(found: list[Host]) -> None:
+    decided = route("chat", found)
+    usable = {h.gateway: h for h in found if h.local or h.routable}
+    if decided.kind in (Kind.LOCAL, Kind.PEER):
+        chosen = usable[str(decided.gateway)]
+        assert chosen.local is (decided.kind is Kind.LOCAL)
+        if any(h.ready for h in usable.values()):
+            assert chosen.ready  # warm before anything else
+            free = [h for h in usable.values() if h.ready and h.in_flight < h.slots]
+            if free:
+                assert chosen.in_flight < chosen.slots
+                assert chosen.in_flight == min(h.in_flight for h in free)
+        else:
+            assert chosen.coming or (len(usable) == 1 and chosen.local)
+    elif decided.kind is Kind.LOAD:
+        assert not any(h.ready or h.coming for h in usable.values())
+        assert len(usable) > 1 or not any(h.local for h in usable.values())
+    else:
+        assert not usable
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def _view(*gateways: dict[str, Any], key: str = "k1") -> dict[str, Any]:
+    return {"signature": "s", "peer_key": key, "gateways": list(gateways)}
+
+
+def _gateway(name: str, state: str = "warm", routable: bool = True) -> dict[str, Any]:
+    replicas = [{"state": state, "in_flight": 0}] if state != "cold" else []
+    model = {"id": "chat", "aliases": ["gpt"], "max_parallel": 2, "replicas": replicas}
+    return {
+        "name": name, "url": f"http://127.0.0.2:80{name[-1]}", "worker": f"box-{name[-1]}",
+        "worker_state": "online" if routable else "draining", "routable": routable,
+        "models": [model],
+    }  # fmt: skip
+
+
+def _cluster(clock: _Clock) -> Cluster:
+    return Cluster(None, name="gw-1", worker="box-1", models={}, routes={}, clock=clock)  # type: ignore[arg-type]
+
+
+def test_a_peer_that_refused_a_connection_is_routed_around_until_its_time_is_up() -> None:
+    clock = _Clock()
+    cluster = _cluster(clock)
+    cluster.apply(_view(_gateway("gw-2"), _gateway("gw-3", state="busy")))
+    assert cluster.decide("gpt").gateway == "gw-2"
+    cluster.peer_down("gw-2")
+    assert cluster.decide("gpt").gateway == "gw-3"
+    clock.t += DOWN_S + 0.1
+    assert cluster.decide("gpt").gateway == "gw-2"
+
+
+def test_a_draining_peer_leaves_routing_and_a_view_without_a_peer_forgets_it() -> None:
+    cluster = _cluster(_Clock())
+    cluster.apply(_view(_gateway("gw-2", routable=False)))
+    decided = cluster.decide("chat")
+    assert decided.kind.value == "none" and "draining" in decided.why
+    cluster.apply(_view())
+    assert not cluster.knows("chat")
+
+
+def test_the_previous_peer_credential_is_still_trusted_after_a_new_one_came() -> None:
+    cluster = _cluster(_Clock())
+    cluster.apply(_view(key="first"))
+    cluster.apply(_view(key="second"))
+    assert cluster.trusts("second") and cluster.trusts("first")
+    assert not cluster.trusts("") and not cluster.trusts("third")
+    cluster.apply(_view(key="third"))
+    assert not cluster.trusts("first")
+
+
+def test_requests_forwarded_to_a_peer_count_against_it_before_its_next_report() -> None:
+    cluster = _cluster(_Clock())
+    cluster.apply(_view(_gateway("gw-2"), _gateway("gw-3")))
+    assert cluster.decide("chat").gateway == "gw-2"
+    cluster.forwarding[("gw-2", "chat")] += 1
+    assert cluster.decide("chat").gateway == "gw-3"

@@ -1,0 +1,105 @@
+"""Several hosts on one machine for the cluster tests: each host an agent with its own
+worker name, simulated GPUs and runtime directory, and its own gateway listening on its
+own loopback address (127.0.0.2, 127.0.0.3, ...), all reporting to one real controller."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .agents import AgentProcess, worker_state
+from .conftest import Server, wait_for
+from .gateways import GatewayProcess
+
+
+class HostGateway(GatewayProcess):
+    """A gateway on ``address`` named ``name`` beside worker ``worker``."""
+
+    def __init__(
+        self, url: str, token: str, runtime: Path, models: str, address: str, name: str
+    ) -> None:
+        head = f'[gateway]\nhost = "{address}"\nname = "{name}"\n\n'
+        super().__init__(url, token, runtime, head + models)
+        self.address = address
+        self.name = name
+        self._listening = re.compile(rf"gateway on http://{re.escape(address)}:(\d+)")
+
+    def start(self, timeout_s: float = 30.0) -> HostGateway:
+        super().start(timeout_s)
+        self.url = self.url.replace("127.0.0.1", self.address)
+        return self
+
+    def _port(self) -> str | None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"gateway exited: {self.log.read_text()}")
+        found = self._listening.findall(self.log.read_text(errors="replace"))
+        return found[-1] if found else None
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+class Host:
+    """One host: its agent (worker ``box-N``) and its gateway (``gw-N`` on 127.0.0.N)."""
+
+    def __init__(self, server: Server, root: Path, number: int, spec: str, models: str) -> None:
+        self.server = server
+        self.number = number
+        self.worker = f"box-{number}"
+        self.runtime = root / f"host-{number}"
+        token = server.admin_token
+        self.agent = AgentProcess(server.url, token, self.worker, self.runtime, spec)
+        self.gateway = HostGateway(
+            server.url, token, self.runtime, models, f"127.0.0.{number}", f"gw-{number}"
+        )
+
+    def start(self, admin: httpx.Client) -> Host:
+        self.agent.start()
+        wait_for(lambda: worker_state(admin, self.worker) == "online", what=f"{self.worker} up")
+        self.gateway.start()
+        return self
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        self.agent.stop()
+
+    def kill(self) -> None:
+        """SIGKILL to the gateway and the agent, as a host that loses its power."""
+        self.gateway.kill()
+        assert self.agent.proc is not None
+        self.agent.proc.send_signal(signal.SIGKILL)
+        self.agent.proc.wait(10)
+
+
+def routable(admin: httpx.Client, hosts: list[Host], model: str) -> bool:
+    """Whether every gateway of ``hosts`` sees every other as a routable host of
+    ``model`` (the view each front door routes on)."""
+    for host in hosts:
+        with host.gateway.client() as client:
+            entries = client.get("/v1/models").json()["data"]
+        entry = next((e for e in entries if e["id"] == model), None)
+        if entry is None:
+            return False
+        seen = {h["gateway"] for h in entry.get("hosts", []) if h.get("routable")}
+        if seen != {h.gateway.name for h in hosts}:
+            return False
+    return True
+
+
+def served_by(response: httpx.Response) -> str:
+    return response.headers.get("x-served-by", "")
+
+
+def cluster_leases(admin: httpx.Client, model: str) -> list[dict[str, Any]]:
+    return [
+        lease
+        for lease in admin.get("/v1/leases").json()
+        if (lease.get("metadata") or {}).get("cluster_model") == model and lease["ended_at"] is None
+    ]

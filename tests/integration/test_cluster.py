@@ -1,0 +1,201 @@
+"""One front door for every host: several hosts on this machine (each an agent with
+its own worker name and simulated GPUs, and a gateway on its own loopback address),
+one real controller, the test model server (tests/integration/model_server.py) as each
+model's server, and the ``openai`` SDK or httpx as the caller."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from .agents import worker_state
+from .cluster import Host, cluster_leases, routable, served_by
+from .conftest import Server, wait_for
+from .gateways import chat, model_entry, records
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Cluster:
+    def __init__(self, server: Server, root: Path) -> None:
+        self.server = server
+        self.root = root
+        self.record = root / "record"
+        self.record.mkdir(parents=True, exist_ok=True)
+        self.admin = server.client()
+        self.hosts: list[Host] = []
+
+    def host(self, number: int, spec: str, models: str) -> Host:
+        host = Host(self.server, self.root, number, spec, models).start(self.admin)
+        self.hosts.append(host)
+        return host
+
+    def settled(self, model: str) -> None:
+        """Until every front door sees every other host of ``model``."""
+        wait_for(lambda: routable(self.admin, self.hosts, model), what="every host routable")
+
+    def started(self, model: str) -> int:
+        return len(records(self.record, model))
+
+
+@pytest.fixture
+def cluster(start_server: Callable[..., Server], tmp_path: Path) -> Iterator[Cluster]:
+    found = Cluster(start_server(), tmp_path)
+    yield found
+    for host in reversed(found.hosts):
+        host.stop()
+    found.admin.close()
+
+
+def _models(cluster: Cluster, **keys: object) -> str:
+    keys = {"vram": "8G", "keep_alive": "60s", "aliases": ["gpt-4o-mini"], **keys}
+    return model_entry("chat", cluster.record, mb=6000, **keys)  # type: ignore[arg-type]
+
+
+def test_a_cold_model_loads_where_it_fits_and_the_warm_copy_serves_every_front_door(
+    cluster: Cluster,
+) -> None:
+    small = cluster.host(2, "1x4G:sm_86", _models(cluster))  # 8G never fits here
+    large = cluster.host(3, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+    with small.gateway.client() as client:
+        first = client.post("/v1/chat/completions", json=chat("gpt-4o-mini"))
+        assert first.status_code == 200, first.text
+        assert served_by(first) == "gw-3/chat"
+        again = client.post("/v1/chat/completions", json=chat("chat"))
+        assert again.status_code == 200, again.text
+        assert served_by(again) == "gw-3/chat"
+    with large.gateway.client() as client:
+        local = client.post("/v1/chat/completions", json=chat("chat"))
+        assert served_by(local) == "gw-3/chat"
+    assert cluster.started("chat") == 1
+    (lease,) = cluster_leases(cluster.admin, "chat")
+    assert lease["worker"] == "box-3"
+    assert lease["constraints"]["workers"] == ["box-2", "box-3"]
+
+
+def test_the_openai_sdk_sees_every_model_of_the_cluster_and_names_one_hosts_copy(
+    cluster: Cluster,
+) -> None:
+    only_here = model_entry("embed", cluster.record, mb=1000, vram="2G")
+    first = cluster.host(2, "1x24G:sm_86", _models(cluster))
+    second = cluster.host(3, "1x24G:sm_86", _models(cluster) + only_here)
+    cluster.settled("chat")
+    sdk = openai.OpenAI(base_url=first.gateway.url + "/v1", api_key="none", max_retries=0)
+    listed = {m.id for m in sdk.models.list().data}
+    assert {"chat", "embed", "gpt-4o-mini"} <= listed
+    answer = sdk.chat.completions.with_raw_response.create(
+        model="embed", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert answer.headers["x-served-by"] == "gw-3/embed"
+    named = sdk.chat.completions.with_raw_response.create(
+        model="chat@gw-2", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert named.headers["x-served-by"] == "gw-2/chat"
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="chat@gw-9", messages=[{"role": "user", "content": "hi"}])
+    assert second.gateway.url  # the second host served embed
+
+
+def test_a_burst_of_200_for_a_cold_model_at_two_front_doors_starts_one_server(
+    cluster: Cluster,
+) -> None:
+    models = _models(cluster, max_parallel=8, load_s=1.0)
+    doors = [cluster.host(2, "1x24G:sm_86", models), cluster.host(3, "1x24G:sm_86", models)]
+    cluster.settled("chat")
+
+    def call(i: int) -> tuple[int, str]:
+        url = doors[i % 2].gateway.url
+        with httpx.Client(base_url=url, timeout=120) as client:
+            answer = client.post("/v1/chat/completions", json=chat("chat"))
+            return answer.status_code, served_by(answer)
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(call, range(200)))
+    assert [status for status, _ in answers] == [200] * 200
+    assert len({by for _, by in answers}) == 1
+    assert cluster.started("chat") == 1
+
+
+def test_a_front_door_killed_during_the_load_leaves_the_load_serving(cluster: Cluster) -> None:
+    door = cluster.host(2, "1x4G:sm_86", _models(cluster, load_s=3.0))
+    server = cluster.host(3, "1x24G:sm_86", _models(cluster, load_s=3.0))
+    cluster.settled("chat")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            lambda: httpx.post(
+                door.gateway.url + "/v1/chat/completions", json=chat("chat"), timeout=60
+            )
+        )
+        wait_for(lambda: cluster.started("chat") == 1, what="the load to start on box-3")
+        door.gateway.kill()
+        with pytest.raises(httpx.TransportError):
+            pending.result()
+    with server.gateway.client() as client:
+        answer = client.post("/v1/chat/completions", json=chat("chat"))
+    assert answer.status_code == 200, answer.text
+    assert served_by(answer) == "gw-3/chat"
+    assert cluster.started("chat") == 1
+
+
+def test_a_host_killed_with_sigkill_leaves_routing_and_its_model_loads_elsewhere(
+    cluster: Cluster,
+) -> None:
+    models = _models(cluster, ttl="3s")
+    first = cluster.host(2, "1x24G:sm_86", models)
+    doomed = cluster.host(3, "1x24G:sm_86", models)
+    cluster.settled("chat")
+    with doomed.gateway.client() as client:
+        answer = client.post("/v1/chat/completions", json=chat("chat@gw-3"))
+        assert served_by(answer) == "gw-3/chat"
+    (server_record,) = records(cluster.record, "chat")
+    doomed.kill()
+    os.kill(server_record["pid"], signal.SIGKILL)  # the host lost its power: all of it
+    wait_for(lambda: worker_state(cluster.admin, "box-3") == "offline", what="box-3 offline")
+    with first.gateway.client() as client:
+        after = client.post("/v1/chat/completions", json=chat("chat"))
+    assert after.status_code == 200, after.text
+    assert served_by(after) == "gw-2/chat"
+
+    def on_box_3(*states: str) -> list[dict[str, object]]:
+        leases = cluster.admin.get("/v1/leases").json()
+        return [
+            lease
+            for lease in leases
+            if lease["worker"] == "box-3" and lease["ended_at"] is None
+            and (not states or lease["state"] in states)
+        ]  # fmt: skip
+
+    # past its TTL the lease is no longer held for use: revoked, its memory kept (I4)
+    # until the host's agent says the process is gone
+    wait_for(lambda: not on_box_3("loading", "active"), timeout_s=3.0 + 10.0, what="revoked")
+    doomed.agent.start()  # the host is back: its agent finds nothing of the lease running
+    wait_for(lambda: not on_box_3(), timeout_s=30.0, what="box-3's lease released")
+
+
+def test_a_draining_host_gets_no_new_request_while_its_own_finish(cluster: Cluster) -> None:
+    first = cluster.host(2, "1x24G:sm_86", _models(cluster))
+    draining = cluster.host(3, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+    with draining.gateway.client() as client:
+        warm = client.post("/v1/chat/completions", json=chat("chat@gw-3"))
+        assert served_by(warm) == "gw-3/chat"
+    drained = cluster.admin.post("/v1/workers/box-3/drain", json={})
+    assert drained.status_code in (200, 202), drained.text
+    with first.gateway.client() as client:
+        moved = wait_for(
+            lambda: (
+                (r := client.post("/v1/chat/completions", json=chat("chat")))
+                and served_by(r) == "gw-2/chat"
+                and r
+            ),
+            what="requests at gw-2 served by gw-2",
+        )
+    assert moved.status_code == 200
