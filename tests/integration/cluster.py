@@ -47,17 +47,27 @@ class HostGateway(GatewayProcess):
 
 
 class Host:
-    """One host: its agent (worker ``box-N``) and its gateway (``gw-N`` on 127.0.0.N)."""
+    """One host: its agent (worker ``box-N``) and its gateway (``gw-N`` on 127.0.0.N),
+    both given ``controllers`` (comma-separated URLs; default: ``server``'s)."""
 
-    def __init__(self, server: Server, root: Path, number: int, spec: str, models: str) -> None:
+    def __init__(
+        self,
+        server: Server,
+        root: Path,
+        number: int,
+        spec: str,
+        models: str,
+        controllers: str | None = None,
+    ) -> None:
         self.server = server
         self.number = number
         self.worker = f"box-{number}"
         self.runtime = root / f"host-{number}"
         token = server.admin_token
-        self.agent = AgentProcess(server.url, token, self.worker, self.runtime, spec)
+        urls = controllers or server.url
+        self.agent = AgentProcess(urls, token, self.worker, self.runtime, spec)
         self.gateway = HostGateway(
-            server.url, token, self.runtime, models, f"127.0.0.{number}", f"gw-{number}"
+            urls, token, self.runtime, models, f"127.0.0.{number}", f"gw-{number}"
         )
 
     def start(self, admin: httpx.Client) -> Host:

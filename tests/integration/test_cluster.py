@@ -199,3 +199,47 @@ def test_a_draining_host_gets_no_new_request_while_its_own_finish(cluster: Clust
             what="requests at gw-2 served by gw-2",
         )
     assert moved.status_code == 200
+
+
+def test_a_load_granted_while_no_front_door_forwards_is_adopted_by_its_host(
+    cluster: Cluster,
+) -> None:
+    """The front door that asked for the load is gone before it forwarded any request
+    there: the controller hands the lease to the gateway beside its worker, which starts
+    the server under it, and the next request anywhere is served by it."""
+    door = cluster.host(2, "1x4G:sm_86", _models(cluster))
+    cluster.host(3, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+    asked = cluster.admin.post(
+        "/v1/gateways/gw-2/loads", params={"wait": 10}, json={"model": "chat"}
+    )  # as gw-2 would, and then nothing more from it
+    assert asked.status_code == 200, asked.text
+    assert asked.json()["state"] == "loading" and asked.json()["worker"] == "box-3"
+    lease_id = asked.json()["id"]
+
+    def active() -> bool:
+        return bool(cluster.admin.get(f"/v1/leases/{lease_id}").json()["state"] == "active")
+
+    wait_for(active, what="gw-3 to adopt the lease and load chat under it")
+    assert cluster.started("chat") == 1
+    with door.gateway.client() as client:
+        answer = client.post("/v1/chat/completions", json=chat("chat"))
+    assert served_by(answer) == "gw-3/chat"
+    assert cluster.started("chat") == 1
+    assert [lease["id"] for lease in cluster_leases(cluster.admin, "chat")] == [lease_id]
+
+
+def test_a_load_for_a_model_no_routable_gateway_declares_is_a_404_naming_it(
+    cluster: Cluster,
+) -> None:
+    cluster.host(2, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+    missing = cluster.admin.post("/v1/gateways/gw-2/loads", json={"model": "nope"})
+    assert missing.status_code == 404
+    assert "nope" in missing.json()["error"]["message"]
+    bad = cluster.admin.post("/v1/gateways/gw-2/loads", json={"model": "chat", "replicas": 0})
+    assert bad.status_code == 422
+    assert "replicas" in bad.text
+    unknown = cluster.admin.post("/v1/gateways/gw-9/loads", json={"model": "chat"})
+    assert unknown.status_code == 404
+    assert cluster_leases(cluster.admin, "chat") == []

@@ -348,6 +348,12 @@ class GatewayApp:
             model.unpin()
         return self._entry(model.name, model.name)
 
+    async def adopt(self, name: str, lease_id: str) -> None:
+        """Serves model ``name`` under the cluster's lease ``lease_id``, granted beside
+        this gateway (the controller's ``adopt`` command), unless it does already."""
+        if self.cluster is not None and name in self.routes:
+            await self.cluster.adopt(self.models[self.routes[name]], lease_id)
+
     async def _unknown(self, send: Send, name: str) -> None:
         known = ", ".join(sorted(self.models))
         message = f"model {name!r} is not known; known: {known}"

@@ -11,7 +11,8 @@ the gateway connects out, as the agents do. Three loops, for the gateway's life:
   request count did: a busy gateway does not report four times a second;
 - commands: long-polls ``GET /v1/gateways/{name}/commands`` and runs each one (unload,
   pin, unpin) through the very code of the gateway's own admin routes
-  (``GatewayApp.administer``).
+  (``GatewayApp.administer``); ``adopt``: a lease the cluster's load was granted beside
+  this gateway, which no front door brought it (``GatewayApp.adopt``).
 
 A controller that cannot be reached is waited through: the loops back off (1 s,
 doubling, at most ``report_s``) and log one line when it goes and one when it is back.
@@ -48,6 +49,8 @@ REPORTED = (
 """The fields of a model's description the controller takes (it refuses others)."""
 
 Administer = Callable[[str, str, str], Awaitable[Any]]
+Adopt = Callable[[str, str], Awaitable[None]]
+"""(model, lease id): the cluster's lease granted beside this gateway, to serve under."""
 
 
 def default_name(port: int, host: str | None = None) -> str:
@@ -131,6 +134,7 @@ class Reporter:
         worker: str | None,
         models: Mapping[str, ModelServer],
         administer: Administer,
+        adopt: Adopt | None = None,
         report_s: float = REPORT_S,
         debounce_s: float = DEBOUNCE_S,
         backoff_s: float = BACKOFF_FIRST_S,
@@ -142,6 +146,7 @@ class Reporter:
         self.worker = worker
         self.models = models
         self.administer = administer
+        self.adopt = adopt
         self.report_s = report_s
         self.debounce_s = debounce_s
         self.backoff_s = backoff_s
@@ -236,6 +241,10 @@ class Reporter:
 
     async def _run(self, command: Mapping[str, Any]) -> None:
         model, verb = str(command.get("model")), str(command.get("verb"))
+        if verb == "adopt" and self.adopt is not None:
+            await self.adopt(model, str(command.get("lease")))
+            self._soon.set()
+            return
         try:
             done = await self.administer(model, verb, f"the controller ({command.get('id')})")
         except ValueError as error:  # a verb this gateway does not know

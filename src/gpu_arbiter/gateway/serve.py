@@ -168,7 +168,7 @@ async def _serve(
         name = config.name or default_name(port)
         reporter = Reporter(
             client, name=name, url=listen_url(host, port), host=socket.gethostname(),
-            worker=worker, models=models, administer=app.administer,
+            worker=worker, models=models, administer=app.administer, adopt=app.adopt,
         )  # fmt: skip
         app.name = name
         app.cluster = Cluster(

@@ -44,7 +44,7 @@ from .auth import Forbidden, Principal
 from .gateways import CLUSTER_MODEL, GatewayRegistry, Report
 from .limits import Slots
 
-__all__ = ["router"]
+__all__ = ["adoptable", "router"]
 
 MAX_WAIT_S = 60.0
 RECHECK_S = 1.0
@@ -258,6 +258,17 @@ def _last_ran(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
         if isinstance(m.get("last_used_ago_s"), int | float)
     ]
     return [min(ran)[1]] if ran else []
+
+
+def adoptable(ctl: Controller, worker: str) -> list[tuple[str, str]]:
+    """The cluster's leases granted on ``worker`` and still loading: (model, lease id),
+    for the gateway beside it to adopt if it does not hold them yet
+    (``GatewayRegistry.commands``)."""
+    return [
+        (str(r.request.metadata[CLUSTER_MODEL]), r.id)
+        for r in ctl.leases.all(state=LeaseState.LOADING, worker=worker)
+        if CLUSTER_MODEL in r.request.metadata
+    ]
 
 
 def _free(ctl: Controller, workers: Sequence[str] | Mapping[str, Any]) -> dict[str, int]:

@@ -57,20 +57,29 @@ MAX_GATEWAYS = 1000
 MAX_COMMANDS = 32
 """Commands queued for one gateway and not handed over yet, at most."""
 VERBS = ("unload", "pin", "unpin")
+ADOPT_AGAIN_S = 3.0
+"""A lease handed to a gateway to adopt and still not taken up is handed again after this."""
+RECHECK_S = 1.0
+"""How often a long-poll for commands looks for the cluster's leases to adopt."""
+Adoptable = Callable[[str], list[tuple[str, str]]]
+"""worker -> the cluster's leases granted there and not taken up: (model, lease id)."""
 CLUSTER_MODEL = "cluster_model"
 """The metadata key of a lease asked for the cluster (``cluster.py``): its model."""
 
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """What an admin asked a gateway to do with one of its models."""
+    """What an admin asked a gateway to do with one of its models, or what the cluster
+    asks of it: ``adopt`` the cluster's ``lease`` granted beside it (``cluster.py``)."""
 
     id: str
     model: str
     verb: str
+    lease: str | None = None
 
     def as_dict(self) -> dict[str, str]:
-        return {"id": self.id, "model": self.model, "verb": self.verb}
+        found = {"id": self.id, "model": self.model, "verb": self.verb}
+        return found if self.lease is None else {**found, "lease": self.lease}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,7 @@ class _Gateway:
     reported_at: float
     commands: list[Command] = field(default_factory=list)
     queued: asyncio.Event = field(default_factory=asyncio.Event)
+    handed: dict[str, float] = field(default_factory=dict)  # lease to adopt -> handed at
 
 
 class GatewayRegistry:
@@ -113,6 +123,8 @@ class GatewayRegistry:
         self.max_gateways = max_gateways
         self.max_commands = max_commands
         self._gateways: dict[str, _Gateway] = {}
+        self.adoptable: Adoptable = lambda worker: []
+        """The cluster's leases a gateway's worker should adopt (set by the server)."""
         self.peer_key = peer_key or secrets.token_urlsafe(32)
         """The credential gateways show each other when one forwards a request to
         another (``x-arbiter-peer``): issued by this controller, handed to each gateway
@@ -154,14 +166,13 @@ class GatewayRegistry:
         found = self._owned(name, who, "take the commands of")
         deadline = asyncio.get_running_loop().time() + wait_s
         while not found.commands:
+            self._adoptions(found)
             left = deadline - asyncio.get_running_loop().time()
-            if left <= 0 or self._gateways.get(name) is not found:
-                return []
+            if found.commands or left <= 0 or self._gateways.get(name) is not found:
+                break
             found.queued.clear()
-            try:
-                await asyncio.wait_for(found.queued.wait(), left)
-            except TimeoutError:
-                return []
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(found.queued.wait(), min(left, RECHECK_S))
         return self._hand_over(found)
 
     def forget(self, name: str, who: Principal) -> None:
@@ -297,8 +308,33 @@ class GatewayRegistry:
         )
 
     def _hand_over(self, found: _Gateway) -> list[Command]:
+        self._adoptions(found)
         taken, found.commands = found.commands, []
         return taken
+
+    def _adoptions(self, found: _Gateway) -> None:
+        """Queues ``adopt`` for each of the cluster's leases loading beside the gateway
+        that its report does not show it holding (a front door that asked for it died
+        before it forwarded a request there): handed again after :data:`ADOPT_AGAIN_S`
+        while its reports still do not show it."""
+        worker = found.report.worker
+        if worker is None:
+            return
+        now = self._clock()
+        held = {
+            replica.get("lease")
+            for model in found.report.models
+            for replica in model.get("replicas") or ()
+            if isinstance(replica, Mapping)
+        }
+        leases = [(m, lease_id) for m, lease_id in self.adoptable(worker) if lease_id not in held]
+        alive = {lease_id for _, lease_id in leases}
+        found.handed = {k: v for k, v in found.handed.items() if k in alive}
+        for model, lease_id in leases:
+            if now - found.handed.get(lease_id, -ADOPT_AGAIN_S) >= ADOPT_AGAIN_S:
+                found.handed[lease_id] = now
+                command_id = f"cmd-{secrets.token_hex(6)}"
+                found.commands.append(Command(command_id, model, "adopt", lease_id))
 
     def _ago(self, found: _Gateway) -> float:
         return max(0.0, self._clock() - found.reported_at)

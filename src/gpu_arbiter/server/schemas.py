@@ -533,11 +533,13 @@ class DrainOut(_Out):
 
 
 class GatewayCommandOut(_Out):
-    """A command queued for a gateway: ``verb`` one of unload, pin, unpin."""
+    """A command queued for a gateway: ``verb`` one of unload, pin, unpin (an admin's),
+    or adopt (the cluster's ``lease``, granted beside the gateway, to serve under)."""
 
     id: str
     model: str
     verb: str
+    lease: str | None = None
 
 
 class GatewayReportOut(_Out):
