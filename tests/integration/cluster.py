@@ -113,3 +113,12 @@ def cluster_leases(admin: httpx.Client, model: str) -> list[dict[str, Any]]:
         for lease in admin.get("/v1/leases").json()
         if (lease.get("metadata") or {}).get("cluster_model") == model and lease["ended_at"] is None
     ]
+
+
+def model_leases(admin: httpx.Client, model: str) -> list[dict[str, Any]]:
+    """The model's leases not ended, the cluster's and each gateway's own."""
+    return [
+        lease
+        for lease in admin.get("/v1/leases").json()
+        if (lease.get("metadata") or {}).get("model") == model and lease["ended_at"] is None
+    ]

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from .agents import worker_state
-from .cluster import Host, cluster_leases, routable, served_by
+from .cluster import Host, cluster_leases, model_leases, routable, served_by
 from .conftest import Server, wait_for
 from .gateways import chat, model_entry, records
 
@@ -243,3 +243,45 @@ def test_a_load_for_a_model_no_routable_gateway_declares_is_a_404_naming_it(
     unknown = cluster.admin.post("/v1/gateways/gw-9/loads", json={"model": "chat"})
     assert unknown.status_code == 404
     assert cluster_leases(cluster.admin, "chat") == []
+
+
+def test_replicas_grow_under_queueing_and_the_one_beyond_min_goes_first(
+    cluster: Cluster,
+) -> None:
+    """``replicas = {min = 1, max = 2}``: requests queue at gw-2 for its busy replica, so
+    a second replica is asked for the cluster and placed by the arbiter where it fits
+    (box-3: box-2 cannot hold two); new requests then go there. Once quiet, the second
+    is marked idle at once (the arbiter's to reclaim first) and stops at keep_alive,
+    while the first keeps its lease busy-marked until idle_after."""
+    models = _models(cluster, vram="14G", max_parallel=1, keep_alive="4s", idle_after="60s")
+    models += "replicas = { min = 1, max = 2 }\n"
+    first = cluster.host(2, "1x24G:sm_86", models)
+    cluster.host(3, "1x24G:sm_86", models)
+    cluster.settled("chat")
+    with first.gateway.client() as client:
+        warm = client.post("/v1/chat/completions", json=chat("chat@gw-2"))
+        assert served_by(warm) == "gw-2/chat"
+
+    def slow(i: int) -> str:
+        with httpx.Client(base_url=first.gateway.url, timeout=60) as client:
+            answer = client.post("/v1/chat/completions", json=chat("chat", token_s=0.3))
+            assert answer.status_code == 200, answer.text
+            return served_by(answer)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        queued = [pool.submit(slow, i) for i in range(4)]
+        wait_for(lambda: cluster.started("chat") == 2, timeout_s=30, what="a second replica")
+        wait_for(lambda: len(model_leases(cluster.admin, "chat")) == 2, what="two leases")
+        later = [pool.submit(slow, i) for i in range(4)]
+        servers = {f.result() for f in queued + later}
+    assert servers == {"gw-2/chat", "gw-3/chat"}
+    leases = {lease["worker"]: lease for lease in model_leases(cluster.admin, "chat")}
+    assert set(leases) == {"box-2", "box-3"}
+    assert leases["box-3"]["metadata"]["replica"] == 2
+
+    def marks() -> dict[str, bool]:
+        return {lease["worker"]: lease["idle"] for lease in model_leases(cluster.admin, "chat")}
+
+    wait_for(lambda: marks().get("box-3") is True, what="the second replica marked idle")
+    assert marks()["box-2"] is False  # the first one is no cache before idle_after
+    wait_for(lambda: "box-3" not in marks(), timeout_s=20, what="the second one stopped")

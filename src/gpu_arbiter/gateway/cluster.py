@@ -27,7 +27,7 @@ import asyncio
 import hmac
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -82,12 +82,16 @@ class Peer:
 
 @dataclass(slots=True)
 class _Load:
-    """A cold load this gateway asked the cluster for: the task asking, and how many
-    of its requests wait for it."""
+    """A load this gateway asked the cluster for: the task asking, and how many of its
+    requests wait for it (``waiters``, and those ``also`` counts: a busy model's queue)."""
 
     task: asyncio.Task[dict[str, Any]]
     waiters: int = 0
     waiting: str = "asking the arbiter where to load it"
+    also: Callable[[], int] = lambda: 0
+
+    def wanted(self) -> bool:
+        return self.waiters + self.also() > 0
 
 
 class Cluster:
@@ -142,6 +146,8 @@ class Cluster:
         finally:
             for peer in self.peers.values():
                 peer.upstream.close()
+            for load in self._loads.values():
+                load.task.cancel()
 
     def apply(self, view: Mapping[str, Any]) -> None:
         """Takes a view of the cluster (``GET /v1/gateways/{name}/cluster``)."""
@@ -235,12 +241,53 @@ class Cluster:
         found = self._loads.get(model)
         return found.waiting if found is not None else "asking the arbiter where to load it"
 
-    async def _ask(self, model: str, priority: int) -> dict[str, Any]:
+    def grow(self, model: ModelServer) -> bool:
+        """Requests queue here for a busy model: one more replica for the cluster, placed
+        by the arbiter like any load, while the cluster holds fewer than its ``replicas``
+        (max). False when no other gateway declares the model (this one grows alone)."""
+        name = model.name
+        if not any(p.model(name) is not None for p in self.peers.values()):
+            return False
+        found = self._loads.get(name)
+        if found is not None and not found.task.done():
+            return True
+        total = self._replicas(name)
+        if total >= model.config.replicas:
+            return True
+        task = asyncio.ensure_future(self._ask(name, model.lease_priority(), total + 1))
+        self._loads[name] = _Load(task, also=lambda: model.waiting)
+        task.add_done_callback(lambda done: self._grown(model, done))
+        log.info("route: %s: busy, %d replica(s): one more for the cluster", name, total)
+        return True
+
+    def _replicas(self, name: str) -> int:
+        """The model's replicas in the cluster, ready or on their way."""
+        here = self.models.get(self.routes.get(name, ""))
+        count = 0 if here is None else sum(1 for r in here.replicas if r.live and r.ending is None)
+        for peer in self.peers.values():
+            model = peer.model(name)
+            replicas = [] if model is None else model.get("replicas") or []
+            count += sum(
+                1 for r in replicas if isinstance(r, Mapping) and r.get("state") in _READY + _COMING
+            )
+        return count
+
+    def _grown(self, model: ModelServer, done: asyncio.Task[dict[str, Any]]) -> None:
+        """The new replica's lease: this gateway serves under it when it is on its own
+        worker (another's takes it up from the controller)."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        lease = done.result()
+        if lease.get("worker") == self.worker:
+            model.adopt(lease)
+
+    async def _ask(self, model: str, priority: int, replicas: int = 1) -> dict[str, Any]:
         local = self.routes.get(model)
         config = self.models[local].config if local is not None else None
         body = {
             "model": model,
             "priority": priority,
+            "replicas": replicas,
             "ttl_s": config.ttl_s if config else 30.0,
             "max_wait_s": config.queue_timeout_s if config else DEFAULT_QUEUE_TIMEOUT_S,
             "load_timeout_s": config.load_timeout_s if config else 300.0,
@@ -272,7 +319,7 @@ class Cluster:
                 found.waiting = f"queued for the cluster, {pending_text(lease)}"
             self._changed.set()
             self._changed = asyncio.Event()
-            if found is None or found.waiters <= 0:
+            if found is None or not found.wanted():
                 raise Refused(503, f"model {model}: nobody waits for its load any more", 1.0)
 
     def _say_placed(self, model: str, lease: Mapping[str, Any]) -> None:

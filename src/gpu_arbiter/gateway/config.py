@@ -30,7 +30,9 @@
     keep_alive = "5m"              # idle this long -> stopped and released
     ready = "/health"              # 2xx here = loaded (default: /health, else /v1/models)
     max_parallel = 4               # requests in flight per replica
-    replicas = 2                   # at most this many replicas (each its own lease)
+    replicas = 2                   # at most this many replicas (each its own lease), or
+                                   # { min = 1, max = 3 }: beyond min, marked idle (the
+                                   # arbiter's to reclaim first) whenever nothing is in flight
     aliases = ["gpt-4o-mini"]
     pinned = false                 # true: never idle, never stopped for keep_alive
     min_resident = "0s"            # ready this long before its lease may be marked idle
@@ -135,7 +137,8 @@ class ModelConfig:
     keep_alive_s: float = 300.0
     ready: str | None = None  # None: /health, then /v1/models where /health is a 404
     max_parallel: int = 4
-    replicas: int = 1
+    replicas: int = 1  # at most, in the whole cluster where other gateways declare it too
+    replicas_min: int = 1  # those beyond are marked idle as soon as nothing is in flight
     aliases: tuple[str, ...] = ()
     ctx: int | None = None
     model_file: str | None = None
@@ -393,6 +396,8 @@ def _model(name: str, spec: Any) -> ModelConfig:
     for key, (attribute, parse) in _PARSERS.items():
         if key in spec:
             values[attribute] = _parsed(parse, spec[key], f"{where}.{key}")
+    if isinstance(values.get("replicas"), tuple):
+        values["replicas_min"], values["replicas"] = values["replicas"]
     vram = spec.get("vram", "auto")
     values["vram"] = None if vram == "auto" else _parsed(_vram, vram, f"{where}.vram")
     if "gpus" not in spec:  # a tensor parallel server's command says how many it needs
@@ -487,6 +492,20 @@ def _int_between(low: int, high: int) -> Callable[[Any, str], int]:
     return parse
 
 
+def _replicas(value: Any, where: str) -> int | tuple[int, int]:
+    """``N`` (at most N) or ``{ min = 1, max = 3 }``."""
+    if not isinstance(value, Mapping):
+        return _int_between(1, 64)(value, where)
+    unknown = set(value) - {"min", "max"}
+    if unknown:
+        raise InvalidInput(where, f"takes min and max, not {', '.join(sorted(unknown))}")
+    low = _int_between(1, 64)(value.get("min", 1), f"{where}.min")
+    high = _int_between(1, 64)(value.get("max", low), f"{where}.max")
+    if high < low:
+        raise InvalidInput(f"{where}.max", f"{high} is below min ({low})")
+    return (low, high)
+
+
 def _ready(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.startswith("/"):
         raise InvalidInput(where, f"{value!r} is not a path such as /health")
@@ -525,7 +544,7 @@ _PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "keep_alive": ("keep_alive_s", _seconds),
     "ready": ("ready", _ready),
     "max_parallel": ("max_parallel", _int_between(1, 4096)),
-    "replicas": ("replicas", _int_between(1, 64)),
+    "replicas": ("replicas", _replicas),
     "aliases": ("aliases", _aliases),
     "ctx": ("ctx", _int_between(1, 1 << 24)),
     "model_file": ("model_file", _model_file),

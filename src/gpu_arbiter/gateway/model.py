@@ -34,7 +34,7 @@ import logging
 import socket
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ..core import PRIORITY_NAMES, format_s, priority_name
 from .config import ModelConfig
@@ -60,6 +60,14 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 MEASURE_S = 2.0
 UNLOAD_MARGIN_S = 10.0  # beyond two graces and the agent's margin: the release
+
+
+class Grower(Protocol):
+    """The cluster, as a model that needs one more replica sees it (``cluster.py``)."""
+
+    def grow(self, model: ModelServer) -> bool:
+        """Asks for one more replica for the cluster; False when no other gateway
+        declares the model (this one starts its own)."""
 
 
 class Refused(Exception):
@@ -99,6 +107,7 @@ class ModelServer:
         self.waiting = 0
         self.neighbours: Mapping[str, ModelServer] = {}  # the gateway's models, this one too
         self.asker: Mapping[str, str] = {}  # which gateway asks (lease metadata; serve.py)
+        self.cluster: Grower | None = None  # where other gateways declare it too
         self._wanting: Counter[int] = Counter()  # the priorities of the callers waiting
         self.failures = 0
         self.failed_at = 0.0
@@ -209,6 +218,8 @@ class ModelServer:
         coming = [r for r in self._live() if r.state in _COMING]
         slots = len(coming) * self.config.max_parallel
         if self.waiting > slots and len(holding) < self.config.replicas:
+            if holding and self.cluster is not None and self.cluster.grow(self):
+                return  # one more replica for the cluster: the arbiter places it
             self._numbers += 1
             replica = Replica(self, self._numbers)
             self.replicas.append(replica)

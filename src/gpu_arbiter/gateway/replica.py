@@ -127,6 +127,18 @@ class Replica:
         return self.state is not ReplicaState.ENDED
 
     @property
+    def extra(self) -> bool:
+        """A replica beyond the model's ``replicas.min``: marked idle as soon as nothing
+        is in flight (the arbiter reclaims it before the others). The cluster's lease
+        says its place among the model's replicas (``replica``); this gateway's own are
+        counted in the order they were asked for."""
+        metadata = self.lease.get("metadata") or {}
+        if "cluster_model" in metadata:
+            return int(metadata.get("replica") or 1) > self.model.config.replicas_min
+        live = [r for r in self.model.replicas if r.live]
+        return self in live and live.index(self) >= self.model.config.replicas_min
+
+    @property
     def lease_idle(self) -> bool:
         """Whether its lease is marked idle (a cache the arbiter may reclaim)."""
         return self._idle_marked
@@ -519,7 +531,8 @@ class Replica:
             since, arrivals = self.quiet_since, self.arrivals
             stop_at = since + config.keep_alive_s
             resident_at = (self.ready_at or since) + config.min_resident_s
-            idle_at = max(since + config.idle_after_s, resident_at)
+            idle_after_s = 0.0 if self.extra else config.idle_after_s
+            idle_at = max(since + idle_after_s, resident_at)
             if not self._idle_marked and idle_at < stop_at:
                 if await self._quiet_until(idle_at):
                     await self.mark_idle(arrivals)

@@ -174,6 +174,8 @@ async def _serve(
         app.cluster = Cluster(
             client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock
         )
+        for model in models.values():
+            model.cluster = app.cluster
         reporting = asyncio.gather(reporter.run(), app.cluster.follow())
         try:
             ended = asyncio.ensure_future(stop.wait())

@@ -190,7 +190,7 @@ async def cluster_load(
     if joined:
         record = (coming or live)[-1]
     else:
-        submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts))
+        submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, max(len(live) + 1, body.replicas)))
         record = submitted.record
     if record.state is LeaseState.PENDING and wait > 0:
         long_polls: Slots = request.app.state.long_polls
@@ -229,12 +229,17 @@ def _live_loads(ctl: Controller, model: str) -> list[LeaseRecord]:
     ]
 
 
-def _request(ctl: Controller, body: LoadIn, hosts: Mapping[str, Mapping[str, Any]]) -> CoreRequest:
+def _request(
+    ctl: Controller, body: LoadIn, hosts: Mapping[str, Mapping[str, Any]], replica: int
+) -> CoreRequest:
     """One request for the cluster: the largest size any host declares (never less than
-    one of them needs), every host's worker allowed, the most recent one preferred."""
+    one of them needs), every host's worker allowed, the most recent one preferred (for
+    the first replica only: another is placed where the arbiter finds room); ``replica``:
+    its place among the model's replicas (one beyond the model's ``replicas.min`` is
+    marked idle whenever it has nothing in flight)."""
     sizes = [int(m.get("vram_mb") or 0) for m in hosts.values()]
     gpus = max(int(m.get("gpus") or 1) for m in hosts.values())
-    recent = _last_ran(hosts)
+    recent = _last_ran(hosts) if replica == 1 else []
     constraints = Constraints.build(workers=sorted(hosts), prefer_workers=recent)
     return CoreRequest.build(
         ctl.leases.new_id(),
@@ -243,7 +248,7 @@ def _request(ctl: Controller, body: LoadIn, hosts: Mapping[str, Mapping[str, Any
         priority=body.priority,
         constraints=constraints,
         holder=f"cluster model {body.model}",
-        metadata={CLUSTER_MODEL: body.model, "model": body.model},
+        metadata={CLUSTER_MODEL: body.model, "model": body.model, "replica": replica},
         ttl_s=body.ttl_s,
         max_wait_s=body.max_wait_s,
         load_timeout_s=body.load_timeout_s,
