@@ -190,7 +190,8 @@ async def cluster_load(
     if joined:
         record = (coming or live)[-1]
     else:
-        submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, max(len(live) + 1, body.replicas)))
+        place = max(len(live) + 1, body.replicas)
+        submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, place))
         record = submitted.record
     if record.state is LeaseState.PENDING and wait > 0:
         long_polls: Slots = request.app.state.long_polls
