@@ -79,6 +79,18 @@ def test_a_cold_model_loads_where_it_fits_and_the_warm_copy_serves_every_front_d
     (lease,) = cluster_leases(cluster.admin, "chat")
     assert lease["worker"] == "box-3"
     assert lease["constraints"]["workers"] == ["box-2", "box-3"]
+    with small.gateway.client() as client:
+        routes = client.get("/admin/routes").json()["routes"]
+    assert [r["outcome"] for r in routes[:2]] == ["peer", "load"]  # newest first
+    assert routes[0]["to"] == "gw-3"  # warm there, or its load still on the way in the view
+    assert "a load for the cluster (gw-2, gw-3)" in routes[1]["why"]
+
+    def reported() -> list[dict[str, object]]:
+        gateways = cluster.admin.get("/v1/gateways").json()
+        found: list[dict[str, object]] = next(g for g in gateways if g["name"] == "gw-2")["routes"]
+        return found
+
+    wait_for(lambda: len(reported()) >= 2, timeout_s=15, what="gw-2's routes in its report")
 
 
 def test_the_openai_sdk_sees_every_model_of_the_cluster_and_names_one_hosts_copy(

@@ -784,3 +784,29 @@ async def test_the_models_panel_shows_each_gateways_models_and_pins_one(
         dashboard.assert_clean()
     finally:
         gateway.stop()
+
+
+async def test_the_models_panel_shows_a_front_doors_last_routes(
+    server: Server, admin: httpx.Client, dashboard: Dashboard
+) -> None:
+    """A gateway's report carries its last routing decisions as a front door: the page
+    shows the newest first, each saying where a request went and why."""
+    routes = [
+        {"at": 1.0, "model": "chat", "outcome": "load", "to": None,
+         "why": "chat: cold, a load for the cluster (gw-2, gw-3)"},
+        {"at": 2.0, "model": "chat", "outcome": "peer", "to": "gw-3",
+         "why": "chat -> gw-3: warm, 0 in flight"},
+    ]  # fmt: skip
+    body = {
+        "url": "http://127.0.0.2:8080", "host": "front", "worker": None,
+        "models": [{"id": "chat", "state": "cold"}], "routes": routes,
+    }  # fmt: skip
+    answer = admin.put("/v1/gateways/gw-2", json=body)
+    assert answer.status_code == 200, answer.text
+    await dashboard.open(server.admin_token)
+    shown = dashboard.page.locator('.gateway[data-gateway="gw-2"] .routes li')
+    await expect(shown).to_have_count(2)
+    await expect(shown.first).to_have_text("chat -> gw-3: warm, 0 in flight")
+    await expect(shown.first).to_have_attribute("data-outcome", "peer")
+    await expect(shown.nth(1)).to_contain_text("a load for the cluster")
+    dashboard.assert_clean()

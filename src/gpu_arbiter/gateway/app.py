@@ -9,6 +9,8 @@
     POST /admin/models/{name}/unload, /pin, /unpin
                               an operator's (an admin key's, when there are keys): stop
                               its replicas now; keep it busy-marked; let it go again
+    GET  /admin/routes        the last routing decisions of this front door, newest
+                              first: where each request went and why
     GET  /metrics, /healthz
 
 In front of every route: the ``Host`` check, the simple-request rule and the API keys
@@ -265,6 +267,9 @@ class GatewayApp:
             await self._listing(send, path[len("/v1/models/") :])
         elif method == "POST" and _ADMIN_ROUTE.fullmatch(path):
             await self._admin(send, path, headers)
+        elif method == "GET" and path == ADMIN_PREFIX + "routes":
+            routed = [] if self.cluster is None else list(reversed(self.cluster.routed))
+            await _json(send, 200, {"routes": routed})
         elif path == "/metrics":
             body = generate_latest(self.metrics.registry)
             await _send(send, 200, body, CONTENT_TYPE_LATEST.encode())
@@ -588,6 +593,7 @@ class GatewayApp:
         for _ in range(len(cluster.peers) + 1):
             decision = _named(cluster, model, host) if host else cluster.decide(model)
             self.metrics.routes.labels(model_id, str(decision.kind)).inc()
+            cluster.record(model_id, decision)
             if decision.kind is Kind.LOCAL:
                 return False
             if decision.kind is Kind.NONE:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,10 @@ DOWN_S = 5.0
 """A peer that refused a connection is left out of routing this long (or until the
 controller's view shows it again after a change)."""
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
+ROUTES_KEPT = 200
+"""The routing decisions kept for ``GET /admin/routes`` (the newest; the report carries
+the last :data:`ROUTES_REPORTED`)."""
+ROUTES_REPORTED = 20
 PEER_KEEP = 64
 """Idle connections kept to each peer gateway."""
 _READY = ("warm", "busy")
@@ -121,6 +126,15 @@ class Cluster:
         self._loads: dict[str, _Load] = {}
         self._adopting: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
+        self.routed: deque[dict[str, Any]] = deque(maxlen=ROUTES_KEPT)
+
+    def record(self, model: str, decided: Route) -> None:
+        """A routing decision, as the operator reads it (``GET /admin/routes``, the
+        gateway's report, the dashboard)."""
+        self.routed.append(
+            {"at": round(time.time(), 3), "model": model, "outcome": str(decided.kind),
+             "to": decided.gateway, "why": decided.why}
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the view
 

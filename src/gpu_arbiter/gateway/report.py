@@ -26,10 +26,11 @@ import contextlib
 import logging
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
+from .cluster import ROUTES_REPORTED
 from .model import ModelServer
 
 __all__ = ["Reporter", "default_name", "listen_url", "model_report"]
@@ -135,6 +136,7 @@ class Reporter:
         models: Mapping[str, ModelServer],
         administer: Administer,
         adopt: Adopt | None = None,
+        routes: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         report_s: float = REPORT_S,
         debounce_s: float = DEBOUNCE_S,
         backoff_s: float = BACKOFF_FIRST_S,
@@ -147,6 +149,7 @@ class Reporter:
         self.models = models
         self.administer = administer
         self.adopt = adopt
+        self.routes = routes  # the front door's last routing decisions
         self.report_s = report_s
         self.debounce_s = debounce_s
         self.backoff_s = backoff_s
@@ -193,6 +196,7 @@ class Reporter:
             "host": self.host,
             "worker": self.worker,
             "models": [model_report(m) for m in self.models.values()],
+            "routes": list(self.routes())[-ROUTES_REPORTED:],
         }
         try:
             answer = await self.client.report_gateway(self.name, body)

@@ -166,14 +166,15 @@ async def _serve(
         host, port = sock.getsockname()[:2]
         say(f"gateway on http://{host}:{port} for {', '.join(models)} (worker {worker or 'any'})")
         name = config.name or default_name(port)
-        reporter = Reporter(
-            client, name=name, url=listen_url(host, port), host=socket.gethostname(),
-            worker=worker, models=models, administer=app.administer, adopt=app.adopt,
-        )  # fmt: skip
         app.name = name
         app.cluster = Cluster(
             client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock
         )
+        reporter = Reporter(
+            client, name=name, url=listen_url(host, port), host=socket.gethostname(),
+            worker=worker, models=models, administer=app.administer, adopt=app.adopt,
+            routes=lambda: app.cluster.routed if app.cluster is not None else (),
+        )  # fmt: skip
         for model in models.values():
             model.cluster = app.cluster
         reporting = asyncio.gather(reporter.run(), app.cluster.follow())

@@ -91,6 +91,7 @@ class Report:
     host: str
     worker: str | None
     models: Sequence[Mapping[str, Any]]
+    routes: Sequence[Mapping[str, Any]] = ()  # its last routing decisions, as a front door
 
 
 @dataclass(slots=True)
@@ -287,6 +288,7 @@ class GatewayRegistry:
             "stale": self._stale(found, self._clock()),
             "commands_queued": len(found.commands),
             "models": [dict(model) for model in report.models],
+            "routes": [dict(route) for route in report.routes],
         }
 
     def _owned(self, name: str, who: Principal, doing: str) -> _Gateway:

@@ -477,7 +477,8 @@ async def report_gateway(
     name = validate_worker_name(name, "name")
     worker = None if body.worker is None else validate_worker_name(body.worker, "worker")
     models = [m.model_dump(exclude_none=True) for m in body.models]
-    report = Report(url=body.url, host=body.host, worker=worker, models=models)
+    routes = [dict(route) for route in body.routes]
+    report = Report(url=body.url, host=body.host, worker=worker, models=models, routes=routes)
     commands = registry.report(name, who, report)
     answer = {"name": name, "ttl_s": registry.ttl_s, "report_s": REPORT_S}
     return JSONResponse({**answer, "commands": [c.as_dict() for c in commands]})

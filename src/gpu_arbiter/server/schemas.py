@@ -400,6 +400,7 @@ class GatewayReportIn(_In):
     host: Text = ""
     worker: Short | None = None
     models: Annotated[list[GatewayModelIn], Field(max_length=256)] = Field(default_factory=list)
+    routes: Annotated[list[SmallObject], Field(max_length=50)] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------- outputs (documentation)
@@ -576,6 +577,11 @@ class GatewayOut(_Out):
     stale: bool
     commands_queued: int
     models: list[dict[str, Any]]
+    routes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Its last routing decisions as a front door (newest last): model, "
+        "outcome (local, peer, load, none), to (a gateway), why, at (Unix time)",
+    )
 
 
 class GatewayGoneOut(_Out):

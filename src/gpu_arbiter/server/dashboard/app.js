@@ -571,7 +571,16 @@ function gatewayBlock(gateway) {
     { title: "keep-alive left", value: keepAliveLeft },
     { title: "pinned", class: "pinned", value: pinnedText },
     { title: "", class: "admin", value: (m) => modelButtons(gateway, m) },
-  ], gateway.models || [], "No model."));
+  ], gateway.models || [], "No model."), routesBlock(gateway));
+}
+
+// A front door's last routing decisions: where each request went, and why.
+function routesBlock(gateway) {
+  const routes = (gateway.routes || []).slice(-5).reverse();
+  if (!routes.length) return null;
+  return el("div", { class: "routes", "data-routes": gateway.name },
+    el("span", { class: "count" }, "last routes:"),
+    el("ul", {}, routes.map((r) => el("li", { "data-outcome": r.outcome }, r.why))));
 }
 
 function renderModels(gateways) {
