@@ -26,6 +26,8 @@ class HostGateway(GatewayProcess):
         super().__init__(url, token, runtime, head + models)
         self.address = address
         self.name = name
+        found = re.search(r'^key = "([^"]+)"', models, re.MULTILINE)
+        self.key = found.group(1) if found else ""
         self._listening = re.compile(rf"gateway on http://{re.escape(address)}:(\d+)")
 
     def start(self, timeout_s: float = 30.0) -> HostGateway:
@@ -44,6 +46,12 @@ class HostGateway(GatewayProcess):
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        """A client with this gateway's own API key, if it has one (``key``)."""
+        if self.key:
+            kwargs.setdefault("headers", {"authorization": f"Bearer {self.key}"})
+        return super().client(**kwargs)
 
 
 class Host:

@@ -297,3 +297,41 @@ def test_replicas_grow_under_queueing_and_the_one_beyond_min_goes_first(
     wait_for(lambda: marks().get("box-3") is True, what="the second replica marked idle")
     assert marks()["box-2"] is False  # the first one is no cache before idle_after
     wait_for(lambda: "box-3" not in marks(), timeout_s=20, what="the second one stopped")
+
+
+def _keys(key: str, priority: str) -> str:
+    return f'[[gateway.keys]]\nkey = "{key}"\nname = "{key[:8]}"\npriority = "{priority}"\n\n'
+
+
+def test_api_keys_apply_at_the_front_door_and_its_priority_travels_with_the_request(
+    cluster: Cluster,
+) -> None:
+    """The front door checks its own keys; the serving gateway takes the peer's word for
+    them (it has other keys), and the key's priority is the cold load's. A caller can
+    neither pass as a peer nor raise its priority with the peers' headers."""
+    door_key, other_key = "sk-door-indexer-key", "sk-another-hosts-key"
+    door = cluster.host(2, "1x4G:sm_86", _keys(door_key, "batch") + _models(cluster))
+    serving = cluster.host(3, "1x24G:sm_86", _keys(other_key, "critical") + _models(cluster))
+    cluster.settled("chat")
+    body = chat("chat")
+    refused = httpx.post(door.gateway.url + "/v1/chat/completions", json=body, timeout=30)
+    assert refused.status_code == 401
+    with door.gateway.client() as client:
+        raised = {"x-arbiter-priority": "1000", "x-arbiter-via": "gw-3"}
+        answer = client.post("/v1/chat/completions", json=body, headers=raised)
+    assert answer.status_code == 200, answer.text
+    assert served_by(answer) == "gw-3/chat"
+    (lease,) = cluster_leases(cluster.admin, "chat")
+    assert lease["priority"] == 100  # the door key's batch, not the header's 1000
+    direct = httpx.post(
+        serving.gateway.url + "/v1/chat/completions", json=body, timeout=30,
+        headers={"authorization": f"Bearer {door_key}"},
+    )  # fmt: skip
+    assert direct.status_code == 401  # the door's key is the door's only
+    forged = httpx.post(
+        serving.gateway.url + "/v1/chat/completions", json=body, timeout=30,
+        headers={"x-arbiter-peer": "not-the-cluster-credential"},
+    )  # fmt: skip
+    assert forged.status_code == 401
+    assert forged.json()["error"]["code"] == "invalid_peer"
+    assert cluster.started("chat") == 1
