@@ -104,6 +104,7 @@ from .model import ModelServer, Refused
 from .replica import Replica
 from .routing import Kind, Route
 from .scopes import CancelScope
+from .states import EndKind
 from .upstream import Body, NotConnected, UpstreamError
 
 __all__ = ["ADMIN_VERBS", "GatewayApp"]
@@ -140,7 +141,12 @@ with it, ``x-arbiter-priority`` and ``x-arbiter-lease`` are believed."""
 _PEER_HEADERS = frozenset(
     {PEER, b"x-arbiter-priority", b"x-arbiter-lease", b"x-arbiter-via", b"authorization"}
 )
-_STOPPED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "keep_alive", "unloaded"})
+_STOPPED = frozenset(
+    {
+        EndKind.PREEMPTED, EndKind.RECLAIMED, EndKind.REVOKED, EndKind.SHUTDOWN,
+        EndKind.KEEP_ALIVE, EndKind.UNLOADED,
+    }
+)  # fmt: skip
 STOPPING = "the gateway is stopping"
 HEARTBEAT_S = 3.0
 """A streaming request that waits for a replica gets a comment line at once, when what it

@@ -3,8 +3,11 @@
 ::
 
     warm --idle sleep_after--> asleep --a request waits--> waking --granted, woken--> warm
-                                 ^                           |
-                                 +--- nobody waits any more -+
+      ^                         |  ^                           |
+      +---- the server did -----+  +--- nobody waits any more -+
+            not sleep
+
+    asleep, waking --keep_alive, revoked, reclaimed, the server exited...--> stopping
 
 Asleep, the engine has given its memory back while its process and port stay; the lease
 shrinks to what the probe shows the process still holds once that figure stops falling
@@ -63,10 +66,10 @@ class SleepTier:
         if r.arrivals != arrivals or r.in_flight or r.ending is not None:
             return
         before = await r.used_mb()
-        r.set_state(ReplicaState.ASLEEP)
+        r.move(ReplicaState.ASLEEP)
         if not await self._engine_sleeps():
             log.info("model %s replica %d: the server did not sleep", r.model.name, r.number)
-            r.set_state(ReplicaState.WARM)
+            r.move(ReplicaState.WARM)
             return
         kept = await self._kept_mb(before)
         await self.drop_extra()
@@ -118,7 +121,7 @@ class SleepTier:
         if not r.asleep:
             return None
         started = r.parts.clock.now()
-        r.set_state(ReplicaState.WAKING)
+        r.move(ReplicaState.WAKING)
         need = r.model.vram_mb - int(r.lease["vram_mb"])
         if need > 0:
             # no longer a cache while it wakes: the arbiter must not reclaim what it kept
@@ -126,7 +129,7 @@ class SleepTier:
             await r.mark_busy()
             if not await self._take_back(need):
                 if r.ending is None:
-                    r.set_state(ReplicaState.ASLEEP)
+                    r.move(ReplicaState.ASLEEP)
                     await r.mark_idle(r.arrivals)  # a cache again
                 return None
         if not await r.model.driver.wake(r.port):
@@ -139,7 +142,7 @@ class SleepTier:
         r.model.metrics.wake_seconds.labels(r.model.name).observe(woke_s)
         log.info("model %s replica %d: awake in %.2fs", r.model.name, r.number, woke_s)
         r.quiet_since = r.parts.clock.now()
-        r.set_state(ReplicaState.WARM)
+        r.move(ReplicaState.WARM)
         return None
 
     async def _take_back(self, need_mb: int) -> bool:

@@ -42,6 +42,7 @@ from .engines import OFFLINE, driver_for
 from .interfaces import Parts, sleep_or
 from .metrics import GatewayMetrics
 from .replica import AGENT_MARGIN_S, Replica, ReplicaState
+from .states import EndKind
 
 __all__ = ["ModelServer", "Refused"]
 
@@ -239,7 +240,8 @@ class ModelServer:
         replica = Replica(self, self._numbers)
         replica.lease = dict(lease)
         replica.priority = int(lease.get("priority") or self.config.priority)
-        replica.state = ReplicaState.LOADING  # never "queued": nobody's leaving cancels it
+        replica.move(ReplicaState.LOADING, notify=False)  # never "queued": nobody's leaving
+        # cancels it (the model is told below)
         self.replicas.append(replica)
         self.metrics.cold_starts.labels(self.name).inc()
         self.spawn(replica.run())
@@ -391,11 +393,11 @@ class ModelServer:
     def ended(self, replica: Replica) -> None:
         assert replica.ending is not None
         kind, reason = replica.ending.kind, replica.ending.reason
-        if kind == "failed":
+        if kind is EndKind.FAILED:
             self.failures += 1
             self.failed_at = self.clock.now()
             self.failure = reason
-        if kind != "cancelled":
+        if kind is not EndKind.CANCELLED:
             self.metrics.stops.labels(self.name, kind).inc()
         log.info("model %s replica %d: stopped (%s: %s)", self.name, replica.number, kind, reason)
         self.replicas.remove(replica)
@@ -431,7 +433,9 @@ class ModelServer:
             replica.unload()
         self._unloads += 1
         self.notify()
-        cancelled = sum(1 for r in live if r.ending is not None and r.ending.kind == "cancelled")
+        cancelled = sum(
+            1 for r in live if r.ending is not None and r.ending.kind is EndKind.CANCELLED
+        )
         deadline = self.clock.now() + 2 * self.config.grace_s + AGENT_MARGIN_S + UNLOAD_MARGIN_S
         while any(r in self.replicas for r in live) and self.clock.now() < deadline:
             await sleep_or(self.clock.sleep(deadline - self.clock.now()), self._changed)

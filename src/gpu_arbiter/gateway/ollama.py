@@ -60,7 +60,7 @@ from .interfaces import AgentLink, Clock, Launcher, LeaseApi, Parts, ServerProce
 from .metrics import GatewayMetrics
 from .model import ModelServer
 from .replica import Replica
-from .states import Ending
+from .states import Ending, EndKind
 
 __all__ = ["OllamaLauncher", "OllamaModelServer", "OllamaProcess", "OllamaServe", "model_servers"]
 
@@ -402,9 +402,9 @@ class OllamaModelServer(ModelServer):
 
     def ended(self, replica: Replica) -> None:
         process = replica.process
-        failed = replica.ending is not None and replica.ending.kind == "failed"
+        failed = replica.ending is not None and replica.ending.kind is EndKind.FAILED
         if failed and isinstance(process, OllamaProcess) and process.dropped:
-            replica.ending = Ending("dropped", "Ollama unloaded it by itself")
+            replica.ending = Ending(EndKind.DROPPED, "Ollama unloaded it by itself")
         super().ended(replica)
 
 

@@ -47,13 +47,13 @@ from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
 from .asleep import SleepTier
 from .interfaces import ServerProcess, sleep_or
 from .scopes import CancelScope
-from .states import Ending, ReplicaState
+from .states import Ending, EndKind, ReplicaState, check_move
 from .upstream import Upstream
 
 if TYPE_CHECKING:
     from .model import ModelServer
 
-__all__ = ["Ending", "Replica", "ReplicaState"]
+__all__ = ["EndKind", "Ending", "Replica", "ReplicaState"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 VISIBLE_DEVICES = (
@@ -66,7 +66,9 @@ READY_POLL_FIRST_S = 0.01  # a server that loads in a moment is seen at once; on
 READY_POLL_MAX_S = 0.25  # takes minutes is asked four times a second, not a hundred
 AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agent did not
 CUT_WAIT_S = 1.0  # at most this long for cut requests to close their connections
-GRACED = frozenset({"preempted", "reclaimed", "revoked", "shutdown", "unloaded"})
+GRACED = frozenset(
+    {EndKind.PREEMPTED, EndKind.RECLAIMED, EndKind.REVOKED, EndKind.SHUTDOWN, EndKind.UNLOADED}
+)
 """Endings that give the requests in flight the grace (the others find none, or the
 server gone)."""
 RELEASE_TRIES = 20
@@ -157,7 +159,7 @@ class Replica:
         meanwhile. Marks the lease busy first when it was marked idle."""
         self.in_flight += 1
         self.arrivals += 1
-        self.state = ReplicaState.BUSY
+        self.move(ReplicaState.BUSY, notify=False)
         self.last_used = self.parts.clock.now()
         self.activity.set()
         if self._yielding and self.model.swap_due(self.priority) is None:
@@ -173,7 +175,7 @@ class Replica:
             pass  # still ours until the controller says otherwise: marked next time
         except ApiError as error:
             self.leave()
-            self.stop(Ending("revoked", f"lease {self.lease['id']} lost: {error}"))
+            self.stop(Ending(EndKind.REVOKED, f"lease {self.lease['id']} lost: {error}"))
             return False
         except asyncio.CancelledError:  # its caller went away meanwhile: the slot back
             self.leave()
@@ -184,7 +186,7 @@ class Replica:
         self.in_flight -= 1
         if self.in_flight == 0:
             if self.state is ReplicaState.BUSY:
-                self.state = ReplicaState.WARM
+                self.move(ReplicaState.WARM, notify=False)  # told below
             self.quiet_since = self.last_used = self.parts.clock.now()
             self.activity.set()
         self.model.notify()
@@ -197,7 +199,7 @@ class Replica:
 
     def cancel_if_queued(self) -> None:
         if self.state is ReplicaState.QUEUED:
-            self.stop(Ending("cancelled", "nobody waits for it any more"))
+            self.stop(Ending(EndKind.CANCELLED, "nobody waits for it any more"))
         self.activity.set()  # a wake nobody waits for any more is given up
 
     @property
@@ -211,15 +213,15 @@ class Replica:
             self.activity.set()
 
     def shutdown(self) -> None:
-        self.stop(Ending("shutdown", "the gateway is stopping"))
+        self.stop(Ending(EndKind.SHUTDOWN, "the gateway is stopping"))
 
     def unload(self) -> None:
         """An operator's unload: a queued one is cancelled, the others stop as for a
         revocation (the requests in flight get the grace)."""
         if self.state is ReplicaState.QUEUED:
-            self.stop(Ending("cancelled", "unloaded by an operator"))
+            self.stop(Ending(EndKind.CANCELLED, "unloaded by an operator"))
         else:
-            self.stop(Ending("unloaded", "unloaded by an operator"))
+            self.stop(Ending(EndKind.UNLOADED, "unloaded by an operator"))
 
     def pin_changed(self) -> None:
         """The model was pinned or unpinned: the keep-warm task looks again, its timers
@@ -236,9 +238,15 @@ class Replica:
                     await self._mark_all(self.parts.leases.busy)
                     self._idle_marked = False
 
-    def set_state(self, state: ReplicaState) -> None:
-        self.state = state
-        self.model.notify()
+    def move(self, to: ReplicaState, *, notify: bool = True) -> None:
+        """The one way its state changes: a move :data:`~.states.TRANSITIONS` does not
+        allow is a bug (``AssertionError``); staying in the same state is no move. The
+        model is told (``notify``) unless the caller tells it itself."""
+        if to is not self.state:
+            check_move(self.state, to)
+            self.state = to
+        if notify:
+            self.model.notify()
 
     def stop(self, ending: Ending) -> None:
         if self.ending is None:
@@ -256,9 +264,9 @@ class Replica:
                 await self._serve()
         except Exception as error:  # a bug or the controller gone: end cleanly, say why
             log.exception("model %s replica %d failed", self.model.name, self.number)
-            self.stop(Ending("failed", f"{error.__class__.__name__}: {error}"))
+            self.stop(Ending(EndKind.FAILED, f"{error.__class__.__name__}: {error}"))
         except asyncio.CancelledError:  # the gateway gave up waiting for it to stop
-            self.stop(Ending("shutdown", "cancelled while the gateway stopped"))
+            self.stop(Ending(EndKind.SHUTDOWN, "cancelled while the gateway stopped"))
             raise
         finally:
             await self._finish()
@@ -292,10 +300,10 @@ class Replica:
         if self.lease["state"] in ("loading", "active") and self.ending is None:
             return True
         if self.ending is None and self.lease["state"] == "timed_out":  # queue_timeout
-            self.stop(Ending("cancelled", "not granted within its queue_timeout"))
+            self.stop(Ending(EndKind.CANCELLED, "not granted within its queue_timeout"))
         elif self.ending is None:
             reason = self.lease.get("end_reason") or self.lease["state"]
-            self.stop(Ending("failed", f"lease not granted: {reason}"))
+            self.stop(Ending(EndKind.FAILED, f"lease not granted: {reason}"))
         return False
 
     async def _ask(self) -> bool:
@@ -305,10 +313,10 @@ class Replica:
         try:
             self.lease = await self.parts.leases.create_lease(**request)
         except NotGranted as error:
-            self.stop(Ending("failed", f"lease not granted: {error.state} ({error.reason})"))
+            self.stop(Ending(EndKind.FAILED, f"lease not granted: {error.state} ({error.reason})"))
             return False
         except ApiError as error:
-            self.stop(Ending("failed", f"lease refused ({error.code}): {error}"))
+            self.stop(Ending(EndKind.FAILED, f"lease refused ({error.code}): {error}"))
             return False
         self.priority = int(request["priority"])
         return True
@@ -337,8 +345,7 @@ class Replica:
     async def _serve(self) -> None:
         """Holding the lease: load, serve until an ending, drain, stop the process. The
         task group's work (renew, watch, reap, keep-warm, measure) ends before it returns."""
-        self.state = ReplicaState.LOADING
-        self.model.notify()
+        self.move(ReplicaState.LOADING)  # an adopted one is loading already
         started = self.parts.clock.now()
         async with asyncio.TaskGroup() as group:
             self.group = group
@@ -356,7 +363,7 @@ class Replica:
         self.upstream.close()
 
     def _warm(self, group: asyncio.TaskGroup, keepers: list[asyncio.Task[None]]) -> None:
-        self.state = ReplicaState.WARM
+        self.move(ReplicaState.WARM, notify=False)  # told below
         self.quiet_since = self.ready_at = self.parts.clock.now()
         keepers.append(group.create_task(self._keep_warm()))
         if self.model.config.vram is None:
@@ -400,7 +407,8 @@ class Replica:
                 grace_s=model.config.grace_s,
             )  # fmt: skip
         except OSError as error:
-            self.stop(Ending("failed", f"cannot start {command[0]}: {error.strerror or error}"))
+            why = f"cannot start {command[0]}: {error.strerror or error}"
+            self.stop(Ending(EndKind.FAILED, why))
             return None
         self.process = process
         self._by_agent = await self._attach()
@@ -460,7 +468,7 @@ class Replica:
         self.exited.set()
         self.activity.set()
         if self.ending is None and self.state is not ReplicaState.LOADING:
-            self.stop(Ending("failed", f"the server exited with code {code}{self.tail()}"))
+            self.stop(Ending(EndKind.FAILED, f"the server exited with code {code}{self.tail()}"))
         self.model.notify()
 
     async def _wait_ready(self, process: ServerProcess) -> str:
@@ -481,11 +489,11 @@ class Replica:
                 at += 1
                 continue
             if status == 404:
-                self.stop(Ending("failed", _not_found(paths, config.ready is not None)))
+                self.stop(Ending(EndKind.FAILED, _not_found(paths, config.ready is not None)))
                 return "failed"
             if clock.now() > deadline:
                 why = f"not ready at {paths[at]} in {config.load_timeout_s:g}s{self.tail()}"
-                self.stop(Ending("failed", why))
+                self.stop(Ending(EndKind.FAILED, why))
                 return "failed"
             self.activity.clear()  # set by an ending and by the exit
             await sleep_or(clock.sleep(poll_s), self.activity)
@@ -497,7 +505,7 @@ class Replica:
         if any("address already in use" in line.lower() for line in tail):
             return "port_taken"
         code = self.returncode
-        self.stop(Ending("failed", f"the server exited with code {code} while loading" + (
+        self.stop(Ending(EndKind.FAILED, f"the server exited with code {code} while loading" + (
             _last_lines(tail))))  # fmt: skip
         return "failed"
 
@@ -505,7 +513,7 @@ class Replica:
         try:
             self.lease = await self.parts.leases.ready(self.lease["id"])
         except (ApiError, ControllerUnreachable) as error:
-            self.stop(Ending("revoked", f"lease lost while loading: {error}"))
+            self.stop(Ending(EndKind.REVOKED, f"lease lost while loading: {error}"))
             return False
         return True
 
@@ -540,7 +548,7 @@ class Replica:
             if self.tier.wake.is_set():
                 failure = await self.tier.wake_up()
                 if failure is not None:
-                    self.stop(Ending("failed", failure))
+                    self.stop(Ending(EndKind.FAILED, failure))
                 continue
             sleep_at = self.tier.sleep_at(since)
             if sleep_at is not None and sleep_at < stop_at:
@@ -549,7 +557,7 @@ class Replica:
                 continue
             if await self._quiet_until(stop_at):
                 idle_s = config.keep_alive_s
-                self.stop(Ending("keep_alive", f"idle for {idle_s:g}s (keep_alive)"))
+                self.stop(Ending(EndKind.KEEP_ALIVE, f"idle for {idle_s:g}s (keep_alive)"))
                 return
 
     async def _busy_while_others_wait(self) -> None:
@@ -641,8 +649,7 @@ class Replica:
                 self.activity.clear()
                 await sleep_or(clock.sleep(deadline - clock.now()), self.activity)
             await self._cut_relays()
-        self.state = ReplicaState.STOPPING
-        self.model.notify()
+        self.move(ReplicaState.STOPPING)
         self.upstream.close()  # the server sees its clients gone: it stops generating
         if self.process is not None and not self.exited.is_set():
             stop_s = min(self.model.driver.stop_s, grace_s)
@@ -717,7 +724,10 @@ class Replica:
             if lease.get("id"):
                 await self.release(str(lease["id"]))
         assert self.ending is not None
-        self.state = ReplicaState.ENDED
+        if self.state not in (ReplicaState.QUEUED, ReplicaState.STOPPING):
+            # a failure skipped the drain (an exception in its life): stopped all the same
+            self.move(ReplicaState.STOPPING, notify=False)
+        self.move(ReplicaState.ENDED, notify=False)  # the model is told by ``ended``
         self.model.ended(self)
 
     async def release(self, lease_id: str) -> None:
@@ -746,7 +756,8 @@ class Replica:
                 continue  # not lost until the controller says so
             except ApiError as error:
                 if error.status in (404, 409):
-                    self.stop(Ending("revoked", f"a lease of replica {self.number} lost: {error}"))
+                    why = f"a lease of replica {self.number} lost: {error}"
+                    self.stop(Ending(EndKind.REVOKED, why))
                     return
 
     async def watch(self, extra: bool = False) -> None:
@@ -779,8 +790,8 @@ class Replica:
             # flight and all (they get the grace)
             marked = bool(lease.get("idle")) or self._idle_marked
             cache = marked and (self.in_flight == 0 or self._yielding)
-            return Ending("reclaimed" if cache else "preempted", detail)
-        return Ending("revoked", detail)
+            return Ending(EndKind.RECLAIMED if cache else EndKind.PREEMPTED, detail)
+        return Ending(EndKind.REVOKED, detail)
 
     async def used_mb(self) -> int | None:
         """The GPU memory of the process group now, as the local agent's probe sees it

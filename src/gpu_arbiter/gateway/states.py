@@ -1,12 +1,17 @@
-"""A replica's life in words: its states and why it ends (``replica.py`` draws the
-life; ``asleep.py`` the tier between warm and stopped)."""
+"""A replica's life in words: its states, the moves allowed between them, and why it
+ends. ``replica.py`` draws the life and ``asleep.py`` the tier between warm and stopped;
+:data:`TRANSITIONS` is those two drawings as one table. Every change of state goes
+through :meth:`.replica.Replica.move`, which refuses a move the table does not allow (a
+bug: ``AssertionError`` naming both states). ``ended`` has no way out."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
 
-__all__ = ["Ending", "ReplicaState"]
+__all__ = ["TRANSITIONS", "EndKind", "Ending", "ReplicaState", "check_move"]
 
 
 class ReplicaState(StrEnum):
@@ -20,10 +25,53 @@ class ReplicaState(StrEnum):
     ENDED = "ended"
 
 
+_S = ReplicaState
+TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = MappingProxyType(
+    {
+        # granted (or a lease adopted: made loading); nobody waits any more: ended
+        _S.QUEUED: frozenset({_S.LOADING, _S.ENDED}),
+        # ready; or not ready, failed, revoked: stopped
+        _S.LOADING: frozenset({_S.WARM, _S.STOPPING}),
+        # a request came; idle sleep_after; keep_alive, a revocation, the server exited
+        _S.WARM: frozenset({_S.BUSY, _S.ASLEEP, _S.STOPPING}),
+        # all requests left; stopped with requests in flight (they get the grace)
+        _S.BUSY: frozenset({_S.WARM, _S.STOPPING}),
+        # a request waits: waking; the engine did not sleep after all: warm again
+        _S.ASLEEP: frozenset({_S.WAKING, _S.WARM, _S.STOPPING}),
+        # woken; nobody waits any more (or not granted): asleep again
+        _S.WAKING: frozenset({_S.WARM, _S.ASLEEP, _S.STOPPING}),
+        # the process group gone, the lease released
+        _S.STOPPING: frozenset({_S.ENDED}),
+        _S.ENDED: frozenset(),
+    }
+)
+"""The moves a replica's state may make: from -> the states it may go to."""
+
+
+def check_move(now: ReplicaState, to: ReplicaState) -> None:
+    """Raises ``AssertionError`` (a bug) naming both when ``now -> to`` is not allowed."""
+    if to not in TRANSITIONS[now]:
+        raise AssertionError(f"replica state {now} -> {to} is not an allowed move")
+
+
+class EndKind(StrEnum):
+    """Why a replica ended, as a word (its ``str`` is the word, for logs, metrics' labels
+    and error texts)."""
+
+    KEEP_ALIVE = "keep_alive"  # nothing came for keep_alive
+    RECLAIMED = "reclaimed"  # its lease, marked idle, taken as a cache
+    PREEMPTED = "preempted"  # its busy lease revoked for a higher priority
+    REVOKED = "revoked"  # its lease revoked or lost otherwise (drain, removal, expiry)
+    FAILED = "failed"  # it could not start, was not ready in time, or its server exited
+    CANCELLED = "cancelled"  # queued, and nobody waits for it any more
+    SHUTDOWN = "shutdown"  # the gateway stops
+    UNLOADED = "unloaded"  # an operator's unload
+    DROPPED = "dropped"  # Ollama unloaded it by itself (no failure: no backoff)
+
+
 @dataclass(frozen=True, slots=True)
 class Ending:
-    """Why a replica stops: ``kind`` (keep_alive, reclaimed, preempted, revoked, failed,
-    cancelled, shutdown, unloaded) and the words for logs and error bodies."""
+    """Why a replica stops: ``kind`` and the words for logs and error bodies."""
 
-    kind: str
+    kind: EndKind
     reason: str
