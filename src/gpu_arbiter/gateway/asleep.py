@@ -16,8 +16,9 @@ asks for the difference again: a second lease (``extra``) on the very GPUs the p
 lives on, through the queue and the load gate like any load, then wakes the engine (no
 cold start). Asleep again, that second lease is released and the first shrinks again.
 
-The tier belongs to one :class:`~.replica.Replica` and runs inside its keep-warm task:
-it has no task of its own but the watcher of the second lease, in the replica's group.
+The tier belongs to one replica (what it uses of it: :class:`~.interfaces.Sleeper`) and
+runs inside its keep-warm task: it has no task of its own but the watcher of the second
+lease, in the replica's group.
 """
 
 from __future__ import annotations
@@ -25,15 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..client import ApiError, ControllerUnreachable, pending_text
 from .engines import SleepKind, settled_mb
-from .interfaces import sleep_or
+from .interfaces import Sleeper, sleep_or
 from .states import ReplicaState
-
-if TYPE_CHECKING:
-    from .replica import Replica
 
 __all__ = ["SleepTier"]
 
@@ -45,7 +43,7 @@ Json = dict[str, Any]
 
 
 class SleepTier:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: Sleeper) -> None:
         self.replica = replica
         self.extra: Json = {}  # while awake after a sleep: the lease of what it took back
         self.extra_watch: asyncio.Task[None] | None = None

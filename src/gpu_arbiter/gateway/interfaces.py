@@ -9,6 +9,10 @@ life itself (``replica.py``) is unit-tested with ten-line fakes on a virtual clo
   ArbiterClient`, which has these very methods);
 - :class:`HealthCheck`: asking a model server whether it has loaded (real: HTTP).
 
+Two more keep the replica's own modules apart (no import circle): :class:`ReplicaOwner`
+is what a replica uses of its model (``model.py`` implements it), :class:`Sleeper`
+what the asleep tier (``asleep.py``) uses of its replica (``replica.py``).
+
 :class:`Parts` bundles them for a gateway's models; :func:`sleep_or` is how the life
 waits on its clock: a sleep that an event cuts short.
 """
@@ -19,10 +23,14 @@ import asyncio
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from .states import Ending, ReplicaState
 
 if TYPE_CHECKING:
-    from .engines import EngineHttp
+    from .config import ModelConfig
+    from .engines import Driver, EngineHttp
+    from .metrics import GatewayMetrics
 
 __all__ = [
     "AgentLink",
@@ -32,7 +40,9 @@ __all__ = [
     "LeaseApi",
     "LoopClock",
     "Parts",
+    "ReplicaOwner",
     "ServerProcess",
+    "Sleeper",
     "log_path",
     "sleep_or",
 ]
@@ -180,6 +190,117 @@ class Parts:
     leases: LeaseApi
     health: HealthCheck
     engines: EngineHttp | None = None  # the engines' own routes (None: none reachable)
+
+
+R = TypeVar("R")
+
+
+class ReplicaOwner(Protocol[R]):
+    """What a replica (``R``: :class:`~.replica.Replica`) uses of its model
+    (:class:`~.model.ModelServer`): its settings and parts, the figures a lease is asked
+    for with, and the calls by which the replica tells it what happened."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def parts(self) -> Parts: ...
+
+    @property
+    def driver(self) -> Driver: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+    @property
+    def vram_mb(self) -> int:
+        """The size a lease is asked for at (measured, for ``vram = "auto"``)."""
+        ...
+
+    @property
+    def waiting(self) -> int:
+        """How many requests wait for a slot."""
+        ...
+
+    @property
+    def replicas(self) -> Sequence[R]: ...
+
+    def lease_priority(self) -> int: ...
+
+    def lease_request(self, number: int) -> dict[str, Any]: ...
+
+    def swap_due(self, priority: int) -> float | None: ...
+
+    def notify(self) -> None:
+        """A replica's state, pending reason or requests changed."""
+        ...
+
+    def loaded(self, replica: R, load_s: float) -> None: ...
+
+    async def measure(self, replica: R) -> None: ...
+
+    def ended(self, replica: R) -> None:
+        """``replica`` ended (its lease released): the model forgets it."""
+        ...
+
+
+class Sleeper(Protocol):
+    """What the asleep tier (``asleep.py``) uses of its replica."""
+
+    number: int
+    lease: Json
+    pending_reason: str
+    quiet_since: float
+
+    @property
+    def model(self) -> ReplicaOwner[Any]: ...
+
+    @property
+    def parts(self) -> Parts: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def arrivals(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def ending(self) -> Ending | None: ...
+
+    @property
+    def asleep(self) -> bool: ...
+
+    @property
+    def activity(self) -> asyncio.Event: ...
+
+    @property
+    def ended(self) -> asyncio.Event: ...
+
+    @property
+    def group(self) -> asyncio.TaskGroup | None: ...
+
+    def move(self, to: ReplicaState, *, notify: bool = True) -> None: ...
+
+    def tail(self) -> str: ...
+
+    async def used_mb(self) -> int | None: ...
+
+    async def mark_busy(self) -> None: ...
+
+    async def mark_idle(self, arrivals: int) -> None: ...
+
+    async def watch(self, extra: bool = False) -> None: ...
+
+    async def release(self, lease_id: str) -> None: ...
 
 
 def log_path(state_dir: Path, model: str) -> Path:

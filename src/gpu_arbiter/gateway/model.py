@@ -59,7 +59,6 @@ _MOST_ADVANCED = (
 _COMING = (ReplicaState.QUEUED, ReplicaState.LOADING, ReplicaState.WAKING)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
-MEASURE_S = 2.0
 UNLOAD_MARGIN_S = 10.0  # beyond two graces and the agent's margin: the release
 
 

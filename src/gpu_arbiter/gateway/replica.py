@@ -41,17 +41,14 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
 from .asleep import SleepTier
-from .interfaces import ServerProcess, sleep_or
+from .interfaces import ReplicaOwner, ServerProcess, sleep_or
 from .scopes import CancelScope
 from .states import Ending, EndKind, ReplicaState, check_move
 from .upstream import Upstream
-
-if TYPE_CHECKING:
-    from .model import ModelServer
 
 __all__ = ["EndKind", "Ending", "Replica", "ReplicaState"]
 
@@ -76,11 +73,12 @@ PORT_TRIES = 3  # a server that could not bind its port is started again on anot
 TAIL_LINES = 8
 SWAP_CHECK_S = 1.0  # how often a busy replica looks whether another model waits for it
 BUSY_POLL_S = 0.5  # how often an engine whose work runs after its answer is asked
+MEASURE_S = 2.0  # how often a serving replica's memory is measured (vram = "auto")
 Json = dict[str, Any]
 
 
 class Replica:
-    def __init__(self, model: ModelServer, number: int) -> None:
+    def __init__(self, model: ReplicaOwner[Replica], number: int) -> None:
         self.model = model
         self.number = number
         self.parts = model.parts
@@ -624,8 +622,6 @@ class Replica:
     async def _measure(self) -> None:
         """After a load, every ``MEASURE_S`` while the replica serves (once more when it
         stops: see :meth:`_drain`)."""
-        from .model import MEASURE_S
-
         while self.ending is None:
             await self.model.measure(self)
             await sleep_or(self.parts.clock.sleep(MEASURE_S), self.ended)
