@@ -40,7 +40,7 @@ async def test_on_wait_is_called_once_and_only_when_the_request_has_to_wait(
     await settle()
     assert waits == ["first"]
     assert world.model.waiting_for() == "queued, insufficient_vram"  # the arbiter's reason
-    world.leases.give(world.replica.lease["id"])
+    world.leases.give(world.replica.lease_id)
     await world.clock.advance(1)
     assert world.model.waiting_for() == "loading chat"
     world.health.loaded = True

@@ -96,7 +96,7 @@ async def test_a_queued_replica_is_asked_again_when_a_higher_caller_comes(
     assert asked(queued) == [("L1", BATCH, None), ("L2", INTERACTIVE, None)]
     assert queued.leases.leases["L1"]["state"] == "released"  # no batch lease left behind
     assert queued.model.replicas == [replica]  # the same replica, moved up a class
-    assert replica.priority == INTERACTIVE and replica.lease["id"] == "L2"
+    assert replica.priority == INTERACTIVE and replica.lease_id == "L2"
     queued.leases.give("L2")
     assert await chat is replica and await batch is replica  # both served by it
     assert queued.leases.verbs() == ["create", "release", "create", "ready"]

@@ -85,7 +85,7 @@ async def test_a_pinned_replica_taken_by_a_higher_priority_is_preempted_not_recl
     await world.model.pin()
     await world.request()
     await world.clock.advance(10)
-    world.leases.revoke(world.replica.lease["id"])
+    world.leases.revoke(world.replica.lease_id)
     await world.clock.advance(1)
     assert world.model.replicas == []
     assert stops(world, "preempted") == 1
@@ -134,7 +134,7 @@ async def test_unload_lets_requests_finish_within_the_grace_then_stops_and_relea
     world: World,
 ) -> None:
     await world.request()
-    lease_id = world.replica.lease["id"]
+    lease_id = world.replica.lease_id
     request = world.start(hold_s=1.5)
     await world.clock.advance(0.1)
     unload = asyncio.ensure_future(world.model.unload())

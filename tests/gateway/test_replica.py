@@ -92,7 +92,7 @@ async def test_a_revoked_busy_replica_finishes_within_the_grace_then_one_sigterm
     world: World,
 ) -> None:
     await warm(world)
-    lease_id = world.replica.lease["id"]
+    lease_id = world.replica.lease_id
     request = world.start(hold_s=1.5)
     await world.clock.advance(0.1)
     world.leases.revoke(lease_id)
@@ -132,7 +132,7 @@ async def test_requests_past_the_grace_are_cut_and_the_lease_waits_for_the_exit(
     seen: list[list[int]] = []
     request = asyncio.ensure_future(relayed(world, 100, seen))
     await world.clock.advance(0.1)
-    world.leases.revoke(replica.lease["id"])
+    world.leases.revoke(replica.lease_id)
     await world.clock.advance(2.0)
     await request
     assert replica.cut
@@ -157,7 +157,7 @@ async def test_a_cut_is_followed_by_the_engines_stop_time_not_a_second_grace() -
         seen: list[list[int]] = []
         request = asyncio.ensure_future(relayed(world, 100, seen))
         await world.clock.advance(0.1)
-        world.leases.revoke(world.replica.lease["id"])
+        world.leases.revoke(world.replica.lease_id)
         await world.clock.advance(10.0)
         await request
         assert seen == [[]]
@@ -180,7 +180,7 @@ async def test_requests_done_early_leave_the_server_the_rest_of_the_grace_only()
         await warm(world)
         request = world.start(hold_s=4)
         await world.clock.advance(0.1)
-        world.leases.revoke(world.replica.lease["id"])
+        world.leases.revoke(world.replica.lease_id)
         await world.clock.advance(4.0)
         await request
         await settle()

@@ -8,6 +8,7 @@ controller's reason is what it would answer (``blockers``, as the core names the
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,8 +28,9 @@ async def _queued(other: ModelServer, blocker: dict[str, Any]) -> tuple[Replica,
     await settle()
     [replica] = other.replicas
     assert replica.state is ReplicaState.QUEUED
-    replica.lease["submitted_at"] = 5000.0  # the controller's clock differs from ours
-    replica.lease["reason"] = {"code": "insufficient_vram", "blockers": [blocker]}
+    reason = {"code": "insufficient_vram", "blockers": [blocker]}
+    # the controller's clock differs from ours
+    replica.lease = replace(replica.holding, submitted_at=5000.0, reason=reason)
     return replica, waiting
 
 
@@ -38,7 +40,7 @@ async def test_a_busy_model_in_the_way_is_named_with_its_swap_after_countdown() 
     busy = world.start(hold_s=100)  # chat is busy for 100 s
     await world.clock.advance(1)
     world.leases.grant = False
-    chat_lease = world.replica.lease["id"]
+    chat_lease = world.replica.lease_id
     blocker = {"id": chat_lease, "state": "busy", "until": None, "rule": "not_preemptible"}
     replica, waiting = await _queued(other, blocker)
     replica.pending_reason = "position 1: 0/1 GPUs fit"
@@ -68,7 +70,7 @@ async def test_an_idle_model_in_the_way_is_named_with_the_controllers_countdown(
     assert world.replica.lease_idle
     world.leases.grant = False
     blocker = {
-        "id": world.replica.lease["id"], "state": "idle", "since": 4995.0, "until": 5055.0,
+        "id": world.replica.lease_id, "state": "idle", "since": 4995.0, "until": 5055.0,
         "rule": "idle_reclaim_s",
     }  # fmt: skip
     await _queued(other, blocker)

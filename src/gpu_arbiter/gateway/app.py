@@ -99,6 +99,7 @@ from .bodies import (
 )
 from .cluster import Cluster
 from .config import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
+from .lease import Lease
 from .metrics import GatewayMetrics
 from .model import ModelServer, Refused
 from .replica import Replica
@@ -470,19 +471,21 @@ class GatewayApp:
             found = self.routes.get(name)
             if lease_id and found is not None:
                 await self.cluster.adopt(self.models[found], lease_id)
-        elif self.cluster is not None:
-            ended = await self._front_door(
+        head_sent = False  # an event stream's head went out while it waited for a load
+        if self.cluster is not None and not self._peer(headers):
+            routed = await self._front_door(
                 scope, receive, send, name, outbound, json_body, priority
             )
-            if ended:
+            if routed is None:
                 return
+            head_sent = routed
             name = name.rpartition("@")[0] or name
         found = self.routes.get(name)
         if found is None:
             await self._unknown(send, name)
             return
         model = self.models[found]
-        wait = _Wait(model, send, json_body)
+        wait = _Wait(model, send, json_body, head_sent=head_sent)
         scope_of_wait = CancelScope()  # by the client's disconnect, or the gateway's stop
         self._waits.add(scope_of_wait)
         try:
@@ -583,10 +586,11 @@ class GatewayApp:
         outbound: _Outbound,
         json_body: bytearray | None,
         priority: int | None,
-    ) -> bool:
+    ) -> bool | None:
         """Routes a request that came to this gateway as the cluster's front door
-        (``routing.py``): True when it was answered here (forwarded, refused), False
-        when this gateway's own replicas serve it. ``MODEL@GATEWAY`` names one gateway's
+        (``routing.py``): None when it was answered here (forwarded, refused), else this
+        gateway's own replicas serve it, and whether the head of its event stream went out
+        already (it waited for the cluster's load). ``MODEL@GATEWAY`` names one gateway's
         copy (``@`` is in no model's name)."""
         cluster = self.cluster
         assert cluster is not None
@@ -596,29 +600,32 @@ class GatewayApp:
         if not host and not cluster.knows(model):
             return False  # unknown anywhere: the local path names the models it knows
         model_id = cluster.model_id(model)
+        head_sent = False
         for _ in range(len(cluster.peers) + 1):
+            sender = _AfterHead(send) if head_sent else send
             decision = _named(cluster, model, host) if host else cluster.decide(model)
             self.metrics.routes.labels(model_id, str(decision.kind)).inc()
             cluster.record(model_id, decision)
             if decision.kind is Kind.LOCAL:
-                return False
+                return head_sent
             if decision.kind is Kind.NONE:
                 status = 404 if host else 503
                 code = "model_not_found" if host else "unavailable"
-                await _error(send, status, decision.why, code, 1.0 if status == 503 else None)
-                return True
-            lease_id, sender, gateway = None, send, decision.gateway
+                await _error(sender, status, decision.why, code, 1.0 if status == 503 else None)
+                return None
+            lease_id, gateway = None, decision.gateway
             if decision.kind is Kind.LOAD:
                 log.info("route: %s", decision.why)
-                placed = await self._load(send, receive, outbound, model_id, json_body, priority)
+                placed = await self._load(sender, receive, outbound, model_id, json_body, priority)
                 if placed is None:
-                    return True
-                lease, sender = placed
-                lease_id = str(lease["id"])
-                if lease.get("worker") == cluster.worker and model_id in self.models:
+                    return None
+                lease, head_sent = placed[0], head_sent or placed[1]
+                sender = _AfterHead(send) if head_sent else send
+                lease_id = lease.id
+                if lease.worker == cluster.worker and model_id in self.models:
                     await cluster.adopt(self.models[model_id], lease_id)
-                    return False
-                peer = cluster.peer_on(str(lease.get("worker")))
+                    return head_sent
+                peer = cluster.peer_on(str(lease.worker))
                 gateway = None if peer is None else peer.name
             else:
                 log.debug("route: %s", decision.why)
@@ -626,15 +633,16 @@ class GatewayApp:
                 await _error(
                     sender, 503, f"{model}: its host is not known here", "unavailable", 1.0
                 )
-                return True
+                return None
             sent = await self._to_peer(
                 scope, receive, sender, gateway, model_id, outbound, priority, lease_id
             )
             if sent is not None:
-                return True
+                return None
             self.metrics.routes.labels(model_id, "retried").inc()
-        await _error(send, 503, f"{model}: no host took the request", "unavailable", 1.0)
-        return True
+        sender = _AfterHead(send) if head_sent else send
+        await _error(sender, 503, f"{model}: no host took the request", "unavailable", 1.0)
+        return None
 
     async def _load(
         self,
@@ -644,7 +652,7 @@ class GatewayApp:
         model: str,
         json_body: bytearray | None,
         priority: int | None,
-    ) -> tuple[dict[str, Any], Send] | None:
+    ) -> tuple[Lease, bool] | None:
         """Waits for the cluster's load of ``model`` (a streaming caller sees why, as for
         a replica: :class:`_Wait`); the granted lease and how the rest of the answer is
         sent, or None when the request was answered (refused, its client gone)."""
@@ -660,7 +668,7 @@ class GatewayApp:
         try:
             async with cancel:
                 wait.began()
-                return await cluster.load(model, wanted), wait.sender()
+                return await cluster.load(model, wanted), wait.head_sent
             if cancel.reason == STOPPING:
                 await _error(wait.sender(), 503, f"{STOPPING}: no new requests", "unavailable", 1.0)
             return None
@@ -990,14 +998,21 @@ class _Wait:
     not touched: the body is scanned for ``stream`` only once the wait begins."""
 
     def __init__(
-        self, model: ModelServer | _ClusterLoad, send: Send, json_body: bytearray | None
+        self,
+        model: ModelServer | _ClusterLoad,
+        send: Send,
+        json_body: bytearray | None,
+        *,
+        head_sent: bool = False,
     ) -> None:
+        """``head_sent``: the head went out already, while it waited for something else
+        (the cluster's load): only comment lines from here."""
         self.model = model
         self.send = send
         self.json_body = json_body
         self.clock = model.clock  # the model's: its waits run on a virtual one in tests
         self.started = self.clock.now()
-        self.head_sent = False
+        self.head_sent = head_sent
         self._over = asyncio.Event()
         self._beats: asyncio.Future[None] | None = None
 
@@ -1027,8 +1042,9 @@ class _Wait:
     async def _beat(self, json_body: bytearray) -> None:
         if not await _streams(json_body) or self._over.is_set():
             return
-        await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEAD})
-        self.head_sent = True
+        if not self.head_sent:
+            await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEAD})
+            self.head_sent = True
         said, beat_at = "", 0.0
         while not self._over.is_set():
             now = self.clock.now()

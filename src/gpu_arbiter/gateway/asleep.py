@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
-from ..client import ApiError, ControllerUnreachable, pending_text
+from ..client import ApiError, ControllerUnreachable
 from .engines import SleepKind, settled_mb
 from .interfaces import Sleeper, sleep_or
+from .lease import Lease
 from .states import ReplicaState
 
 __all__ = ["SleepTier"]
@@ -39,13 +39,12 @@ log = logging.getLogger("gpu_arbiter.gateway")
 SLEEP_CHECKS = 20  # an engine that sleeps by itself is asked this often whether it does,
 SLEEP_CHECK_S = 0.25  # this far apart
 FALLS_MIN_MB = 64  # a figure below this has nothing to fall from while the server sleeps
-Json = dict[str, Any]
 
 
 class SleepTier:
     def __init__(self, replica: Sleeper) -> None:
         self.replica = replica
-        self.extra: Json = {}  # while awake after a sleep: the lease of what it took back
+        self.extra: Lease | None = None  # awake after a sleep: the lease of what it took back
         self.extra_watch: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()  # a request waits for this sleeping replica
 
@@ -71,14 +70,14 @@ class SleepTier:
             return
         kept = await self._kept_mb(before)
         await self.drop_extra()
-        held = int(r.lease["vram_mb"])
+        held = r.holding.vram_mb
         if kept is not None and kept < held:
             with contextlib.suppress(ApiError, ControllerUnreachable):
-                r.lease = await r.parts.leases.shrink(r.lease["id"], max(1, kept))
+                r.lease = Lease.of(await r.parts.leases.shrink(r.holding.id, max(1, kept)))
         r.model.metrics.sleeps.labels(r.model.name).inc()
         log.info(
             "model %s replica %d: asleep, its lease %d MiB (it kept %s MiB)",
-            r.model.name, r.number, int(r.lease["vram_mb"]), kept,
+            r.model.name, r.number, r.holding.vram_mb, kept,
         )  # fmt: skip
 
     async def _kept_mb(self, before: int | None) -> int | None:
@@ -120,7 +119,7 @@ class SleepTier:
             return None
         started = r.parts.clock.now()
         r.move(ReplicaState.WAKING)
-        need = r.model.vram_mb - int(r.lease["vram_mb"])
+        need = r.model.vram_mb - r.holding.vram_mb
         if need > 0:
             # no longer a cache while it wakes: the arbiter must not reclaim what it kept
             # to make room for its own wake (no other replica of it starts meanwhile)
@@ -132,9 +131,9 @@ class SleepTier:
                 return None
         if not await r.model.driver.wake(r.port):
             return f"the server did not wake{r.tail()}"
-        if self.extra.get("id"):
+        if self.extra is not None:
             with contextlib.suppress(ApiError, ControllerUnreachable):
-                self.extra = await r.parts.leases.ready(self.extra["id"])
+                self.extra = Lease.of(await r.parts.leases.ready(self.extra.id))
         woke_s = r.parts.clock.now() - started
         r.model.metrics.wakes.labels(r.model.name).inc()
         r.model.metrics.wake_seconds.labels(r.model.name).observe(woke_s)
@@ -152,27 +151,27 @@ class SleepTier:
         asked = r.model.lease_request(r.number)
         request = {
             **asked, "vram_mb": need_mb, "holder": f"{asked['holder']} wake"[:256],
-            "constraints": {"gpu_ids": list(r.lease["gpus"]), "never_preempt": [r.lease["id"]]},
+            "constraints": {"gpu_ids": list(r.holding.gpus), "never_preempt": [r.holding.id]},
         }  # fmt: skip
         try:
-            self.extra = await r.parts.leases.create_lease(**request)
+            extra = self.extra = Lease.of(await r.parts.leases.create_lease(**request))
         except (ApiError, ControllerUnreachable) as error:
             log.info("model %s: the wake's lease was refused: %s", r.model.name, error)
             return False
-        while self.extra["state"] == "pending" and r.ending is None:
+        while extra.pending and r.ending is None:
             if not r.model.waiting:
                 break
-            r.pending_reason = pending_text(self.extra)
+            r.pending_reason = extra.pending_text()
             waiting = asyncio.ensure_future(
-                r.parts.leases.lease(self.extra["id"], wait_s=30.0, state="pending")
+                r.parts.leases.lease(extra.id, wait_s=30.0, state="pending")
             )
             r.activity.clear()
             if await sleep_or(waiting, r.activity):
                 waiting.cancel()
                 continue
             with contextlib.suppress(ControllerUnreachable):
-                self.extra = waiting.result()
-        if self.extra["state"] in ("loading", "active") and r.ending is None:
+                extra = self.extra = Lease.of(waiting.result())
+        if extra.held and r.ending is None:
             assert r.group is not None
             self.extra_watch = r.group.create_task(r.watch(extra=True))
             return True
@@ -184,6 +183,6 @@ class SleepTier:
         if self.extra_watch is not None:
             self.extra_watch.cancel()
             self.extra_watch = None
-        if self.extra.get("id"):
-            await self.replica.release(str(self.extra["id"]))
-        self.extra = {}
+        if self.extra is not None:
+            await self.replica.release(self.extra.id)
+        self.extra = None

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..client import ApiError, ArbiterClient, ControllerUnreachable, pending_text
+from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from .interfaces import Clock
+from .lease import Lease
 from .model import ModelServer, Refused
 from .replica import ReplicaState
 from .routing import Host, Route, route
@@ -90,7 +91,7 @@ class _Load:
     """A load this gateway asked the cluster for: the task asking, and how many of its
     requests wait for it (``waiters``, and those ``also`` counts: a busy model's queue)."""
 
-    task: asyncio.Task[dict[str, Any]]
+    task: asyncio.Task[Lease]
     waiters: int = 0
     waiting: str = "asking the arbiter where to load it"
     also: Callable[[], int] = lambda: 0
@@ -238,7 +239,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ loads
 
-    async def load(self, model: str, priority: int) -> dict[str, Any]:
+    async def load(self, model: str, priority: int) -> Lease:
         """The cluster's lease for a cold load of ``model``, once granted (its ``worker``
         says where). Raises :class:`Refused` when it ends without a grant."""
         found = self._loads.get(model)
@@ -286,16 +287,16 @@ class Cluster:
             )
         return count
 
-    def _grown(self, model: ModelServer, done: asyncio.Task[dict[str, Any]]) -> None:
+    def _grown(self, model: ModelServer, done: asyncio.Task[Lease]) -> None:
         """The new replica's lease: this gateway serves under it when it is on its own
         worker (another's takes it up from the controller)."""
         if done.cancelled() or done.exception() is not None:
             return
         lease = done.result()
-        if lease.get("worker") == self.worker:
+        if lease.worker == self.worker:
             model.adopt(lease)
 
-    async def _ask(self, model: str, priority: int, replicas: int = 1) -> dict[str, Any]:
+    async def _ask(self, model: str, priority: int, replicas: int = 1) -> Lease:
         local = self.routes.get(model)
         config = self.models[local].config if local is not None else None
         body = {
@@ -309,7 +310,7 @@ class Cluster:
         path = f"/v1/gateways/{self.name}/loads"
         while True:
             try:
-                lease: dict[str, Any] = await self.client.request(
+                answer: dict[str, Any] = await self.client.request(
                     "POST", path, json_body=body, params={"wait": LOAD_WAIT_S},
                     timeout_s=LOAD_WAIT_S + 10.0,
                 )  # fmt: skip
@@ -321,34 +322,33 @@ class Cluster:
                 raise Refused(
                     503, f"{model}: the controller is unreachable ({error})", 1.0
                 ) from None
-            state = lease.get("state")
-            if state in ("loading", "active"):
-                self._say_placed(model, lease)
+            lease = Lease.of(answer)
+            if lease.held:
+                self._say_placed(model, lease, answer)
                 return lease
-            if state != "pending":
-                why = lease.get("end_reason") or state
+            if not lease.pending:
+                why = lease.end_reason or lease.state
                 raise Refused(503, f"model {model}: the cluster's load ended unplaced ({why})", 1.0)
             found = self._loads.get(model)
             if found is not None:
-                found.waiting = f"queued for the cluster, {pending_text(lease)}"
+                found.waiting = f"queued for the cluster, {lease.pending_text()}"
             self._changed.set()
             self._changed = asyncio.Event()
             if found is None or not found.wanted():
                 raise Refused(503, f"model {model}: nobody waits for its load any more", 1.0)
 
-    def _say_placed(self, model: str, lease: Mapping[str, Any]) -> None:
-        """The routing decision of a cold load, as the operator reads it."""
-        free: Mapping[str, int] = lease.get("free_mb") or {}
+    def _say_placed(self, model: str, lease: Lease, answer: Mapping[str, Any]) -> None:
+        """The routing decision of a cold load, as the operator reads it (the load's
+        ``answer`` says what every other host had free, and whether it joined a load)."""
+        free: Mapping[str, int] = answer.get("free_mb") or {}
         others = "; ".join(
-            f"{w} has {mb / 1024:.1f} GiB"
-            for w, mb in sorted(free.items())
-            if w != lease.get("worker")
+            f"{w} has {mb / 1024:.1f} GiB" for w, mb in sorted(free.items()) if w != lease.worker
         )
-        gpus = ", ".join(lease.get("gpus") or ())
-        joined = " (joined)" if lease.get("joined") else ""
+        gpus = ", ".join(lease.gpus)
+        joined = " (joined)" if answer.get("joined") else ""
         log.info(
             "route: %s: cold load on %s, %s MiB asked%s%s",
-            model, gpus, lease.get("vram_mb"), f"; {others}" if others else "", joined,
+            model, gpus, lease.vram_mb, f"; {others}" if others else "", joined,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ adoption
@@ -367,11 +367,11 @@ class Cluster:
 
     async def _adopt(self, model: ModelServer, lease_id: str) -> None:
         try:
-            lease = await self.client.request("GET", f"/v1/leases/{lease_id}")
+            lease = Lease.of(await self.client.request("GET", f"/v1/leases/{lease_id}"))
         except (ApiError, ControllerUnreachable) as error:
             log.warning("gateway %s: lease %s not adopted (%s)", self.name, lease_id, error)
             return
-        if lease.get("worker") == self.worker and not model.holds(lease_id):
+        if lease.worker == self.worker and not model.holds(lease_id):
             model.adopt(lease)
 
 

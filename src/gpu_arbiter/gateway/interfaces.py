@@ -30,6 +30,7 @@ from .states import Ending, ReplicaState
 if TYPE_CHECKING:
     from .config import ModelConfig
     from .engines import Driver, EngineHttp
+    from .lease import Lease
     from .metrics import GatewayMetrics
 
 __all__ = [
@@ -254,12 +255,15 @@ class Sleeper(Protocol):
     """What the asleep tier (``asleep.py``) uses of its replica."""
 
     number: int
-    lease: Json
+    lease: Lease | None
     pending_reason: str
     quiet_since: float
 
     @property
     def model(self) -> ReplicaOwner[Any]: ...
+
+    @property
+    def holding(self) -> Lease: ...
 
     @property
     def parts(self) -> Parts: ...

@@ -40,6 +40,7 @@ from ..core import PRIORITY_NAMES, format_s, priority_name
 from .config import ModelConfig
 from .engines import OFFLINE, driver_for
 from .interfaces import Parts, sleep_or
+from .lease import Lease
 from .metrics import GatewayMetrics
 from .replica import AGENT_MARGIN_S, Replica, ReplicaState
 from .states import EndKind
@@ -226,19 +227,19 @@ class ModelServer:
             self.metrics.cold_starts.labels(self.name).inc()
             self.spawn(replica.run())
 
-    def adopt(self, lease: Mapping[str, Any]) -> Replica | None:
+    def adopt(self, lease: Lease) -> Replica | None:
         """Starts a replica under ``lease``, granted to this host for the cluster (a front
         door asked for it: ``cluster.py``); None when a replica holds it already or it is
         not held any more. The lease is this gateway's from now: it renews, readies and
         releases it."""
-        if lease.get("state") not in ("loading", "active"):
+        if not lease.held:
             return None
-        if any(r.lease.get("id") == lease.get("id") for r in self.replicas):
+        if any(r.lease_id == lease.id for r in self.replicas):
             return None
         self._numbers += 1
         replica = Replica(self, self._numbers)
-        replica.lease = dict(lease)
-        replica.priority = int(lease.get("priority") or self.config.priority)
+        replica.lease = lease
+        replica.priority = lease.priority or self.config.priority
         replica.move(ReplicaState.LOADING, notify=False)  # never "queued": nobody's leaving
         # cancels it (the model is told below)
         self.replicas.append(replica)
@@ -246,13 +247,13 @@ class ModelServer:
         self.spawn(replica.run())
         log.info(
             "model %s replica %d: adopted the cluster's lease %s on %s",
-            self.name, replica.number, lease.get("id"), ", ".join(lease.get("gpus") or ()),
+            self.name, replica.number, lease.id, ", ".join(lease.gpus),
         )  # fmt: skip
         self.notify()
         return replica
 
     def holds(self, lease_id: str) -> bool:
-        return any(r.lease.get("id") == lease_id and r.live for r in self.replicas)
+        return any(r.lease_id == lease_id and r.live for r in self.replicas)
 
     def waiting_for(self) -> str:
         """What a request that waits for a slot waits for now, in words: a replica
@@ -277,12 +278,12 @@ class ModelServer:
         ``replica``'s (its reason's ``blockers``), and when it gives way: a busy one after
         ``swap_after`` (the gateway's own rule, which the controller does not know), an
         idle one by the controller's rule (I5). None: no model of this gateway."""
-        reason = replica.lease.get("reason") or {}
+        reason = replica.lease.reason if replica.lease is not None else {}
         for blocker in reason.get("blockers") or ():
             lease_id = blocker.get("id")
             for other in self.neighbours.values():
                 for held in other.replicas:
-                    if other is not self and held.live and held.lease.get("id") == lease_id:
+                    if other is not self and held.live and held.lease_id == lease_id:
                         return other._giving_way(held, blocker, replica)
         return None
 
@@ -307,9 +308,8 @@ class ModelServer:
             return f"waiting for idle {name} ({own}): not reclaimable by {by} ({rule})"
         # the controller's clock now: it took the lease at its submitted_at, when the
         # replica asked for it
-        controller_now = float(waiting.lease.get("submitted_at") or 0.0) + (
-            self.clock.now() - waiting.created_at
-        )
+        submitted_at = waiting.lease.submitted_at if waiting.lease is not None else None
+        controller_now = (submitted_at or 0.0) + (self.clock.now() - waiting.created_at)
         left = format_s(max(0.0, float(until) - controller_now))
         return f"waiting for idle {name} ({own}): reclaimable by {by} in {left} ({rule})"
 
@@ -376,7 +376,7 @@ class ModelServer:
         self.metrics.load_seconds.labels(self.name).observe(load_s)
         log.info(
             "model %s replica %d: ready in %.1fs (lease %s)",
-            self.name, replica.number, load_s, replica.lease.get("id"),
+            self.name, replica.number, load_s, replica.lease_id,
         )  # fmt: skip
 
     async def measure(self, replica: Replica) -> None:
@@ -507,19 +507,20 @@ class ModelServer:
 
 def _held_mb(replica: Replica) -> int:
     """The memory its lease holds on all its GPUs (0 while queued)."""
-    if replica.state is ReplicaState.QUEUED or not replica.lease.get("gpus"):
+    lease = replica.lease
+    if replica.state is ReplicaState.QUEUED or lease is None or not lease.gpus:
         return 0
-    return int(replica.lease.get("vram_mb") or 0) * len(replica.lease["gpus"])
+    return lease.vram_mb * len(lease.gpus)
 
 
 def _replica(replica: Replica) -> dict[str, Any]:
     found: dict[str, Any] = {
         "state": str(replica.state),
         "in_flight": replica.in_flight,
-        "lease": replica.lease.get("id"),
+        "lease": replica.lease_id,
         "lease_idle": replica.lease_idle,
         "priority": replica.priority,
-        "gpus": replica.lease.get("gpus"),
+        "gpus": None if replica.lease is None else list(replica.lease.gpus),
         "pid": replica.pid,
     }
     left = replica.keep_alive_left_s()

@@ -57,6 +57,7 @@ from ..client import ApiError, ControllerUnreachable
 from .config import ModelConfig
 from .engines import OFFLINE, EngineHttp, OllamaDriver, same_model
 from .interfaces import AgentLink, Clock, Launcher, LeaseApi, Parts, ServerProcess, sleep_or
+from .lease import Lease
 from .metrics import GatewayMetrics
 from .model import ModelServer
 from .replica import Replica
@@ -113,11 +114,11 @@ class OllamaServe:
 
     async def hold(
         self, model: str, command: Sequence[str], env: Mapping[str, str],
-        lease: Mapping[str, Any], grace_s: float,
+        lease: Lease, grace_s: float,
     ) -> None:  # fmt: skip
         """``model`` is loading on the serve under ``lease``: started first if it does not
         run (on the lease's GPUs). ``OSError`` when it cannot be, or runs on other GPUs."""
-        gpus = [str(gpu) for gpu in lease.get("gpus") or []]
+        gpus = list(lease.gpus)
         async with self._lock:
             if self.running and sorted(self.gpus) != sorted(gpus):
                 raise OSError(
@@ -125,10 +126,10 @@ class OllamaServe:
                     f"{', '.join(self.gpus)}: the next one is asked for there"
                 )
             if not self.running:
-                self.worker = str(lease.get("worker") or "")
+                self.worker = lease.worker or ""
                 await self._start(command, env, grace_s)
                 self.gpus = gpus
-            self.holders[model] = (str(lease["id"]), int(lease.get("vram_mb") or 0))
+            self.holders[model] = (lease.id, lease.vram_mb)
             self.recount()
 
     def recount(self) -> None:
@@ -352,13 +353,13 @@ class OllamaLauncher:
         self.serve.recount()  # its own figure now
         return process
 
-    async def _lease(self, lease_id: str) -> dict[str, Any]:
+    async def _lease(self, lease_id: str) -> Lease:
         try:
-            return await self.leases.lease(lease_id)
+            return Lease.of(await self.leases.lease(lease_id))
         except (ApiError, ControllerUnreachable) as error:
             raise OSError(f"lease {lease_id} not readable: {error}") from None
 
-    async def _measure(self, lease: dict[str, Any]) -> None:
+    async def _measure(self, lease: Lease) -> None:
         """``size_vram`` is remembered for the next load; the lease shrinks to it when
         smaller (a model Ollama runs on the CPU, 0, says nothing of the GPU)."""
         used = await self.serve.driver.loaded(self.serve.port)
@@ -366,10 +367,10 @@ class OllamaLauncher:
         if mb <= 0:
             return
         self.remember(mb)
-        if mb < int(lease.get("vram_mb") or 0):
+        if mb < lease.vram_mb:
             with contextlib.suppress(ApiError, ControllerUnreachable):
-                await self.leases.shrink(str(lease["id"]), mb)
-                log.info("ollama model %s: lease %s shrunk to %d MiB", self.model, lease["id"], mb)
+                await self.leases.shrink(lease.id, mb)
+                log.info("ollama model %s: lease %s shrunk to %d MiB", self.model, lease.id, mb)
 
 
 class OllamaModelServer(ModelServer):

@@ -43,9 +43,10 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..client import ApiError, ControllerUnreachable, NotGranted, pending_text
+from ..client import ApiError, ControllerUnreachable, NotGranted
 from .asleep import SleepTier
 from .interfaces import ReplicaOwner, ServerProcess, sleep_or
+from .lease import Lease
 from .scopes import CancelScope
 from .states import Ending, EndKind, ReplicaState, check_move
 from .upstream import Upstream
@@ -83,7 +84,7 @@ class Replica:
         self.number = number
         self.parts = model.parts
         self.state = ReplicaState.QUEUED
-        self.lease: Json = {}
+        self.lease: Lease | None = None  # asked for (pending), granted, or adopted
         self.port = 0
         self.process: ServerProcess | None = None
         self.in_flight = 0
@@ -127,12 +128,22 @@ class Replica:
         return self.state is not ReplicaState.ENDED
 
     @property
+    def lease_id(self) -> str | None:
+        return None if self.lease is None else self.lease.id
+
+    @property
+    def holding(self) -> Lease:
+        """Its lease, once asked for (or adopted): a bug to ask before."""
+        assert self.lease is not None, f"replica {self.number} of {self.model.name} has no lease"
+        return self.lease
+
+    @property
     def extra(self) -> bool:
         """A replica beyond the model's ``replicas.min``: marked idle as soon as nothing
         is in flight (the arbiter reclaims it before the others). The cluster's lease
         says its place among the model's replicas (``replica``); this gateway's own are
         counted in the order they were asked for."""
-        metadata = self.lease.get("metadata") or {}
+        metadata = self.lease.metadata if self.lease is not None else {}
         if "cluster_model" in metadata:
             return int(metadata.get("replica") or 1) > self.model.config.replicas_min
         live = [r for r in self.model.replicas if r.live]
@@ -173,7 +184,7 @@ class Replica:
             pass  # still ours until the controller says otherwise: marked next time
         except ApiError as error:
             self.leave()
-            self.stop(Ending(EndKind.REVOKED, f"lease {self.lease['id']} lost: {error}"))
+            self.stop(Ending(EndKind.REVOKED, f"lease {self.holding.id} lost: {error}"))
             return False
         except asyncio.CancelledError:  # its caller went away meanwhile: the slot back
             self.leave()
@@ -275,32 +286,32 @@ class Replica:
         a lease granted already (the cluster's load, adopted: :meth:`ModelServer.adopt`)
         asks for nothing."""
         leases = self.parts.leases
-        if self.lease:
+        if self.lease is not None:
             return self.ending is None
         if not await self._ask():
             return False
-        while self.lease["state"] == "pending" and self.ending is None:
+        while self.holding.pending and self.ending is None:
             if self.priority < self.model.lease_priority():
                 if not await self._ask_again():
                     return False
                 continue
-            self.pending_reason = pending_text(self.lease)
+            self.pending_reason = self.holding.pending_text()
             self.model.notify()
             waiting = asyncio.ensure_future(
-                leases.lease(self.lease["id"], wait_s=30.0, state="pending")
+                leases.lease(self.holding.id, wait_s=30.0, state="pending")
             )
             self.activity.clear()  # set by an ending and by a caller who outranks it
             if await sleep_or(waiting, self.activity):
                 waiting.cancel()
                 continue
             with contextlib.suppress(ControllerUnreachable):
-                self.lease = waiting.result()
-        if self.lease["state"] in ("loading", "active") and self.ending is None:
+                self.lease = Lease.of(waiting.result())
+        if self.holding.held and self.ending is None:
             return True
-        if self.ending is None and self.lease["state"] == "timed_out":  # queue_timeout
+        if self.ending is None and self.holding.state == "timed_out":  # queue_timeout
             self.stop(Ending(EndKind.CANCELLED, "not granted within its queue_timeout"))
         elif self.ending is None:
-            reason = self.lease.get("end_reason") or self.lease["state"]
+            reason = self.holding.end_reason or self.holding.state
             self.stop(Ending(EndKind.FAILED, f"lease not granted: {reason}"))
         return False
 
@@ -309,7 +320,7 @@ class Replica:
         the controller refused it."""
         request = self.model.lease_request(self.number)
         try:
-            self.lease = await self.parts.leases.create_lease(**request)
+            self.lease = Lease.of(await self.parts.leases.create_lease(**request))
         except NotGranted as error:
             self.stop(Ending(EndKind.FAILED, f"lease not granted: {error.state} ({error.reason})"))
             return False
@@ -323,7 +334,7 @@ class Replica:
         """The pending lease released, a new one asked for at the higher priority: it
         moves up a class, where its place in the lower one's order counts for nothing.
         Kept (asked again later) while the controller cannot be reached."""
-        pending, before = str(self.lease["id"]), self.priority
+        pending, before = self.holding.id, self.priority
         try:
             await self.parts.leases.release(pending)
         except ControllerUnreachable:
@@ -331,12 +342,12 @@ class Replica:
             return True
         except ApiError:
             pass  # ended meanwhile: nothing to give back
-        self.lease = {}
+        self.lease = None
         if not await self._ask():
             return False
         log.info(
             "model %s replica %d: lease %s (priority %d) asked again as %s (priority %d)",
-            self.model.name, self.number, pending, before, self.lease["id"], self.priority,
+            self.model.name, self.number, pending, before, self.holding.id, self.priority,
         )  # fmt: skip
         return True
 
@@ -390,18 +401,18 @@ class Replica:
         self.port = launcher.port()
         self.upstream = Upstream(self.port, model.config.max_parallel)
         command = [part.replace("{port}", str(self.port)) for part in model.config.command]
-        worker = str(self.lease["worker"])
+        lease = self.holding
         env = dict(os.environ)
-        env.update(await self.parts.agent.env(worker))
-        indexes = ",".join(str(g).rpartition(":")[2] for g in self.lease["gpus"])
+        env.update(await self.parts.agent.env(str(lease.worker)))
+        indexes = ",".join(gpu.rpartition(":")[2] for gpu in lease.gpus)
         env.update({name: indexes for name in VISIBLE_DEVICES})
         env.update(model.config.env)
-        env["GPU_ARBITER_LEASE"] = str(self.lease["id"])
-        env["GPU_ARBITER_FENCING_TOKEN"] = str(self.lease["token"])
+        env["GPU_ARBITER_LEASE"] = lease.id
+        env["GPU_ARBITER_FENCING_TOKEN"] = str(lease.token)
         command, env = await self._engine_flags(command, env)
         try:
             process = await launcher.start(
-                model.name, command, env, lease_id=str(self.lease["id"]),
+                model.name, command, env, lease_id=lease.id,
                 grace_s=model.config.grace_s,
             )  # fmt: skip
         except OSError as error:
@@ -412,8 +423,7 @@ class Replica:
         self._by_agent = await self._attach()
         log.info(
             "model %s replica %d: started pid %s on %s port %d (lease %s)",
-            model.name, self.number, process.pid, ", ".join(self.lease["gpus"]), self.port,
-            self.lease["id"],
+            model.name, self.number, process.pid, ", ".join(lease.gpus), self.port, lease.id,
         )  # fmt: skip
         return process
 
@@ -422,7 +432,7 @@ class Replica:
     ) -> tuple[list[str], dict[str, str]]:
         """The engine's flags for the lease (vLLM's memory fraction, llama.cpp's fit
         target...), from the lease's GPUs as the controller last saw them."""
-        gpus = set(self.lease["gpus"])
+        gpus = set(self.holding.gpus)
         try:
             workers = await self.parts.leases.workers()
         except (ApiError, ControllerUnreachable):
@@ -433,7 +443,7 @@ class Replica:
         if not total:  # not known: the engine's own defaults
             return command, env
         words, changed = self.model.driver.prepare(
-            command, env, int(self.lease["vram_mb"]), total, free_mb=free
+            command, env, self.holding.vram_mb, total, free_mb=free
         )
         return list(words), changed
 
@@ -450,10 +460,10 @@ class Replica:
         assert self.process is not None
         if self.process.pid is None:
             return False
-        worker = str(self.lease["worker"])
+        lease = self.holding
         stops_s = self.model.config.grace_s + CUT_WAIT_S + AGENT_MARGIN_S  # its stop comes first
         stops_s = min(stops_s, 3600.0)  # the most the agent takes
-        return await self.parts.agent.attach(worker, self.lease["id"], self.process.pid, stops_s)
+        return await self.parts.agent.attach(str(lease.worker), lease.id, self.process.pid, stops_s)
 
     async def _reap(self, process: ServerProcess) -> None:
         """Waits for the process group to be gone and keeps the exit code. A server that
@@ -509,7 +519,7 @@ class Replica:
 
     async def _mark_ready(self) -> bool:
         try:
-            self.lease = await self.parts.leases.ready(self.lease["id"])
+            self.lease = Lease.of(await self.parts.leases.ready(self.holding.id))
         except (ApiError, ControllerUnreachable) as error:
             self.stop(Ending(EndKind.REVOKED, f"lease lost while loading: {error}"))
             return False
@@ -615,9 +625,9 @@ class Replica:
 
     async def _mark_all(self, mark: Callable[[str], Awaitable[Json]]) -> None:
         """Marks the lease (and the one a wake took back) idle or busy."""
-        self.lease = await mark(self.lease["id"])
-        if self.tier.extra.get("id"):
-            self.tier.extra = await mark(self.tier.extra["id"])
+        self.lease = Lease.of(await mark(self.holding.id))
+        if self.tier.extra is not None:
+            self.tier.extra = Lease.of(await mark(self.tier.extra.id))
 
     async def _measure(self) -> None:
         """After a load, every ``MEASURE_S`` while the replica serves (once more when it
@@ -679,8 +689,10 @@ class Replica:
         """By the agent where it supervises the process (one SIGTERM, whoever asks), else
         here; SIGKILL here if it has not exited in ``wait_s`` (and a margin for the
         agent's own SIGKILL, which it sends after ``wait_s``)."""
-        worker = str(self.lease["worker"])
-        by_agent = self._by_agent and await self.parts.agent.stop(worker, self.lease["id"], wait_s)
+        lease = self.holding
+        by_agent = self._by_agent and await self.parts.agent.stop(
+            str(lease.worker), lease.id, wait_s
+        )
         if not by_agent:
             process.signal(signal.SIGTERM)
         if not await self._exits_within(process, wait_s + (AGENT_MARGIN_S if by_agent else 0.0)):
@@ -717,8 +729,8 @@ class Replica:
                 await self._stop_process(self.process, self.model.config.grace_s)
             self.parts.launcher.unreserve(self.port)
         for lease in (self.tier.extra, self.lease):
-            if lease.get("id"):
-                await self.release(str(lease["id"]))
+            if lease is not None:
+                await self.release(lease.id)
         assert self.ending is not None
         if self.state not in (ReplicaState.QUEUED, ReplicaState.STOPPING):
             # a failure skipped the drain (an exception in its life): stopped all the same
@@ -739,13 +751,13 @@ class Replica:
     # ------------------------------------------------------------------ the lease
 
     async def _renew(self) -> None:
-        ttl_s = float(self.lease.get("ttl_s") or 30.0)
+        ttl_s = self.holding.ttl_s or 30.0
         while True:
             await self.parts.clock.sleep(max(0.2, ttl_s / 3))
             try:
-                await self.parts.leases.renew(self.lease["id"])
-                if self.tier.extra.get("id"):
-                    await self.parts.leases.renew(self.tier.extra["id"])
+                await self.parts.leases.renew(self.holding.id)
+                if self.tier.extra is not None:
+                    await self.parts.leases.renew(self.tier.extra.id)
                 if self.process is not None and not self.exited.is_set():
                     self._by_agent = await self._attach()  # a restarted agent learns it again
             except ControllerUnreachable:
@@ -760,31 +772,32 @@ class Replica:
         """The one watcher of a revocation: a long-poll of the lease (or of the lease of
         what a wake took back), which answers at once when its state is no longer the one
         it last saw."""
-        lease_id = str((self.tier.extra if extra else self.lease)["id"])
-        state = str((self.tier.extra if extra else self.lease)["state"])
+        watched = self.tier.extra if extra else self.lease
+        assert watched is not None
+        lease_id, state = watched.id, watched.state
         while True:
             try:
-                lease = await self.parts.leases.lease(lease_id, wait_s=30.0, state=state)
+                lease = Lease.of(await self.parts.leases.lease(lease_id, wait_s=30.0, state=state))
             except ControllerUnreachable:
                 await self.parts.clock.sleep(0.5)
                 continue
-            state = str(lease["state"])
-            if state == "revoking" or lease.get("ended_at") is not None:
+            state = lease.state
+            if state == "revoking" or lease.ended_at is not None:
                 self.stop(self._revoked(lease))
                 return
 
-    def _revoked(self, lease: Json) -> Ending:
-        why = lease.get("revoke_reason") or lease.get("end_reason") or lease["state"]
-        detail = f"lease {lease['id']} revoked ({why}"
-        if lease.get("preempted_for"):
-            detail += f" for {lease['preempted_for']}"
+    def _revoked(self, lease: Lease) -> Ending:
+        why = lease.revoke_reason or lease.end_reason or lease.state
+        detail = f"lease {lease.id} revoked ({why}"
+        if lease.preempted_for:
+            detail += f" for {lease.preempted_for}"
         detail += ")"
         if why == "preempted":  # reclaimed: taken as a cache, its lease marked idle
             # the controller's word, not ``_idle_marked``: the revocation can come back
             # before the answer to the idle mark that made it possible
             # a replica that yielded under swap_after is taken as a cache, requests in
             # flight and all (they get the grace)
-            marked = bool(lease.get("idle")) or self._idle_marked
+            marked = lease.idle or self._idle_marked
             cache = marked and (self.in_flight == 0 or self._yielding)
             return Ending(EndKind.RECLAIMED if cache else EndKind.PREEMPTED, detail)
         return Ending(EndKind.REVOKED, detail)
@@ -796,7 +809,8 @@ class Replica:
             return None
         if self.process.pid is None:
             return await self.model.driver.used_mb(self.port)
-        return await self.parts.agent.used_mb(str(self.lease.get("worker")), self.process.pid)
+        worker = self.lease.worker if self.lease is not None else None
+        return await self.parts.agent.used_mb(str(worker), self.process.pid)
 
 
 def _last_lines(lines: list[str]) -> str:

@@ -85,7 +85,7 @@ def _signature(models: Mapping[str, ModelServer]) -> tuple[Any, ...]:
             m.state(),
             m.pinned,
             m.waiting > 0,
-            tuple((str(r.state), r.lease.get("id")) for r in m.replicas),
+            tuple((str(r.state), r.lease_id) for r in m.replicas),
         )
         for m in models.values()
     )

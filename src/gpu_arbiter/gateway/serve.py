@@ -51,6 +51,7 @@ from .config import GatewayConfig, ModelConfig
 from .engines import EngineHttp
 from .estimate import Estimate, estimate_vram
 from .interfaces import LoopClock, Parts
+from .lease import Lease
 from .links import HttpHealthCheck, LocalAgentLink
 from .metrics import GatewayMetrics
 from .model import ModelServer
@@ -236,14 +237,14 @@ async def _end_asked(client: ArbiterClient, asker: dict[str, str]) -> None:
     except (ApiError, ControllerUnreachable) as error:
         log.warning("the previous gateway's lease requests not looked up (%s)", error)
         return
-    for lease in leases:
-        metadata = lease.get("metadata") or {}
+    for lease in map(Lease.of, leases):
+        metadata = lease.metadata
         ours = metadata.get("gateway") == host and all(
             metadata.get(k) == v for k, v in asker.items()
         )
-        held = lease["state"] in ("loading", "active", "revoking")
-        if ours and (lease["state"] == "pending" or (held and not lease.get("supervised"))):
-            await _release(client, [str(lease["id"])])
+        held = lease.held or lease.state == "revoking"
+        if ours and (lease.pending or (held and not lease.supervised)):
+            await _release(client, [lease.id])
 
 
 async def _kill_when(hurry: asyncio.Event | None, launcher: ProcessLauncher) -> None:
