@@ -31,14 +31,6 @@ __all__ = ["cluster"]  # the fixture, shared with test_cluster.py
 pytestmark = pytest.mark.timeout(180)
 
 
-STREAM_HEAD_TWICE = (
-    "gateway/app.py: a streamed request whose cold cluster load is granted on the front "
-    "door's own worker: _load's wait already sent the event stream's head, _front_door "
-    "returns False dropping that sender, and _route's new _Wait sends http.response.start "
-    "again (RuntimeError in uvicorn): the stream is cut with no final event"
-)
-
-
 def _held(admin: httpx.Client) -> list[dict[str, Any]]:
     return [lease for lease in admin.get("/v1/leases").json() if lease["ended_at"] is None]
 
@@ -314,7 +306,6 @@ def test_a_caller_hanging_up_during_the_load_leaves_it_to_the_others(
     assert lease["state"] == "active"
 
 
-@pytest.mark.xfail(strict=True, raises=httpx.RemoteProtocolError, reason=STREAM_HEAD_TWICE)
 def test_a_streamed_request_whose_cold_load_lands_on_its_own_front_door_streams(
     cluster: Cluster,
 ) -> None:
@@ -336,7 +327,6 @@ def test_a_streamed_request_whose_cold_load_lands_on_its_own_front_door_streams(
     assert lease["worker"] == "box-2"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=STREAM_HEAD_TWICE)
 def test_streamed_requests_for_a_model_that_cannot_start_each_end_with_an_error(
     cluster: Cluster,
 ) -> None:
