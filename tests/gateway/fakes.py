@@ -319,12 +319,13 @@ class World:
         config = parse_config({"models": {"chat": spec}}).models["chat"]
         self.tasks: set[asyncio.Task[None]] = set()
         self.model = ModelServer(
-            config, parts=parts, metrics=GatewayMetrics(), spawn=self._spawn, worker="box",
-            vram_mb=1024,
-        )  # fmt: skip
+            config, parts=parts, metrics=GatewayMetrics(), worker="box", vram_mb=1024
+        )
+        self.run(self.model)
 
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
+    def run(self, model: ModelServer) -> None:
+        """Runs ``model``'s life (its replicas') until :meth:`close`."""
+        task = asyncio.ensure_future(model.run())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 

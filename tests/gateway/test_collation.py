@@ -22,9 +22,9 @@ def neighbour(world: World, name: str, **keys: object) -> ModelServer:
     spec = {"command": ["server", "--port", "{port}"], "vram": "1G", **keys}
     config = parse_config({"models": {name: spec}}).models[name]
     other = ModelServer(
-        config, parts=world.model.parts, metrics=GatewayMetrics(), spawn=world._spawn,
-        worker="box", vram_mb=1024,
-    )  # fmt: skip
+        config, parts=world.model.parts, metrics=GatewayMetrics(), worker="box", vram_mb=1024
+    )
+    world.run(other)
     models = {"chat": world.model, name: other}
     world.model.neighbours = other.neighbours = models
     return other

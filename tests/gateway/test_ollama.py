@@ -88,14 +88,14 @@ class Serve:
         config = parse_config({"models": {"local": spec}})
         self.tasks: set[asyncio.Task[None]] = set()
         self.models = model_servers(
-            config.models, parts=parts, metrics=GatewayMetrics(), spawn=self._spawn,
-            worker="box", sizes={"a": 3072, "b:7b": 4096},
+            config.models, parts=parts, metrics=GatewayMetrics(), worker="box",
+            sizes={"a": 3072, "b:7b": 4096},
         )  # fmt: skip
-
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        serves = {m.serve for m in self.models.values() if isinstance(m, OllamaModelServer)}
+        for life in [*(s.run() for s in serves), *(m.run() for m in self.models.values())]:
+            task = asyncio.ensure_future(life)
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
     async def request(self, name: str) -> None:
         replica, _ = await self.models[name].acquire()
@@ -241,8 +241,8 @@ async def test_a_plain_model_beside_them_is_a_plain_model_server() -> None:
     clock, launcher = FakeClock(), FakeLauncher()
     parts = Parts(clock, launcher, FakeAgent(launcher), FakeLeases(), FakeHealth(launcher))
     found = model_servers(
-        config.models, parts=parts, metrics=GatewayMetrics(), spawn=lambda work: None,
-        worker=None, sizes={"chat": 1024},
+        config.models, parts=parts, metrics=GatewayMetrics(), worker=None,
+        sizes={"chat": 1024},
     )  # fmt: skip
     assert type(found["chat"]) is ModelServer
 
@@ -288,3 +288,29 @@ async def test_a_loading_model_counts_at_its_leases_size_until_ollama_lists_it(
     await task
     await settle()
     assert serve.agent.accounts[-1][2] == {leases["a"]: SIZES["a"], leases["b:7b"]: SIZES["b:7b"]}
+
+
+async def test_the_serves_life_ends_with_its_last_model_and_owns_its_tasks(serve: Serve) -> None:
+    await serve.request("a")
+    await serve.request("b:7b")
+    [process] = serve.launcher.processes
+    lives = set(serve.tasks)
+    assert len(lives) == 3  # the serve's and each model's
+    serve.models["a"].shutdown()
+    await serve.clock.advance(5)
+    assert process.code is None and len(serve.tasks) == 2  # b still loaded on it
+    serve.models["b:7b"].shutdown()
+    await serve.clock.advance(5)
+    assert not serve.tasks and process.code is not None  # stopped, its life over
+    assert [v for v, _ in serve.leases.calls].count("release") == 2
+
+
+async def test_a_cancelled_serves_life_kills_its_group() -> None:
+    made = Serve()
+    await made.request("a")
+    [process] = made.launcher.processes
+    for task in made.tasks:
+        task.cancel()
+    for _ in range(20):
+        await made.clock.advance(1)
+    assert not made.tasks and process.code is not None  # nothing outlives its supervisor

@@ -28,9 +28,9 @@ import hmac
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
@@ -44,6 +44,7 @@ from .upstream import Upstream
 __all__ = ["Cluster", "Peer"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
+T = TypeVar("T")
 VIEW_WAIT_S = 20.0
 LOAD_WAIT_S = 20.0
 BACKOFF_FIRST_S = 0.5
@@ -91,7 +92,7 @@ class _Load:
     """A load this gateway asked the cluster for: the task asking, and how many of its
     requests wait for it (``waiters``, and those ``also`` counts: a busy model's queue)."""
 
-    task: asyncio.Task[Lease]
+    task: asyncio.Future[Lease]
     waiters: int = 0
     waiting: str = "asking the arbiter where to load it"
     also: Callable[[], int] = lambda: 0
@@ -125,7 +126,8 @@ class Cluster:
         self.forwarding: Counter[tuple[str, str]] = Counter()  # (gateway, model) in flight
         self._down: dict[str, float] = {}  # peer -> left out of routing until
         self._loads: dict[str, _Load] = {}
-        self._adopting: dict[str, asyncio.Task[None]] = {}
+        self._adopting: dict[str, asyncio.Future[None]] = {}
+        self._group: asyncio.TaskGroup | None = None  # owns the loads and adoptions
         self._changed = asyncio.Event()
         self.routed: deque[dict[str, Any]] = deque(maxlen=ROUTES_KEPT)
 
@@ -138,6 +140,27 @@ class Cluster:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the view
+
+    async def run(self) -> None:
+        """The cluster's side of the gateway, for its life (cancelled at its stop): keeps
+        the view (:meth:`follow`), and owns the tasks of the loads it asked for and of the
+        leases it adopts, which end with it."""
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            try:
+                await self.follow()
+            finally:
+                self._group = None
+
+    def _task(self, work: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        """``work`` run by :meth:`run`'s group; its outcome (a refusal too: no failure of
+        the group) in the future returned, cancelled with the group. A bare task only
+        while the group does not run (before it starts)."""
+        if self._group is None:
+            return asyncio.ensure_future(work)
+        outcome: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._group.create_task(_into(work, outcome))
+        return outcome
 
     async def follow(self) -> None:
         """Keeps the cluster's view, for the gateway's life (cancelled at its stop)."""
@@ -244,7 +267,7 @@ class Cluster:
         says where). Raises :class:`Refused` when it ends without a grant."""
         found = self._loads.get(model)
         if found is None or found.task.done():
-            found = _Load(asyncio.ensure_future(self._ask(model, priority)))
+            found = _Load(self._task(self._ask(model, priority)))
             self._loads[model] = found
         found.waiters += 1
         try:
@@ -269,7 +292,7 @@ class Cluster:
         total = self._replicas(name)
         if total >= model.config.replicas:
             return True
-        task = asyncio.ensure_future(self._ask(name, model.lease_priority(), total + 1))
+        task = self._task(self._ask(name, model.lease_priority(), total + 1))
         self._loads[name] = _Load(task, also=lambda: model.waiting)
         task.add_done_callback(lambda done: self._grown(model, done))
         log.info("route: %s: busy, %d replica(s): one more for the cluster", name, total)
@@ -287,7 +310,7 @@ class Cluster:
             )
         return count
 
-    def _grown(self, model: ModelServer, done: asyncio.Task[Lease]) -> None:
+    def _grown(self, model: ModelServer, done: asyncio.Future[Lease]) -> None:
         """The new replica's lease: this gateway serves under it when it is on its own
         worker (another's takes it up from the controller)."""
         if done.cancelled() or done.exception() is not None:
@@ -360,7 +383,7 @@ class Cluster:
             return
         task = self._adopting.get(lease_id)
         if task is None:
-            task = asyncio.ensure_future(self._adopt(model, lease_id))
+            task = self._task(self._adopt(model, lease_id))
             self._adopting[lease_id] = task
             task.add_done_callback(lambda _: self._adopting.pop(lease_id, None))
         await asyncio.shield(task)
@@ -373,6 +396,21 @@ class Cluster:
             return
         if lease.worker == self.worker and not model.holds(lease_id):
             model.adopt(lease)
+
+
+async def _into(work: Coroutine[Any, Any, T], outcome: asyncio.Future[T]) -> None:
+    """Runs ``work`` into ``outcome``: its result or exception; cancelled with it."""
+    try:
+        found = await work
+    except asyncio.CancelledError:
+        outcome.cancel()
+        raise
+    except Exception as error:  # the work's own outcome (a refusal): its awaiters' to see
+        if not outcome.done():
+            outcome.set_exception(error)
+        return
+    if not outcome.done():
+        outcome.set_result(found)
 
 
 def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:

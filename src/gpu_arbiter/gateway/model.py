@@ -8,6 +8,9 @@ server exited, or was not ready in time) makes the model back off before it star
 another: 1 s, doubling per failure in a row up to 60 s, so that a broken server never
 holds the GPU's load gate in a loop.
 
+A model's life (:meth:`ModelServer.run`, for the gateway's) owns its replicas' tasks
+and ends once it is shut down and every replica has ended; no replica starts after.
+
 An operator may pin a model (its leases always marked busy: never reclaimed as a cache,
 never stopped for keep_alive; only a strictly higher priority may preempt it, and only
 when it is preemptible: I5) and unpin it, or unload it (its replicas stopped now, those
@@ -33,7 +36,7 @@ import asyncio
 import logging
 import socket
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..core import PRIORITY_NAMES, format_s, priority_name
@@ -88,7 +91,6 @@ class ModelServer:
         *,
         parts: Parts,
         metrics: GatewayMetrics,
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
         worker: str | None,
         vram_mb: int,
     ) -> None:
@@ -101,7 +103,9 @@ class ModelServer:
             sleep_level=config.sleep_level,
         )  # fmt: skip
         self.metrics = metrics
-        self.spawn = spawn
+        self._group: asyncio.TaskGroup | None = None  # its replicas' lives, while it runs
+        self._unstarted: list[Replica] = []  # asked for before it ran: started when it does
+        self._closing = asyncio.Event()
         self.worker = worker
         self.vram_mb = vram_mb
         self.replicas: list[Replica] = []
@@ -118,6 +122,37 @@ class ModelServer:
         self._unloads = 0
         self._changed = asyncio.Event()
         self._numbers = 0
+
+    # ------------------------------------------------------------------ life
+
+    async def run(self) -> None:
+        """The model's life, for the gateway's: the one owner of its replicas' tasks.
+        Returns once :meth:`shutdown` was called and every replica has ended (its lease
+        released); cancelled, it cancels them (each still stops its server and releases
+        its lease: :meth:`Replica.run`)."""
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            for replica in self._unstarted:
+                group.create_task(replica.run())
+            self._unstarted.clear()
+            try:
+                await self._closing.wait()
+            finally:
+                self._group = None  # no replica starts from now (cancelled: closed too)
+                self._closing.set()
+
+    def _launch(self, replica: Replica) -> bool:
+        """Starts ``replica``'s life under the model's (once it runs, if it does not
+        yet); False once the model stops: no replica starts then."""
+        if self._closing.is_set():
+            return False
+        self.replicas.append(replica)
+        self.metrics.cold_starts.labels(self.name).inc()
+        if self._group is None:
+            self._unstarted.append(replica)
+        else:
+            self._group.create_task(replica.run())
+        return True
 
     # ------------------------------------------------------------------ requests
 
@@ -222,10 +257,7 @@ class ModelServer:
             if holding and self.cluster is not None and self.cluster.grow(self):
                 return  # one more replica for the cluster: the arbiter places it
             self._numbers += 1
-            replica = Replica(self, self._numbers)
-            self.replicas.append(replica)
-            self.metrics.cold_starts.labels(self.name).inc()
-            self.spawn(replica.run())
+            self._launch(Replica(self, self._numbers))
 
     def adopt(self, lease: Lease) -> Replica | None:
         """Starts a replica under ``lease``, granted to this host for the cluster (a front
@@ -242,9 +274,8 @@ class ModelServer:
         replica.priority = lease.priority or self.config.priority
         replica.move(ReplicaState.LOADING, notify=False)  # never "queued": nobody's leaving
         # cancels it (the model is told below)
-        self.replicas.append(replica)
-        self.metrics.cold_starts.labels(self.name).inc()
-        self.spawn(replica.run())
+        if not self._launch(replica):
+            return None
         log.info(
             "model %s replica %d: adopted the cluster's lease %s on %s",
             self.name, replica.number, lease.id, ", ".join(lease.gpus),
@@ -403,6 +434,9 @@ class ModelServer:
         self.notify()
 
     def shutdown(self) -> None:
+        """Every replica stops (the requests in flight get the grace); :meth:`run`
+        returns once they all have ended."""
+        self._closing.set()
         for replica in self.replicas:
             replica.shutdown()
 

@@ -98,9 +98,48 @@ class OllamaServe:
         self.holders: dict[str, tuple[str, int]] = {}  # loaded or loading: model -> lease, MiB
         self._port: int | None = None
         self._lock = asyncio.Lock()
-        self._reaper: asyncio.Task[None] | None = None
-        self._accountant: asyncio.Task[None] | None = None
         self._recount = asyncio.Event()
+        self._group: asyncio.TaskGroup | None = None  # its tasks' owner, while it runs
+        self._ended = 0  # how many of its models' lives have ended
+        self._closed = asyncio.Event()  # all of them: the serve's life ends
+        self._grace_s = 0.0  # of the model that started it last
+
+    async def run(self) -> None:
+        """The serve's life, for the gateway's: it owns the serve's tasks (its reaper,
+        its account, each model's watcher) and ends once every model of it has ended
+        (:meth:`model_ended`), the serve stopped if it still runs. Cancelled, it kills
+        the serve's group: nothing outlives its supervisor."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                await self._closed.wait()
+                async with self._lock:
+                    if self.running:
+                        await self._stop(self._grace_s)
+        finally:
+            self._group = None
+            if self.running:
+                self.kill()
+
+    def model_ended(self) -> None:
+        """A model of the serve ended its life; the last one ends the serve's."""
+        self._ended += 1
+        if self._ended >= self.models:
+            self._closed.set()
+
+    def task(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """``work`` as a task of the serve's life (a bare task while it does not run); a
+        bug in it is logged and ends it alone, not the serve's life with its models'."""
+        guarded = self._guarded(work)
+        if self._group is None:
+            return asyncio.ensure_future(guarded)
+        return self._group.create_task(guarded)
+
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await work
+        except Exception:
+            log.exception("ollama serve of %s: a task of it failed", self.entry)
 
     @property
     def port(self) -> int:
@@ -167,9 +206,10 @@ class OllamaServe:
             self.entry, command, self.serve_env(env), lease_id="", grace_s=grace_s
         )
         self.process = process
-        self._reaper = asyncio.ensure_future(self._reap(process, self.exited))
+        self._grace_s = grace_s
+        self.task(self._reap(process, self.exited))
         if process.pid is not None:
-            self._accountant = asyncio.ensure_future(self._account(process.pid, self.exited))
+            self.task(self._account(process.pid, self.exited))
         log.info(
             "ollama serve of %s: started pid %s on port %d", self.entry, process.pid, self.port
         )
@@ -277,17 +317,22 @@ class OllamaProcess:
 
     def _watch(self) -> None:
         if self._watcher is None:
-            self._watcher = asyncio.ensure_future(self._run())
+            self._watcher = self.serve.task(self._run())
 
     async def _run(self) -> None:
         try:
             code = await self._until_gone()
             await self.serve.let_go(self.model, self.grace_s)
+        except asyncio.CancelledError:  # the serve's life was cancelled: it is killed
+            if not self._ended.done():
+                self._ended.set_result(-9)
+            raise
         except Exception:  # a bug: its waiters still learn that it ended
             log.exception("ollama model %s: its watcher failed", self.model)
             self.serve.holders.pop(self.model, None)
             code = -1
-        self._ended.set_result(code)
+        if not self._ended.done():
+            self._ended.set_result(code)
 
     async def _until_gone(self) -> int:
         """0 once ``/api/ps`` no longer lists the model; the serve's code if it exits."""
@@ -390,6 +435,13 @@ class OllamaModelServer(ModelServer):
             self.parts.engines,
         )  # fmt: skip
 
+    async def run(self) -> None:
+        """The model's life; the serve's ends once every model of it has ended."""
+        try:
+            await super().run()
+        finally:
+            self.serve.model_ended()
+
     def _remember(self, mb: int) -> None:
         if mb != self.vram_mb:
             log.info("model %s: measured %d MiB (size_vram), was %d", self.name, mb, self.vram_mb)
@@ -414,7 +466,6 @@ def model_servers(
     *,
     parts: Parts,
     metrics: GatewayMetrics,
-    spawn: Callable[[Coroutine[Any, Any, None]], None],
     worker: str | None,
     sizes: Mapping[str, int],
 ) -> dict[str, ModelServer]:
@@ -435,7 +486,7 @@ def model_servers(
     found: dict[str, ModelServer] = {}
     for name, model in models.items():
         keys: dict[str, Any] = {
-            "parts": parts, "metrics": metrics, "spawn": spawn, "worker": worker,
+            "parts": parts, "metrics": metrics, "worker": worker,
             "vram_mb": sizes[name],
         }  # fmt: skip
         if model.ollama_serve is None:

@@ -17,6 +17,12 @@ as a preemption ends them (a 503 naming why; an event stream's final error event
 replica's server is stopped (SIGTERM; SIGKILL at the end of the grace, or the engine's
 short ``stop_s`` after a cut; at once when ``hurry`` is set) and its lease released;
 only then does the HTTP server stop, with no request left for it to cancel.
+
+Every task has an owner that ends it: one task group holds the models' lives
+(:meth:`.model.ModelServer.run`, each the owner of its replicas'; an Ollama entry's serve
+with its own tasks), which end once the models are shut down and their replicas have
+released; the cluster's life (:meth:`.cluster.Cluster.run`: the view, its loads and
+adoptions) and the reporter's are cancelled at the stop.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,7 +60,7 @@ from .lease import Lease
 from .links import HttpHealthCheck, LocalAgentLink
 from .metrics import GatewayMetrics
 from .model import ModelServer
-from .ollama import model_servers
+from .ollama import OllamaModelServer, model_servers
 from .process import ProcessLauncher
 from .report import Reporter, default_name, listen_url
 
@@ -130,13 +135,6 @@ async def _serve(
         worker = here[0] if len(here) == 1 else None
         if not here:
             say("gateway: no agent runs on this host: leases may land on another machine")
-    tasks: set[asyncio.Task[None]] = set()
-
-    def spawn(work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
     metrics = GatewayMetrics()
     health = HttpHealthCheck()
     engines = EngineHttp()
@@ -146,7 +144,7 @@ async def _serve(
         await _end_asked(client, asker)
         parts = Parts(LoopClock(), launcher, LocalAgentLink(), client, health, engines)
         models = model_servers(
-            config.models, parts=parts, metrics=metrics, spawn=spawn, worker=worker, sizes=sizes
+            config.models, parts=parts, metrics=metrics, worker=worker, sizes=sizes
         )  # an Ollama entry's models share one serve
         for model in models.values():
             model.neighbours = models  # collation: a busy model yields to one that waits
@@ -178,7 +176,8 @@ async def _serve(
         )  # fmt: skip
         for model in models.values():
             model.cluster = app.cluster
-        reporting = asyncio.gather(reporter.run(), app.cluster.follow())
+        living = asyncio.ensure_future(_live(list(models.values())))
+        reporting = asyncio.gather(reporter.run(), app.cluster.run())
         try:
             ended = asyncio.ensure_future(stop.wait())
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -192,7 +191,7 @@ async def _serve(
             await reporter.goodbye()
             grace_s = max(m.grace_s for m in config.models.values())
             hurried = asyncio.ensure_future(_kill_when(hurry, launcher))
-            await _settle(list(models.values()), tasks, grace_s)
+            await _settle(living, grace_s)
             hurried.cancel()
             await app.quiet(ANSWERS_S)  # the last answers (503s, final events) go out
             server.should_exit = True
@@ -202,17 +201,26 @@ async def _serve(
             sock.close()
 
 
-async def _settle(
-    models: list[ModelServer], tasks: set[asyncio.Task[None]], grace_s: float
-) -> None:
-    """Waits for the replicas to stop and release: the grace, the engine's stop time,
-    the agent's margin and the release (a bound of twice the grace and a margin)."""
-    deadline = asyncio.get_running_loop().time() + 2 * grace_s + 10.0
-    while any(m.replicas for m in models) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    for task in set(tasks):
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+async def _live(models: list[ModelServer]) -> None:
+    """The models' lives, for the gateway's: one task group owns them (each model its
+    replicas', each Ollama serve its own tasks); it ends once every model has been shut
+    down and its replicas ended (and each serve with its last model)."""
+    serves = {m.serve.entry: m.serve for m in models if isinstance(m, OllamaModelServer)}
+    async with asyncio.TaskGroup() as lives:
+        for serve in serves.values():  # first: its models' replicas start it
+            lives.create_task(serve.run())
+        for model in models:
+            lives.create_task(model.run())
+
+
+async def _settle(living: asyncio.Task[None], grace_s: float) -> None:
+    """Waits for the models' lives to end, once their replicas have stopped and released:
+    the grace, the engine's stop time, the agent's margin and the release (a bound of
+    twice the grace and a margin); what still runs then is cancelled."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(living), 2 * grace_s + 10.0)
+    living.cancel()
+    await asyncio.gather(living, return_exceptions=True)
 
 
 async def _release(client: ArbiterClient, leases: list[str]) -> None:

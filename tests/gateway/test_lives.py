@@ -1,0 +1,90 @@
+"""Who owns the gateway's tasks: a model's life owns its replicas' (it ends once shut
+down and every replica has ended, its lease released; nothing starts after), and the
+cluster's life owns its loads (a refused load is its waiters' answer, not the end of
+the cluster's life)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.client import ApiError
+from gpu_arbiter.gateway.cluster import Cluster
+from gpu_arbiter.gateway.lease import Lease
+from gpu_arbiter.gateway.model import Refused
+from gpu_arbiter.gateway.replica import ReplicaState
+
+from .fakes import FakeClock, World, settle
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    found = World(keep_alive="5m", grace="4s")
+    yield found
+    await found.close()
+
+
+async def test_a_model_life_ends_only_once_its_replicas_have_released(world: World) -> None:
+    [life] = world.tasks
+    await world.request()
+    replica = world.replica
+    world.launcher.obeys_term = world.process.obeys_term = False  # it outlives SIGTERM
+    world.model.shutdown()
+    await world.clock.advance(2)
+    assert replica.state is ReplicaState.STOPPING and not life.done()
+    assert "release" not in world.leases.verbs()
+    await world.clock.advance(10)  # the grace: SIGKILL, then the release
+    assert life.done() and life.exception() is None
+    assert world.leases.verbs()[-1] == "release" and replica.state is ReplicaState.ENDED
+    assert not world.model.replicas
+
+
+async def test_nothing_starts_after_the_model_was_shut_down() -> None:
+    world = World(queue_timeout="10s")
+    world.model.shutdown()
+    await settle()
+    granted = Lease.of({"id": "L9", "state": "loading", "worker": "box", "gpus": ["box:0"]})
+    assert world.model.adopt(granted) is None
+    waiting = asyncio.ensure_future(world.model.acquire())
+    await world.clock.advance(11)  # its queue_timeout
+    with pytest.raises(Refused, match="not ready after 10s"):
+        await waiting
+    assert not world.model.replicas and world.launcher.processes == []
+    assert world.leases.calls == [] and not world.tasks  # its life ended
+
+
+class _Controller:
+    """The cluster's routes: no view comes; a load is refused (a 5xx)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def request(self, method: str, path: str, **keys: Any) -> Any:
+        self.asked.append(path)
+        if path.endswith("/cluster"):
+            await asyncio.Event().wait()
+        raise ApiError(500, "internal", "the store failed", {})
+
+
+async def test_a_refused_load_is_its_waiters_answer_and_the_cluster_runs_on() -> None:
+    controller = _Controller()
+    cluster = Cluster(
+        controller,  # type: ignore[arg-type]
+        name="gw-1", worker="box-1", models={}, routes={}, clock=FakeClock(),
+    )  # fmt: skip
+    life = asyncio.ensure_future(cluster.run())
+    await settle()
+    with pytest.raises(Refused, match="the store failed") as refused:
+        await cluster.load("chat", 500)
+    assert refused.value.status == 503
+    await settle()
+    assert not life.done()  # the refusal did not end the cluster's life
+    assert controller.asked == ["/v1/gateways/gw-1/cluster", "/v1/gateways/gw-1/loads"]
+    life.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await life
