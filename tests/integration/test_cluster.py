@@ -6,6 +6,7 @@ model's server, and the ``openai`` SDK or httpx as the caller."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -334,4 +335,43 @@ def test_api_keys_apply_at_the_front_door_and_its_priority_travels_with_the_requ
     )  # fmt: skip
     assert forged.status_code == 401
     assert forged.json()["error"]["code"] == "invalid_peer"
+    assert cluster.started("chat") == 1
+
+
+def test_a_front_door_stopping_gives_its_relays_the_grace_then_ends_them_with_an_error(
+    cluster: Cluster,
+) -> None:
+    """SIGTERM to a front door while it relays a stream from another host: the stream
+    goes on for the grace, then ends with a final error event naming the stop; the
+    serving host's replica is untouched. A stream that waited for the cold load before
+    its head went out says who served it in a comment line."""
+    door = cluster.host(2, "1x4G:sm_86", _models(cluster, grace="1s"))
+    serving = cluster.host(3, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+    body = chat("chat", stream=True)
+    with (
+        door.gateway.client() as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as cold,
+    ):
+        lines = list(cold.iter_lines())
+    assert ": served by gw-3/chat" in lines, lines
+    assert "data: [DONE]" in lines
+    slow = chat("chat", stream=True, tokens=40, token_s=0.25)
+    with (
+        door.gateway.client() as client,
+        client.stream("POST", "/v1/chat/completions", json=slow) as answer,
+    ):
+        assert answer.headers["x-served-by"] == "gw-3/chat"
+        got = answer.iter_lines()
+        assert next(line for line in got if line.startswith("data: {"))
+        assert door.gateway.proc is not None
+        door.gateway.proc.send_signal(signal.SIGTERM)
+        rest = list(got)
+    events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert "error" in events[-1], rest
+    assert events[-1]["error"]["status"] == 503
+    assert "stopping" in events[-1]["error"]["message"]
+    assert sum(1 for e in events if "choices" in e) < 39  # cut, not finished
+    assert door.gateway.proc.wait(30) == 0
+    assert serving.gateway.model_state("chat")["state"] in ("warm", "busy")
     assert cluster.started("chat") == 1

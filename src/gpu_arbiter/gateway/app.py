@@ -149,6 +149,8 @@ _STOPPED = frozenset(
     }
 )  # fmt: skip
 STOPPING = "the gateway is stopping"
+CUT_FORWARDS_S = 1.0
+"""At the stop, after the grace: how long the relays cut then may take to say so."""
 HEARTBEAT_S = 3.0
 """A streaming request that waits for a replica gets a comment line at once, when what it
 waits for changes, and at least this often: it says why, and keeps the client's read
@@ -217,6 +219,9 @@ class GatewayApp:
         self.cluster: Cluster | None = None  # the other gateways (None: on its own)
         self.stopping = False
         self._waits: set[CancelScope] = set()  # requests waiting for a replica
+        self._forwards: set[CancelScope] = set()  # requests relayed to another gateway
+        self._forwards_done = asyncio.Event()
+        self._forwards_done.set()
         self._running = 0  # HTTP requests being answered
         self._quiet = asyncio.Event()
         self._quiet.set()
@@ -227,6 +232,17 @@ class GatewayApp:
         self.stopping = True
         for wait in self._waits:
             wait.cancel(STOPPING)
+
+    async def settle_forwards(self, grace_s: float) -> None:
+        """At the stop: the requests this front door relays to other gateways get
+        ``grace_s`` to finish; those still running then end as a preemption ends them
+        (a 503 naming why, or an event stream's final error event)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._forwards_done.wait(), grace_s)
+        for forward in set(self._forwards):
+            forward.cancel(STOPPING)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._forwards_done.wait(), CUT_FORWARDS_S)
 
     async def quiet(self, timeout_s: float) -> bool:
         """Waits until no request is being answered (at most ``timeout_s``); True then."""
@@ -716,6 +732,8 @@ class GatewayApp:
         )
         key = (gateway, model)
         cluster.forwarding[key] += 1
+        self._forwards.add(cancel)
+        self._forwards_done.clear()
         try:
             async with cancel:
                 try:
@@ -742,12 +760,10 @@ class GatewayApp:
                 del cluster.forwarding[key]
             exchange.done = True
             watcher.cancel()
-        if exchange.gone:
-            return 0
-        if exchange.status and exchange.event_stream and not exchange.ended:
-            message = f"gateway {gateway} cut the answer of {model} short"
-            await _final_error(send, 502, message, "peer_failed")
-        return exchange.status
+            self._forwards.discard(cancel)
+            if not self._forwards:
+                self._forwards_done.set()
+        return await _forward_ended(send, exchange, cancel, f"{model} from {gateway}")
 
     async def _stopped(self, send: Send, replica: Replica) -> int:
         """503 for a request the replica's stop cut off at the end of its grace."""
@@ -817,6 +833,25 @@ async def _pass_on(send: Send, answer: Any, exchange: _Exchange, extra: Sequence
         pass  # cut mid-body: an event stream's final event says so, any other ends short
     finally:
         answer.close()
+
+
+async def _forward_ended(send: Send, exchange: _Exchange, cancel: CancelScope, what: str) -> int:
+    """The end of a relay to another gateway (``what``: the model and that gateway): the
+    status sent; a relay the stop cut off is a 503 (or its event stream's final error
+    event), one cut short by the other gateway a 502 event; 0 when the client went away."""
+    if exchange.gone:
+        return 0
+    stopped = cancel.cancelled_caught and cancel.reason == STOPPING
+    if stopped and not exchange.status:
+        await _error(send, 503, f"{STOPPING}: {what} did not answer in time", "unavailable", 1.0)
+        return 503
+    if exchange.status and exchange.event_stream and not exchange.ended:
+        if stopped:
+            message = f"{STOPPING}: the answer of {what} did not finish in time"
+            await _final_error(send, 503, message, "unavailable")
+        else:
+            await _final_error(send, 502, f"the answer of {what} was cut short", "peer_failed")
+    return exchange.status
 
 
 async def _final_error(send: Send, status: int, message: str, code: str) -> None:
@@ -1070,6 +1105,10 @@ class _AfterHead:
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
+            served = dict(message.get("headers") or ()).get(b"x-served-by")
+            if served and self.status == 200:  # its head is gone: a comment line says it
+                line = b": served by " + served + b"\n\n"
+                await self.send({"type": "http.response.body", "body": line, "more_body": True})
         elif self.status == 200:
             await self.send(message)
         else:

@@ -16,7 +16,9 @@ relayed to a replica get the model's grace to finish, and those still running th
 as a preemption ends them (a 503 naming why; an event stream's final error event); each
 replica's server is stopped (SIGTERM; SIGKILL at the end of the grace, or the engine's
 short ``stop_s`` after a cut; at once when ``hurry`` is set) and its lease released;
-only then does the HTTP server stop, with no request left for it to cancel.
+the requests this front door relays to other gateways get the same grace, then end
+the same way; only then does the HTTP server stop, with no request left for it to
+cancel.
 
 Every task has an owner that ends it: one task group holds the models' lives
 (:meth:`.model.ModelServer.run`, each the owner of its replicas'; an Ollama entry's serve
@@ -191,7 +193,7 @@ async def _serve(
             await reporter.goodbye()
             grace_s = max(m.grace_s for m in config.models.values())
             hurried = asyncio.ensure_future(_kill_when(hurry, launcher))
-            await _settle(living, grace_s)
+            await asyncio.gather(_settle(living, grace_s), app.settle_forwards(grace_s))
             hurried.cancel()
             await app.quiet(ANSWERS_S)  # the last answers (503s, final events) go out
             server.should_exit = True
