@@ -82,9 +82,11 @@ def test_a_cold_model_loads_where_it_fits_and_the_warm_copy_serves_every_front_d
     assert lease["constraints"]["workers"] == ["box-2", "box-3"]
     with small.gateway.client() as client:
         routes = client.get("/admin/routes").json()["routes"]
-    assert [r["outcome"] for r in routes[:2]] == ["peer", "load"]  # newest first
+    assert [r["outcome"] for r in routes[:3]] == ["peer", "placed", "load"]  # newest first
     assert routes[0]["to"] == "gw-3"  # warm there, or its load still on the way in the view
-    assert "a load for the cluster (gw-2, gw-3)" in routes[1]["why"]
+    assert routes[1]["to"] == "gw-3"
+    assert "cold load of 8.0 GiB on box-3:0, 16.0 GiB left there; box-2 has" in routes[1]["why"]
+    assert "a load for the cluster (gw-2, gw-3)" in routes[2]["why"]
 
     def reported() -> list[dict[str, object]]:
         gateways = cluster.admin.get("/v1/gateways").json()

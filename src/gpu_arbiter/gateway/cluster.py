@@ -369,9 +369,17 @@ class Cluster:
         )
         gpus = ", ".join(lease.gpus)
         joined = " (joined)" if answer.get("joined") else ""
-        log.info(
-            "route: %s: cold load on %s, %s MiB asked%s%s",
-            model, gpus, lease.vram_mb, f"; {others}" if others else "", joined,
+        here = free.get(lease.worker or "")
+        room = f", {here / 1024:.1f} GiB left there" if here is not None else ""
+        asked = f"{lease.vram_mb / 1024:.1f} GiB"
+        why = f"{model}: cold load of {asked} on {gpus}{room}"
+        why += f"; {others}{joined}" if others else joined
+        log.info("route: %s", why)
+        peer = self.peer_on(lease.worker or "")
+        to = self.name if lease.worker == self.worker else (peer.name if peer else None)
+        self.routed.append(
+            {"at": round(time.time(), 3), "model": model, "outcome": "placed", "to": to,
+             "why": why}
         )  # fmt: skip
 
     # ------------------------------------------------------------------ adoption
