@@ -58,7 +58,8 @@ def test_a_streaming_request_to_a_cold_model_sees_queued_then_loading(setup: Set
     comments = [line for line in seen if line.startswith(":")]
     data = [line for line in seen if line.startswith("data:")]
     assert any(line.startswith(": loading chat (") for line in comments), seen
-    assert comments[-1].startswith(": ready after "), seen
+    assert comments[-2].startswith(": ready after "), seen
+    assert comments[-1].startswith(": served by ") and comments[-1].endswith("/chat"), seen
     assert seen.index(comments[-1]) < seen.index(data[0])  # every comment before the data
     chunks = [json.loads(line[len("data: ") :]) for line in data[:-1]]
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["t0", "t1", "t2"]
