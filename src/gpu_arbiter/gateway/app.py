@@ -412,7 +412,7 @@ class GatewayApp:
                 return
             outbound = self._outbound(_target(scope, _raw_path(scope)), receive, headers, held)
             priority = self._priority(headers)
-            await self._route(scope, receive, send, name, outbound, json_body, priority)
+            await self._route(scope, receive, send, name, headers, outbound, json_body, priority)
         except TooLarge:
             await self._too_large(send)
         except OverBudget:
@@ -431,7 +431,7 @@ class GatewayApp:
             await held.read(receive)
             outbound = self._outbound(_target(scope, b"/" + rest), receive, headers, held)
             priority = self._priority(headers)
-            await self._route(scope, receive, send, name, outbound, priority=priority)
+            await self._route(scope, receive, send, name, headers, outbound, priority=priority)
         except TooLarge:
             await self._too_large(send)
         except OverBudget:
@@ -474,21 +474,23 @@ class GatewayApp:
         receive: Receive,
         send: Send,
         name: str,
+        headers: Mapping[bytes, str],
         outbound: _Outbound,
         json_body: bytearray | None = None,
         priority: int | None = None,
     ) -> None:
-        """``json_body``: the body held whole, when it is JSON (``"stream": true`` in it
-        gets comment lines while it waits); ``priority``: the caller's key's (None: the
-        model's), which a lease asked for while it waits follows upward."""
-        headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.cluster is not None and self._peer(headers):
+        """``headers``: the request's, by lower-case name; ``json_body``: the body held
+        whole, when it is JSON (``"stream": true`` in it gets comment lines while it
+        waits); ``priority``: the caller's key's (None: the model's), which a lease asked
+        for while it waits follows upward."""
+        from_peer = self._peer(headers)
+        if self.cluster is not None and from_peer:
             lease_id = headers.get(b"x-arbiter-lease")
             found = self.routes.get(name)
             if lease_id and found is not None:
                 await self.cluster.adopt(self.models[found], lease_id)
         head_sent = False  # an event stream's head went out while it waited for a load
-        if self.cluster is not None and not self._peer(headers):
+        if self.cluster is not None and not from_peer:
             routed = await self._front_door(
                 scope, receive, send, name, outbound, json_body, priority
             )
