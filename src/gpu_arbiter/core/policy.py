@@ -1,0 +1,103 @@
+"""The scheduling policy: every setting the decision core takes, with its default.
+
+One frozen value, checked when it is made (errors name the setting); the scheduler reads
+it and never changes it. The settings are told in :class:`Policy`'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from .errors import InvalidInput
+from .units import PRIORITY_NAMES
+
+if TYPE_CHECKING:  # the values import the policy, to keep it importable from .model
+    from .model import Request
+
+__all__ = ["Policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Every setting of the scheduling policy, with its default.
+
+    max_concurrent_loads  leases per GPU in state ``loading`` at once (I3); 1 avoids
+                          the concurrent-load driver crash.
+    placement             ``binpack`` (least memory left after placing: keeps large
+                          holes for large requests) or ``spread`` (most left).
+    aging_interval_s      a pending request's effective priority rises by
+    aging_step            ``aging_step`` per ``aging_interval_s`` waited ...
+    aging_cap             ... but never above ``aging_cap`` (below ``interactive``).
+                          Aging orders the queue; it never gives preemption rights.
+    preempt_exempt_s      a lease younger than this is not preempted unless idle.
+    idle_reclaim_s        an idle (keep-warm) lease idle this long is reclaimable by a
+                          request of any priority, least recently used first; before
+                          that only by equal or higher priority. ``inf``: never.
+    starvation_s          a request that has waited this long may reclaim any idle
+                          lease, whatever its priority. ``inf``: never. Neither
+                          setting gives rights over busy work (I5).
+    preempt_patience_s    busy work is preempted only for a request that has waited
+                          this long (0: at once), so that a short request does not
+                          kill a long job when a warm copy or a release would serve
+                          it a moment later. Idle leases are reclaimed at once.
+    grace_s               how long a revoked holder has to stop before it is killed;
+                          a revoked lease can be renewed only within it, and never
+                          past ``revoked_at + grace_s + ttl_s``: a holder that ignores
+                          its revocation keeps its memory at most grace + TTL (I4).
+    claim_s               where askers must be present (the service), a grant its holder
+                          has not taken up within ``min(claim_s, ttl_s / 3)`` is given
+                          back (``unclaimed``): always well within its TTL (I8).
+    """
+
+    max_concurrent_loads: int = 1
+    placement: Literal["binpack", "spread"] = "binpack"
+    aging_interval_s: float = 60.0
+    aging_step: int = 10
+    aging_cap: int = 799
+    preempt_exempt_s: float = 0.0
+    grace_s: float = 10.0
+    # Defaults chosen on the real-trace benchmark (bench/README.md, bench/sim_azure.py).
+    idle_reclaim_s: float = 60.0
+    starvation_s: float = 120.0
+    preempt_patience_s: float = 0.0
+    claim_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_concurrent_loads, int) or self.max_concurrent_loads < 1:
+            raise InvalidInput("max_concurrent_loads", "must be an integer >= 1")
+        if self.placement not in ("binpack", "spread"):
+            raise InvalidInput("placement", "must be 'binpack' or 'spread'")
+        if not self.aging_interval_s > 0:
+            raise InvalidInput("aging_interval_s", "must be > 0")
+        if not isinstance(self.aging_step, int) or self.aging_step < 0:
+            raise InvalidInput("aging_step", "must be an integer >= 0")
+        if not 0 <= self.aging_cap < PRIORITY_NAMES["interactive"]:
+            raise InvalidInput("aging_cap", "must be in 0..799 (below interactive)")
+        if self.preempt_exempt_s < 0:
+            raise InvalidInput("preempt_exempt_s", "must be >= 0")
+        if self.grace_s < 0:
+            raise InvalidInput("grace_s", "must be >= 0")
+        claim_s = self.claim_s
+        if isinstance(claim_s, bool) or not isinstance(claim_s, int | float) or not claim_s > 0:
+            raise InvalidInput("claim_s", "must be a number of seconds > 0")
+        if not math.isfinite(claim_s):
+            raise InvalidInput("claim_s", "must be a number of seconds > 0")
+        for name in ("idle_reclaim_s", "starvation_s", "preempt_patience_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise InvalidInput(name, "must be a number of seconds >= 0 (inf: never)")
+
+    def claim_bound_s(self, ttl_s: float | None) -> float:
+        """How long a grant may wait for its holder to take it up: ``claim_s``, and
+        less than a third of its TTL."""
+        return self.claim_s if ttl_s is None else min(self.claim_s, ttl_s / 3)
+
+    def effective_priority(self, request: Request, now: float) -> int:
+        """Base priority plus aging, capped at ``aging_cap`` (never lowered by the cap)."""
+        base = request.priority
+        if base >= self.aging_cap or self.aging_step == 0:
+            return base
+        steps = int(max(0.0, now - request.submitted_at) // self.aging_interval_s)
+        return min(self.aging_cap, base + steps * self.aging_step)
