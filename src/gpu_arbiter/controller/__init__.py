@@ -21,15 +21,19 @@ One request's path, ``POST /v1/leases``, route to store and back, each step once
     server/routes.py     create_lease: may this token ask? LeaseCreate.to_request: the
                          core's Request, built once (core/model.py), handed over typed
     leases.py            Leases.submit: the gate; an idempotency key seen before; the
-                         pending limits
-    change.py            Changes.change: Scheduler.submit, the sweeps, Scheduler.decide,
-                         Leases.absorb; the encoders (leases, workers, updates, events);
-                         Store.commit (store/sqlite.py, store/codec.py); Events.stored;
-                         Timer.arm
-    leases.py            the answer, made in the same pass (:class:`Submitted`): the
-                         record, and for a pending one its position and reason (the
+                         pending limits; in the change's body Scheduler.submit; after
+                         it, the answer, made in the same pass (:class:`Submitted`):
+                         the record, and for a pending one its position and reason (the
                          queue walked up to it once, Scheduler.explain)
-    server/schemas.py    lease_out; server/durable.py: it leaves once stored
+    change.py            Changes.change: the body, then each hook for each participant
+                         in the order facade.py declares them (leases, workers,
+                         updates, events, timer, roles): sweep (Workers: offline,
+                         Updates: late), Scheduler.decide, absorb (Leases), encode
+                         (Leases, Workers, Updates, Events), Store.commit
+                         (store/sqlite.py, store/codec.py), stored (Events), committed
+                         (Timer); any failure: recover (Roles)
+    server/schemas.py    lease_out (the API's own JSON); server/durable.py: it leaves
+                         once stored
 
 One rule for every failure: memory and store are never left apart. When a change
 cannot be encoded or stored — any exception, not only a :class:`StoreError` — or
@@ -57,7 +61,8 @@ comment says what it owns and what it may call; none reaches into another's stat
 - :mod:`.events` — the event history, the lease waiters and the stream fan-out;
 - :mod:`.timer` — the one timer; :mod:`.roles` — leader, standby, mirror, and the
   reload after a failure;
-- :mod:`.facade` — ``Controller``, which builds and connects them and exposes each
+- :mod:`.facade` — ``Controller``, which builds them, declares in one ordered tuple
+  which take part in every change (``changes.participants``), and exposes each
   one as an attribute (``controller.leases``, ``.workers``, ``.updates``, ``.events``,
   ``.changes``, ``.gate``): the service calls the module that owns what it asks for,
   and the controller itself only what concerns the whole arbiter (start, mirror,

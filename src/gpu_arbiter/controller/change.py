@@ -3,17 +3,25 @@ changes, and the gate that says whether a change may run now.
 
 Owns the decision core (``scheduler``) and the stored counters (``meta``), both
 replaced only by :mod:`.roles` when it reloads, the grant histograms, and the
-:class:`Gate`. A change
-runs as: the caller applies its event to the core in the body of :meth:`Changes.change`;
-then each sweep runs (offline workers, late updates), the core decides, and what it
-decided is absorbed; each encoder writes its slice of the :class:`~..store.Batch`
-(leases, workers, operations, events); the store commits it; then, and only then,
-the stored batch is announced (waiters, event streams) and the timer is armed.
+:class:`Gate`. The modules take part in every change as participants
+(:class:`Participant`), one ordered tuple declared once (:attr:`Changes.participants`,
+set in ``facade.py``); each hook runs for every participant, in that order::
 
-One rule for every failure: an exception while applying, deciding, encoding or storing
-(not only a :class:`~..store.StoreError`) hands the error to the recovery callback,
-which reloads what the store holds; only a refusal (:class:`~..core.ArbiterError`) in
-the body stores what was applied before it.
+    body        the caller applies its event to the core (Changes.change's body)
+    sweep       what came due before the core decides (offline workers, late updates)
+    decide      the core decides (Scheduler.decide)
+    absorb      what it decided is recorded in the change (leases, events)
+    encode      each writes its slice of the Batch (leases, workers, operations, events)
+    commit      the store commits the batch
+    stored      then, and only then, the stored batch is announced (waiters, streams)
+    committed   last: the timer follows the deadlines
+    recover     any failure on the way: memory goes back to what the store holds
+
+One rule for every failure: an exception while applying, sweeping, deciding, absorbing,
+encoding or storing (not only a :class:`~..store.StoreError`), or in a hook that runs
+once the batch is stored (``stored``, ``committed``), hands the error to the ``recover``
+hook, which reloads what the store holds; only a refusal (:class:`~..core.ArbiterError`)
+in the body stores what was applied before it.
 
 Group commit (:meth:`Changes.commit_in_groups`, what the server turns on for SQLite)::
 
@@ -25,19 +33,20 @@ The core applies every change at once and in order (the next change's decisions 
 it); only the store transaction waits. A batch handed over while a commit is in flight
 goes, with every other one handed over meanwhile, into the next transaction, merged in
 order (:meth:`~..store.Batch.merge`); that transaction runs on a thread of its own, so
-the loop serves other requests meanwhile. What the batches cause once stored — waiters
-and event streams woken, histograms, the timer armed — runs on the loop, in order,
-after their transaction is durable, and an answer leaves only once every change handed
-over before it is durable (:meth:`Changes.settled`; the server's ``DurableAnswers``
-awaits it for every HTTP answer): memory may be ahead of the store, but nobody is told
-what the store does not hold. A failed transaction fails every batch in it and every
-batch handed over after it (they were built on it): their answers become errors, the
-queued ones are dropped, and the recovery callback reloads what the store holds, once
-no transaction is in flight (changes are refused until then). A crash between apply and
-commit loses only what nobody was told: the restart state is the last committed one.
+the loop serves other requests meanwhile. What the batches cause once stored — the
+``stored`` hooks (waiters and event streams woken), histograms, the ``committed`` hooks
+(the timer armed) — runs on the loop, in order, after their transaction is durable, and
+an answer leaves only once every change handed over before it is durable
+(:meth:`Changes.settled`; the server's ``DurableAnswers`` awaits it for every HTTP
+answer): memory may be ahead of the store, but nobody is told what the store does not
+hold. A failed transaction fails every batch in it and every batch handed over after it
+(they were built on it): their answers become errors, the queued ones are dropped, and
+the ``recover`` hooks reload what the store holds, once no transaction is in flight
+(changes are refused until then). A crash between apply and commit loses only what
+nobody was told: the restart state is the last committed one.
 
-Calls only the store, the core and the callbacks handed to :meth:`Changes.connect`;
-it knows no other module of the package.
+Calls only the store, the core and its participants' hooks; it knows no other module
+of the package.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,12 +70,12 @@ from .values import (
     ServiceUnavailable,
 )
 
-__all__ = ["Change", "Changes", "Gate", "GroupCommit"]
+__all__ = ["Change", "Changes", "Gate", "GroupCommit", "Participant"]
 
 
 @dataclass(slots=True)
 class Change:
-    """What one change touched: the modules add to it, the encoders read it."""
+    """What one change touched: the participants add to it, their ``encode`` reads it."""
 
     now: float
     leases: set[str] = field(default_factory=set)
@@ -113,12 +122,31 @@ class Gate:
         return self.loop is None or self.stopping.is_set() or self.standby
 
 
-Sweep = Callable[[Change], None]
-Encoder = Callable[[Change, Batch], None]
+class Participant:
+    """A module's part in every change: the hooks below, in the order a change runs them
+    (see the module). Each does nothing here; a participant overrides those it takes
+    part in. :attr:`Changes.participants` runs each hook for every participant in the
+    order they are declared, so that one tuple says who takes part and in which order."""
 
+    __slots__ = ()
 
-def _nothing(*_: object) -> None:
-    return None
+    def sweep(self, change: Change) -> None:
+        """Before the core decides: what came due is applied in ``change``."""
+
+    def absorb(self, change: Change, decisions: Decisions) -> None:
+        """What the core decided is recorded in ``change`` (its records, its events)."""
+
+    def encode(self, change: Change, batch: Batch) -> None:
+        """Its slice of what ``change`` writes, into ``batch``."""
+
+    def stored(self, batch: Batch) -> None:
+        """``batch`` is durable: who waits for it may be told."""
+
+    def committed(self) -> None:
+        """Last, once a change is done (or a deadline of the core moved outside one)."""
+
+    def recover(self, error: BaseException) -> None:
+        """A change failed (``error``): memory goes back to what the store holds."""
 
 
 class GroupCommit:
@@ -232,33 +260,9 @@ class Changes:
         self.meta: dict[str, int] = {}
         self.wait_times = Histogram(WAIT_BOUNDS_S)  # submitted -> granted
         self.grant_latency = Histogram(GRANT_LATENCY_BOUNDS_S)  # change start -> grant stored
-        self._sweeps: Sequence[Sweep] = ()
-        self._absorb: Callable[[Change, Decisions], None] = _nothing
-        self._encoders: Sequence[Encoder] = ()
-        self._stored: Callable[[Batch], None] = _nothing
-        self._recover: Callable[[BaseException], None] = _nothing
-        self._committed: Callable[[], None] = _nothing
+        self.participants: tuple[Participant, ...] = ()
+        """Who takes part in every change, in order (see the module)."""
         self._group: GroupCommit | None = None
-
-    def connect(
-        self,
-        *,
-        sweeps: Sequence[Sweep],
-        absorb: Callable[[Change, Decisions], None],
-        encoders: Sequence[Encoder],
-        stored: Callable[[Batch], None],
-        recover: Callable[[BaseException], None],
-        committed: Callable[[], None],
-    ) -> None:
-        """The modules' parts of every change: ``sweeps`` before the core decides,
-        ``absorb`` for what it decided, ``encoders`` in order for the batch, ``stored``
-        once the store has it, ``recover`` for any failure, ``committed`` last."""
-        self._sweeps = tuple(sweeps)
-        self._absorb = absorb
-        self._encoders = tuple(encoders)
-        self._stored = stored
-        self._recover = recover
-        self._committed = committed
 
     def next_deadline(self) -> float | None:
         """The core's next deadline (the core of now: a reload replaces it)."""
@@ -268,6 +272,18 @@ class Changes:
         """A deadline of the core moved outside a change (an asker was seen, which is
         not stored): the timer follows it."""
         self._committed()
+
+    def _committed(self) -> None:
+        for participant in self.participants:
+            participant.committed()
+
+    def _stored(self, batch: Batch) -> None:
+        for participant in self.participants:
+            participant.stored(batch)
+
+    def _recover(self, error: BaseException) -> None:
+        for participant in self.participants:
+            participant.recover(error)
 
     # ------------------------------------------------------------------ group commit
 
@@ -280,7 +296,7 @@ class Changes:
             self.store,
             asyncio.get_running_loop(),
             stored=self._announce,
-            recover=lambda error: self._recover(error),
+            recover=self._recover,
         )
 
     @property
@@ -324,18 +340,21 @@ class Changes:
             self._fail(error)
             raise
         try:
-            for sweep in self._sweeps:
-                sweep(change)
-            self._absorb(change, self.scheduler.decide(change.now))
+            for participant in self.participants:
+                participant.sweep(change)
+            decisions = self.scheduler.decide(change.now)
+            for participant in self.participants:
+                participant.absorb(change, decisions)
         except BaseException as error:
             self._fail(error)
             raise
         self.commit(change)
 
     def commit(self, change: Change) -> None:
-        """Encodes and stores ``change``; only then is anyone told (waiters, streams). Any
-        exception on the way sends memory back to what the store holds. With group
-        commit, the store's part and what follows it run once its transaction is done."""
+        """Encodes and stores ``change``; only then is anyone told (the ``stored`` hooks,
+        then the ``committed`` hooks). Any exception on the way, those hooks' included,
+        sends memory back to what the store holds. With group commit, the store's part
+        and what follows it run once its transaction is done."""
         try:
             if self._group is not None:
                 batch = self._batch(change)
@@ -343,13 +362,13 @@ class Changes:
                 self._group.hand_over(batch, change)
                 return
             self.write(change)
+            self._observe(change)
+            self._committed()
         except BaseException as error:
             self._fail(error)
             if isinstance(error, Exception):
                 raise ServiceUnavailable(f"the change could not be stored: {error}") from error
             raise
-        self._observe(change)
-        self._committed()
 
     def write(self, change: Change) -> None:
         """Encodes and stores ``change``, then announces it; no recovery here (the
@@ -375,10 +394,9 @@ class Changes:
             for batch, change in items:
                 self._stored(batch)
                 self._observe(change)
+            self._committed()
         except Exception as error:  # a bug: memory goes back to what the store holds
             self._fail(error)
-            return
-        self._committed()
 
     def _observe(self, change: Change) -> None:
         for waited_s in change.waited_s:
@@ -390,8 +408,8 @@ class Changes:
         """What ``change`` writes: the counters it moved, and its events numbered (the
         sequence readers see advances once the store has them)."""
         batch = Batch()
-        for encode in self._encoders:
-            encode(change, batch)
+        for participant in self.participants:
+            participant.encode(change, batch)
         meta = {
             "next_token": self.scheduler.next_token,
             "next_seq": self.scheduler.next_seq,

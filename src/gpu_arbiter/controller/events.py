@@ -3,9 +3,10 @@ fan-out that wakes event streams.
 
 Owns the event sequence (it advances only with a stored commit, so ``last_seq`` is
 never ahead of the events it can return), the recent events in memory, the per-lease
-waiters and the :class:`~..fanout.Fanout`. Its part of a change: :meth:`Events.encode`
-numbers the change's events, :meth:`Events.stored` announces a stored batch (and logs
-the serve log's line for a grant, a revocation or the end of a held lease).
+waiters and the :class:`~..fanout.Fanout`. Its part of a change (a
+:class:`~.change.Participant`): :meth:`Events.encode` numbers the change's events,
+:meth:`Events.stored` announces a stored batch (and logs the serve log's line for a
+grant, a revocation or the end of a held lease).
 
 Calls only the store (for older history), the :class:`~.change.Gate` (its loop and
 whether it stops) and the lease look-up it is built with (for :meth:`Events.wait_lease`).
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from ..core import LeaseState, format_mb
 from ..fanout import Fanout
 from ..store import Batch, Event, LeaseRecord, Store
-from .change import Change, Gate
+from .change import Change, Gate, Participant
 from .values import Limits
 
 __all__ = ["Events"]
@@ -30,7 +31,7 @@ __all__ = ["Events"]
 log = logging.getLogger("gpu_arbiter.controller")
 
 
-class Events:
+class Events(Participant):
     def __init__(
         self,
         store: Store,

@@ -1,5 +1,7 @@
-"""``Controller``: builds the controller's concerns, connects them, and exposes each
-one as a public attribute; a caller calls the module that owns what it asks for::
+"""``Controller``: builds the controller's concerns, declares in one ordered tuple
+which of them take part in every change (``changes.participants``: see
+:mod:`.change`), and exposes each one as a public attribute; a caller calls the module
+that owns what it asks for::
 
     controller.leases    submit, get, all, queue, pending_view, positions, renew, ready,
                          set_idle, shrink, release, revoke            (:mod:`.leases`)
@@ -88,13 +90,16 @@ class Controller:
             timer=timer,
             simulated=simulated,
         )
-        changes.connect(
-            sweeps=[workers.offline_sweep, updates.sweep],
-            absorb=leases.absorb,
-            encoders=[leases.encode, workers.encode, updates.encode, events.encode],
-            stored=events.stored,
-            recover=self._roles.recover,
-            committed=timer.arm,
+        # Who takes part in every change, in order: each hook of a change (sweep, absorb,
+        # encode, stored, committed, recover: see change.py) runs for each of them in this
+        # order, so a change reads top to bottom here.
+        changes.participants = (
+            leases,  # absorb: records what the core decided; encode: the leases touched
+            workers,  # sweep: silent workers go offline; encode: the workers touched
+            updates,  # sweep: late updates fail; encode: the operations touched
+            events,  # encode: numbers the change's events, last; stored: wakes waiters, streams
+            timer,  # committed: the alarm follows the deadlines
+            self._roles,  # recover: any failure reloads what the store holds
         )
 
     # ------------------------------------------------------------------ the arbiter

@@ -11,8 +11,8 @@ the recent ones until the store answers for it.
 Owns the owners of live leases, the recently ended records, the idempotency keys of
 both in memory (an ended lease's key stays until the lease leaves the recent ones, so
 that a replay finds it even before its end is stored) and the pending counts by (token,
-holder). Its part of every change: :meth:`Leases.absorb` records what the core decided,
-:meth:`Leases.encode` writes the leases a change touched.
+holder). Its part of every change (a :class:`~.change.Participant`): :meth:`Leases.absorb`
+records what the core decided, :meth:`Leases.encode` writes the leases a change touched.
 Its clients' presence (I8's dual, :mod:`~..core.presence`): a request is watched while
 its submission's answer and each long-poll of it are open (:meth:`Leases.watching`), and
 seen when one closes; a request unseen for its ``ttl_s`` ends, ``cancelled`` with the
@@ -57,7 +57,7 @@ from ..core import (
     parse_mb,
 )
 from ..store import Batch, LeaseRecord, Store
-from .change import Change, Changes
+from .change import Change, Changes, Participant
 from .values import (
     Limits,
     NotLeader,
@@ -93,7 +93,7 @@ def _holder_key(owner: str | None, request: Request) -> tuple[str, str]:
     return (owner or "", request.holder)
 
 
-class Leases:
+class Leases(Participant):
     def __init__(self, changes: Changes, store: Store, limits: Limits) -> None:
         self._changes = changes
         self._store = store
@@ -130,25 +130,22 @@ class Leases:
                 return Submitted(earlier, False, self.pending_view(earlier.id))
         self._check_limits(owner, request)
         with self.watching(request.id):  # a grant in this change is the answer it gets
-            return self._submit(owner, request)
-
-    def _submit(self, owner: str | None, request: Request) -> Submitted:
-        with self._changes.change() as change:
-            queued = self._scheduler.submit(request, change.now)
-            self._live(owner, queued)
-            self._pending_by_holder[_holder_key(owner, queued)] += 1
-            change.leases.add(queued.id)
-            change.event(
-                "lease.requested",
-                queued.id,
-                vram_mb=request.vram_mb,
-                gpus=request.gpus,
-                priority=request.priority,
-                holder=request.holder,
-            )
-        record = self.get(request.id)
-        pending = record.state is LeaseState.PENDING
-        return Submitted(record, True, self._view(record.id, change.now) if pending else None)
+            with self._changes.change() as change:
+                queued = self._scheduler.submit(request, change.now)
+                self._live(owner, queued)
+                self._pending_by_holder[_holder_key(owner, queued)] += 1
+                change.leases.add(queued.id)
+                change.event(
+                    "lease.requested",
+                    queued.id,
+                    vram_mb=request.vram_mb,
+                    gpus=request.gpus,
+                    priority=request.priority,
+                    holder=request.holder,
+                )
+            record = self.get(request.id)
+            pending = record.state is LeaseState.PENDING
+            return Submitted(record, True, self._view(record.id, change.now) if pending else None)
 
     def _replay(self, earlier: LeaseRecord, request: Request) -> LeaseRecord:
         mine = (request.vram_mb, request.gpus, request.priority, request.constraints)

@@ -8,6 +8,9 @@ Roles, when several controllers share one store (PostgreSQL)::
        └─┘ mirror()         or it was fenced)   ▼
      (reload what the leader committed)      mirror()
 
+Its part of every change (a :class:`~.change.Participant`): :meth:`Roles.recover`, the
+reload after any failure of one.
+
 Owns the reload retry (its handle and back-off) and sets the :class:`~.change.Gate`
 (role, leader, started, broken). Rebuilding replaces the core in ``changes.scheduler``
 and hands each module what the store holds through its public ``clear``/``restore``/
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 
 from ..core import Gpu, Policy, Scheduler
 from ..store import Fenced, Snapshot, StoreError
-from .change import Change, Changes
+from .change import Change, Changes, Participant
 from .events import Events
 from .leases import Leases
 from .timer import Timer
@@ -35,7 +38,7 @@ __all__ = ["Roles"]
 log = logging.getLogger("gpu_arbiter.controller")
 
 
-class Roles:
+class Roles(Participant):
     def __init__(
         self,
         changes: Changes,

@@ -4,6 +4,9 @@ of the heartbeats and of the running updates; when it fires it runs an empty cha
 the core's :class:`~..core.Alarm`, as the engine's and the simulator's timers are, on the
 controller's clock with its callbacks on the server's loop.
 
+Its part of every change (a :class:`~.change.Participant`): :meth:`Timer.committed`
+arms it for the deadlines as the change left them.
+
 Owns only its alarm. Calls :meth:`~.change.Changes.change`, reads the
 :class:`~.change.Gate`, and asks the deadline callables it was given.
 """
@@ -15,7 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from ..core import Alarm
-from .change import Changes
+from .change import Changes, Participant
 from .values import ServiceUnavailable
 
 __all__ = ["Timer"]
@@ -41,7 +44,7 @@ class _OnLoop:
         return loop.call_later(max(0.0, when - self.now()), callback)
 
 
-class Timer:
+class Timer(Participant):
     def __init__(self, changes: Changes, deadlines: Sequence[Callable[[], float | None]]) -> None:
         self._changes = changes
         self._deadlines = tuple(deadlines)
@@ -56,6 +59,10 @@ class Timer:
         if gate.loop is None or gate.idle:
             return
         self._alarm.set(self.next_wakeup())
+
+    def committed(self) -> None:
+        """A change is done, or a deadline moved outside one: the alarm follows."""
+        self.arm()
 
     def stop(self) -> None:
         self._alarm.cancel()

@@ -2,10 +2,10 @@
 runs its update command -> it restarts and registers its new version -> the drain is
 cancelled), each step recorded with its time and outcome.
 
-Owns the running operations. Its part of every change: :meth:`Updates.sweep` fails the
-updates past their deadline, :meth:`Updates.encode` writes the operations a change
-touched. It is the :class:`~.workers.WorkerListener` of the workers: a registration
-may end an update, a cancelled drain or a removal fails one.
+Owns the running operations. Its part of every change (a :class:`~.change.Participant`):
+:meth:`Updates.sweep` fails the updates past their deadline, :meth:`Updates.encode`
+writes the operations a change touched. It is the :class:`~.workers.WorkerListener` of
+the workers: a registration may end an update, a cancelled drain or a removal fails one.
 
 Drives drains only through the calls an operator's drain and cancel-drain run
 (:meth:`~.workers.Workers.drain_in`, :meth:`~.workers.Workers.cancel_drain_in`), so the
@@ -23,7 +23,7 @@ from typing import Any
 
 from ..core import Conflict, NotFound, WorkerStatus
 from ..store import Batch, OperationRecord, OperationStep, Store
-from .change import Change, Changes
+from .change import Change, Changes, Participant
 from .leases import Leases
 from .values import UPDATE_TIMEOUT_S
 from .workers import Workers
@@ -31,7 +31,7 @@ from .workers import Workers
 __all__ = ["Updates"]
 
 
-class Updates:
+class Updates(Participant):
     def __init__(self, changes: Changes, store: Store, leases: Leases, workers: Workers) -> None:
         self._changes = changes
         self._store = store

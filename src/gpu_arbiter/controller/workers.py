@@ -2,8 +2,9 @@
 the offline sweep, drains, cancelled drains and removals.
 
 Owns the worker records, when each worker was last heard from, and the heap of
-heartbeat deadlines. Its part of every change: :meth:`Workers.offline_sweep` before the
-core decides, :meth:`Workers.encode` for the workers a change touched. Other modules
+heartbeat deadlines. Its part of every change (a :class:`~.change.Participant`):
+:meth:`Workers.sweep` (the offline sweep) before the core decides, :meth:`Workers.encode`
+for the workers a change touched. Other modules
 drain a worker or cancel its drain only in a change, through :meth:`Workers.drain_in`
 and :meth:`Workers.cancel_drain_in` (what :meth:`Workers.drain` and
 :meth:`Workers.cancel_drain` run for an operator).
@@ -36,7 +37,7 @@ from ..core import (
     WorkerStatus,
 )
 from ..store import Batch, WorkerRecord
-from .change import Change, Changes
+from .change import Change, Changes, Participant
 from .leases import Leases
 from .values import DrainOutcome, GpuProbeReport, Limits, TooManyRequests
 
@@ -61,7 +62,7 @@ class WorkerListener(Protocol):
         """``name`` is being removed, in ``change`` (its leases already ended)."""
 
 
-class Workers:
+class Workers(Participant):
     def __init__(
         self,
         changes: Changes,
@@ -391,7 +392,7 @@ class Workers:
                 self._workers[name] = batch.workers[name]
         batch.removed_workers = set(change.removed_workers)
 
-    def offline_sweep(self, change: Change) -> None:
+    def sweep(self, change: Change) -> None:
         """Workers silent for the heartbeat timeout go offline: exactly one event each."""
         heap = self._offline_heap
         while heap and heap[0][0] <= change.now:
