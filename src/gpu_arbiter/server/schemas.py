@@ -47,7 +47,6 @@ from ..core import (
     priority_name,
 )
 from ..store import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
-from ..store.codec import constraints_to_doc, event_to_doc
 
 # ---------------------------------------------------------------- strict JSON bodies
 
@@ -608,11 +607,8 @@ def lease_out(
     a lease nested (request, grant) and lossless, to be read back exactly; the API shows
     it flat, as a client reads it (its worker, ``gpu_count``, ``priority_name``, the
     compute capability as ``"8.0"``, no loading flag once it ended, its place in the
-    queue). Its constraints are the stored document but for that one field."""
+    queue)."""
     request, lease = record.request, record.lease
-    cc = request.constraints.min_compute_capability
-    constraints = constraints_to_doc(request.constraints)
-    constraints["min_compute_capability"] = "{}.{}".format(*cc) if cc else None
     out: dict[str, Any] = {
         "id": record.id,
         "state": str(record.state),
@@ -626,7 +622,7 @@ def lease_out(
         "preemptible": request.preemptible,
         "holder": request.holder,
         "metadata": dict(request.metadata),
-        "constraints": constraints,
+        "constraints": constraints_out(request.constraints),
         "ttl_s": request.ttl_s,
         "submitted_at": request.submitted_at,
         "granted_at": None if lease is None else lease.granted_at,
@@ -648,6 +644,24 @@ def lease_out(
     elif position is not None:
         out["position"], out["effective_priority"] = position
     return out
+
+
+def constraints_out(c: Constraints) -> dict[str, Any]:
+    """A request's constraints as the API shows them: every field, the compute
+    capability as ``"8.0"``, the labels an object, the GPUs as ``worker:index``."""
+    cc = c.min_compute_capability
+    return {
+        "vendor": c.vendor,
+        "min_compute_capability": "{}.{}".format(*cc) if cc else None,
+        "gpu_arch": list(c.gpu_arch),
+        "gpu_model": c.gpu_model,
+        "worker": c.worker,
+        "labels": dict(c.labels),
+        "gpu_ids": [str(g) for g in c.gpu_ids],
+        "never_preempt": list(c.never_preempt),
+        "workers": list(c.workers),
+        "prefer_workers": list(c.prefer_workers),
+    }
 
 
 def worker_out(
@@ -749,8 +763,17 @@ def drain_out(outcome: DrainOutcome) -> dict[str, Any]:
 
 
 def event_out(event: Event) -> dict[str, Any]:
-    """An event as the API shows it: the stored document itself."""
-    return event_to_doc(event)
+    """An event as the API shows it (the ``data`` of each event of ``GET /v1/events``).
+    The API's own, not the store's document (``store.codec``): the two hold the same
+    fields today, but a change of what is stored does not change the API."""
+    return {
+        "seq": event.seq,
+        "at": event.at,
+        "kind": event.kind,
+        "lease_id": event.lease_id,
+        "worker": event.worker,
+        "data": dict(event.data),
+    }
 
 
 # ---------------------------------------------------------------- history and access
