@@ -3,7 +3,7 @@
     PYTHONPATH=src python bench/sim_azure.py [--data ../shared/data/azure-llm-2023]
         [--loads 0.01,0.03,0.1] [--seeds 1] [--clusters 1x24G,2x24G,4x80G]
         [--policy KEY=VALUE,...] [--tiers [--sleep-after 60 --sleep-resident 0.15
-        --sleep-s 2 --wake-s 1]]
+        --sleep-s 2 --wake-s 1]] [--audit]
 
 Per cluster and load it prints, per policy, the figures the goals are judged on
 (interactive and normal p99 wait, longest batch wait, busy memory, memory
@@ -18,6 +18,10 @@ figures are means over the seeds. ``--policy`` sets ours' Policy fields
 ``--tiers`` compares ours' tiers instead: ours (keep-warm), ours-sleep (keep-warm
 and the sleep tier of the ``--sleep-*`` and ``--wake-s`` options) and ours-stop
 (no keep-warm), with their cold loads, sleeps, wakes and idle models reclaimed.
+``--audit`` adds, per case, where ours' batch requests spent their waits
+(``sim.audit``): with memory free, or free and warm that they may reclaim now, or only
+warm memory that I5 protects from them for now, on some GPU, or none without preempting
+busy work; with the core's reason for each.
 
 The mapping of the trace (``gpu_arbiter.sim.azure``), per cluster class:
 
@@ -52,6 +56,7 @@ from gpu_arbiter.sim import (
     parse_cluster,
     summarize,
 )
+from gpu_arbiter.sim.audit import Audit, totals
 from gpu_arbiter.sim.azure import AzureMapping, BatchJobs, Service, convert, read_azure
 from gpu_arbiter.sim.report import dominators, goal_lines, offered_load, targets
 
@@ -209,6 +214,24 @@ def tier_table(summaries: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def audit_lines(
+    services: dict[str, Any], spec: str, load: float, seeds: int, policy: Policy | None
+) -> list[str]:
+    """Where ours' batch requests waited (``sim.audit``), seconds summed over the seeds."""
+    cluster = parse_cluster(spec)
+    seconds: dict[tuple[str, str, str], float] = {}
+    for seed in range(1, seeds + 1):
+        audit = Audit(cluster, policy, classes=("batch",))
+        rec = Simulation(convert(services, mapping_for(spec, load, seed)), cluster, audit).run()
+        for key, value in totals(audit.finish(rec.last_completion)).items():
+            seconds[key] = seconds.get(key, 0.0) + value
+    whole = sum(seconds.values()) or 1.0
+    lines = ["| batch waited | core's reason | seconds | share |", "|---|---|---|---|"]
+    for (_, kind, reason), value in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {reason} | {value:.0f} | {value / whole:.1%} |")
+    return lines
+
+
 def _policy(text: str) -> Policy | None:
     if not text:
         return None
@@ -265,6 +288,7 @@ def main() -> None:
     parser.add_argument("--policy", default="", help="ours' Policy fields, KEY=VALUE,...")
     parser.add_argument("--sweep", action="store_true", help="ours under every GRID setting")
     parser.add_argument("--tiers", action="store_true", help="ours, ours-sleep, ours-stop")
+    parser.add_argument("--audit", action="store_true", help="where ours' batch waits went")
     parser.add_argument("--sleep-after", type=float, default=60.0)
     parser.add_argument("--sleep-resident", type=float, default=0.15)
     parser.add_argument("--sleep-s", type=float, default=2.0)
@@ -297,6 +321,9 @@ def main() -> None:
         print()
         print("\n".join(goal_lines(targets(summaries, asked))))
         print(dominated_line(summaries))
+        if args.audit:
+            print()
+            print("\n".join(audit_lines(services, spec, load, args.seeds, _policy(args.policy))))
     print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
 
 
