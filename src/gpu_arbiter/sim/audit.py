@@ -16,10 +16,12 @@ as it asks for:
 
 Each stretch of time a request spends in one kind with one reason is a :class:`Spell`:
 the core's own reason (``explain``: its code, and the rule of the lease it waits for
-last), what the core said of each GPU counted (``verdicts``: ``load_in_progress`` where
-the load gate is closed ...), and whether memory is on its way back on a GPU it could
-use (``stopping``: a revoked lease whose holder has not stopped yet; the core then waits
-for that memory rather than revoke more). ``Audit.spells`` lists them; :func:`totals`
+last), what the core said of each GPU counted (``verdicts``), whether the load gate of
+one of them was closed (``gated``, I3), whether another request could hold memory against
+it (``behind``: one ahead of it in the queue, or one that holds memory its preemption
+frees; I6), and whether memory is on its way back on a GPU it could use (``stopping``: a
+revoked lease whose holder has not stopped yet; the core then waits for that memory
+rather than revoke more). ``Audit.spells`` lists them; :func:`totals`
 adds them up per class, kind and reason. A spell ends at the next step, so it counts the
 time until the core looked again (it runs at every event and at every deadline a rule
 sets).
@@ -46,8 +48,9 @@ KINDS = ("free", "idle_now", "idle_later", "busy")
 class Spell:
     """``request_id`` waited from ``start`` to ``end`` in ``kind`` (see the module);
     ``reason``: the core's code, and the rule of the lease it waits for (``code/rule``);
-    ``verdicts``: the core's verdict on each of ``gpus``; ``stopping``: memory was on its
-    way back on a GPU it could use."""
+    ``verdicts``: the core's verdict on each of ``gpus``; ``gated``: one of them had its
+    load gate closed; ``behind``: another request could hold memory against it;
+    ``stopping``: memory was on its way back on a GPU it could use."""
 
     request_id: str
     priority: int
@@ -57,6 +60,8 @@ class Spell:
     reason: str
     gpus: tuple[GpuId, ...]
     verdicts: tuple[str, ...] = ()
+    gated: bool = False
+    behind: bool = False
     stopping: bool = False
 
     @property
@@ -81,7 +86,9 @@ class Audit(Ours):
     def decide(self, now: float) -> Step:
         step = super().decide(now)
         seen = set()
-        for _, request, _ in self.scheduler.pending(now):
+        nominated = set(self.scheduler.nominations)
+        for position, request, _ in self.scheduler.pending(now):
+            behind = position > 1 or bool(nominated - {request.id})
             if self.classes and priority_class(request.priority) not in self.classes:
                 continue
             seen.add(request.id)
@@ -91,6 +98,7 @@ class Audit(Ours):
             codes = {verdict.gpu: str(verdict.code) for verdict in why.gpus}
             verdicts = tuple(codes.get(gpu_id, "") for gpu_id in gpus)
             spell = Spell(request.id, request.priority, now, now, kind, "", gpus, verdicts)
+            spell = dataclasses.replace(spell, gated=self.gated(gpus), behind=behind)
             self._note(spell, _reason(why), self.stopping(request))
         for request_id in [r for r in self._open if r not in seen]:
             self._close(request_id, now)
@@ -138,6 +146,11 @@ class Audit(Ours):
             if total >= request.vram_mb:
                 return level
         return len(KINDS) - 1
+
+    def gated(self, gpus: Iterable[GpuId]) -> bool:
+        """Whether a load in progress closes the load gate of one of ``gpus`` (I3)."""
+        limit = self.scheduler.policy.max_concurrent_loads
+        return any(self.scheduler.figures(gpu_id).loading >= limit for gpu_id in gpus)
 
     def stopping(self, request: Request) -> bool:
         """Whether a revoked lease still holds memory on a GPU the request could use."""
