@@ -307,12 +307,12 @@ def test_insufficient_vram_reason_carries_the_figures() -> None:
     sched.decide(1.0)
     reason = sched.explain("wait", 1.0)
     assert reason.code == "insufficient_vram"
-    verdicts = {str(v.gpu): v for v in reason.gpus}
-    assert verdicts["w1:0"].need_mb == 8000
-    assert verdicts["w1:0"].committed_mb == 20000
-    assert verdicts["w1:0"].observed_mb == 21000
-    assert verdicts["w1:0"].free_mb == 24576 - 21000
-    assert verdicts["w2:0"].free_mb == 16384 - 14000
+    (verdict,) = reason.gpus  # both GPUs too full: the one nearest to taking it, and a count
+    assert (str(verdict.gpu), verdict.count) == ("w1:0", 2)
+    assert verdict.need_mb == 8000
+    assert verdict.committed_mb == 20000
+    assert verdict.observed_mb == 21000
+    assert verdict.free_mb == 24576 - 21000  # more than w2:0's 16384 - 14000
     summary = "0/2 GPUs fit: 2 insufficient_vram (need 7.8 GiB, most free 3.5 GiB)"
     assert reason.message.startswith(f"{summary}; waiting for busy lease ")
     assert "not preemptible by normal (I5)" in reason.message  # equal priority, busy

@@ -153,7 +153,7 @@ def test_unchanged_registration_rechecks_nothing() -> None:
     sched.submit(req("b", 8000), 1.0)
     sched.decide(1.0)
     sched.put_worker(Worker("w1"), [gpu(0)])
-    assert not sched._shrunk  # the heartbeat-rate path stays cheap
+    assert not sched.reshaped  # the heartbeat-rate path stays cheap
 
 
 # ---------------------------------------------------------------- a GPU shrunk under its leases

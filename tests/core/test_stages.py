@@ -30,9 +30,7 @@ def test_the_stages_are_feasibility_then_fit() -> None:
         "matches",
         "worker_online",
         "probe_fresh",
-        "memory",
-        "nominations_ahead",
-        "load_gate",
+        "fit",  # memory, then the holds ahead, then the load gate (stages.fit_code)
     ]
 
 

@@ -8,6 +8,7 @@ still holding what it was granted, and no grant may land on that memory (I2, I4)
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 from typing import Any
@@ -67,6 +68,11 @@ def fingerprint(sched: Scheduler) -> tuple[object, ...]:
         sched.next_token,
         dict(sched.workers),
         dict(sched.counters),
+        sorted(sched._timers._heap),
+        dict(sched._drain_deadlines),
+        sorted(sched.drain_check),
+        sched.reshaped,
+        sched.presence.watches(),
     )
 
 
@@ -227,16 +233,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.decide(planned=False)
 
     def _cycle(self, now: float, planned: bool) -> Decisions:
-        """One cycle: ``decide``, or its three steps with the plan checked against the
-        state it was made from (plan verification) and that state left as it was."""
+        """One cycle: ``decide``, or its two steps with the plan checked against a fresh
+        copy of the state it was made from (plan verification), and that state left as it
+        was by making the plan."""
         if not planned:
             return self.sched.decide(now)
-        fired = self.sched.tick(now)
+        fresh = copy.deepcopy(self.sched)
         before = fingerprint(self.sched)
         plan = self.sched.plan(now)
         assert fingerprint(self.sched) == before, "making a plan changed the state"
-        assert check_plan(self.sched, plan) == []
-        return Decisions.of_cycle(fired, self.sched.apply(plan))
+        assert check_plan(fresh, plan) == []
+        return self.sched.apply(plan)
 
     @rule()
     def decide(self, planned: bool = True) -> None:

@@ -194,7 +194,8 @@ def _gpu_line(gpu: Json) -> Text:
 
 
 def queue_view(pending: list[Json], verbose: bool = False) -> RenderableType:
-    """Pending requests in order with why they wait; with ``verbose``, each GPU's verdict."""
+    """Pending requests in order with why they wait; with ``verbose``, what the GPUs say:
+    for each outcome, the GPU nearest to taking the request and how many more say it."""
     if not pending:
         return Text("the queue is empty")
     table = Table("pos", "id", "holder", "vram", "gpus", "priority", "waiting", "reason")
@@ -217,11 +218,13 @@ def queue_view(pending: list[Json], verbose: bool = False) -> RenderableType:
         verdicts = (lease.get("reason") or {}).get("gpus") or []
         parts.append(Text(f"{lease['id']}:", "bold"))
         for v in verdicts:
+            count = v.get("count", 1)
+            more = f" ({count - 1} more GPU(s) say the same)" if count > 1 else ""
             parts.append(
                 Text(
                     f"  {v['gpu']:<10} {v['code']}: need {_mb(v['need_mb'])},"
                     f" free {_mb(v['free_mb'])}, committed {_mb(v['committed_mb'])},"
-                    f" observed {_mb(v['observed_mb'])}"
+                    f" observed {_mb(v['observed_mb'])}{more}"
                 )
             )
         if not verdicts:

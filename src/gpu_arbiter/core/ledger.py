@@ -16,7 +16,7 @@ the best fit by bisection instead of scanning every GPU.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from .model import Gpu, GpuId, GpuProbe, Lease
@@ -88,8 +88,12 @@ class Ledger:
     def __init__(self) -> None:
         self._slots: dict[GpuId, _Slot] = {}
         self.by_free: list[tuple[int, GpuId]] = []  # (free_mb, GPU), ascending; read-only
+        self.loading_ids: set[GpuId] = set()  # GPUs with a load in progress; read-only
+        self.stale_ids: set[GpuId] = set()  # GPUs whose probe failed; read-only
+        self.version = 0  # moves at every change: what was read of it is then stale
 
     def _refresh(self, slot: _Slot) -> None:
+        self.version += 1
         slot.refresh()
         entry = (slot.capacity_mb - slot.occupied_mb, slot.id)
         if entry == slot.indexed:
@@ -124,8 +128,11 @@ class Ledger:
         slot = self._slots[gpu_id]
         if slot.reserved:
             raise ValueError(f"GPU {gpu_id} still has leases")
+        self.version += 1
         if slot.indexed is not None:
             del self.by_free[bisect.bisect_left(self.by_free, slot.indexed)]
+        self.loading_ids.discard(gpu_id)
+        self.stale_ids.discard(gpu_id)
         del self._slots[gpu_id]
 
     def commit(self, lease: Lease) -> None:
@@ -135,6 +142,8 @@ class Ledger:
             slot.reserved[lease.id] = vram_mb
             slot.committed_mb += vram_mb
             slot.loading += lease.loading
+            if slot.loading:
+                self.loading_ids.add(gpu_id)
             self._refresh(slot)
 
     def shrink(self, lease: Lease, vram_mb: int) -> None:
@@ -161,16 +170,27 @@ class Ledger:
                 continue
             slot.committed_mb -= reserved
             slot.loading -= lease.loading
+            if not slot.loading:
+                self.loading_ids.discard(gpu_id)
             self._refresh(slot)
 
     def finish_loading(self, lease: Lease) -> None:
+        self.version += 1
         for gpu_id in lease.gpus:
-            self._slots[gpu_id].loading -= 1
+            slot = self._slots[gpu_id]
+            slot.loading -= 1
+            if not slot.loading:
+                self.loading_ids.discard(gpu_id)
 
     def set_probe(self, gpu_id: GpuId, probe: GpuProbe | None) -> None:
         """A reading, or None when the probe failed: the GPU is stale until the next one."""
         slot = self._slots[gpu_id]
+        self.version += 1
         slot.stale = probe is None
+        if slot.stale:
+            self.stale_ids.add(gpu_id)
+        else:
+            self.stale_ids.discard(gpu_id)
         if probe is not None:
             slot.probe = probe
             slot.probe_seq += 1
@@ -204,23 +224,31 @@ class Ledger:
         probe = self._slots[gpu_id].probe
         return 0 if probe is None else probe.used_mb
 
-    def free_after(self, gpu_id: GpuId, without: set[str]) -> int:
-        """Free memory once the leases ``without`` are gone and the probe shows it."""
+    def free_after(self, gpu_id: GpuId, without: Collection[str], added_mb: int = 0) -> int:
+        """Free memory once the leases ``without`` are gone and the probe shows it, and
+        ``added_mb`` more is committed (a plan's own grants there): the exact rule of
+        :meth:`commit` and :meth:`uncommit`, read without changing anything."""
         slot = self._slots[gpu_id]
         probe = slot.probe
-        gone = [lid for lid in slot.reserved if lid in without]
+        gone = [lid for lid in slot.reserved if lid in without] if without else []
         gone_mb = sum(slot.reserved[lid] for lid in gone)
-        committed = slot.committed_mb - gone_mb
+        committed = slot.committed_mb - gone_mb + added_mb
         if probe is None:
             occupied = committed
         elif probe.lease_used_mb is None:
             occupied = max(committed, probe.used_mb - gone_mb)
         else:
             per_lease = probe.lease_used_mb
-            occupied = slot.occupied_mb - sum(
-                max(slot.reserved[lid], per_lease.get(lid, 0)) for lid in gone
+            occupied = (
+                slot.occupied_mb
+                + added_mb
+                - sum(max(slot.reserved[lid], per_lease.get(lid, 0)) for lid in gone)
             )
         return slot.capacity_mb - occupied
+
+    def reserved_mb(self, gpu_id: GpuId, lease_id: str) -> int:
+        """What one lease holds on one GPU (0: none)."""
+        return self._slots[gpu_id].reserved.get(lease_id, 0)
 
     def figures(self, gpu_id: GpuId) -> GpuFigures:
         slot = self._slots[gpu_id]

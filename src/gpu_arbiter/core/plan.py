@@ -1,18 +1,21 @@
-"""A plan: what one scheduling cycle proposes, against the state it was made from.
+"""A plan: everything one scheduling cycle decides, against the state it was made from.
 
-:meth:`~.scheduler.Scheduler.plan` makes one without changing the state;
-:meth:`~.scheduler.Scheduler.apply` carries it out. A driver that stores what it
-decides stores the plan first: a plan that could not be stored is simply dropped.
+:func:`~.cycle.plan` makes one from a read-only :class:`~.view.View`;
+:meth:`~.scheduler.Scheduler.apply` carries it out, and ``decide(now)`` is exactly
+``apply(plan(now))``. A driver that stores what it decides can store the plan before
+applying it: a plan that could not be stored is simply dropped, the state untouched.
 :func:`~.verify.check_plan` checks one against the state it was made from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .model import GpuId, Lease, WorkerStatus, slot_init
+from .diagnosis import Turn
+from .model import GpuId, Lease, Request, WorkerStatus, slot_init
 from .nominations import Nomination
+from .reasons import PendingReason
 
 __all__ = ["Plan"]
 
@@ -20,24 +23,47 @@ __all__ = ["Plan"]
 @slot_init
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """``grants``: new leases, tokens from ``first_token`` on, in walk order;
-    ``revocations``: held leases as they will be once revoked (``preempted_for`` names
-    the preemptor); ``nominations``: the preemptors' nominations after the cycle (None:
-    as they were); ``timed_out``: pending requests whose wait ended ungranted;
-    ``drained``: draining workers left empty; ``retries``: times the cycle must run
-    again (a victim becomes eligible then); ``journal``: who held which GPUs' memory, in
-    walk order (what "why is it pending" replays); ``examined``: requests walked."""
+    """What time ends first (:mod:`.endings`): ``expired`` and ``unclaimed`` leases as
+    they end, ``loaded`` leases whose load timed out, ``abandoned`` and ``rejected``
+    pending requests, ``deadlines``: workers whose drain deadline passed (their leases'
+    revocations lead ``revocations``).
+
+    Then placement (:mod:`.cycle`): ``grants``: new leases, tokens from ``first_token``
+    on, in walk order; ``revocations``: held leases as they will be once revoked
+    (``preempted_for`` names a preemptor); ``nominations``: the preemptors' nominations
+    after the cycle (None: as they were); ``timed_out``: pending requests whose wait ended
+    ungranted; ``drained``: draining workers left empty; ``retries``: times the cycle
+    must run again (a victim becomes eligible then); ``turns``: where the walk stood for
+    each request it examined and did not place (its "why" is worked out from it);
+    ``holds``: who held which GPUs' memory, in walk order; ``examined``: requests walked."""
 
     now: float
     first_token: int
+    expired: tuple[Lease, ...] = ()
+    unclaimed: tuple[Lease, ...] = ()
+    loaded: tuple[Lease, ...] = ()
+    abandoned: tuple[Request, ...] = ()
+    rejected: tuple[tuple[Request, PendingReason], ...] = ()
+    deadlines: tuple[str, ...] = ()
     grants: tuple[Lease, ...] = ()
     revocations: tuple[Lease, ...] = ()
     nominations: Mapping[str, Nomination] | None = None
     timed_out: tuple[str, ...] = ()
     drained: tuple[tuple[str, WorkerStatus, WorkerStatus], ...] = ()
     retries: tuple[float, ...] = ()
-    journal: tuple[tuple[str, tuple[GpuId, ...], int], ...] = ()
+    turns: Mapping[str, Turn] = field(default_factory=dict)
+    holds: tuple[tuple[str, tuple[GpuId, ...], int], ...] = ()
     examined: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.grants or self.revocations or self.timed_out or self.drained)
+        return bool(
+            self.grants
+            or self.revocations
+            or self.timed_out
+            or self.drained
+            or self.expired
+            or self.unclaimed
+            or self.loaded
+            or self.abandoned
+            or self.rejected
+        )

@@ -1,17 +1,9 @@
 """Why a request is still pending: structured, and one human line.
 
-Codes (Kubernetes' split between "does not match" and "does not fit"):
-
-    paused            the arbiter is paused; nothing is granted
-    no_workers        no worker is registered yet
-    workers_draining  the only matching GPUs are on draining/drained/offline workers
-    no_matching_gpu   no GPU matches the constraints, or a GPU named in gpu_ids is not
-                      registered (also a rejection reason)
-    too_large         matching GPUs exist but none is big enough (a rejection reason)
-    insufficient_vram matching GPUs are too full right now
-    load_in_progress  the best GPU has memory, but its load gate is busy
-    nominated_for     memory is held for a request ahead in the queue
-    preempting        victims are being revoked for this request
+Codes: :class:`~.outcomes.Why` (one enum, its values the API's codes). A reason is built
+from the walk's :class:`~.diagnosis.Diagnosis` (:mod:`.explain`); its ``gpus`` are the
+diagnosis' verdicts: for each outcome the GPU nearest to taking the request, with how
+many GPUs said it.
 
 The last three name what is in the way (a :class:`Blocker`: the loading lease, the
 preempted lease still stopping, the request ahead), with its holder and when it ends
@@ -22,8 +14,8 @@ with its priority, and when it gives way to this request and by which rule (I5: 
 idle lease after ``idle_reclaim_s`` or once the request waited ``starvation_s``; a
 busy one after ``preempt_exempt_s`` and ``preempt_patience_s``; a revoked one when its
 holder stops, at the latest grace + TTL after its revocation; never, when this
-priority may not preempt it). It is worked out only for a request that waits, GPU by
-GPU where the leases could make room.
+priority may not preempt it). It is worked out only for a request that waits, on the
+GPU nearest to taking it (for several GPUs, that GPU's worker).
 """
 
 from __future__ import annotations
@@ -35,30 +27,17 @@ from dataclasses import dataclass
 
 from .ledger import Ledger
 from .model import GpuId, Lease, LeaseState, Policy, Request
+from .outcomes import Why
 from .preemption import giving_way
 from .units import format_mb, format_s, priority_name
 
 __all__ = ["Blocker", "GpuVerdict", "PendingReason", "lease_blockers"]
 
-#  Per-GPU verdicts. "Does not match" codes first, "does not fit" after.
-MISMATCH_CODES = (
-    "worker_mismatch",
-    "gpu_mismatch",
-    "vendor_mismatch",
-    "arch_mismatch",
-    "compute_capability_too_low",
-    "model_mismatch",
-    "label_mismatch",
-    "too_small",
-    "too_few_gpus_on_worker",
-)
-UNAVAILABLE_CODES = ("worker_draining", "worker_drained", "worker_offline", "probe_stale")
-FIT_CODES = ("insufficient_vram", "load_in_progress", "nominated_for")
-
 
 @dataclass(frozen=True, slots=True)
 class GpuVerdict:
-    """Why one GPU could not take the request (or ``fits``)."""
+    """Why one GPU could not take the request (or ``fits``), with its figures; ``count``:
+    how many GPUs say the same (this one the nearest of them to taking it)."""
 
     gpu: GpuId
     code: str
@@ -67,9 +46,11 @@ class GpuVerdict:
     committed_mb: int = 0
     observed_mb: int = 0
     held_mb: int = 0
+    count: int = 1
 
     def as_dict(self) -> dict[str, object]:
         return {
+            "count": self.count,
             "gpu": str(self.gpu),
             "code": self.code,
             "need_mb": self.need_mb,
@@ -140,7 +121,7 @@ class PendingReason:
     victim has let its grace pass). ``blockers``: every lease in the way of an
     ``insufficient_vram`` request (``blocker`` is the one it waits for last)."""
 
-    code: str
+    code: Why
     message: str
     gpus: tuple[GpuVerdict, ...] = ()
     nominated: tuple[GpuId, ...] = ()
@@ -159,14 +140,12 @@ class PendingReason:
             "blockers": [b.as_dict() for b in self.blockers],
         }
 
-    @staticmethod
-    def simple(code: str, message: str) -> PendingReason:
-        return PendingReason(code, message)
-
 
 def summarize(verdicts: tuple[GpuVerdict, ...], need_mb: int) -> str:
     """'0/12 GPUs fit: 8 insufficient_vram (need 20480, most free 16384), 4 arch_mismatch'."""
-    counts = Counter(v.code for v in verdicts)
+    counts: Counter[str] = Counter()
+    for verdict in verdicts:
+        counts[verdict.code] += verdict.count
     parts = []
     for code, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
         text = f"{count} {code}"
@@ -177,7 +156,7 @@ def summarize(verdicts: tuple[GpuVerdict, ...], need_mb: int) -> str:
             held = max(v.held_mb for v in verdicts if v.code == code)
             text += f" (up to {format_mb(held)} held for requests ahead)"
         parts.append(text)
-    return f"0/{len(verdicts)} GPUs fit: " + ", ".join(parts)
+    return f"0/{counts.total()} GPUs fit: " + ", ".join(parts)
 
 
 def _gpus(blocker: Blocker) -> str:

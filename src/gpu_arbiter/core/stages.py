@@ -39,67 +39,55 @@ A new rule (MIG slices, NUMA) is one more function here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from enum import StrEnum
 from typing import Protocol
 
 from .filters import mismatch
-from .ledger import Ledger
-from .model import GpuId, Policy, Request, Worker, WorkerStatus
+from .model import Gpu, GpuId, Policy, Request, Worker, WorkerStatus
+from .outcomes import Outcome
 
-__all__ = ["FEASIBLE", "FIT", "STAGES", "Outcome", "State", "fits", "outcome", "usable"]
-
-
-class Outcome(StrEnum):
-    """Why a GPU cannot take a request (a text: the API and the verdicts show its value)."""
-
-    WORKER_MISMATCH = "worker_mismatch"
-    GPU_MISMATCH = "gpu_mismatch"
-    VENDOR_MISMATCH = "vendor_mismatch"
-    ARCH_MISMATCH = "arch_mismatch"
-    COMPUTE_CAPABILITY_TOO_LOW = "compute_capability_too_low"
-    MODEL_MISMATCH = "model_mismatch"
-    LABEL_MISMATCH = "label_mismatch"
-    TOO_SMALL = "too_small"
-    TOO_FEW_GPUS_ON_WORKER = "too_few_gpus_on_worker"
-    WORKER_DRAINING = "worker_draining"
-    WORKER_DRAINED = "worker_drained"
-    WORKER_OFFLINE = "worker_offline"
-    PROBE_STALE = "probe_stale"
-    INSUFFICIENT_VRAM = "insufficient_vram"
-    NOMINATED_FOR = "nominated_for"
-    LOAD_IN_PROGRESS = "load_in_progress"
-
-    @property
-    def helped_by(self) -> str:
-        """What could change it: ``nothing`` (the GPU never matches: the request is
-        rejected if no GPU does), ``an event`` (the worker comes back, the probe reads
-        again), ``room`` (memory freed, a hold ahead granted, a load finished; preemption
-        may make it)."""
-        if self in _NOT_NOW:
-            return "an event"
-        return "room" if self in _NO_ROOM else "nothing"
+__all__ = [
+    "FEASIBLE",
+    "FIT",
+    "STAGES",
+    "Memory",
+    "Outcome",
+    "State",
+    "fit_code",
+    "fits",
+    "outcome",
+    "taking_work",
+    "usable",
+]
 
 
-_NOT_NOW = frozenset(
-    {Outcome.WORKER_DRAINING, Outcome.WORKER_DRAINED, Outcome.WORKER_OFFLINE, Outcome.PROBE_STALE}
-)
-_NO_ROOM = frozenset({Outcome.INSUFFICIENT_VRAM, Outcome.NOMINATED_FOR, Outcome.LOAD_IN_PROGRESS})
+class Memory(Protocol):
+    """What the stages read of memory: the ledger, or the ledger under a plan's own
+    changes (:class:`~.overlay.Overlay`)."""
+
+    def __contains__(self, gpu_id: object) -> bool: ...
+    def gpu(self, gpu_id: GpuId) -> Gpu: ...
+    def stale(self, gpu_id: GpuId) -> bool: ...
+    def free_mb(self, gpu_id: GpuId) -> int: ...
+    def loading(self, gpu_id: GpuId) -> int: ...
 
 
 class State(Protocol):
-    """What the stages read: the scheduler's state."""
+    """What the stages read: the policy, the workers, the memory, the matching GPUs."""
 
     @property
     def policy(self) -> Policy: ...
     @property
     def workers(self) -> Mapping[str, Worker]: ...
     @property
-    def ledger(self) -> Ledger: ...
+    def ledger(self) -> Memory: ...
     def matching(self, request: Request) -> frozenset[GpuId]: ...
 
 
 Holds = Mapping[GpuId, int]
 Stage = Callable[[State, Request, GpuId, Holds], Outcome | None]
+
+
+_ANY = Request.build("any", vram_mb=1)  # what stages that ask nothing of the request get
 
 
 def matches(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> Outcome | None:
@@ -110,7 +98,7 @@ def matches(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> Outc
     worker = state.workers[gpu_id.worker]
     gpu = state.ledger.gpu(gpu_id)
     code = mismatch(gpu, worker.labels, request.constraints, request.vram_mb)
-    return Outcome.TOO_FEW_GPUS_ON_WORKER if code is None else Outcome(code)
+    return Outcome.TOO_FEW_GPUS_ON_WORKER if code is None else code
 
 
 def worker_online(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> Outcome | None:
@@ -124,28 +112,35 @@ def probe_fresh(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> 
     return Outcome.PROBE_STALE if state.ledger.stale(gpu_id) else None
 
 
-def memory(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> Outcome | None:
-    """I1, I2: capacity less what is committed or observed, whichever is more."""
-    free = state.ledger.free_mb(gpu_id)
-    return Outcome.INSUFFICIENT_VRAM if free < request.vram_mb else None
+def fit_code(free: int, held: int, loading: int, need: int, limit: int) -> Outcome | None:
+    """The fit rules, in their order, on one GPU's figures: I1, I2 (``free``: capacity less
+    what is committed or observed, whichever is more), I6 (only the memory beyond what is
+    ``held`` for the requests ahead), I3 (at most ``limit`` loads at once). The one place
+    they are written: the stage below reads the figures for them, the walk's index scans
+    and the diagnosis pass figures they already read."""
+    if free < need:
+        return Outcome.INSUFFICIENT_VRAM
+    if free - held < need:
+        return Outcome.NOMINATED_FOR
+    if loading >= limit:
+        return Outcome.LOAD_IN_PROGRESS
+    return None
 
 
-def nominations_ahead(
-    state: State, request: Request, gpu_id: GpuId, holds: Holds
-) -> Outcome | None:
-    """I6: only the memory beyond the holds of the requests ahead of it."""
-    room = state.ledger.free_mb(gpu_id) - holds.get(gpu_id, 0)
-    return Outcome.NOMINATED_FOR if room < request.vram_mb else None
-
-
-def load_gate(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> Outcome | None:
-    """I3: at most ``max_concurrent_loads`` loads at once per GPU."""
-    open_ = state.ledger.loading(gpu_id) < state.policy.max_concurrent_loads
-    return None if open_ else Outcome.LOAD_IN_PROGRESS
+def fit(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> Outcome | None:
+    """Does it fit now: memory, the holds ahead, the load gate (:func:`fit_code`)."""
+    ledger = state.ledger
+    return fit_code(
+        ledger.free_mb(gpu_id),
+        holds.get(gpu_id, 0),
+        ledger.loading(gpu_id),
+        request.vram_mb,
+        state.policy.max_concurrent_loads,
+    )
 
 
 FEASIBLE: tuple[Stage, ...] = (matches, worker_online, probe_fresh)
-FIT: tuple[Stage, ...] = (memory, nominations_ahead, load_gate)
+FIT: tuple[Stage, ...] = (fit,)
 STAGES: tuple[Stage, ...] = FEASIBLE + FIT
 
 
@@ -162,9 +157,12 @@ def fits(state: State, request: Request, gpu_id: GpuId, holds: Holds) -> bool:
     return gpu_id in state.ledger and outcome(state, request, gpu_id, holds) is None
 
 
+def taking_work(state: State, gpu_id: GpuId) -> Outcome | None:
+    """The feasible stages that do not depend on the request: may the GPU take new work
+    at all (its worker online, its probe fresh)? None when it may."""
+    return worker_online(state, _ANY, gpu_id, {}) or probe_fresh(state, _ANY, gpu_id, {})
+
+
 def usable(state: State, gpu_id: GpuId) -> bool:
-    """A GPU that may take new work: the stages after the match that do not depend on the
-    request (worker online, probe fresh)."""
-    return state.workers[gpu_id.worker].status is WorkerStatus.ONLINE and not state.ledger.stale(
-        gpu_id
-    )
+    """A GPU that may take new work (:func:`taking_work`)."""
+    return taking_work(state, gpu_id) is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from enum import StrEnum
 
 __all__ = ["TimerKind", "Timers"]
@@ -62,13 +62,30 @@ class Timers:
                 self._retries.discard(entry[0])
         return heap[0][0] if heap else None
 
-    def due(self, now: float, live: Callable[[Entry], bool]) -> Iterator[tuple[TimerKind, str]]:
-        """Pops the live timers due at ``now``, in order."""
+    def due(self, now: float, live: Callable[[Entry], bool]) -> list[tuple[TimerKind, str]]:
+        """The live timers due at ``now``, in order; changes nothing (a plan reads them,
+        :meth:`drop_due` removes them once it is applied). Only the heap's entries due are
+        visited: a child is never earlier than its parent."""
+        heap = self._heap
+        found: list[Entry] = []
+        stack = [0] if heap else []
+        while stack:
+            i = stack.pop()
+            entry = heap[i]
+            if entry[0] > now:
+                continue
+            if entry[2] is not TimerKind.RETRY and live(entry):
+                found.append(entry)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    stack.append(child)
+        found.sort()
+        return [(entry[2], entry[3]) for entry in found]
+
+    def drop_due(self, now: float) -> None:
+        """Removes every timer due at ``now`` (what :meth:`due` said has been carried out)."""
         heap = self._heap
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             if entry[2] is TimerKind.RETRY:
                 self._retries.discard(entry[0])
-                continue
-            if live(entry):
-                yield entry[2], entry[3]

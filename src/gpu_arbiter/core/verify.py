@@ -10,8 +10,12 @@ What :func:`check_plan` recomputes, independently of the walk that made the plan
 - every revocation is of a held lease not already being revoked nor granted in this
   plan, for a pending request that may take it (I5), and a preemptor's victims, with
   what is already being revoked, free enough on each GPU it is nominated to;
+- what time ends is due: a lease expires or is given back unclaimed only past its TTL
+  or claim bound and is then not granted or revoked again in the plan; a load counts as
+  done only past its load timeout; a request abandoned or rejected is pending and not
+  granted;
 - a request timed out has waited its ``max_wait_s`` and is not granted; a worker marked
-  drained was draining and holds no lease.
+  drained was draining and holds no lease the plan does not end.
 
 It returns the problems found (empty: the plan is sound). Tests run it on every plan.
 """
@@ -20,15 +24,14 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from .model import GpuId, Lease, LeaseState, WorkerStatus
 from .plan import Plan
 from .preemption import eligible
 from .stages import usable
+from .view import View
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+Scheduler = View  # what a plan is checked against: the state it was made from
 
 __all__ = ["check_plan"]
 
@@ -41,7 +44,39 @@ def check_plan(state: Scheduler, plan: Plan) -> list[str]:
         + _memory(state, plan)
         + _revocations(state, plan)
         + _endings(state, plan)
+        + _timed(state, plan)
     )
+
+
+def _timed(state: Scheduler, plan: Plan) -> list[str]:
+    """What time ends: each ending due, and nothing ended twice or also granted."""
+    problems = []
+    ended = [lease.id for lease in plan.expired + plan.unclaimed]
+    if len(set(ended)) != len(ended):
+        problems.append(f"a lease is ended twice: {ended}")
+    for lease in plan.expired:
+        held = state.leases.get(lease.id)
+        if held is None or held.supervised or lease.ended_at is None:
+            problems.append(f"{lease.id} expires but is not a held, unsupervised lease")
+        elif held.expires_at > plan.now:
+            problems.append(f"{lease.id} expires before its TTL lapsed")
+    for lease in plan.unclaimed:
+        held = state.leases.get(lease.id)
+        if held is None or held.claimed:
+            problems.append(f"{lease.id} is given back unclaimed but was taken up")
+    for lease in plan.loaded:
+        held = state.leases.get(lease.id)
+        if held is None or not held.loading or held.load_deadline > plan.now:
+            problems.append(f"{lease.id} counts as loaded before its load timeout")
+    granted = {lease.id for lease in plan.grants}
+    revoked = {lease.id for lease in plan.revocations}
+    gone = {r.id for r in plan.abandoned} | {r.id for r, _ in plan.rejected}
+    for request_id in sorted(gone):
+        if request_id not in state.queue or request_id in granted:
+            problems.append(f"{request_id} ends ungranted but is not a pending request")
+    for lease_id in sorted(set(ended) & revoked):
+        problems.append(f"{lease_id} is ended and revoked in one plan")
+    return problems
 
 
 def _tokens(state: Scheduler, plan: Plan) -> list[str]:
@@ -104,6 +139,10 @@ def _revocations(state: Scheduler, plan: Plan) -> list[str]:
     for revoked in plan.revocations:
         held = state.leases.get(revoked.id)
         preemptor = revoked.preempted_for
+        if preemptor is None and revoked.revoke_reason in ("ttl_lapsed", "drain_deadline"):
+            if held is None or held.state is LeaseState.REVOKING:
+                problems.append(f"{revoked.id} is revoked but is not a held lease to revoke")
+            continue  # its timer's, checked by the timers' own rules
         if held is None or held.state is LeaseState.REVOKING or revoked.id in granted:
             problems.append(f"{revoked.id} is revoked but is not a held lease to revoke")
         elif preemptor is None or preemptor not in state.queue:
@@ -155,6 +194,6 @@ def _endings(state: Scheduler, plan: Plan) -> list[str]:
             or new is not (WorkerStatus.DRAINED)
         ):
             problems.append(f"{name} is marked {new} but was not draining ({old})")
-        elif state.worker_lease_ids(name):
+        elif state.worker_lease_ids(name) - {lease.id for lease in plan.expired + plan.unclaimed}:
             problems.append(f"{name} is marked drained but holds leases")
     return problems

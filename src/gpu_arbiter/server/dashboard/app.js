@@ -169,7 +169,7 @@ function fieldText(key, value) {
   return `${name} ${value}`;
 }
 
-const VERDICT_KEYS = ["gpu", "code", "need_mb", "free_mb", "committed_mb", "observed_mb", "held_mb"];
+const VERDICT_KEYS = ["gpu", "code", "need_mb", "free_mb", "committed_mb", "observed_mb", "held_mb", "count"];
 // Shown in words already (the sentence names the blocker and every lease in the way, with
 // its countdown and rule; "waits on" names its holder).
 const REASON_KEYS = ["code", "message", "gpus", "nominated", "blocked_by", "blocker", "blockers"];
@@ -192,30 +192,25 @@ function listOfGpus(ids) {
   return ids.length > 4 ? `${ids.slice(0, 3).join(", ")} and ${ids.length - 3} more` : ids.join(", ");
 }
 
-// Many GPUs that say the same: one line, with the figure that matters most.
-function groupText(code, verdicts) {
-  const most = (key) => Math.max(0, ...verdicts.map((v) => v[key] || 0));
-  if (code === "insufficient_vram") return `${words(code)}: needs ${mib(verdicts[0].need_mb)}, at most ${mib(most("free_mb"))} free`;
-  if (code === "nominated_for") return `${words(code)}: up to ${mib(most("held_mb"))} held`;
+// Many GPUs that say the same: one line, the GPU nearest to taking the request named, with
+// the figure that matters most (the API gives one verdict per code, and how many GPUs give it).
+function groupText(verdict) {
+  const code = verdict.code;
+  if (code === "insufficient_vram") return `${words(code)}: needs ${mib(verdict.need_mb)}, at most ${mib(Math.max(0, verdict.free_mb))} free`;
+  if (code === "nominated_for") return `${words(code)}: up to ${mib(verdict.held_mb)} held`;
   return words(code);
 }
 
-const GPU_LINES = 4; // more GPUs than this with one code: one line for them all
-
 // The API's sentence (the same words as the CLI), then what the GPUs say in words (one
-// line per GPU, or per code when many GPUs give it), then any other field the API gives.
+// line per code: the GPU nearest to taking the request, and how many more say the same),
+// then any other field the API gives.
 function reasonView(reason) {
   if (!reason) return "";
-  const byCode = new Map();
-  for (const verdict of reason.gpus || []) {
-    if (!byCode.has(verdict.code)) byCode.set(verdict.code, []);
-    byCode.get(verdict.code).push(verdict);
-  }
   const lines = [];
-  for (const [code, verdicts] of byCode) {
-    const gpus = verdicts.map((v) => v.gpu);
-    if (verdicts.length > GPU_LINES) lines.push(el("li", {}, el("b", {}, listOfGpus(gpus)), " ", groupText(code, verdicts)));
-    else for (const v of verdicts) lines.push(el("li", {}, el("b", {}, v.gpu), " ", verdictText(v)));
+  for (const v of reason.gpus || []) {
+    const count = v.count || 1;
+    if (count > 1) lines.push(el("li", {}, el("b", {}, `${v.gpu} and ${count - 1} more`), " ", groupText(v)));
+    else lines.push(el("li", {}, el("b", {}, v.gpu), " ", verdictText(v)));
   }
   if ((reason.nominated || []).length) lines.push(el("li", {}, `first in line on ${listOfGpus(reason.nominated)}`));
   const blocker = reason.blocked_by || (reason.blocker && reason.blocker.id);

@@ -1,0 +1,221 @@
+"""Why a request waits, or why it is refused: a :class:`~.reasons.PendingReason` built
+from the walk's :class:`~.diagnosis.Diagnosis`, never by asking the stages again.
+
+A reason's code is the most useful thing to say, in the order an operator asks: paused?
+any worker? being preempted for? a GPU fits (the next cycle grants it)? memory held for a
+request ahead? a load gate? too full (naming the leases in the way on the GPU nearest to
+taking it, :func:`~.reasons.lease_blockers`)? only GPUs that may take no new work? And a
+request is refused (:func:`rejection`) when every GPU's outcome is one nothing will help
+(:attr:`~.outcomes.Outcome.helped_by`): it matches no GPU at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from .diagnosis import Diagnosis
+from .model import GpuId, Request
+from .nominations import Nomination
+from .outcomes import Outcome, Why
+from .reasons import (
+    Blocker,
+    GpuVerdict,
+    PendingReason,
+    holding_sentence,
+    lease_blockers,
+    loading_sentence,
+    revoking_sentence,
+    summarize,
+    waiting_sentence,
+)
+from .units import format_mb
+from .view import View
+
+__all__ = ["explain", "rejection"]
+
+
+class Explained(View, Protocol):
+    """What a reason reads: the state, the last plan's diagnoses and holds."""
+
+    def diagnosis(self, request: Request) -> Diagnosis: ...
+    def held_by(self, request_id: str) -> tuple[GpuId, ...]: ...
+    def verdicts(self, request: Request, worker: str) -> tuple[GpuVerdict, ...]: ...
+    def mismatches(self, request: Request) -> Mapping[Outcome, tuple[int, GpuId]]: ...
+    def overdue_revocations(
+        self, now: float, among: set[str] | None = None
+    ) -> list[tuple[str, float]]: ...
+
+
+def rejection(state: Explained, request: Request) -> PendingReason | None:
+    """Why no registered GPU could ever take ``request``; None if one could (or no worker
+    is registered yet: the request waits for one)."""
+    if not state.workers or state.matching(request):
+        return None
+    unknown = [str(g) for g in request.constraints.gpu_ids if g not in state.ledger]
+    if unknown:
+        return PendingReason(
+            Why.NO_MATCHING_GPU,
+            f"constraints.gpu_ids: no GPU {', '.join(unknown)} is registered",
+        )
+    found = state.mismatches(request)  # every GPU: nothing will help any of them
+    few = found.get(Outcome.TOO_FEW_GPUS_ON_WORKER)
+    small = found.get(Outcome.TOO_SMALL)
+    if few is not None:
+        code, message = Why.TOO_FEW_GPUS, f"no worker has {request.gpus} matching GPUs"
+    elif small is not None:
+        largest = state.ledger.gpu(small[1]).capacity_mb
+        code = Why.TOO_LARGE
+        message = (
+            f"{format_mb(request.vram_mb)} per GPU is more than any matching GPU "
+            f"holds (largest capacity {format_mb(largest)})"
+        )
+    else:
+        code, message = Why.NO_MATCHING_GPU, f"no GPU matches {request.constraints.describe()}"
+    detail = ", ".join(
+        f"{n} {c}" for c, (n, _) in sorted(found.items()) if c is not Outcome.TOO_FEW_GPUS_ON_WORKER
+    )
+    return PendingReason(code, f"{message} ({detail})" if detail else message)
+
+
+def explain(state: Explained, request_id: str, now: float) -> PendingReason:
+    """Why a pending request is still pending (see the module)."""
+    request = state.queue.get(request_id)
+    if state.paused:
+        return PendingReason(Why.PAUSED, "the arbiter is paused; nothing is granted until resume")
+    if not state.workers:
+        return PendingReason(Why.NO_WORKERS, "no worker is registered yet; waiting for one")
+    nomination = state.nominations.get(request_id)
+    if nomination is not None and nomination.preempting(state.ledger):
+        return _preempting(state, nomination, now)
+    return _reason(state, request, state.diagnosis(request), state.held_by(request_id), now)
+
+
+def _reason(
+    state: Explained, request: Request, diagnosis: Diagnosis, own: tuple[GpuId, ...], now: float
+) -> PendingReason:
+    verdicts = diagnosis.verdicts
+    codes = diagnosis.codes
+    if Outcome.FITS in codes:
+        return PendingReason(
+            Why.QUEUED, "a GPU fits; waiting for the next scheduling cycle", verdicts, own
+        )
+    summary = summarize(verdicts, request.vram_mb)
+    if Outcome.NOMINATED_FOR in codes:
+        held = next(v for v in verdicts if v.code == Outcome.NOMINATED_FOR)
+        rid = diagnosis.holder
+        if rid is None:
+            return PendingReason(Why.NOMINATED_FOR, summary, verdicts, own)
+        blocker = _holding_blocker(state, rid, held.gpu)
+        message = f"{summary}; {holding_sentence(blocker, held.held_mb)}"
+        return PendingReason(Why.NOMINATED_FOR, message, verdicts, own, rid, blocker)
+    if Outcome.LOAD_IN_PROGRESS in codes:
+        loading = _loading_blocker(state, diagnosis.loading)
+        if loading is None:
+            return PendingReason(Why.LOAD_IN_PROGRESS, summary, verdicts, own)
+        message = f"{summary}; {loading_sentence(loading, now)}"
+        return PendingReason(Why.LOAD_IN_PROGRESS, message, verdicts, own, loading.id, loading)
+    if Outcome.INSUFFICIENT_VRAM in codes:
+        return _insufficient(state, request, verdicts, own, summary, now)
+    if any(code.helped_by == "an event" for code in codes):
+        return PendingReason(Why.WORKERS_DRAINING, summary, verdicts, own)
+    return PendingReason(Why.NO_MATCHING_GPU, summary, verdicts, own)
+
+
+def _insufficient(
+    state: Explained,
+    request: Request,
+    verdicts: tuple[GpuVerdict, ...],
+    own: tuple[GpuId, ...],
+    summary: str,
+    now: float,
+) -> PendingReason:
+    """Too full: the leases in the way by name, on the GPU nearest to taking the request
+    (for several GPUs, on its worker), when nothing else is (see :mod:`.reasons`)."""
+    candidates = verdicts
+    if request.gpus > 1:
+        nearest = next(v for v in verdicts if v.code == Outcome.INSUFFICIENT_VRAM)
+        candidates = state.verdicts(request, nearest.gpu.worker)
+    blockers = lease_blockers(request, candidates, state.leases, state.ledger, state.policy)
+    if not blockers:
+        return PendingReason(Why.INSUFFICIENT_VRAM, summary, verdicts, own)
+    message = f"{summary}; {waiting_sentence(blockers, request.priority, now)}"
+    last = blockers[0]
+    return PendingReason(
+        Why.INSUFFICIENT_VRAM, message, verdicts, own, last.id, last, blockers=blockers
+    )
+
+
+def _preempting(state: Explained, nomination: Nomination, now: float) -> PendingReason:
+    """Waiting for victims to stop: the one that bounds the wait, by name (a victim past
+    its grace first), or for the probe to show their memory free."""
+    where = ", ".join(map(str, nomination.gpus))
+    victims = [state.leases[v] for v in sorted(nomination.victims) if v in state.leases]
+    if not victims:
+        message = (
+            f"the preempted leases on {where} have stopped; waiting for the GPU's next "
+            "probe reading to show their memory free"
+        )
+        return PendingReason(Why.PREEMPTING, message, nominated=nomination.gpus)
+    stuck = state.overdue_revocations(now, among=nomination.victims)
+    grace_s = state.policy.grace_s
+    victim = (
+        state.leases[stuck[0][0]]
+        if stuck
+        else max(victims, key=lambda v: (v.revoked_at or now, v.id))
+    )
+    blocker = Blocker(
+        "revoking",
+        victim.id,
+        victim.request.holder,
+        victim.gpus,
+        since=victim.revoked_at if victim.revoked_at is not None else now,
+        until=victim.grace_ends_at(grace_s),
+        expires_at=victim.expires_at,
+    )
+    message = (
+        f"waiting for {len(victims)} preempted lease(s) on {where} to stop and the memory "
+        f"to show free: {revoking_sentence(blocker, now, grace_s)}"
+    )
+    return PendingReason(
+        Why.PREEMPTING,
+        message,
+        nominated=nomination.gpus,
+        blocked_by=victim.id if stuck else None,
+        blocker=blocker,
+    )
+
+
+def _loading_blocker(state: Explained, gpus: tuple[GpuId, ...]) -> Blocker | None:
+    """The loading lease whose gate opens first among the GPUs held only by their gate."""
+    found: list[Blocker] = []
+    for gpu_id in gpus:
+        if gpu_id not in state.ledger:
+            continue
+        for lease_id in sorted(state.ledger.lease_ids(gpu_id)):
+            lease = state.leases[lease_id]
+            if lease.loading:  # revoking while loading holds the gate too
+                found.append(
+                    Blocker(
+                        "loading",
+                        lease.id,
+                        lease.request.holder,
+                        lease.gpus,
+                        since=lease.granted_at,
+                        until=lease.load_deadline,
+                        expires_at=lease.expires_at,
+                    )
+                )
+    return min(found, key=lambda b: (min(b.until or 0.0, b.expires_at or 0.0), b.id), default=None)
+
+
+def _holding_blocker(state: Explained, request_id: str, gpu_id: GpuId) -> Blocker:
+    """The request ahead whose nomination holds memory of ``gpu_id``."""
+    ahead = state.queue.get(request_id) if request_id in state.queue else None
+    return Blocker(
+        "request",
+        request_id,
+        None if ahead is None else ahead.holder,
+        (gpu_id,),
+        since=0.0 if ahead is None else ahead.submitted_at,
+    )
