@@ -7,22 +7,22 @@ A cycle asks, for each request in queue order, GPU by GPU::
                 may it take new work now?   its worker online (I7), its probe fresh (I2)
     fit         does it fit now?            free memory (I1, I2), the holds of the
                                             nominations ahead of it (I6), the load gate (I3)
-    rank        which of those?             the preferred workers' GPUs first when any
-                                            fits (``constraints.prefer_workers``: where a
-                                            model last ran), then binpack or spread
-                                            (:mod:`.cycle`); an order, never a "no"
-    post-filter none fits: what would help? preemption and keep-warm reclaim (I5, in
-                                            :mod:`.cycle` and :mod:`.preemption`), else a
-                                            nomination on its best GPU (:mod:`.nominations`)
+    rank        which of those?             its own nomination, its preferred workers, then
+                                            binpack or spread (:mod:`.rank`): an order,
+                                            never a "no"
+    post-filter none fits: what would help? its victims still stopping, preemption and
+                                            keep-warm reclaim (I5), else a nomination on
+                                            its best GPU (:mod:`.postfilter`)
 
 The order is the order of the questions an operator asks ("does it match? is the machine
 up? is there room? is someone ahead of me? is a load running?"), so the first "no" is the
 most useful one. Each stage returns an outcome code when it says no and None when it
 passes: an :class:`Outcome`, typed, whose value is the code the API shows, and which
-says what could help (:attr:`Outcome.helped_by`). Placement asks them (:func:`outcome`
-is None), and "why is it pending" is the codes they returned (:func:`outcome` for every
-GPU, summarized in :mod:`.reasons`): one set of rules for both, so the why cannot drift
-from the what. Codes:
+says what could help (:attr:`Outcome.helped_by`). Placement asks them, and "why is it
+pending" counts what they say of the GPUs (:mod:`.diagnosis`, without asking every GPU:
+the fit rules on figures already read are :func:`fit_code`, the one place they are
+written): one set of rules for both, so the why cannot drift from the what. Codes
+(:class:`~.outcomes.Outcome`):
 
     does not match (nothing helps)          worker_mismatch gpu_mismatch vendor_mismatch
                                             arch_mismatch compute_capability_too_low
@@ -33,7 +33,7 @@ from the what. Codes:
     does not fit (room helps; preemption    insufficient_vram nominated_for
     may make it)                            load_in_progress
 
-A new rule (MIG slices, NUMA) is one more function here.
+A new filter (MIG slices, NUMA) is one more function here, and shows in every "why".
 """
 
 from __future__ import annotations

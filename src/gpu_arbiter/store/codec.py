@@ -1,8 +1,8 @@
 """Records <-> JSON documents (plain dicts), the one encoding every store keeps.
 
-The API answers with the same documents where the two are the same (an event, an
-operation, a request's constraints but for one field); a lease differs on purpose: see
-``lease_out`` in the server's schemas.
+The store's documents, not the API's: the API builds its own JSON (``lease_out``,
+``constraints_out``, ``event_out`` in the server's schemas), so that what is kept and
+what is shown can change apart.
 
 :func:`dumps` writes a document as strict JSON text: a value JSON cannot hold
 (NaN, a lone surrogate, a non-text key) raises ``ValueError``/``TypeError`` here,
