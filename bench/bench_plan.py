@@ -16,7 +16,7 @@ round by round so that the machine's noise falls on both; medians and p90 in µs
 ratio this tree / the other. The other tree is a ``git worktree`` of ``--against``
 (default: ``HEAD~1``), made in a temporary folder and removed after.
 
-Run: python bench/bench_plan.py [--against REV] [--rounds 5] [--samples 40]
+Run: python bench/bench_plan.py [--against REV] [--rounds 4] [--samples 150]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def measure(samples: int) -> dict[str, list[float]]:
 
 
 def run_tree(src: Path, samples: int) -> dict[str, list[float]]:
-    env = {**os.environ, "PYTHONPATH": str(src)}
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONHASHSEED": "0"}  # the same hashes both
     done = subprocess.run(
         [sys.executable, __file__, "--measure", str(samples)],
         env=env,
@@ -100,8 +100,8 @@ def p90(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD~1", help="the commit to compare with")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=40, help="per round and tree")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=150, help="per round and tree")
     parser.add_argument("--measure", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure is not None:

@@ -41,16 +41,19 @@ __all__ = ["plan"]
 def plan(view: View, now: float) -> Plan:
     """What one cycle at ``now`` ends, grants, revokes and holds (see the module)."""
     queue = view.queue
-    ended = endings(
-        view.due(now),
-        now,
-        leases=view.leases,
-        queue=queue,
-        worker_leases=view.worker_lease_ids,
-        revoked=view.revoked,
-        reject=view.rejection_for if view.reshaped else None,
-        ordered=lambda: list(queue.ordered(view.policy, now)),
-    )
+    due = view.due(now)
+    ended = _NOTHING_ENDS
+    if due or view.reshaped:
+        ended = endings(
+            due,
+            now,
+            leases=view.leases,
+            queue=queue,
+            worker_leases=view.worker_lease_ids,
+            revoked=view.revoked,
+            reject=view.rejection_for if view.reshaped else None,
+            ordered=lambda: list(queue.ordered(view.policy, now)),
+        )
     walk = _Walk(view, now, ended)
     if not view.paused and not walk.place_alone():
         walk.place()
@@ -79,8 +82,13 @@ def plan(view: View, now: float) -> Plan:
     )
 
 
+_NOTHING_ENDS = Endings()  # nothing due: read only, never changed
+
+
 def _drained(view: View, ended: Endings) -> tuple[tuple[str, WorkerStatus, WorkerStatus], ...]:
     """Draining workers the plan leaves empty: (name, from, to)."""
+    if not view.drain_check and not ended.leases:
+        return ()
     gone = {lid for lid, lease in ended.leases.items() if lease is None}
     names = set(view.drain_check)
     names.update(view.leases[lid].worker for lid in gone)

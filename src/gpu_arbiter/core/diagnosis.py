@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .model import GpuId, Request
+from .model import GpuId, Request, slot_init
 from .nominations import Holds
 from .outcomes import Outcome
 from .overlay import Overlay
@@ -48,6 +48,7 @@ class Reads(State, Protocol):
     def unusable(self) -> Mapping[GpuId, Outcome]: ...
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Turn:
     """Where the walk stood when it examined a request and did not place it: the holds

@@ -24,7 +24,6 @@ __all__ = ["Overlay"]
 class Overlay:
     __slots__ = (
         "_added",
-        "_free",
         "_gone",
         "_loads",
         "gpu",
@@ -32,6 +31,7 @@ class Overlay:
         "loading",
         "observed_mb",
         "stale",
+        "touched",
     )
 
     def __init__(self, ledger: Ledger) -> None:
@@ -44,7 +44,7 @@ class Overlay:
         self._added: dict[GpuId, int] = {}  # MiB the plan's grants commit there
         self._loads: dict[GpuId, int] = {}  # loads the plan starts (+) or ends (-) there
         self._gone: dict[GpuId, set[str]] = {}  # leases the plan ends there
-        self._free: dict[GpuId, int] = {}  # free memory of each touched GPU, kept
+        self.touched: dict[GpuId, int] = {}  # GPUs whose memory or gate the plan changed: free
 
     # ------------------------------------------------------------------ the plan's changes
 
@@ -70,24 +70,20 @@ class Overlay:
         for gpu_id in lease.gpus:
             if gpu_id in self.ledger:
                 self._load(gpu_id, -1)
+                self._refresh(gpu_id)  # touched: its gate is not the ledger's any more
 
     def _refresh(self, gpu_id: GpuId) -> None:
-        self._free[gpu_id] = self.ledger.free_after(
+        self.touched[gpu_id] = self.ledger.free_after(
             gpu_id, self._gone.get(gpu_id, ()), self._added.get(gpu_id, 0)
         )
 
     # ------------------------------------------------------------------ reads
 
-    @property
-    def touched(self) -> dict[GpuId, int]:
-        """The GPUs whose memory the plan changed, with their free memory now."""
-        return self._free
-
     def __contains__(self, gpu_id: object) -> bool:
         return gpu_id in self.ledger
 
     def free_mb(self, gpu_id: GpuId) -> int:
-        free = self._free.get(gpu_id)
+        free = self.touched.get(gpu_id)
         return self.ledger.free_mb(gpu_id) if free is None else free
 
     def _loading(self, gpu_id: GpuId) -> int:

@@ -203,11 +203,11 @@ class Ranked:
 
         idle = self.unusable()  # GPUs that may take no new work (cached by the state)
 
-        def consider(free: int, hold: int, gpu_id: GpuId) -> None:
+        def consider(free: int, hold: int, gpu_id: GpuId, loads: Callable[[GpuId], int]) -> None:
             nonlocal best
             if gpu_id not in matching or (idle and gpu_id in idle):
                 return
-            loading = ledger.loading(gpu_id) if gate else 0
+            loading = loads(gpu_id) if gate else 0
             if fit_code(free, hold, loading, floor, limit) is not None:
                 return
             room = free - hold
@@ -215,8 +215,9 @@ class Ranked:
                 best = (room, gpu_id)
 
         for gpu_id, free, hold in self.special():
-            consider(free, hold, gpu_id)
+            consider(free, hold, gpu_id, ledger.loading)  # the plan's loads too
         holds, touched = self.holds.by_gpu, ledger.touched
+        unchanged = ledger.ledger.loading  # a GPU the plan did not touch: the ledger's
         index = self.index
         if spread:
             positions: Iterable[int] = range(len(index) - 1, -1, -1)
@@ -229,7 +230,7 @@ class Ranked:
             if not spread and best is not None and (free, gpu_id) > best:
                 break  # the index ascends by (room, id), binpack's own order: none can win
             if gpu_id not in holds and gpu_id not in touched:  # else considered above
-                consider(free, 0, gpu_id)
+                consider(free, 0, gpu_id, unchanged)
         return None if best is None else best[1]
 
     def best(
