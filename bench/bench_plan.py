@@ -8,13 +8,14 @@ A cluster of 1,000 GPUs (125 workers of 8 x 80 GiB), each GPU holding one lease 
   (``Scheduler.decide``) runs: what every event that frees nothing costs;
 - ``grant``: one lease is released (another GPU each sample), and the cycle that grants
   requests from the head of the queue into its 80 GiB runs (they keep it);
-- ``reason``: why the last of the 10,000 waits (``Scheduler.explain``: what a 202 and
-  every ``GET /v1/queue`` row answer with).
+- ``reason``: why the request just submitted, behind the 10,000, waits
+  (``Scheduler.explain``: what a 202 and every ``GET /v1/queue`` row answer with).
 
 Each tree runs in a process of its own (``PYTHONPATH=<tree>/src``), the two alternating
 round by round so that the machine's noise falls on both; medians and p90 in µs, and the
 ratio this tree / the other. The other tree is a ``git worktree`` of ``--against``
-(default: ``HEAD~1``), made in a temporary folder and removed after.
+(default: the last commit before the core planned against a read-only view), made in a
+temporary folder and removed after.
 
 Run: python bench/bench_plan.py [--against REV] [--rounds 4] [--samples 150]
 """
@@ -99,7 +100,9 @@ def p90(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", default="HEAD~1", help="the commit to compare with")
+    parser.add_argument(  # the last commit whose core committed and undid its plan's grants
+        "--against", default="f071ae6", help="the commit to compare with (default: before)"
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--samples", type=int, default=150, help="per round and tree")
     parser.add_argument("--measure", type=int, help=argparse.SUPPRESS)
