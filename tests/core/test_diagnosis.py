@@ -16,7 +16,7 @@ from gpu_arbiter.core.outcomes import Outcome
 from gpu_arbiter.core.stages import outcome
 from gpu_arbiter.core.state import _Reads
 
-from .support import gpu, grant_now, req, scheduler
+from .support import gid, gpu, grant_now, req, scheduler
 
 GiB = 1024
 WORKERS = ("a", "b", "c")
@@ -191,3 +191,25 @@ def test_a_why_worked_out_from_a_turn_is_what_the_walk_saw_there(
     assert set(on_the_spot) == set(plan.turns)
     for request_id, seen in on_the_spot.items():
         assert sched.diagnosis(sched.queue.get(request_id)) == seen, request_id
+
+
+def test_a_request_waiting_for_memory_being_revoked_names_that_lease_not_the_nearest_gpu() -> None:
+    """The post-filter's answer shows in the why: the walk has the request wait on w1:0,
+    where a revoked lease's memory comes back; w1:1 has more free memory (the nearest GPU)
+    but a warm lease it may not reclaim yet."""
+    sched = scheduler(gpu(0, 24 * GiB), gpu(1, 24 * GiB), policy=Policy(idle_reclaim_s=60.0))
+    grant_now(sched, req("revoked", 20 * GiB, constraints=Constraints.build(gpu_ids=["w1:0"])))
+    warm = req("warm", 16 * GiB, priority="interactive", preemptible=False)
+    grant_now(sched, warm)
+    sched.set_idle("warm", True, 0.0)
+    sched.revoke("revoked", "revoked_by_admin", 0.0)
+    sched.submit(req("r", 12 * GiB), 1.0)
+    plan = sched.plan(1.0)
+    assert plan.turns["r"].waits_on == (gid("w1:0"),)
+    sched.apply(plan)
+    reason = sched.explain("r", 1.0)
+    assert reason.code == "insufficient_vram"
+    assert str(reason.gpus[0].gpu) == "w1:1"  # the nearest: 8 GiB free, against 4 GiB
+    assert reason.blocker is not None
+    assert (reason.blocker.id, reason.blocker.rule) == ("revoked", "revoking")
+    assert "memory back when its holder stops" in reason.message

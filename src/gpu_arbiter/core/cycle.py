@@ -25,6 +25,7 @@ not hold back could be granted (I10).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .diagnosis import Turn
 from .endings import Endings, endings
@@ -172,19 +173,24 @@ class _Walk(PostFiltered):
         if gpus is not None:
             self.grant(request, gpus)
             return True
-        self.diagnose(request)
-        if self.post_filter(request):
+        turn = self.diagnose(request)
+        waits = self.post_filter(request)
+        if self.waits_on:  # the post-filter's answer: memory already being revoked
+            self.turns[request.id] = replace(turn, waits_on=self.waits_on)
+            self.waits_on = ()
+        if waits:
             return None
         self.failed_at[shape] = max(self.failed_at.get(shape, -1), request.priority)
         return False
 
-    def diagnose(self, request: Request) -> None:
+    def diagnose(self, request: Request) -> Turn:
         """Writes down where the walk stands as ``request`` is not placed: the holds ahead
         of it and the grants before it (:class:`~.diagnosis.Turn`; its diagnosis is worked
         out from that when a "why" first asks)."""
-        self.turns[request.id] = Turn(
+        turn = self.turns[request.id] = Turn(
             dict(self.holds.by_gpu), len(self.holds.journal), len(self.grants)
         )
+        return turn
 
     def prehold(self) -> None:
         """Pre-holds the memory preemption frees for its preemptors (see

@@ -54,11 +54,14 @@ class Turn:
     """Where the walk stood when it examined a request and did not place it: the holds
     ahead of it (``held``: GPU -> MiB, as the request saw them; ``holds``: how many of the
     plan's holds came before it) and how many of the plan's grants it saw (``grants``).
-    What its diagnosis is worked out from, on the first "why" that asks."""
+    What its diagnosis is worked out from, on the first "why" that asks. ``waits_on``: the
+    post-filter's answer, when memory already being revoked there will make room for it
+    (the why names those leases, there)."""
 
     held: Mapping[GpuId, int]
     holds: int
     grants: int
+    waits_on: tuple[GpuId, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ class Explained(View, Protocol):
 
     def diagnosis(self, request: Request) -> Diagnosis: ...
     def held_by(self, request_id: str) -> tuple[GpuId, ...]: ...
+    def waits_on(self, request_id: str) -> tuple[GpuId, ...]: ...
     def verdicts(self, request: Request, worker: str) -> tuple[GpuVerdict, ...]: ...
     def mismatches(self, request: Request) -> Mapping[Outcome, tuple[int, GpuId]]: ...
     def overdue_revocations(
@@ -130,10 +131,15 @@ def _insufficient(
     summary: str,
     now: float,
 ) -> PendingReason:
-    """Too full: the leases in the way by name, on the GPU nearest to taking the request
-    (for several GPUs, on its worker), when nothing else is (see :mod:`.reasons`)."""
+    """Too full: the leases in the way by name, when nothing else is (see :mod:`.reasons`):
+    on the GPUs where the walk had it wait for memory already being revoked, else on the
+    GPU nearest to taking it (for several GPUs, on its worker)."""
     candidates = verdicts
-    if request.gpus > 1:
+    waits_on = state.waits_on(request.id)  # memory being revoked there will make room
+    if waits_on:
+        on = set(waits_on)
+        candidates = tuple(v for v in state.verdicts(request, waits_on[0].worker) if v.gpu in on)
+    elif request.gpus > 1:
         nearest = next(v for v in verdicts if v.code == Outcome.INSUFFICIENT_VRAM)
         candidates = state.verdicts(request, nearest.gpu.worker)
     blockers = lease_blockers(request, candidates, state.leases, state.ledger, state.policy)

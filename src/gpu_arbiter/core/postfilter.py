@@ -54,6 +54,7 @@ class PostFiltered(Ranked):
         gpus, victims = found
         if not victims:  # memory already on its way back: wait for it
             self.holds.hold(request, gpus)
+            self.waits_on = gpus  # the why names the revoked leases there
             return True
         for victim in victims:
             self.revoke(victim, request)

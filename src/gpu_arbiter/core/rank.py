@@ -59,6 +59,7 @@ class Ranked:
         self.retries: set[float] = set()
         self.failed_at: dict[tuple[int, int, Constraints], int] = {}
         self.turns: dict[str, Turn] = {}  # requests examined and not placed
+        self.waits_on: tuple[GpuId, ...] = ()  # the post-filter's: memory being revoked there
         self.examined = 0
         self.victims: dict[int, int] | None = None  # the state's counts, copied once changed
         self.idle: dict[int, int] | None = None

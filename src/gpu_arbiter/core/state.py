@@ -280,6 +280,12 @@ class State:
         found = self._diagnosed[key] = diagnose(_Reads(self, overlay), request, holds)
         return found
 
+    def waits_on(self, request_id: str) -> tuple[GpuId, ...]:
+        """The GPUs where the last plan had ``request_id`` wait for memory already being
+        revoked (the post-filter's answer), or ()."""
+        turn = self._turns.get(request_id)
+        return () if turn is None else turn.waits_on
+
     def held_by(self, request_id: str) -> tuple[GpuId, ...]:
         """The GPUs whose memory ``request_id`` held in the last plan."""
         return next((gpus for rid, gpus, _ in self._holds if rid == request_id), ())
