@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from .errors import InvalidInput
 from .units import PRIORITY_NAMES
 
-if TYPE_CHECKING:  # the values import the policy, to keep it importable from .model
-    from .model import Request
+__all__ = ["Policy", "Waiting"]
 
-__all__ = ["Policy"]
+
+class Waiting(Protocol):
+    """What aging reads of a pending request (a :class:`~.model.Request`)."""
+
+    @property
+    def priority(self) -> int: ...
+    @property
+    def submitted_at(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +100,7 @@ class Policy:
         less than a third of its TTL."""
         return self.claim_s if ttl_s is None else min(self.claim_s, ttl_s / 3)
 
-    def effective_priority(self, request: Request, now: float) -> int:
+    def effective_priority(self, request: Waiting, now: float) -> int:
         """Base priority plus aging, capped at ``aging_cap`` (never lowered by the cap)."""
         base = request.priority
         if base >= self.aging_cap or self.aging_step == 0:

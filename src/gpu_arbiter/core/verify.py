@@ -25,18 +25,16 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 
-from .model import GpuId, Lease, LeaseState, WorkerStatus
+from .model import GpuId, Lease, LeaseState, WorkerStatus, evolve
 from .plan import Plan
 from .preemption import eligible
 from .stages import usable
 from .view import View
 
-Scheduler = View  # what a plan is checked against: the state it was made from
-
 __all__ = ["check_plan"]
 
 
-def check_plan(state: Scheduler, plan: Plan) -> list[str]:
+def check_plan(state: View, plan: Plan) -> list[str]:
     """The ways ``plan`` breaks an invariant against ``state``, the state it was made from."""
     return (
         _tokens(state, plan)
@@ -48,7 +46,7 @@ def check_plan(state: Scheduler, plan: Plan) -> list[str]:
     )
 
 
-def _timed(state: Scheduler, plan: Plan) -> list[str]:
+def _timed(state: View, plan: Plan) -> list[str]:
     """What time ends: each ending due, and nothing ended twice or also granted."""
     problems = []
     ended = [lease.id for lease in plan.expired + plan.unclaimed]
@@ -79,7 +77,7 @@ def _timed(state: Scheduler, plan: Plan) -> list[str]:
     return problems
 
 
-def _tokens(state: Scheduler, plan: Plan) -> list[str]:
+def _tokens(state: View, plan: Plan) -> list[str]:
     problems = []
     if plan.first_token != state.next_token:
         problems.append(f"first token {plan.first_token}, the state's next is {state.next_token}")
@@ -94,7 +92,7 @@ def _tokens(state: Scheduler, plan: Plan) -> list[str]:
     return problems
 
 
-def _grant(state: Scheduler, lease: Lease) -> list[str]:
+def _grant(state: View, lease: Lease) -> list[str]:
     request = lease.request
     if request.id not in state.queue or state.queue.get(request.id) != request:
         return [f"{request.id} is granted but is not that pending request"]
@@ -112,9 +110,20 @@ def _grant(state: Scheduler, lease: Lease) -> list[str]:
     return problems
 
 
-def _memory(state: Scheduler, plan: Plan) -> list[str]:
-    """Each grant against what the ones before it left (I1, I2), and the load gate (I3)."""
+def _memory(state: View, plan: Plan) -> list[str]:
+    """Each grant against what the ones before it left (I1, I2), and the load gate (I3),
+    once what time ends in the plan has ended (its memory back, its loads done)."""
     ledger = copy.deepcopy(state.ledger)
+    loaded = set()
+    for lease in plan.loaded:
+        held = state.leases.get(lease.id)
+        if held is not None and held.loading:  # else reported by _timed
+            ledger.finish_loading(held)
+            loaded.add(held.id)
+    for lease in plan.expired + plan.unclaimed:
+        held = state.leases.get(lease.id)
+        if held is not None:
+            ledger.uncommit(evolve(held, loading=False) if held.id in loaded else held)
     limit = state.policy.max_concurrent_loads
     problems = []
     for lease in plan.grants:
@@ -132,7 +141,7 @@ def _memory(state: Scheduler, plan: Plan) -> list[str]:
     return problems
 
 
-def _revocations(state: Scheduler, plan: Plan) -> list[str]:
+def _revocations(state: View, plan: Plan) -> list[str]:
     granted = {lease.id for lease in plan.grants}
     by_preemptor: dict[str, set[str]] = defaultdict(set)
     problems = []
@@ -156,7 +165,7 @@ def _revocations(state: Scheduler, plan: Plan) -> list[str]:
     return problems
 
 
-def _frees_enough(state: Scheduler, plan: Plan, preemptor: str, victims: set[str]) -> list[str]:
+def _frees_enough(state: View, plan: Plan, preemptor: str, victims: set[str]) -> list[str]:
     nomination = None if plan.nominations is None else plan.nominations.get(preemptor)
     if nomination is None or nomination.victims != victims:
         return [f"{preemptor} preempts {sorted(victims)} without a nomination naming them"]
@@ -169,7 +178,7 @@ def _frees_enough(state: Scheduler, plan: Plan, preemptor: str, victims: set[str
     return problems
 
 
-def _revoking(state: Scheduler, gpu_id: GpuId) -> set[str]:
+def _revoking(state: View, gpu_id: GpuId) -> set[str]:
     return {
         lid
         for lid in state.ledger.lease_ids(gpu_id)
@@ -177,7 +186,7 @@ def _revoking(state: Scheduler, gpu_id: GpuId) -> set[str]:
     }
 
 
-def _endings(state: Scheduler, plan: Plan) -> list[str]:
+def _endings(state: View, plan: Plan) -> list[str]:
     granted = {lease.id for lease in plan.grants}
     problems = []
     for request_id in plan.timed_out:
