@@ -76,7 +76,8 @@ class _Prehold:
 
 class Holds:
     """The holds of one cycle's walk, and the journal of who held what, in walk order
-    (what "why is it pending" replays to say whose hold stands in the way)."""
+    (a request's :class:`~.diagnosis.Turn` counts the entries before it; its "why" names
+    the first of them on the GPU whose hold stands in the way)."""
 
     __slots__ = ("_preheld", "by_gpu", "journal")
 

@@ -42,7 +42,6 @@ CALLS = frozenset(
         "resume",
         "restore_lease",
         "decide",
-        "tick",
         "plan",
         "apply",
     }
