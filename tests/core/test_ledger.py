@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gpu_arbiter.core import GpuId, GpuProbe, Lease, LeaseState
 from gpu_arbiter.core.ledger import Ledger
 from tests.core.support import gpu, req
@@ -156,3 +161,40 @@ def test_resizing_a_gpu_keeps_its_commitments() -> None:
     assert ledger.free_mb(G0) == 47 * 1024 - 1000
     assert ledger.figures(G0).free_mb == 47 * 1024 - 1000
     assert ledger.by_free == [(47 * 1024 - 1000, G0)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from([1000, 2000, 4000, 8000]), min_size=1, max_size=5),
+    st.sets(st.integers(0, 4)),
+    st.lists(st.sampled_from([500, 3000]), max_size=2),
+    st.sampled_from(["none", "coarse", "per_lease"]),
+    st.integers(0, 6000),
+)
+def test_free_planned_is_what_uncommitting_and_committing_would_leave(
+    sizes: list[int], ended: set[int], added: list[int], probe: str, strangers: int
+) -> None:
+    """A plan reads the ledger as its own endings and grants leave it without changing it:
+    the figure is the one an uncommit and a commit give on a copy, for every kind of probe
+    (an ended lease's memory still counts for as long as the reading shows it, I2)."""
+    ledger = _ledger()
+    leases = [_lease(f"l{i}", mb, loading=False) for i, mb in enumerate(sizes)]
+    for lease in leases:
+        ledger.commit(lease)
+    used = sum(sizes) + strangers
+    if probe == "coarse":
+        ledger.set_probe(G0, GpuProbe(used_mb=used))
+    elif probe == "per_lease":
+        ledger.set_probe(
+            G0, GpuProbe(used_mb=used, lease_used_mb={lease.id: lease.vram_mb for lease in leases})
+        )
+    gone = {f"l{i}" for i in ended if i < len(leases)}
+    predicted = ledger.free_planned(G0, gone, sum(added))
+    after = copy.deepcopy(ledger)
+    for lease in leases:
+        if lease.id in gone:
+            after.uncommit(lease)
+    for i, mb in enumerate(added):
+        after.commit(_lease(f"new{i}", mb))
+    assert predicted == after.free_mb(G0)
+    assert ledger.free_after(G0, gone) == ledger.free_planned(G0, (), 0, gone)

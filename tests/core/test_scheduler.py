@@ -627,3 +627,20 @@ def test_a_preemption_whose_worker_is_removed_is_forgotten() -> None:
     # only w2 could ever take it: it ends as a new request for w2 would
     assert [(r.id, why.code) for r, why in decisions.rejected] == [("preemptor", "no_matching_gpu")]
     assert "preemptor" not in sched.queue
+
+
+def test_memory_of_a_lease_that_expires_in_the_cycle_is_granted_only_once_the_probe_shows_it() -> (
+    None
+):
+    """The plan ends the lease and places in the same walk: the memory it leaves counts as
+    used for as long as the latest probe shows it (I2, I4), exactly as after a release."""
+    sched = scheduler(gpu(0, 24 * 1024))
+    grant_now(sched, req("old", 16 * 1024, ttl_s=20.0), 0.0)
+    sched.set_probe(G0, GpuProbe(used_mb=16 * 1024))
+    sched.submit(req("new", 16 * 1024), 1.0)
+    assert sched.decide(1.0).grants == ()
+    decided = sched.decide(30.0)
+    assert [lease.id for lease in decided.expired] == ["old"]
+    assert decided.grants == ()  # the probe still shows the old process's 16 GiB
+    sched.set_probe(G0, GpuProbe(used_mb=0))
+    assert granted_ids(sched.decide(31.0)) == ["new"]

@@ -224,26 +224,44 @@ class Ledger:
         probe = self._slots[gpu_id].probe
         return 0 if probe is None else probe.used_mb
 
-    def free_after(self, gpu_id: GpuId, without: Collection[str], added_mb: int = 0) -> int:
-        """Free memory once the leases ``without`` are gone and the probe shows it, and
-        ``added_mb`` more is committed (a plan's own grants there): the exact rule of
-        :meth:`commit` and :meth:`uncommit`, read without changing anything."""
+    def free_after(self, gpu_id: GpuId, without: Collection[str]) -> int:
+        """Free memory once the leases ``without`` are gone and the probe shows it."""
+        return self.free_planned(gpu_id, (), 0, without)
+
+    def free_planned(
+        self,
+        gpu_id: GpuId,
+        ended: Collection[str],
+        added_mb: int,
+        without: Collection[str] = (),
+    ) -> int:
+        """Free memory as a plan leaves the GPU, read without changing anything: the
+        leases ``ended`` uncommitted and ``added_mb`` more committed, exactly as
+        :meth:`uncommit` and :meth:`commit` would leave it (the latest probe still counts
+        what an ended lease's process used until it reads again: I2, I4); then, as
+        :meth:`free_after` says, once the leases ``without`` are gone and the probe shows
+        it (what a preemption plans for)."""
         slot = self._slots[gpu_id]
-        probe = slot.probe
-        gone = [lid for lid in slot.reserved if lid in without] if without else []
-        gone_mb = sum(slot.reserved[lid] for lid in gone)
+        probe, reserved = slot.probe, slot.reserved
+        gone = [lid for lid in reserved if lid in ended] if ended else []
+        out = [lid for lid in reserved if lid in without and lid not in gone] if without else []
+        gone_mb = sum(reserved[lid] for lid in gone)
+        out_mb = sum(reserved[lid] for lid in out)
         committed = slot.committed_mb - gone_mb + added_mb
         if probe is None:
-            occupied = committed
+            occupied = committed - out_mb
         elif probe.lease_used_mb is None:
-            occupied = max(committed, probe.used_mb - gone_mb)
+            occupied = max(committed - out_mb, probe.used_mb - out_mb)
         else:
             per_lease = probe.lease_used_mb
-            occupied = (
-                slot.occupied_mb
-                + added_mb
-                - sum(max(slot.reserved[lid], per_lease.get(lid, 0)) for lid in gone)
-            )
+            if gone:  # as _Slot.refresh works it out without them
+                kept = [lid for lid in reserved if lid not in gone]
+                total = sum(max(reserved[lid], per_lease.get(lid, 0)) for lid in kept)
+                attributed = sum(per_lease.get(lid, 0) for lid in kept)
+                occupied = total + max(0, probe.used_mb - attributed)
+            else:
+                occupied = slot.occupied_mb
+            occupied += added_mb - sum(max(reserved[lid], per_lease.get(lid, 0)) for lid in out)
         return slot.capacity_mb - occupied
 
     def reserved_mb(self, gpu_id: GpuId, lease_id: str) -> int:

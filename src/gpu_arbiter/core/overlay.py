@@ -5,8 +5,9 @@ planned placements).
 A plan is made against the state as it is and changes nothing; what it has decided so
 far (leases ended by their timers, loads past their timeout, its own grants) is kept
 here, per GPU, and every read the stages and the walk make goes through it. The exact
-accounting stays the ledger's (:meth:`~.ledger.Ledger.free_after`: what a commit or an
-uncommit would leave, read without making either), so the walk sees what the state will
+accounting stays the ledger's (:meth:`~.ledger.Ledger.free_planned`: what an uncommit
+and a commit would leave, read without making either: an ended lease's memory counts as
+used for as long as the latest probe shows it, I2), so the walk sees what the state will
 see once the plan is applied. Only the GPUs the plan touched differ from the ledger:
 :attr:`touched` lists them, for the walk's index scans to take them one by one.
 """
@@ -73,7 +74,7 @@ class Overlay:
                 self._refresh(gpu_id)  # touched: its gate is not the ledger's any more
 
     def _refresh(self, gpu_id: GpuId) -> None:
-        self.touched[gpu_id] = self.ledger.free_after(
+        self.touched[gpu_id] = self.ledger.free_planned(
             gpu_id, self._gone.get(gpu_id, ()), self._added.get(gpu_id, 0)
         )
 
@@ -107,9 +108,10 @@ class Overlay:
         return ids if not gone else tuple(lid for lid in ids if lid not in gone)
 
     def free_after(self, gpu_id: GpuId, without: set[str]) -> int:
-        gone = self._gone.get(gpu_id)
-        return self.ledger.free_after(
-            gpu_id, without | gone if gone else without, self._added.get(gpu_id, 0)
+        """Free memory once the leases ``without`` are gone and the probe shows it, on the
+        GPU as the plan leaves it."""
+        return self.ledger.free_planned(
+            gpu_id, self._gone.get(gpu_id, ()), self._added.get(gpu_id, 0), without
         )
 
     def committed_mb(self, gpu_id: GpuId) -> int:
