@@ -246,6 +246,8 @@ def parse_archs(value: Any) -> tuple[str, ...]:
     once; () for None."""
     if value is None:
         return ()
+    if not isinstance(value, str | list | tuple | set | frozenset):
+        raise InvalidInput("constraints.gpu_arch", "must be an architecture or a list of them")
     raw = [value] if isinstance(value, str) else list(value)
     for arch in raw:
         if not isinstance(arch, str) or not is_arch(arch):

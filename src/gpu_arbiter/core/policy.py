@@ -71,29 +71,21 @@ class Policy:
     claim_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_concurrent_loads, int) or self.max_concurrent_loads < 1:
-            raise InvalidInput("max_concurrent_loads", "must be an integer >= 1")
+        _integer("max_concurrent_loads", self.max_concurrent_loads, least=1)
         if self.placement not in ("binpack", "spread"):
             raise InvalidInput("placement", "must be 'binpack' or 'spread'")
-        if not self.aging_interval_s > 0:
-            raise InvalidInput("aging_interval_s", "must be > 0")
-        if not isinstance(self.aging_step, int) or self.aging_step < 0:
-            raise InvalidInput("aging_step", "must be an integer >= 0")
-        if not 0 <= self.aging_cap < PRIORITY_NAMES["interactive"]:
+        _seconds("aging_interval_s", self.aging_interval_s, above_zero=True)
+        _integer("aging_step", self.aging_step, least=0)
+        _integer("aging_cap", self.aging_cap, least=0)
+        if not self.aging_cap < PRIORITY_NAMES["interactive"]:
             raise InvalidInput("aging_cap", "must be in 0..799 (below interactive)")
-        if self.preempt_exempt_s < 0:
-            raise InvalidInput("preempt_exempt_s", "must be >= 0")
-        if self.grace_s < 0:
-            raise InvalidInput("grace_s", "must be >= 0")
-        claim_s = self.claim_s
-        if isinstance(claim_s, bool) or not isinstance(claim_s, int | float) or not claim_s > 0:
-            raise InvalidInput("claim_s", "must be a number of seconds > 0")
-        if not math.isfinite(claim_s):
+        _seconds("preempt_exempt_s", self.preempt_exempt_s)
+        _seconds("grace_s", self.grace_s)
+        _seconds("claim_s", self.claim_s, above_zero=True)
+        if not math.isfinite(self.claim_s):
             raise InvalidInput("claim_s", "must be a number of seconds > 0")
         for name in ("idle_reclaim_s", "starvation_s", "preempt_patience_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise InvalidInput(name, "must be a number of seconds >= 0 (inf: never)")
+            _seconds(name, getattr(self, name), never="inf: never")
 
     def claim_bound_s(self, ttl_s: float | None) -> float:
         """How long a grant may wait for its holder to take it up: ``claim_s``, and
@@ -107,3 +99,17 @@ class Policy:
             return base
         steps = int(max(0.0, now - request.submitted_at) // self.aging_interval_s)
         return min(self.aging_cap, base + steps * self.aging_step)
+
+
+def _integer(name: str, value: object, *, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidInput(name, f"must be an integer >= {least}")
+
+
+def _seconds(name: str, value: object, *, above_zero: bool = False, never: str = "") -> None:
+    """A number of seconds (not a bool, not NaN), > 0 or >= 0."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not (value > 0 if above_zero else value >= 0):  # type: ignore[operator]
+        bound = "> 0" if above_zero else ">= 0"
+        extra = f" ({never})" if never else ""
+        raise InvalidInput(name, f"must be a number of seconds {bound}{extra}")
