@@ -277,17 +277,29 @@ def test_replicas_grow_under_queueing_and_the_one_beyond_min_goes_first(
         warm = client.post("/v1/chat/completions", json=chat("chat@gw-2"))
         assert served_by(warm) == "gw-2/chat"
 
-    def slow(i: int) -> str:
+    def slow(token_s: float) -> str:
         with httpx.Client(base_url=first.gateway.url, timeout=60) as client:
-            answer = client.post("/v1/chat/completions", json=chat("chat", token_s=0.3))
+            answer = client.post("/v1/chat/completions", json=chat("chat", token_s=token_s))
             assert answer.status_code == 200, answer.text
             return served_by(answer)
 
+    def second_ready_in_view() -> bool:
+        """gw-2's view of the cluster shows gw-3's replica ready (it follows gw-3's
+        reports: the controller's leases alone say nothing of what gw-2 routes by)."""
+        with first.gateway.client() as client:
+            models = client.get("/v1/models").json()["data"]
+        hosts = next(m for m in models if m["id"] == "chat").get("hosts", [])
+        return any(h["gateway"] == "gw-3" and h["state"] in ("warm", "busy") for h in hosts)
+
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        queued = [pool.submit(slow, i) for i in range(4)]
+        # the queued four keep gw-2's one slot busy about 12 s: the later ones, sent once
+        # gw-2 sees gw-3's replica ready, find gw-2 full and gw-3 free, however slow
+        # the machine is to start the second replica
+        queued = [pool.submit(slow, 1.0) for _ in range(4)]  # three tokens, 1 s each
         wait_for(lambda: cluster.started("chat") == 2, timeout_s=30, what="a second replica")
         wait_for(lambda: len(model_leases(cluster.admin, "chat")) == 2, what="two leases")
-        later = [pool.submit(slow, i) for i in range(4)]
+        wait_for(second_ready_in_view, timeout_s=30, what="gw-2 to see gw-3's replica ready")
+        later = [pool.submit(slow, 0.3) for _ in range(4)]
         servers = {f.result() for f in queued + later}
     assert servers == {"gw-2/chat", "gw-3/chat"}
     leases = {lease["worker"]: lease for lease in model_leases(cluster.admin, "chat")}
