@@ -299,6 +299,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             g for lid in live if self.sched.lease(lid).loading for g in self.held[lid].gpus
         )
         reasons = {r.id: self.sched.explain(r.id, now) for _, r, _ in self.sched.pending(now)}
+        for request_id, reason in reasons.items():  # a request never waits on itself
+            assert reason.blocked_by != request_id, f"{request_id} is blocked by itself"
+            assert reason.gpus == () or sum(v.count for v in reason.gpus) == len(self.gpus)
         preheld = self.sched.held_for_preemptors()
         ahead: Counter[GpuId] = Counter()
         for _, request, _ in self.sched.pending(now):

@@ -127,7 +127,7 @@ def diagnose(at: Reads, request: Request, holds: Holds) -> Diagnosis:
     holder = None
     if Outcome.NOMINATED_FOR in nearest:
         on = nearest[Outcome.NOMINATED_FOR][1]
-        holder = next((rid for rid, gpus, _ in holds.journal if on in gpus), None)
+        holder = next((r for r, gpus, _ in holds.journal if on in gpus and r != request.id), None)
     return Diagnosis(need, verdicts, holder, tuple(sorted(loading)))
 
 
