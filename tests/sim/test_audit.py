@@ -11,6 +11,8 @@ from gpu_arbiter.core import GpuId, Policy
 from gpu_arbiter.sim import Simulation, TraceRequest, parse_cluster, parse_trace
 from gpu_arbiter.sim.audit import Audit, Spell, totals
 
+from .strategies import REQUESTS
+
 # Two 24 GiB GPUs. r0, a long batch run, takes w1:0; r1, the normal code model, loads on
 # w1:1, runs 5..15 and stays warm. r2, a second batch run, arrives at 20: 4 GiB are free
 # on w1:0, and 8 GiB free plus the 16 GiB warm code model on w1:1.
@@ -74,31 +76,9 @@ def test_the_audit_follows_the_policy_settings() -> None:
     assert totals(spells)[("batch", "idle_later", "insufficient_vram/not_preemptible")] == 295.0
 
 
-_requests = st.builds(
-    lambda at, model, gib, gpus, prio, pre, load, run: TraceRequest(
-        arrival_s=at,
-        model=f"m{model}",
-        vram_mb=gib * 1024,
-        run_s=run,
-        gpus=gpus,
-        priority=prio,
-        preemptible=pre,
-        load_s=load,
-    ),
-    st.integers(0, 300).map(float),
-    st.integers(0, 4),
-    st.integers(1, 24),
-    st.integers(1, 2),
-    st.sampled_from([100, 300, 500, 800]),
-    st.booleans(),
-    st.integers(0, 20).map(float),
-    st.integers(1, 120).map(float),
-)
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(_requests, min_size=1, max_size=25),
+    st.lists(REQUESTS, min_size=1, max_size=25),
     st.sampled_from(["2x24G", "2w:2x24G", "3x24G"]),
 )
 def test_nothing_waits_while_usable_memory_sits_on_another_gpu(

@@ -9,6 +9,8 @@ from gpu_arbiter.core import GpuId
 from gpu_arbiter.sim import Simulation, Step, TraceRequest, generate, parse_cluster
 from gpu_arbiter.sim.ours import Ours
 
+from .strategies import REQUESTS
+
 
 def _run_ours(trace: list[TraceRequest], spec: str, **options: float) -> Simulation:
     cluster = parse_cluster(spec)
@@ -32,31 +34,8 @@ def test_generated_mixed_trace_keeps_every_invariant() -> None:
     assert rec.steps > 100
 
 
-_priorities = st.sampled_from([100, 300, 500, 800])
-_requests = st.builds(
-    lambda at, model, gib, gpus, prio, pre, load, run: TraceRequest(
-        arrival_s=at,
-        model=f"m{model}",
-        vram_mb=gib * 1024,
-        run_s=run,
-        gpus=gpus,
-        priority=prio,
-        preemptible=pre,
-        load_s=load,
-    ),
-    st.integers(0, 300).map(float),
-    st.integers(0, 4),
-    st.integers(1, 24),
-    st.integers(1, 2),
-    _priorities,
-    st.booleans(),
-    st.integers(0, 20).map(float),
-    st.integers(1, 120).map(float),
-)
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(_requests, min_size=1, max_size=25), st.sampled_from(["1x24G", "2w:2x24G"]))
+@given(st.lists(REQUESTS, min_size=1, max_size=25), st.sampled_from(["1x24G", "2w:2x24G"]))
 def test_random_traces_keep_every_invariant(trace: list[TraceRequest], spec: str) -> None:
     trace = sorted(trace, key=lambda r: r.arrival_s)
     sim = _run_ours(trace, spec, keep_alive_s=60.0, stop_s=1.0)
