@@ -92,7 +92,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.idle_since: dict[str, float] = {}  # idle leases: when their holder said so
         self.stale: set[GpuId] = set()
         self.last_token = 0
-        self.preheld: dict[str, tuple[GpuId, ...]] = {}  # before the cycle being checked
         self.counter = 0
 
     @initialize(
@@ -251,7 +250,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         statuses = {name: w.status for name, w in self.sched.workers.items()}
         before = {lid: self.sched.lease(lid) for lid in self.held}
         order = {r.id: pos for pos, r, _ in self.sched.pending(now)}
-        self.preheld = self.sched.held_for_preemptors()
         paused = self.sched.paused
 
         decisions = self._cycle(now, planned)
@@ -303,6 +301,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert reason.blocked_by != request_id, f"{request_id} is blocked by itself"
             assert reason.gpus == () or sum(v.count for v in reason.gpus) == len(self.gpus)
         preheld = self.sched.held_for_preemptors()
+        made = self._made_holds()
         ahead: Counter[GpuId] = Counter()
         for _, request, _ in self.sched.pending(now):
             holds = ahead.copy()
@@ -323,8 +322,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 f"I10: {request.id} could be granted but waits ({reasons[request.id].code})"
             )
             if request.id not in preheld:
-                for g in reasons[request.id].nominated:
+                for g in made.get(request.id, ()):
                     ahead[g] += request.vram_mb
+
+    def _made_holds(self) -> dict[str, tuple[GpuId, ...]]:
+        """The GPUs each request held at its turn in the last plan (the core's own record of
+        the walk, :meth:`~gpu_arbiter.core.Plan.held`: never a "why")."""
+        plan = self.sched.last_plan
+        if plan is None:
+            return {}
+        return {h.request_id: h.gpus for h in plan.held() if not h.preheld}
 
     def _check_shrunk_memory_not_granted(self, decisions: Decisions, live: set[str]) -> None:
         """I4 for a shrink: memory a lease gave back is granted to another request only once
@@ -362,24 +369,24 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert now < limit, f"revoked {lease_id} still held at {now} (bound {limit})"
 
     def _holds_ahead(self, order: dict[str, int], position: int) -> Counter[GpuId]:
-        """Memory held at the turn of ``position``: for still-pending requests ahead of it
-        (their nominations), and for preemptors behind it of equal or higher base priority
-        (memory their preemption freed, held for them until their own turn)."""
+        """Memory held at the turn of ``position``, from the holds the last plan's walk
+        made: at the turns of requests ahead of it, and the preholds of preemptors behind it
+        of equal or higher base priority (memory their preemption freed, held for them until
+        their own turn)."""
         priority = next(
             self.requests[rid].priority for rid, pos in order.items() if pos == position
         )
         holds: Counter[GpuId] = Counter()
-        for request_id, pos in order.items():
-            if pos < position and request_id in self.sched.queue:
-                for g in self.sched.explain(request_id, self.now).nominated:
-                    holds[g] += self.requests[request_id].vram_mb
-            elif (
-                pos > position
-                and request_id in self.preheld
-                and self.requests[request_id].priority >= priority
+        plan = self.sched.last_plan
+        for hold in () if plan is None else plan.held():
+            pos = order[hold.request_id]
+            if (not hold.preheld and pos < position) or (
+                hold.preheld
+                and pos > position
+                and self.requests[hold.request_id].priority >= priority
             ):
-                for g in self.preheld[request_id]:
-                    holds[g] += self.requests[request_id].vram_mb
+                for g in hold.gpus:
+                    holds[g] += hold.vram_mb
         return holds
 
     def _check_grants(
@@ -482,7 +489,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if request_id not in self.sched.queue:
                 continue  # timed out at the end of this very cycle
             request = self.requests[request_id]
-            nominated = self.sched.explain(request_id, self.now).nominated
+            nominated = self._made_holds()[request_id]
+            assert nominated == self.sched.nominations[request_id].gpus
             assert len(nominated) == request.gpus
             holds = self._holds_ahead(order, order[request_id])
             for g in nominated:
@@ -498,8 +506,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         loading: dict[GpuId, int],
     ) -> None:
         """I6: a request left pending ahead of a grant could not have fitted at its turn."""
-        if not decisions.grants or decisions.timed_out:
-            return  # a timed-out request's nomination is no longer visible
+        if not decisions.grants:
+            return
         last = max(order[lease.id] for lease in decisions.grants)
         for request_id, position in order.items():
             if position > last or request_id not in self.sched.queue:

@@ -79,6 +79,7 @@ def plan(view: View, now: float) -> Plan:
         retries=tuple(sorted(walk.retries)) if walk.retries else (),
         turns=walk.turns,
         holds=walk.final_holds(),
+        preholds=walk.holds.preholds,
         examined=walk.examined,
     )
 

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 from collections.abc import KeysView
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .ledger import Ledger
 from .model import GpuId, Request
 
-__all__ = ["Holds", "Nomination"]
+__all__ = ["Hold", "Holds", "Nomination"]
 
 
 @dataclass(slots=True)
@@ -67,6 +68,19 @@ class Nomination:
         return any(g in ledger and ledger.probe_seq(g) == seq for g, seq in self.probe_seqs.items())
 
 
+class Hold(NamedTuple):
+    """One hold of a cycle's walk, as a check reads it: ``request_id`` held ``vram_mb`` on
+    each of ``gpus`` against the requests behind it in walk order. ``preheld``: memory its
+    own preemption freed, held from the start of the walk against every request of equal or
+    lower base priority until its own turn (lifted, for the turn, for a request of higher
+    base priority); otherwise a hold made at its turn, standing for the rest of the walk."""
+
+    request_id: str
+    gpus: tuple[GpuId, ...]
+    vram_mb: int
+    preheld: bool
+
+
 @dataclass(slots=True)
 class _Prehold:
     gpus: tuple[GpuId, ...]
@@ -79,11 +93,12 @@ class Holds:
     (a request's :class:`~.diagnosis.Turn` counts the entries before it; its "why" names
     the first of them on the GPU whose hold stands in the way)."""
 
-    __slots__ = ("_preheld", "by_gpu", "journal")
+    __slots__ = ("_preheld", "by_gpu", "journal", "preholds")
 
     def __init__(self) -> None:
         self.by_gpu: dict[GpuId, int] = {}
         self.journal: list[tuple[str, tuple[GpuId, ...], int]] = []
+        self.preholds = 0  # the journal's first entries are the preholds
         self._preheld: dict[str, _Prehold] = {}
 
     def __contains__(self, gpu_id: object) -> bool:
@@ -98,8 +113,11 @@ class Holds:
         return self._preheld.keys()
 
     def prehold(self, request: Request, gpus: tuple[GpuId, ...]) -> None:
-        """Holds a preemptor's memory from the start of the walk (see the module)."""
+        """Holds a preemptor's memory from the start of the walk (see the module); made
+        before the walk's first turn, so the journal's first :attr:`preholds` entries are
+        the preholds."""
         self.hold(request, gpus, own=True)
+        self.preholds += 1
         self._preheld[request.id] = _Prehold(gpus, request.vram_mb, request.priority)
 
     def turn(self, request: Request) -> tuple[bool, list[tuple[GpuId, int]]]:

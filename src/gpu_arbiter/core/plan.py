@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .diagnosis import Turn
 from .model import GpuId, Lease, Request, WorkerStatus, slot_init
-from .nominations import Nomination
+from .nominations import Hold, Nomination
 from .reasons import PendingReason
 
 __all__ = ["Plan"]
@@ -35,7 +35,9 @@ class Plan:
     ungranted; ``drained``: draining workers left empty; ``retries``: times the cycle
     must run again (a victim becomes eligible then); ``turns``: where the walk stood for
     each request it examined and did not place (its "why" is worked out from it);
-    ``holds``: who held which GPUs' memory, in walk order; ``examined``: requests walked."""
+    ``holds``: who held which GPUs' memory, in walk order, the first ``preholds`` of them
+    the memory preemption freed, pre-held for its preemptors (:meth:`held` reads them
+    typed); ``examined``: requests walked."""
 
     now: float
     first_token: int
@@ -53,7 +55,16 @@ class Plan:
     retries: tuple[float, ...] = ()
     turns: Mapping[str, Turn] = field(default_factory=dict)
     holds: tuple[tuple[str, tuple[GpuId, ...], int], ...] = ()
+    preholds: int = 0
     examined: int = 0
+
+    def held(self) -> tuple[Hold, ...]:
+        """The walk's holds in walk order, each saying whether it is a prehold (see
+        :mod:`.nominations`): what a check of I6 and I10 reads, never the "why"."""
+        preholds = self.preholds
+        return tuple(
+            Hold(rid, gpus, mb, i < preholds) for i, (rid, gpus, mb) in enumerate(self.holds)
+        )
 
     def __bool__(self) -> bool:
         return bool(

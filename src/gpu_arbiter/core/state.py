@@ -67,6 +67,7 @@ class State:
         self._unusable: dict[GpuId, Outcome] | None = None  # worked out once per change
         self._drain_check: set[str] = set()  # draining workers that may have become empty
         self._reshaped = False  # the cluster lost GPUs or changed them: recheck pending requests
+        self._plan: Plan | None = None  # the last plan applied
         self._turns: Mapping[str, Turn] = {}  # the last plan's
         self._grants: tuple[Lease, ...] = ()  # the last plan's
         self._holds: tuple[tuple[str, tuple[GpuId, ...], int], ...] = ()  # the last plan's
@@ -245,8 +246,16 @@ class State:
         """Why a pending request is still pending, from the last plan (see :mod:`.explain`)."""
         return explain(self, request_id, now)
 
+    @property
+    def last_plan(self) -> Plan | None:
+        """The plan applied last (None before the first), read only: what its walk held
+        (:meth:`~.plan.Plan.held`), granted and revoked. A check of I6 and I10 reads its
+        holds here, never a "why"."""
+        return self._plan
+
     def _last_plan(self, plan: Plan) -> None:
         """What a "why" reads of the plan just applied."""
+        self._plan = plan
         self._turns, self._grants, self._holds = plan.turns, plan.grants, plan.holds
         self._last_holds = None
         self._diagnosed_at = (-1, -1)

@@ -15,23 +15,29 @@ What :func:`check_plan` recomputes, independently of the walk that made the plan
   done only past its load timeout; a request abandoned or rejected is pending and not
   granted;
 - a request timed out has waited its ``max_wait_s`` and is not granted; a worker marked
-  drained was draining and holds no lease the plan does not end.
+  drained was draining and holds no lease the plan does not end;
+- order (:func:`check_order`, I6 and I10) against the holds the plan's walk made (its
+  own record, :meth:`~.plan.Plan.held`, never a "why"): each grant fits beyond the holds
+  ahead of it at its turn, and no request left pending fitted there at its turn.
 
-It returns the problems found (empty: the plan is sound). Tests run it on every plan.
+It returns the problems found (empty: the plan is sound). Tests run it on every plan,
+and the simulator runs :func:`check_order` on every step.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
+from collections import Counter, defaultdict
 
-from .model import GpuId, Lease, LeaseState, WorkerStatus, evolve
+from .model import GpuId, Lease, LeaseState, Request, WorkerStatus, evolve
+from .nominations import Hold
+from .overlay import Overlay
 from .plan import Plan
 from .preemption import eligible
 from .stages import usable
 from .view import View
 
-__all__ = ["check_plan"]
+__all__ = ["check_order", "check_plan"]
 
 
 def check_plan(state: View, plan: Plan) -> list[str]:
@@ -43,7 +49,126 @@ def check_plan(state: View, plan: Plan) -> list[str]:
         + _revocations(state, plan)
         + _endings(state, plan)
         + _timed(state, plan)
+        + check_order(state, plan)
     )
+
+
+def check_order(state: View, plan: Plan) -> list[str]:
+    """I6 and I10 for ``plan``, made against ``state``, from the holds its walk made.
+
+    The walk goes in queue order (effective priority desc, seq asc). At a request's turn
+    the memory held against it on a GPU is (:mod:`.nominations`):
+
+    - every hold made at the turn of a request ahead of it, and
+    - every prehold of a preemptor whose turn has not come (behind it), unless that
+      preemptor's base priority is lower than its own (lifted for its turn);
+      its own prehold never.
+
+    Each grant fits (I1, I2) beyond what is held against it at its turn, through the
+    ledger as the plan's endings and the grants ahead of it leave it (I6). Unless the
+    plan is paused, a request left pending (ended by no timer first) fitted on no
+    worker's GPUs at its turn (I10: its constraints, I7 and the probe's freshness,
+    memory beyond the holds, the load gate). Exact, with no allowance: a
+    breach of either is a problem."""
+    return _Order(state, plan).problems()
+
+
+class _Order:
+    """:func:`check_order`'s walk: the queue in order, the holds the plan made as it goes."""
+
+    def __init__(self, state: View, plan: Plan) -> None:
+        self.state, self.plan = state, plan
+        self.overlay = _ended(state, plan)
+        self.limit = state.policy.max_concurrent_loads
+        self.preheld: dict[GpuId, list[tuple[tuple[int, int], int, int]]] = defaultdict(list)
+        self.made: dict[str, list[Hold]] = defaultdict(list)
+        for hold in plan.held():
+            if hold.preheld:
+                request = state.queue.get(hold.request_id)
+                key = _key(state, request, plan.now)
+                for gpu_id in hold.gpus:
+                    self.preheld[gpu_id].append((key, request.priority, hold.vram_mb))
+            else:
+                self.made[hold.request_id].append(hold)
+        self.running: dict[GpuId, int] = defaultdict(int)  # held at the turns so far
+
+    def problems(self) -> list[str]:
+        state, plan = self.state, self.plan
+        granted = {lease.id: lease for lease in plan.grants}
+        gone = {r.id for r in plan.abandoned} | {r.id for r, _ in plan.rejected}
+        problems: list[str] = []
+        for request in state.queue.ordered(state.policy, plan.now):
+            if request.id in gone:
+                continue
+            key = _key(state, request, plan.now)
+            lease = granted.get(request.id)
+            if lease is not None:
+                problems += self.granted(lease, key)
+            elif not state.paused:
+                problems += self.left(request, key)
+            for hold in self.made.get(request.id, ()):
+                for gpu_id in hold.gpus:
+                    self.running[gpu_id] += hold.vram_mb
+        return problems
+
+    def against(self, request: Request, key: tuple[int, int], gpu_id: GpuId) -> int:
+        """Memory held against ``request`` on ``gpu_id`` at its turn (see check_order)."""
+        held = self.running.get(gpu_id, 0)
+        for other, priority, mb in self.preheld.get(gpu_id, ()):
+            if other > key and priority >= request.priority:
+                held += mb
+        return held
+
+    def granted(self, lease: Lease, key: tuple[int, int]) -> list[str]:
+        """I6 for a grant, which then counts for the turns after it (I3: :func:`_memory`)."""
+        problems = []
+        overlay = self.overlay
+        for gpu_id in lease.gpus:
+            if gpu_id not in overlay:
+                continue  # reported by _grant
+            room = overlay.free_mb(gpu_id) - self.against(lease.request, key, gpu_id)
+            if room < lease.vram_mb:
+                problems.append(
+                    f"I6: {lease.id} took {lease.vram_mb} MiB of {gpu_id} with {room} MiB "
+                    "there beyond the holds ahead of it"
+                )
+        overlay.commit(lease)
+        return problems
+
+    def left(self, request: Request, key: tuple[int, int]) -> list[str]:
+        """I10 for a request left pending: it fitted on no worker at its turn."""
+        overlay, state = self.overlay, self.state
+        fits = [
+            g
+            for g in state.matching(request)
+            if usable(state, g)
+            and overlay.loading(g) < self.limit
+            and overlay.free_mb(g) - self.against(request, key, g) >= request.vram_mb
+        ]
+        if any(n >= request.gpus for n in Counter(g.worker for g in fits).values()):
+            return [f"I10: {request.id} fitted on {sorted(fits)} at its turn but was left pending"]
+        return []
+
+
+def _key(state: View, request: Request, now: float) -> tuple[int, int]:
+    """A request's place in the walk."""
+    return (-state.policy.effective_priority(request, now), request.seq)
+
+
+def _ended(state: View, plan: Plan) -> Overlay:
+    """The ledger as what time ends in the plan leaves it (memory back, loads done)."""
+    overlay = Overlay(state.ledger)
+    loaded = set()
+    for lease in plan.loaded:
+        held = state.leases.get(lease.id)
+        if held is not None and held.loading:
+            overlay.finish_loading(held)
+            loaded.add(held.id)
+    for lease in plan.expired + plan.unclaimed:
+        held = state.leases.get(lease.id)
+        if held is not None:
+            overlay.end(held, loading=held.loading and held.id not in loaded)
+    return overlay
 
 
 def _timed(state: View, plan: Plan) -> list[str]:

@@ -1,11 +1,14 @@
 """``ours``: the decision core itself (:class:`gpu_arbiter.core.Scheduler`) under simulation.
 
 Nothing of the core's logic is copied here: this adapter submits requests,
-reports ``ready``/``set_idle``/``release`` and runs ``decide`` exactly as the
-asyncio engine does, then checks the invariants I1, I3, I4, I5 and I6 on the
-core's own books after every step (I2 reduces to I1: the simulated GPUs are
-declared by hand, without a probe); I5 as the policy's settings extend it
-(``idle_reclaim_s``, ``starvation_s``, ``preempt_patience_s``).
+reports ``ready``/``set_idle``/``release`` and runs a cycle exactly as the
+asyncio engine does (``apply(plan(now))``), then checks the invariants I1, I3, I4,
+I5, I6 and I10 on the core's own books after every step (I2 reduces to I1: the
+simulated GPUs are declared by hand, without a probe; ``ours-sleep`` checks it
+against its probe); I5 as the policy's settings extend it (``idle_reclaim_s``,
+``starvation_s``, ``preempt_patience_s``); I6 and I10 exactly, prehold rule
+included, on each plan against the state it was made from
+(:func:`~..core.verify.check_order`, reading the walk's own holds, never a "why").
 
 Keep-warm: when a run finishes, the holder marks its lease idle instead of
 releasing it; a later request for the same model takes the idle lease back
@@ -42,7 +45,6 @@ from ..core import (
     GpuId,
     GpuProbe,
     Lease,
-    LeaseState,
     PendingReason,
     Policy,
     Request,
@@ -51,6 +53,7 @@ from ..core import (
     WorkerStatus,
     hand_over,
 )
+from ..core.verify import check_order
 from .base import Attempt, SleepTier, Step
 from .cluster import Cluster
 
@@ -67,6 +70,7 @@ class Ours:
             self.scheduler.put_worker(worker, gpus)
         self._capacity = cluster.capacity_mb()
         self._asked: dict[str, tuple[int, float]] = {}  # request id: (priority, submitted)
+        self._order: list[str] = []  # what check_order found in the last plan
 
     def submit(self, attempt: Attempt, now: float) -> str | None:
         return self._ask(attempt, attempt.item.vram_mb, attempt.item.constraints, now)
@@ -108,8 +112,12 @@ class Ours:
         self._asked.pop(lease_id, None)
 
     def decide(self, now: float) -> Step:
+        """One cycle, as ``decide`` is (``apply(plan(now))``), the plan's order checked
+        against the state it was made from on the way (see :meth:`check`)."""
         steps = _Steps()
-        hand_over(self.scheduler.decide(now), steps)
+        plan = self.scheduler.plan(now)
+        self._order = check_order(self.scheduler, plan)
+        hand_over(self.scheduler.apply(plan), steps)
         return Step(grants=tuple(steps.grants), revocations=tuple(steps.revocations))
 
     def next_deadline(self) -> float | None:
@@ -118,11 +126,11 @@ class Ours:
     # ------------------------------------------------------------------ invariants
 
     def check(self, now: float, step: Step, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
-        return (
-            self._check_memory(present)
-            + self._check_preemptions(now, step)
-            + self._check_order(now, step)
-        )
+        """I1, I3, I4 (:meth:`_check_memory`), I5 (:meth:`_check_preemptions`), and I6 and
+        I10 on the step's plan: :func:`~..core.verify.check_order` reads the holds the
+        walk made (:meth:`~..core.Plan.held`: preholds, nominations, their GPUs), never a
+        "why", and models the prehold rule exactly."""
+        return self._check_memory(present) + self._check_preemptions(now, step) + self._order
 
     def _check_memory(self, present: Mapping[str, tuple[GpuId, ...]]) -> list[str]:
         """I1 (committed <= capacity), I3 (load gate), I4 (memory of every process still
@@ -139,16 +147,17 @@ class Ours:
             vram_mb = lease.vram_mb
             for gpu_id in gpus:
                 held[gpu_id] += vram_mb
+        ledger = self.scheduler.ledger
         for gpu_id, capacity in self._capacity.items():
-            figures = self.scheduler.figures(gpu_id)
-            if figures.committed_mb > capacity:
-                problems.append(f"I1: {gpu_id} committed {figures.committed_mb} > {capacity}")
-            if figures.loading > limit:
-                problems.append(f"I3: {gpu_id} has {figures.loading} loads at once")
-            if figures.committed_mb != held.get(gpu_id, 0):
+            committed = ledger.committed_mb(gpu_id)
+            if committed > capacity:
+                problems.append(f"I1: {gpu_id} committed {committed} > {capacity}")
+            loading = ledger.loading(gpu_id)
+            if loading > limit:
+                problems.append(f"I3: {gpu_id} has {loading} loads at once")
+            if committed != held[gpu_id]:
                 problems.append(
-                    f"I4: {gpu_id} committed {figures.committed_mb} MiB but processes hold "
-                    f"{held.get(gpu_id, 0)} MiB"
+                    f"I4: {gpu_id} committed {committed} MiB but processes hold {held[gpu_id]} MiB"
                 )
         return problems
 
@@ -186,41 +195,6 @@ class Ours:
                     f"preemptible={victim.request.preemptible}) preempted for priority "
                     f"{preemptor} after {now - submitted:g} s"
                 )
-        return problems
-
-    def _check_order(self, now: float, step: Step) -> list[str]:
-        """I6: a request granted in this step from behind a pending one used only memory
-        beyond what the pending one needs on the GPUs nominated for it."""
-        if not step.grants:
-            return []
-        policy = self.scheduler.policy
-        problems = []
-        granted: list[tuple[tuple[int, int], frozenset[GpuId]]] = []
-        for lease_id, gpus in step.grants:
-            lease = self.scheduler.leases.get(lease_id)
-            if lease is None or lease.state not in (LeaseState.LOADING, LeaseState.REVOKING):
-                problems.append(f"grant {lease_id} is not a held lease")
-                continue
-            key = (-policy.effective_priority(lease.request, now), lease.request.seq)
-            granted.append((key, frozenset(gpus)))
-        if not granted:
-            return problems
-        last = max(key for key, _ in granted)
-        for _, request, effective in self.scheduler.pending(now):
-            key = (-effective, request.seq)
-            if key >= last:
-                break
-            nominated = set(self.scheduler.explain(request.id, now).nominated)
-            for grant_key, grant_gpus in granted:
-                if grant_key <= key:
-                    continue
-                for gpu_id in nominated & grant_gpus:
-                    free = self.scheduler.figures(gpu_id).free_mb
-                    if free < request.vram_mb:
-                        problems.append(
-                            f"I6: a request behind {request.id} took {gpu_id} nominated for it "
-                            f"(free {free} < {request.vram_mb})"
-                        )
         return problems
 
 
