@@ -30,8 +30,8 @@ from typing import Any, cast
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gpu_arbiter.client import ArbiterClient
-from gpu_arbiter.gateway.cluster import Cluster
-from gpu_arbiter.gateway.routing import Host, Route, route
+from gpu_arbiter.gateway.cluster.cluster import Cluster
+from gpu_arbiter.gateway.cluster.routing import Host, Route, route
 
 HOSTS = 10
 MODELS = 50

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_arbiter.gateway.interfaces import log_path
-from gpu_arbiter.gateway.process import ModelLog
+from gpu_arbiter.gateway.servers.interfaces import log_path
+from gpu_arbiter.gateway.servers.process import ModelLog
 
 pytestmark = pytest.mark.timeout(60)
 

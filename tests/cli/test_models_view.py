@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from gpu_arbiter.cli.models import Answer, models_view
-from gpu_arbiter.gateway.replica import ReplicaState
+from gpu_arbiter.gateway.servers.replica import ReplicaState
 from tests.gateway.fakes import World, settle
 
 pytestmark = pytest.mark.timeout(20)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_arbiter.client import ApiError, ControllerUnreachable
+from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.config import parse_config
-from gpu_arbiter.gateway.engines import Answer, EngineHttp
-from gpu_arbiter.gateway.interfaces import Parts
-from gpu_arbiter.gateway.metrics import GatewayMetrics
-from gpu_arbiter.gateway.model import ModelServer
+from gpu_arbiter.gateway.servers.engines import Answer, EngineHttp
+from gpu_arbiter.gateway.servers.interfaces import Parts
+from gpu_arbiter.gateway.servers.model import ModelServer
 
 Json = dict[str, Any]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_arbiter.core import InvalidInput
-from gpu_arbiter.gateway.access import Access, ApiKey, check_exposure
+from gpu_arbiter.gateway.requests.access import Access, ApiKey, check_exposure
 
 KEYS = (ApiKey("one", "key-one-0123456789"), ApiKey("two", "key-two-0123456789"))
 JSON = {b"content-type": "application/json", b"content-length": "2"}

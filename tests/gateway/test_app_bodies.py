@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from gpu_arbiter.gateway.bodies import (
+from gpu_arbiter.gateway.base.upstream import Upstream
+from gpu_arbiter.gateway.requests.bodies import (
     BodyBudget,
     ClientGone,
     HeldBody,
@@ -24,7 +25,6 @@ from gpu_arbiter.gateway.bodies import (
     json_model,
     stream_rest,
 )
-from gpu_arbiter.gateway.upstream import Upstream
 
 
 @pytest.mark.parametrize(

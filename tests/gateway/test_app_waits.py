@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from gpu_arbiter.gateway.app import HEARTBEAT_S, GatewayApp, _AfterHead
-from gpu_arbiter.gateway.bodies import json_true
-from gpu_arbiter.gateway.metrics import GatewayMetrics
-from gpu_arbiter.gateway.replica import ReplicaState
+from gpu_arbiter.gateway.base.metrics import GatewayMetrics
+from gpu_arbiter.gateway.requests.app import HEARTBEAT_S, GatewayApp, _AfterHead
+from gpu_arbiter.gateway.requests.bodies import json_true
+from gpu_arbiter.gateway.servers.replica import ReplicaState
 
 from .fakes import World, settle
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpu_arbiter.gateway.replica import Replica, ReplicaState
+from gpu_arbiter.gateway.servers.replica import Replica, ReplicaState
 
 from .fakes import World, settle
 

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
+from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.config import parse_config
-from gpu_arbiter.gateway.metrics import GatewayMetrics
-from gpu_arbiter.gateway.model import ModelServer, Refused
+from gpu_arbiter.gateway.servers.model import ModelServer, Refused
 
 from .fakes import World
 

@@ -12,7 +12,7 @@ import pytest
 
 from gpu_arbiter.core import InvalidInput
 from gpu_arbiter.gateway.config import parse_config
-from gpu_arbiter.gateway.engines import (
+from gpu_arbiter.gateway.servers.engines import (
     Answer,
     ComfyUiDriver,
     EngineHttp,

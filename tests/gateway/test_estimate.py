@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from gpu_arbiter.core import InvalidInput
 from gpu_arbiter.gateway.config import parse_config
-from gpu_arbiter.gateway.estimate import OVERHEAD_MB, Engine, estimate_vram
+from gpu_arbiter.gateway.servers.estimate import OVERHEAD_MB, Engine, estimate_vram
 
 MIB = 1024 * 1024
 

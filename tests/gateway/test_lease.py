@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gpu_arbiter.gateway.lease import Lease
+from gpu_arbiter.gateway.servers.lease import Lease
 
 PENDING = {
     "id": "L7", "state": "pending", "gpus": [], "worker": None, "token": None,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from gpu_arbiter.gateway.engines import EngineHttp
-from gpu_arbiter.gateway.links import HttpHealthCheck
+from gpu_arbiter.gateway.servers.engines import EngineHttp
+from gpu_arbiter.gateway.servers.links import HttpHealthCheck
 
 
 async def _one_connection_each(ask: Callable[[int], Awaitable[int | None]]) -> None:

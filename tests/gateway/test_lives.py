@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from gpu_arbiter.client import ApiError
-from gpu_arbiter.gateway.cluster import Cluster
-from gpu_arbiter.gateway.lease import Lease
-from gpu_arbiter.gateway.model import Refused
-from gpu_arbiter.gateway.replica import ReplicaState
+from gpu_arbiter.gateway.cluster.cluster import Cluster
+from gpu_arbiter.gateway.servers.lease import Lease
+from gpu_arbiter.gateway.servers.model import Refused
+from gpu_arbiter.gateway.servers.replica import ReplicaState
 
 from .fakes import FakeClock, World, settle
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from gpu_arbiter.core import InvalidInput
+from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.config import parse_config
-from gpu_arbiter.gateway.engines import Answer, EngineHttp
-from gpu_arbiter.gateway.interfaces import Parts
-from gpu_arbiter.gateway.metrics import GatewayMetrics
-from gpu_arbiter.gateway.model import ModelServer
-from gpu_arbiter.gateway.ollama import OllamaModelServer, OllamaProcess, model_servers
+from gpu_arbiter.gateway.servers.engines import Answer, EngineHttp
+from gpu_arbiter.gateway.servers.interfaces import Parts
+from gpu_arbiter.gateway.servers.model import ModelServer
+from gpu_arbiter.gateway.servers.ollama import OllamaModelServer, OllamaProcess, model_servers
 
 from .fakes import FakeAgent, FakeClock, FakeHealth, FakeLauncher, FakeLeases, settle
 

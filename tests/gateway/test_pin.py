@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gpu_arbiter.gateway.model import Refused
-from gpu_arbiter.gateway.replica import ReplicaState
+from gpu_arbiter.gateway.servers.model import Refused
+from gpu_arbiter.gateway.servers.replica import ReplicaState
 
 from .fakes import World, settle
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from gpu_arbiter.gateway import process as process_module
-from gpu_arbiter.gateway import watchdog
-from gpu_arbiter.gateway.interfaces import log_path
-from gpu_arbiter.gateway.process import GatewayRefused, ModelLog, ProcessLauncher
+from gpu_arbiter.gateway.servers import process as process_module
+from gpu_arbiter.gateway.servers import watchdog
+from gpu_arbiter.gateway.servers.interfaces import log_path
+from gpu_arbiter.gateway.servers.process import GatewayRefused, ModelLog, ProcessLauncher
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -68,7 +68,7 @@ while True:
 GATEWAY = """
 import asyncio, json, os, sys
 from pathlib import Path
-from gpu_arbiter.gateway.process import ProcessLauncher
+from gpu_arbiter.gateway.servers.process import ProcessLauncher
 
 async def main() -> None:
     state, out, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]

@@ -14,10 +14,10 @@ import pytest
 
 from gpu_arbiter.client import ControllerUnreachable
 from gpu_arbiter.core import InvalidInput
-from gpu_arbiter.gateway.app import GatewayApp
+from gpu_arbiter.gateway.base.metrics import GatewayMetrics
+from gpu_arbiter.gateway.cluster.report import Reporter, default_name, listen_url
 from gpu_arbiter.gateway.config import parse_config
-from gpu_arbiter.gateway.metrics import GatewayMetrics
-from gpu_arbiter.gateway.report import Reporter, default_name, listen_url
+from gpu_arbiter.gateway.requests.app import GatewayApp
 
 from .fakes import World
 

@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_arbiter.gateway.cluster import DOWN_S, Cluster
-from gpu_arbiter.gateway.routing import Host, Kind, route
+from gpu_arbiter.gateway.cluster.cluster import DOWN_S, Cluster
+from gpu_arbiter.gateway.cluster.routing import Host, Kind, route
 
 
 def test_a_ready_replica_with_a_free_slot_and_the_fewest_in_flight_wins() -> None:

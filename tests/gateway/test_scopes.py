@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gpu_arbiter.gateway.scopes import CancelScope
+from gpu_arbiter.gateway.base.scopes import CancelScope
 
 
 async def test_a_cancel_from_another_task_ends_the_block_and_is_caught() -> None:

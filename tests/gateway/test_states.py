@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gpu_arbiter.gateway.replica import GRACED, Replica
-from gpu_arbiter.gateway.states import TRANSITIONS, EndKind, ReplicaState, check_move
+from gpu_arbiter.gateway.servers.replica import GRACED, Replica
+from gpu_arbiter.gateway.servers.states import TRANSITIONS, EndKind, ReplicaState, check_move
 
 from .fakes import World
 

@@ -10,7 +10,7 @@ from typing import Any
 import httptools
 import pytest
 
-from gpu_arbiter.gateway.upstream import IDLE_MAX_S, Upstream, UpstreamError, _idle_max_s
+from gpu_arbiter.gateway.base.upstream import IDLE_MAX_S, Upstream, UpstreamError, _idle_max_s
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"

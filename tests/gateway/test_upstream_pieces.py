@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gpu_arbiter.gateway.upstream import WRITE_PIECE_BYTES, Upstream
+from gpu_arbiter.gateway.base.upstream import WRITE_PIECE_BYTES, Upstream
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gpu_arbiter.gateway.model import ModelServer, Refused
-from gpu_arbiter.gateway.replica import Replica, ReplicaState
+from gpu_arbiter.gateway.servers.model import ModelServer, Refused
+from gpu_arbiter.gateway.servers.replica import Replica, ReplicaState
 
 from .fakes import World, settle
 from .test_collation import neighbour

@@ -17,9 +17,15 @@ from typing import Any
 import pytest
 
 from gpu_arbiter.agent.probes import FakeProbe
-from gpu_arbiter.gateway.config import ModelConfig, parse_config
-from gpu_arbiter.gateway.engines import ComfyUiDriver, Driver, EngineHttp, driver_for, settled_mb
-from gpu_arbiter.gateway.interfaces import LoopClock
+from gpu_arbiter.gateway import ModelConfig, parse_config
+from gpu_arbiter.gateway.base.clock import LoopClock
+from gpu_arbiter.gateway.servers.engines import (
+    ComfyUiDriver,
+    Driver,
+    EngineHttp,
+    driver_for,
+    settled_mb,
+)
 
 from .agents import free_port
 from .conftest import SRC, ManagedProcess

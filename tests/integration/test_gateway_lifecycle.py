@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpu_arbiter.gateway.watchdog import group_alive
+from gpu_arbiter.gateway.servers.watchdog import group_alive
 
 from .agents import env_for
 from .conftest import SRC, Server, wait_for

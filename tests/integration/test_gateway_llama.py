@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from gpu_arbiter.gateway.estimate import estimate_vram
+from gpu_arbiter.gateway.servers.estimate import estimate_vram
 
 from .agents import ExitWatch
 from .conftest import wait_for

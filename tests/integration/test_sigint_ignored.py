@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from gpu_arbiter.gateway.interfaces import log_path
+from gpu_arbiter.gateway.servers.interfaces import log_path
 
 from .agents import RunProcess, lease_of
 from .conftest import SRC, Server, wait_for

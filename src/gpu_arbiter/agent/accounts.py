@@ -1,7 +1,7 @@
 """Process groups whose GPU memory is the memory of several leases, as their holder says.
 
 One ``ollama serve`` is one process group holding many models, each under a lease of
-its own (``gateway/ollama.py``). The agent cannot attach that group to those leases: it
+its own (``gateway/servers/ollama.py``). The agent cannot attach that group to those leases: it
 would stop the whole serve when one of them is revoked. Without more, a per-process
 probe shows the group's memory as belonging to no lease, and the controller counts it as
 external on top of the leases' reservations: twice. So the holder *accounts* for the

@@ -21,11 +21,11 @@ from typing import Annotated, Any
 import typer
 
 from ..core import ArbiterError, InvalidInput, format_mb, priority_name
-from ..gateway.access import check_exposure
 from ..gateway.config import GatewayConfig, load_config
-from ..gateway.estimate import Estimate
-from ..gateway.process import GatewayRefused
+from ..gateway.requests.access import check_exposure
 from ..gateway.serve import estimates, run_gateway
+from ..gateway.servers.estimate import Estimate
+from ..gateway.servers.process import GatewayRefused
 from ..logs import say, setup_logging
 from ..paths import STATE_DIR_ENV, default_state_dir
 from .access import credentials

@@ -1,7 +1,7 @@
 """``gpu-arbiter logs MODEL``: a model server's output, as the gateway keeps it.
 
 Each model's servers write to ``STATE/gateway/logs/MODEL.log`` (rotated to ``.1``; see
-``gateway/process.py``); this prints its last lines, from the rotated file too when
+``gateway/servers/process.py``); this prints its last lines, from the rotated file too when
 ``--lines`` reaches back that far, and with ``--follow`` what is written after them
 (through rotations) until Ctrl-C. Exit codes: 0; 1 when the model has no log (the
 message names the models that have one); 130 interrupted while following.
@@ -18,7 +18,7 @@ from typing import Annotated, BinaryIO
 
 import typer
 
-from ..gateway.interfaces import log_path
+from ..gateway.servers.interfaces import log_path
 from ..paths import STATE_DIR_ENV, default_state_dir
 
 EXIT_NO_LOG = 1

@@ -25,7 +25,7 @@ from ..logs import say
 from ..paths import default_state_dir
 
 if TYPE_CHECKING:
-    from ..gateway.process import GatewayRefused
+    from ..gateway.servers.process import GatewayRefused
     from ..server.serve import Companion, ServeRefused, Stopping
     from ..store import Store
 
@@ -230,7 +230,7 @@ def _refusals(with_gateway: bool) -> tuple[type[ServeRefused | GatewayRefused], 
 
     if not with_gateway:
         return (ServeRefused,)
-    from ..gateway.process import GatewayRefused
+    from ..gateway.servers.process import GatewayRefused
 
     return (ServeRefused, GatewayRefused)
 
@@ -320,8 +320,8 @@ async def _gateway_beside(
 def local_gateway(models: Path, state_dir: Path) -> Gateway:
     """``serve --local --models``'s gateway on ``state_dir``; a config error exits 2 and
     another gateway on the directory is refused, before anything starts."""
-    from ..gateway.process import lock_state_dir
     from ..gateway.serve import beside_a_controller, run_gateway
+    from ..gateway.servers.process import lock_state_dir
     from .gateway import checked_config, checked_exposure, sizes_of
 
     config, found = checked_config(models)

@@ -1,9 +1,30 @@
 """Model servers on demand: a gateway that starts, keeps warm and stops model servers
-under leases (see ``gateway/app.py`` for the routes, ``replica.py`` for a server's life,
-``model.py`` for routing among replicas, ``estimate.py`` for ``vram = "auto"``)."""
+under leases, and relays requests to them as one of the cluster's front doors.
 
-from .config import GatewayConfig, ModelConfig, load_config, parse_config
-from .estimate import Estimate, estimate_vram
+Four packages, each importing only those above it in this list (``tests/test_layering.py``
+checks it):
+
+- ``base/``: what every part uses: the clock (``clock.py``), cancel scopes
+  (``scopes.py``), the keep-alive HTTP/1.1 connections to a server or a peer
+  (``upstream.py``), the metrics (``metrics.py``);
+- ``servers/``: a model server's life under its lease: a model's replicas and the queue
+  for them (``model.py``), one server's life (``replica.py``, ``asleep.py``,
+  ``states.py``), the engines (``engines.py``, ``ollama.py``), ``vram = "auto"``
+  (``estimate.py``), and the process, agent and lease behind small interfaces
+  (``interfaces.py``; real: ``process.py``, ``watchdog.py``, ``links.py``, ``lease.py``);
+- ``cluster/``: the other gateways as the controller shows them and the cluster's cold
+  loads (``cluster.py``), where a request goes (``routing.py``, pure), and what this
+  gateway tells the controller (``report.py``);
+- ``requests/``: the request path: the ASGI routes (``app.py``), who may use the port
+  (``access.py``) and the request bodies (``bodies.py``).
+
+Beside them, the gateway as a whole: ``config.py`` reads ``models.toml`` and
+``serve.py`` builds the parts and runs them.
+"""
+
+from .config import GatewayConfig, load_config, parse_config
+from .servers.config import ModelConfig
+from .servers.estimate import Estimate, estimate_vram
 
 __all__ = [
     "Estimate",

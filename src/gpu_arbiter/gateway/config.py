@@ -60,16 +60,18 @@ import re
 import shlex
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds, validate_worker_name
-from .access import ROLES, ApiKey
-from .engines import ENGINE_NAMES, can_sleep, detect_engine, engine_named
-from .estimate import gpus_of
+from .requests.access import ROLES, ApiKey
+from .requests.bodies import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
+from .servers.config import ModelConfig
+from .servers.engines import ENGINE_NAMES, can_sleep, detect_engine, engine_named
+from .servers.estimate import gpus_of
 
-__all__ = ["GatewayConfig", "ModelConfig", "load_config", "parse_config"]
+__all__ = ["GatewayConfig", "load_config", "parse_config"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", re.ASCII)
 _MODEL_KEYS = frozenset(
@@ -122,41 +124,6 @@ _PORT_KEYS = frozenset(
 )
 _GATEWAY_KEYS = frozenset({"host", "port", "worker", "controller", "name"}) | _PORT_KEYS
 MIB = 1024 * 1024
-MAX_BODY_BYTES = 64 * MIB
-MAX_BUFFERED_BYTES = 256 * MIB
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """One model: how to start its server and what lease it needs."""
-
-    name: str
-    command: tuple[str, ...]  # ``{port}`` is replaced by the port the gateway picks
-    vram: int | None  # MiB per GPU; None: estimated from the model file ("auto")
-    priority: int = 500
-    keep_alive_s: float = 300.0
-    ready: str | None = None  # None: /health, then /v1/models where /health is a 404
-    max_parallel: int = 4
-    replicas: int = 1  # at most, in the whole cluster where other gateways declare it too
-    replicas_min: int = 1  # those beyond are marked idle as soon as nothing is in flight
-    aliases: tuple[str, ...] = ()
-    ctx: int | None = None
-    model_file: str | None = None
-    gpus: int = 1
-    queue_timeout_s: float = 300.0
-    load_timeout_s: float = 300.0
-    grace_s: float = 10.0
-    idle_after_s: float = 0.5
-    ttl_s: float = 30.0
-    preemptible: bool | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    pinned: bool = False  # at start; pin and unpin change it while the gateway runs
-    min_resident_s: float = 0.0  # after ready, before the lease may be marked idle
-    swap_after_s: float = 30.0  # busy while another model waits this long: marked idle
-    engine: str = "generic"  # a name of engines.ENGINE_NAMES
-    sleep_after_s: float | None = None  # None: never asleep (stopped after keep_alive)
-    sleep_level: int = 1  # vLLM's
-    ollama_serve: str | None = None  # an Ollama model: the entry whose serve holds it
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,9 @@
 ``gpu-arbiter gateway --config models.toml`` runs :func:`run_gateway` on its own;
 ``serve --local --models models.toml`` runs it beside the controller and the local
 agent. It reports its models to the controller and takes the commands queued for it
-there (``report.py``). At start, before it serves, it takes its state directory (one
+there (``cluster/report.py``). At start, before it serves, it takes its state directory (one
 gateway per directory) and stops what a previous gateway there left running, then
-releases those leases (``process.py``), and ends every other lease the previous gateway
+releases those leases (``servers/process.py``), and ends every other lease the previous gateway
 there asked for that no process holds (a request still queued, a grant it never ran: its
 leases name the directory in their metadata, ``gateway_dir``), so that its first request
 waits behind nothing of its own.
@@ -21,9 +21,9 @@ the same way; only then does the HTTP server stop, with no request left for it t
 cancel.
 
 Every task has an owner that ends it: one task group holds the models' lives
-(:meth:`.model.ModelServer.run`, each the owner of its replicas'; an Ollama entry's serve
+(:meth:`.servers.model.ModelServer.run`, each the owner of its replicas'; an Ollama entry's serve
 with its own tasks), which end once the models are shut down and their replicas have
-released; the cluster's life (:meth:`.cluster.Cluster.run`: the view, its loads and
+released; the cluster's life (:meth:`.cluster.cluster.Cluster.run`: the view, its loads and
 adoptions) and the reporter's are cancelled at the stop.
 """
 
@@ -51,20 +51,22 @@ from ..web.connections import (
     raise_open_files_limit,
     set_aside_files,
 )
-from .access import Access, ApiKey, check_exposure
-from .app import GatewayApp
-from .cluster import Cluster
-from .config import GatewayConfig, ModelConfig
-from .engines import EngineHttp
-from .estimate import Estimate, estimate_vram
-from .interfaces import LoopClock, Parts
-from .lease import Lease
-from .links import HttpHealthCheck, LocalAgentLink
-from .metrics import GatewayMetrics
-from .model import ModelServer
-from .ollama import OllamaModelServer, model_servers
-from .process import ProcessLauncher
-from .report import Reporter, default_name, listen_url
+from .base.clock import LoopClock
+from .base.metrics import GatewayMetrics
+from .cluster.cluster import Cluster
+from .cluster.report import Reporter, default_name, listen_url
+from .config import GatewayConfig
+from .requests.access import Access, ApiKey, check_exposure
+from .requests.app import GatewayApp
+from .servers.config import ModelConfig
+from .servers.engines import EngineHttp
+from .servers.estimate import Estimate, estimate_vram
+from .servers.interfaces import Parts
+from .servers.lease import Lease
+from .servers.links import HttpHealthCheck, LocalAgentLink
+from .servers.model import ModelServer
+from .servers.ollama import OllamaModelServer, model_servers
+from .servers.process import ProcessLauncher
 
 __all__ = ["beside_a_controller", "estimates", "run_gateway"]
 
@@ -113,7 +115,7 @@ async def run_gateway(
 ) -> None:
     """Serves until ``stop`` is set; ``sizes``: each model's MiB per GPU to ask for;
     ``state_dir``: where its servers' list, their logs and its lock are (a second
-    gateway there: :class:`~.process.GatewayRefused`); ``hurry``: once set while it
+    gateway there: :class:`~.servers.process.GatewayRefused`); ``hurry``: once set while it
     stops, what still runs is killed without waiting for its grace."""
     launcher = ProcessLauncher(state_dir)  # the lock first: a refused gateway starts nothing
     try:
@@ -240,7 +242,7 @@ async def _release(client: ArbiterClient, leases: list[str]) -> None:
 async def _end_asked(client: ArbiterClient, asker: dict[str, str]) -> None:
     """Cancels the requests a previous gateway of this state directory (on this host) left
     queued, and releases its grants that no agent reports a process for (after
-    :meth:`~.process.ProcessLauncher.stop_leftovers`, none of its servers runs)."""
+    :meth:`~.servers.process.ProcessLauncher.stop_leftovers`, none of its servers runs)."""
     host = socket.gethostname()[:100]
     try:
         leases = await client.leases()

@@ -29,9 +29,9 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..core import InvalidInput
-from ..paths import is_loopback
-from ..web.guards import host_names, refusal
+from ...core import InvalidInput
+from ...paths import is_loopback
+from ...web.guards import host_names, refusal
 
 __all__ = ["ADMIN_PREFIX", "ROLES", "Access", "ApiKey", "Denial", "check_exposure"]
 
@@ -48,7 +48,7 @@ class ApiKey:
     (``user`` or ``admin``) whether it may also use the admin routes; ``priority`` (0..1000)
     the class of its requests (an interactive chat key, a batch indexing key; None: the
     model's). A request's priority only ever raises a lease's above its model's (see
-    :meth:`gpu_arbiter.gateway.model.ModelServer.lease_priority`)."""
+    :meth:`gpu_arbiter.gateway.servers.model.ModelServer.lease_priority`)."""
 
     name: str
     key: str = field(repr=False)

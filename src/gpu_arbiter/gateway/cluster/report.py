@@ -29,9 +29,9 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
-from ..client import ApiError, ArbiterClient, ControllerUnreachable
+from ...client import ApiError, ArbiterClient, ControllerUnreachable
+from ..servers.model import ModelServer
 from .cluster import ROUTES_REPORTED
-from .model import ModelServer
 
 __all__ = ["Reporter", "default_name", "listen_url", "model_report"]
 

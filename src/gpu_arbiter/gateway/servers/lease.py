@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..client import pending_text
+from ...client import pending_text
 
 __all__ = ["HELD", "Lease"]
 

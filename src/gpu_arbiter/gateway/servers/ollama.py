@@ -53,12 +53,13 @@ import signal
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
-from ..client import ApiError, ControllerUnreachable
+from ...client import ApiError, ControllerUnreachable
+from ..base.clock import Clock, sleep_or
+from ..base.metrics import GatewayMetrics
 from .config import ModelConfig
 from .engines import OFFLINE, EngineHttp, OllamaDriver, same_model
-from .interfaces import AgentLink, Clock, Launcher, LeaseApi, Parts, ServerProcess, sleep_or
+from .interfaces import AgentLink, Launcher, LeaseApi, Parts, ServerProcess
 from .lease import Lease
-from .metrics import GatewayMetrics
 from .model import ModelServer
 from .replica import Replica
 from .states import Ending, EndKind

@@ -1,7 +1,8 @@
-"""The four things a replica's life touches, each behind a small interface, so that the
+"""The things a replica's life touches, each behind a small interface, so that the
 life itself (``replica.py``) is unit-tested with ten-line fakes on a virtual clock:
 
-- :class:`Clock`: the time and sleeping (real: the event loop's monotonic clock);
+- :class:`~gpu_arbiter.gateway.base.clock.Clock`: the time and sleeping (real: the event
+  loop's monotonic clock);
 - :class:`Launcher` and :class:`ServerProcess`: starting a model server in its own
   process group and learning that it exited (real: ``process.py``);
 - :class:`AgentLink`: the local agent's endpoint (real: ``agent/local.py``'s socket);
@@ -13,76 +14,37 @@ Two more keep the replica's own modules apart (no import circle): :class:`Replic
 is what a replica uses of its model (``model.py`` implements it), :class:`Sleeper`
 what the asleep tier (``asleep.py``) uses of its replica (``replica.py``).
 
-:class:`Parts` bundles them for a gateway's models; :func:`sleep_or` is how the life
-waits on its clock: a sleep that an event cuts short.
+:class:`Parts` bundles them for a gateway's models.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from ..base.clock import Clock
+from ..base.metrics import GatewayMetrics
+from .config import ModelConfig
+from .engines import Driver, EngineHttp
+from .lease import Lease
 from .states import Ending, ReplicaState
-
-if TYPE_CHECKING:
-    from .config import ModelConfig
-    from .engines import Driver, EngineHttp
-    from .lease import Lease
-    from .metrics import GatewayMetrics
 
 __all__ = [
     "AgentLink",
-    "Clock",
     "HealthCheck",
     "Launcher",
     "LeaseApi",
-    "LoopClock",
     "Parts",
     "ReplicaOwner",
     "ServerProcess",
     "Sleeper",
     "log_path",
-    "sleep_or",
 ]
 
 Json = dict[str, Any]
-
-
-class Clock(Protocol):
-    def now(self) -> float:
-        """Monotonic seconds."""
-        ...
-
-    async def sleep(self, seconds: float) -> None: ...
-
-
-class LoopClock:
-    """The event loop's own clock."""
-
-    def now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
-
-async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
-    """Waits for ``sleeping`` (a clock's sleep) or ``event``; True when the event came."""
-    if event.is_set():
-        if asyncio.iscoroutine(sleeping):
-            sleeping.close()
-        return True
-    sleeper = asyncio.ensure_future(sleeping)
-    woken = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({sleeper, woken}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        sleeper.cancel()
-        woken.cancel()
-    return event.is_set()
 
 
 class ServerProcess(Protocol):

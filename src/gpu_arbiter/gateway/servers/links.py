@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import httpx
 
-from ..agent.local import agent_request, attach
+from ...agent.local import agent_request, attach
 
 __all__ = ["HttpHealthCheck", "LocalAgentLink"]
 

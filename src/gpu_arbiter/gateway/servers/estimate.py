@@ -63,7 +63,7 @@ from enum import StrEnum
 from pathlib import Path, PurePath
 from typing import Any
 
-from ..core import InvalidInput
+from ...core import InvalidInput
 
 __all__ = [
     "Engine",

@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 __all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_BUFFERED_BYTES",
     "BodyBudget",
     "ClientGone",
     "HeldBody",
@@ -40,6 +42,10 @@ __all__ = [
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""One request's body, by default (``[gateway] max_body_bytes``)."""
+MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+"""The bodies held in memory at once, all requests, by default (``max_buffered_bytes``)."""
 MAX_PART_HEAD_BYTES = 16 * 1024
 """A multipart part's own headers (``Content-Disposition``...) beyond this: malformed."""
 MAX_MODEL_BYTES = 4096

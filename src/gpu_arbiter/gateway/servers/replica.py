@@ -43,13 +43,14 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..client import ApiError, ControllerUnreachable, NotGranted
+from ...client import ApiError, ControllerUnreachable, NotGranted
+from ..base.clock import sleep_or
+from ..base.scopes import CancelScope
+from ..base.upstream import Upstream
 from .asleep import SleepTier
-from .interfaces import ReplicaOwner, ServerProcess, sleep_or
+from .interfaces import ReplicaOwner, ServerProcess
 from .lease import Lease
-from .scopes import CancelScope
 from .states import Ending, EndKind, ReplicaState, check_move
-from .upstream import Upstream
 
 __all__ = ["EndKind", "Ending", "Replica", "ReplicaState"]
 

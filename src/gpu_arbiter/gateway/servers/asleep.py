@@ -27,9 +27,10 @@ import asyncio
 import contextlib
 import logging
 
-from ..client import ApiError, ControllerUnreachable
+from ...client import ApiError, ControllerUnreachable
+from ..base.clock import sleep_or
 from .engines import SleepKind, settled_mb
-from .interfaces import Sleeper, sleep_or
+from .interfaces import Sleeper
 from .lease import Lease
 from .states import ReplicaState
 

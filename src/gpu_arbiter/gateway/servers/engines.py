@@ -62,9 +62,9 @@ from typing import Any
 
 import httpx
 
-from ..core import InvalidInput
+from ...core import InvalidInput
+from ..base.clock import Clock
 from .estimate import Engine, engine_of
-from .interfaces import Clock
 
 __all__ = [
     "ENGINE_NAMES",

@@ -39,12 +39,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from ..core import PRIORITY_NAMES, format_s, priority_name
+from ...core import PRIORITY_NAMES, format_s, priority_name
+from ..base.clock import sleep_or
+from ..base.metrics import GatewayMetrics
 from .config import ModelConfig
 from .engines import OFFLINE, driver_for
-from .interfaces import Parts, sleep_or
+from .interfaces import Parts
 from .lease import Lease
-from .metrics import GatewayMetrics
 from .replica import AGENT_MARGIN_S, Replica, ReplicaState
 from .states import EndKind
 
@@ -67,7 +68,7 @@ UNLOAD_MARGIN_S = 10.0  # beyond two graces and the agent's margin: the release
 
 
 class Grower(Protocol):
-    """The cluster, as a model that needs one more replica sees it (``cluster.py``)."""
+    """The cluster, as a model that needs one more replica sees it (``cluster/cluster.py``)."""
 
     def grow(self, model: ModelServer) -> bool:
         """Asks for one more replica for the cluster; False when no other gateway
@@ -261,7 +262,7 @@ class ModelServer:
 
     def adopt(self, lease: Lease) -> Replica | None:
         """Starts a replica under ``lease``, granted to this host for the cluster (a front
-        door asked for it: ``cluster.py``); None when a replica holds it already or it is
+        door asked for it: ``cluster/cluster.py``); None when a replica holds it already or it is
         not held any more. The lease is this gateway's from now: it renews, readies and
         releases it."""
         if not lease.held:

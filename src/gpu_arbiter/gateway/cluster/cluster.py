@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from ..client import ApiError, ArbiterClient, ControllerUnreachable
-from .interfaces import Clock
-from .lease import Lease
-from .model import ModelServer, Refused
-from .replica import ReplicaState
+from ...client import ApiError, ArbiterClient, ControllerUnreachable
+from ..base.clock import Clock
+from ..base.upstream import Upstream
+from ..servers.lease import Lease
+from ..servers.model import ModelServer, Refused
+from ..servers.replica import ReplicaState
 from .routing import Host, Route, route
-from .upstream import Upstream
 
 __all__ = ["Cluster", "Peer"]
 

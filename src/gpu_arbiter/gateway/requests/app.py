@@ -15,7 +15,7 @@
 
 In front of every route: the ``Host`` check, the simple-request rule and the API keys
 (``access.py``); ``/healthz`` needs no key. A request routed to a model carries its key's
-``priority`` (if any) to the model (``model.py``: how a lease's priority follows its
+``priority`` (if any) to the model (``servers/model.py``: how a lease's priority follows its
 callers). Bodies are held only as far as finding the
 model needs, under ``max_body_bytes`` each and ``max_buffered_bytes`` in all
 (``bodies.py``); the rest streams to the model server as it comes, as every body to
@@ -51,7 +51,7 @@ other answer cut short ends with its connection, short of its length.
 
 A gateway that stops (:meth:`GatewayApp.stop`) answers 503 at once to each new request
 for a model and to those waiting for a replica; the requests relayed to a replica get
-its grace (the replica's stop, ``replica.py``), then end as above.
+its grace (the replica's stop, ``servers/replica.py``), then end as above.
 
 A caller that waits for a replica sees why (:class:`_Wait`): a JSON request with
 ``"stream": true`` gets a 200 event stream's head at once and SSE comment lines
@@ -84,8 +84,19 @@ from urllib.parse import quote
 import httptools
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..base.metrics import GatewayMetrics
+from ..base.scopes import CancelScope
+from ..base.upstream import Body, NotConnected, UpstreamError
+from ..cluster.cluster import Cluster
+from ..cluster.routing import Kind, Route
+from ..servers.lease import Lease
+from ..servers.model import ModelServer, Refused
+from ..servers.replica import Replica
+from ..servers.states import EndKind
 from .access import ADMIN_PREFIX, Access
 from .bodies import (
+    MAX_BODY_BYTES,
+    MAX_BUFFERED_BYTES,
     BodyBudget,
     ClientGone,
     HeldBody,
@@ -97,16 +108,6 @@ from .bodies import (
     json_true,
     stream_rest,
 )
-from .cluster import Cluster
-from .config import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
-from .lease import Lease
-from .metrics import GatewayMetrics
-from .model import ModelServer, Refused
-from .replica import Replica
-from .routing import Kind, Route
-from .scopes import CancelScope
-from .states import EndKind
-from .upstream import Body, NotConnected, UpstreamError
 
 __all__ = ["ADMIN_VERBS", "GatewayApp"]
 
@@ -137,8 +138,9 @@ _HOP = frozenset(
 )
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 PEER = b"x-arbiter-peer"
-"""The credential a forwarding gateway shows (issued by the controller: ``cluster.py``);
-with it, ``x-arbiter-priority`` and ``x-arbiter-lease`` are believed."""
+"""The credential a forwarding gateway shows (issued by the controller:
+``cluster/cluster.py``); with it, ``x-arbiter-priority`` and ``x-arbiter-lease`` are
+believed."""
 _PEER_HEADERS = frozenset(
     {PEER, b"x-arbiter-priority", b"x-arbiter-lease", b"x-arbiter-via", b"authorization"}
 )
@@ -360,7 +362,7 @@ class GatewayApp:
         """Unloads, pins or unpins a model (by name or alias) as an operator asked
         (``by``: who, for the log): what it did (unload) or what the model is now; None
         for an unknown model. The admin routes and the controller's commands
-        (``report.py``) both come here; a verb not in :data:`ADMIN_VERBS` is a
+        (``cluster/report.py``) both come here; a verb not in :data:`ADMIN_VERBS` is a
         ``ValueError``."""
         if verb not in ADMIN_VERBS:
             raise ValueError(f"verb must be one of {', '.join(ADMIN_VERBS)}, not {verb!r}")
@@ -606,10 +608,10 @@ class GatewayApp:
         priority: int | None,
     ) -> bool | None:
         """Routes a request that came to this gateway as the cluster's front door
-        (``routing.py``): None when it was answered here (forwarded, refused), else this
-        gateway's own replicas serve it, and whether the head of its event stream went out
-        already (it waited for the cluster's load). ``MODEL@GATEWAY`` names one gateway's
-        copy (``@`` is in no model's name)."""
+        (``cluster/routing.py``): None when it was answered here (forwarded, refused),
+        else this gateway's own replicas serve it, and whether the head of its event
+        stream went out already (it waited for the cluster's load). ``MODEL@GATEWAY``
+        names one gateway's copy (``@`` is in no model's name)."""
         cluster = self.cluster
         assert cluster is not None
         model, at, host = name.rpartition("@")

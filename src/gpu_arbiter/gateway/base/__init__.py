@@ -1,0 +1,4 @@
+"""What every part of the gateway uses, importing nothing else of it: the clock and the
+wait an event cuts short (``clock.py``), cancel scopes (``scopes.py``), keep-alive
+HTTP/1.1 connections to a model server or a peer gateway (``upstream.py``), and the
+gateway's metrics (``metrics.py``)."""
