@@ -4,6 +4,7 @@ one the cycle keeps. A rejection names the largest GPU among those that match.""
 
 from __future__ import annotations
 
+import json
 import math
 
 from hypothesis import event, given, settings
@@ -132,6 +133,104 @@ def test_memory_the_arbiter_does_not_know_of_names_no_lease() -> None:
     assert reason.code == "insufficient_vram"
     assert reason.blockers == () and reason.blocker is None
     assert reason.message.startswith("0/1 GPUs fit: 1 insufficient_vram")
+
+
+# ---------------------------------------------------------------------- figures JSON carries
+
+
+def _strict(reason: PendingReason) -> dict[str, object]:
+    """The reason as the API renders it, through strict JSON (no NaN, no Infinity)."""
+    loaded: dict[str, object] = json.loads(json.dumps(reason.as_dict(), allow_nan=False))
+    return loaded
+
+
+def test_an_idle_lease_reclaimable_at_once_gave_way_at_a_time_json_carries() -> None:
+    """An idle batch lease the request may reclaim at once, beside a busy interactive one
+    it may not preempt: the idle one gave way when the request came (it was idle before),
+    a time past, never ``-inf``."""
+    sched = scheduler(gpu())
+    grant_now(sched, req("warm", 8 * GiB, priority="batch", holder="warm"), 0.0)
+    sched.set_idle("warm", True, 1.0)
+    grant_now(sched, req("big", 12 * GiB, priority="interactive", holder="big"), 0.0)
+    _pending(sched, "job", 14 * GiB, 2.0, priority="normal")
+    reason = sched.explain("job", 5.0)
+    assert [b.id for b in reason.blockers] == ["big", "warm"]
+    warm = reason.blockers[1]
+    assert (warm.rule, warm.until, warm.expires_at) == ("at_once", 2.0, None)
+    assert "idle lease warm (holder 'warm', batch) on w1:0: reclaimable by normal now" in (
+        reason.message
+    )
+    blockers = _strict(reason)["blockers"]
+    assert isinstance(blockers, list) and blockers[1]["until"] == 2.0
+    assert blockers[1]["expires_at"] is None  # no TTL
+
+
+def test_a_revoked_lease_without_a_ttl_gives_its_memory_back_with_no_bound() -> None:
+    sched = scheduler(gpu())
+    grant_now(sched, req("old", 14 * GiB, priority="interactive", holder="old"), 0.0)
+    sched.revoke("old", "admin", 5.0)
+    _pending(sched, "job", 14 * GiB, 10.0, priority="batch")
+    reason = sched.explain("job", 10.0)
+    blocker = reason.blockers[0]
+    assert (blocker.rule, blocker.until, blocker.expires_at) == ("revoking", None, None)
+    assert "memory back when its holder stops (it has no TTL to bound that)" in reason.message
+    assert "inf" not in reason.message
+    _strict(reason)
+
+
+def test_a_revoked_lease_without_a_ttl_gives_way_before_one_that_never_does() -> None:
+    """Both unbounded, the revoked one still stops some day: the blocker, the one waited for
+    last, is the lease that never gives way."""
+    sched = scheduler(gpu())
+    grant_now(sched, req("a-old", 10 * GiB, priority="batch"), 0.0)
+    grant_now(sched, req("z-big", 10 * GiB, priority="critical"), 0.0)
+    sched.revoke("a-old", "admin", 1.0)
+    _pending(sched, "job", 20 * GiB, 2.0, priority="normal")
+    reason = sched.explain("job", 2.0)
+    assert [(b.id, b.rule) for b in reason.blockers] == [
+        ("z-big", "not_preemptible"),
+        ("a-old", "revoking"),
+    ]
+
+
+def test_a_loading_lease_without_a_ttl_names_its_load_timeout_alone() -> None:
+    sched = scheduler(gpu())
+    grant_now(
+        sched, req("warming", 4 * GiB, holder="warming", load_timeout_s=300.0), 0.0, ready=False
+    )
+    _pending(sched, "next", 4 * GiB, 10.0)
+    reason = sched.explain("next", 10.0)
+    assert reason.code == "load_in_progress"
+    assert reason.blocker is not None
+    assert (reason.blocker.until, reason.blocker.expires_at) == (300.0, None)
+    assert "at the latest in 5m (its load timeout)" in reason.message
+    assert "TTL" not in reason.message
+    _strict(reason)
+
+
+def test_the_loading_lease_whose_gate_opens_first_is_named_a_missing_ttl_never_first() -> None:
+    """A load gate of two, both loads with a 300 s timeout: one bounded by its TTL too (in
+    20 s), one with no TTL (its expiry None: never, not time 0): the first opens first."""
+    sched = scheduler(gpu(), policy=Policy(max_concurrent_loads=2))
+    grant_now(sched, req("a-no-ttl", 4 * GiB), 0.0, ready=False)
+    grant_now(sched, req("b-ttl", 4 * GiB, ttl_s=20.0), 0.0, ready=False)
+    _pending(sched, "next", 4 * GiB, 0.0)
+    reason = sched.explain("next", 0.0)
+    assert reason.blocker is not None and reason.blocker.id == "b-ttl"
+    assert "or in 20s if its TTL lapses unrenewed" in reason.message
+
+
+def test_a_preempted_lease_without_a_ttl_is_named_without_an_expiry() -> None:
+    sched = scheduler(gpu(), policy=Policy(grace_s=math.inf))
+    grant_now(sched, req("victim", 20 * GiB, priority="batch", holder="victim"), 0.0)
+    sched.submit(req("urgent", 20 * GiB, priority="critical"), 1.0)
+    assert revoked_ids(sched.decide(1.0)) == ["victim"]
+    reason = sched.explain("urgent", 3.0)
+    assert reason.code == "preempting"
+    assert reason.blocker is not None
+    assert (reason.blocker.until, reason.blocker.expires_at) == (None, None)  # no grace end
+    assert "lease victim (holder 'victim') was preempted 2.0s ago" in reason.message
+    _strict(reason)
 
 
 def test_rejection_names_the_largest_gpu_among_those_that_match() -> None:

@@ -11,6 +11,7 @@ request is refused (:func:`rejection`) when every GPU's outcome is one nothing w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -25,6 +26,7 @@ from .reasons import (
     holding_sentence,
     lease_blockers,
     loading_sentence,
+    moment,
     revoking_sentence,
     summarize,
     waiting_sentence,
@@ -176,8 +178,8 @@ def _preempting(state: Explained, nomination: Nomination, now: float) -> Pending
         victim.request.holder,
         victim.gpus,
         since=victim.revoked_at if victim.revoked_at is not None else now,
-        until=victim.grace_ends_at(grace_s),
-        expires_at=victim.expires_at,
+        until=moment(victim.grace_ends_at(grace_s)),
+        expires_at=moment(victim.expires_at),
     )
     message = (
         f"waiting for {len(victims)} preempted lease(s) on {where} to stop and the memory "
@@ -208,11 +210,17 @@ def _loading_blocker(state: Explained, gpus: tuple[GpuId, ...]) -> Blocker | Non
                         lease.request.holder,
                         lease.gpus,
                         since=lease.granted_at,
-                        until=lease.load_deadline,
-                        expires_at=lease.expires_at,
+                        until=moment(lease.load_deadline),
+                        expires_at=moment(lease.expires_at),
                     )
                 )
-    return min(found, key=lambda b: (min(b.until or 0.0, b.expires_at or 0.0), b.id), default=None)
+    return min(
+        found, key=lambda b: (min(_or_never(b.until), _or_never(b.expires_at)), b.id), default=None
+    )
+
+
+def _or_never(at: float | None) -> float:
+    return math.inf if at is None else at
 
 
 def _holding_blocker(state: Explained, request_id: str, gpu_id: GpuId) -> Blocker:

@@ -16,6 +16,11 @@ busy one after ``preempt_exempt_s`` and ``preempt_patience_s``; a revoked one wh
 holder stops, at the latest grace + TTL after its revocation; never, when this
 priority may not preempt it). It is worked out only for a request that waits, on the
 GPU nearest to taking it (for several GPUs, that GPU's worker).
+
+Every figure of a reason is finite, as JSON carries it: a time that does not exist is
+None (:func:`moment`): no TTL (the core's lease without one expires at ``inf``), never
+giving way; a lease reclaimable at once gave way when it went idle or when the request
+came, whichever is later.
 """
 
 from __future__ import annotations
@@ -31,7 +36,19 @@ from .outcomes import Why
 from .preemption import giving_way
 from .units import format_mb, format_s, priority_name
 
-__all__ = ["Blocker", "GpuVerdict", "PendingReason", "lease_blockers"]
+__all__ = [
+    "Blocker",
+    "GpuVerdict",
+    "PendingReason",
+    "lease_blockers",
+    "moment",
+]
+
+
+def moment(at: float | None) -> float | None:
+    """A time as a reason carries it: finite, or None where there is none (``inf``: a
+    lease without a TTL never expires; a rule that never applies never gives way)."""
+    return at if at is not None and math.isfinite(at) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +86,18 @@ class Blocker:
     preempted lease whose holder has not stopped yet) or ``request`` (a request ahead in
     the queue that holds the memory). ``since``: loading since, revoked at, or waiting
     since. ``until``: when it ends at the latest (the load timeout; the end of the
-    grace). ``expires_at``: its TTL, which ends it sooner unless it is renewed.
+    grace). ``expires_at``: its TTL, which ends it sooner unless it is renewed (None: it
+    has no TTL).
 
     ``kind`` ``lease``: a lease in the way of an ``insufficient_vram`` request. Its
     ``state`` (``idle``, ``busy``, ``loading``, ``revoking``), its ``priority`` (base),
-    ``until``: when it gives way to the request (None: never), and ``rule``: why then
-    (``at_once``, ``idle_reclaim_s``, ``starvation_s``, ``preempt_exempt_s``,
-    ``preempt_patience_s``, ``revoking``) or why never (``not_preemptible``,
-    ``never_preempt``)."""
+    ``until``: when it gives way to the request (None: never; for a revoked lease, its
+    expiry, None when no TTL bounds it; for one reclaimable at once, when it became so:
+    a time past), and ``rule``: why then (``at_once``, ``idle_reclaim_s``,
+    ``starvation_s``, ``preempt_exempt_s``, ``preempt_patience_s``, ``revoking``) or why
+    never (``not_preemptible``, ``never_preempt``).
+
+    Every time is finite or None (:func:`moment`)."""
 
     kind: str
     id: str
@@ -259,11 +280,17 @@ def _on_worker(
 def _last_first(blockers: tuple[Blocker, ...]) -> tuple[Blocker, ...]:
     if len(blockers) < 2:
         return blockers
-    return tuple(sorted(blockers, key=lambda b: (-_until(b), b.id)))
+    return tuple(sorted(blockers, key=lambda b: (-_until(b), -_never(b), b.id)))
 
 
 def _until(blocker: Blocker) -> float:
     return math.inf if blocker.until is None else blocker.until
+
+
+def _never(blocker: Blocker) -> int:
+    """1 for a lease that never gives way, after one that does at a time unbounded (a
+    revoked lease without a TTL, back when its holder stops)."""
+    return int(blocker.until is None and blocker.rule != "revoking")
 
 
 def _on_gpu(
@@ -278,7 +305,8 @@ def _on_gpu(
         blocker = _blocker(leases[ids[0]], request, policy)
         return _until(blocker), (blocker,)
     named = sorted(
-        (_blocker(leases[lid], request, policy) for lid in ids), key=lambda b: (_until(b), b.id)
+        (_blocker(leases[lid], request, policy) for lid in ids),
+        key=lambda b: (_until(b), _never(b), b.id),
     )
     gone: set[str] = set()
     for count, blocker in enumerate(named, start=1):
@@ -290,11 +318,14 @@ def _on_gpu(
 
 def _blocker(lease: Lease, request: Request, policy: Policy) -> Blocker:
     if lease.state is LeaseState.REVOKING:
-        until: float | None = lease.expires_at  # capped at revoked_at + grace + TTL
-        rule, since = "revoking", lease.revoked_at or lease.granted_at
+        until = moment(lease.expires_at)  # capped at revoked_at + grace + TTL; None: no TTL
+        rule = "revoking"
+        since = lease.granted_at if lease.revoked_at is None else lease.revoked_at
     else:
         at, rule = giving_way(lease, request, policy)
-        until = None if at == math.inf else at
+        # at once: since it went idle or since the request came, whichever is later
+        at_once = at == -math.inf
+        until = max(lease.last_used_at, request.submitted_at) if at_once else moment(at)
         since = lease.last_used_at if lease.idle else lease.granted_at
     return Blocker(
         "lease",
@@ -303,7 +334,7 @@ def _blocker(lease: Lease, request: Request, policy: Policy) -> Blocker:
         lease.gpus,
         since=since,
         until=until,
-        expires_at=lease.expires_at,
+        expires_at=moment(lease.expires_at),
         state=_state(lease),
         priority=lease.base_priority,
         rule=rule,
@@ -333,6 +364,8 @@ def lease_sentence(blocker: Blocker, request_priority: int, now: float) -> str:
     own = "" if blocker.priority is None else priority_name(blocker.priority)
     who = f"{blocker.state} lease {blocker.id} ({holder}{own}) on {_gpus(blocker)}"
     rule = blocker.rule or ""
+    if blocker.until is None and rule == "revoking":
+        return f"{who}: memory back when its holder stops (it has no TTL to bound that)"
     if blocker.until is None:
         return f"{who}: " + _WHY_NEVER.get(rule, "not preemptible by {prio}").format(prio=prio)
     left = "now" if blocker.until <= now else f"in {format_s(blocker.until - now)}"
