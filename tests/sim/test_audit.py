@@ -76,6 +76,35 @@ def test_the_audit_follows_the_policy_settings() -> None:
     assert totals(spells)[("batch", "idle_later", "insufficient_vram/not_preemptible")] == 295.0
 
 
+# A normal 2-GPU run preempts the two batch runs of w1 at 30; at 31, while they stop, an
+# interactive model takes 10 GiB of the memory that preemption frees (I6: a request of
+# higher base priority may): w1:0 will have 14 GiB, not 20, once the batch runs stop.
+PREEMPTOR_TRACE = [
+    '{"arrival_s": 0, "model": "tune-a", "vram_mb": "12G", "priority": "batch",'
+    ' "load_s": 5, "run_s": 1000}',
+    '{"arrival_s": 1, "model": "tune-b", "vram_mb": "12G", "priority": "batch",'
+    ' "load_s": 5, "run_s": 1000}',
+    '{"arrival_s": 30, "model": "pair", "vram_mb": "20G", "gpus": 2, "priority": "normal",'
+    ' "load_s": 5, "run_s": 100}',
+    '{"arrival_s": 31, "model": "chat", "vram_mb": "10G", "priority": "interactive",'
+    ' "load_s": 2, "run_s": 60}',
+]
+
+
+def test_a_preemptor_whose_freed_memory_a_higher_priority_took_says_what_it_waits_for() -> None:
+    """r2 waits for its victims only until r3 (interactive) takes part of their memory; from
+    then on, and once they stopped, for r3's lease, which it may not preempt (I5), until r3
+    ends at 93: never for its own victims, nor for nothing named."""
+    _, spells, sim = _audit(parse_trace(PREEMPTOR_TRACE), "2x24G", stop_s=2.0, keep_alive_s=0.0)
+    assert sim.rec.violations == []
+    assert {w.attempt_id: w.queue_s for w in sim.rec.waits}["r2"] == 63.0
+    assert [(s.start, s.end, s.reason, s.stopping) for s in spells if s.request_id == "r2"] == [
+        (30.0, 31.0, "preempting/revoking", True),
+        (31.0, 32.0, "insufficient_vram/not_preemptible", True),  # its victims stopping still
+        (32.0, 93.0, "insufficient_vram/not_preemptible", False),
+    ]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(REQUESTS, min_size=1, max_size=25),

@@ -20,8 +20,8 @@ every GPU.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .model import GpuId, Request, slot_init
@@ -67,14 +67,30 @@ class Turn:
 @dataclass(frozen=True, slots=True)
 class Diagnosis:
     """``verdicts``: for each outcome, the GPU nearest to taking the request, its figures
-    and ``count``, how many GPUs said that outcome (most first); ``holder``: the request
-    ahead whose hold stands on the nearest ``nominated_for`` GPU; ``loading``: the GPUs
-    whose load gate alone is in the way."""
+    and ``count``, how many GPUs said that outcome (most first); ``loading``: the GPUs
+    whose load gate alone is in the way; ``held``: the memory held against it at its turn,
+    per GPU (MiB; the holds ahead of it, I6), what the walk placed it against.
+
+    ``journal`` and ``ahead``: the walk's holds in walk order, the first ``ahead`` of them
+    made before its turn (:meth:`holds_on` reads them: who held a GPU)."""
 
     need_mb: int
     verdicts: tuple[GpuVerdict, ...]
-    holder: str | None = None
     loading: tuple[GpuId, ...] = ()
+    held: Mapping[GpuId, int] = field(default_factory=dict)
+    journal: Sequence[tuple[str, tuple[GpuId, ...], int]] = field(
+        default=(), compare=False, repr=False
+    )
+    ahead: int = field(default=0, compare=False, repr=False)
+
+    def holds_on(self, gpu_id: GpuId) -> Iterator[tuple[int, str]]:
+        """The holds made before its turn that cover ``gpu_id``, in walk order: each one's
+        place in the walk's journal (the plan's preholds come first,
+        :attr:`~.plan.Plan.preholds`) and its request."""
+        for i in range(min(self.ahead, len(self.journal))):
+            request_id, gpus, _ = self.journal[i]
+            if gpu_id in gpus:
+                yield i, request_id
 
     def count(self, code: Outcome) -> int:
         return next((v.count for v in self.verdicts if v.code == code), 0)
@@ -124,11 +140,8 @@ def diagnose(at: Reads, request: Request, holds: Holds) -> Diagnosis:
         _verdict(ledger, code, gpu_id, need, held.get(gpu_id, 0), counts[code])
         for code, (_, gpu_id) in sorted(nearest.items(), key=lambda item: -_ORDER[item[0]])
     )
-    holder = None
-    if Outcome.NOMINATED_FOR in nearest:
-        on = nearest[Outcome.NOMINATED_FOR][1]
-        holder = next((r for r, gpus, _ in holds.journal if on in gpus and r != request.id), None)
-    return Diagnosis(need, verdicts, holder, tuple(sorted(loading)))
+    journal = holds.journal
+    return Diagnosis(need, verdicts, tuple(sorted(loading)), dict(held), journal, len(journal))
 
 
 Note = Callable[[Outcome, GpuId, int, int], None]

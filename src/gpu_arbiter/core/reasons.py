@@ -41,6 +41,7 @@ __all__ = [
     "GpuVerdict",
     "PendingReason",
     "lease_blockers",
+    "leases_in_the_way",
     "moment",
 ]
 
@@ -245,6 +246,15 @@ def lease_blockers(
             if found[1] and (not best[1] or found[0] < best[0]):
                 best = found
     return _last_first(best[1])
+
+
+def leases_in_the_way(
+    request: Request, gpu_id: GpuId, leases: Mapping[str, Lease], ledger: Ledger, policy: Policy
+) -> tuple[Blocker, ...]:
+    """The leases that must go for ``request`` to fit on ``gpu_id``, those that give way
+    last first; () when even all of them would not make room (memory the arbiter does not
+    know of)."""
+    return _last_first(_on_gpu(request, gpu_id, leases, ledger, policy)[1])
 
 
 def _on_worker(
