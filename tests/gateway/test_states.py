@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gpu_arbiter.gateway.servers.replica import GRACED, Replica
+from gpu_arbiter.gateway.servers.replica import Replica
 from gpu_arbiter.gateway.servers.states import TRANSITIONS, EndKind, ReplicaState, check_move
 
 from .fakes import World
@@ -104,4 +104,17 @@ def test_an_ending_kind_is_its_word() -> None:
         "unloaded", "dropped",
     ]  # fmt: skip
     assert f"{EndKind.KEEP_ALIVE}" == "keep_alive" and EndKind.FAILED == "failed"
-    assert EndKind.FAILED not in GRACED and EndKind.PREEMPTED in GRACED
+    assert not EndKind.FAILED.graced and EndKind.PREEMPTED.graced
+
+
+def test_each_ending_says_what_the_requests_it_cuts_off_get() -> None:
+    graced = {kind for kind in EndKind if kind.graced}
+    assert graced == {
+        EndKind.PREEMPTED, EndKind.RECLAIMED, EndKind.REVOKED, EndKind.SHUTDOWN,
+        EndKind.UNLOADED,
+    }  # fmt: skip
+    stopped = {kind for kind in EndKind if kind.status == 503}
+    assert stopped == graced | {EndKind.KEEP_ALIVE}
+    assert {kind.status for kind in EndKind} == {502, 503}
+    assert EndKind.DROPPED.status == 502 and not EndKind.DROPPED.graced  # as it was
+    assert [kind for kind in EndKind if not kind.retry_elsewhere] == [EndKind.FAILED]

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from ...client import ApiError, ArbiterClient, ControllerUnreachable
+from ..base.race import first
 from ..servers.model import ModelServer
 from .cluster import ROUTES_REPORTED
 
@@ -76,6 +77,12 @@ def model_report(model: ModelServer) -> dict[str, Any]:
         if isinstance(found.get(key), str):
             found[key] = found[key][:MAX_TEXT]
     return found
+
+
+def _reported(route: Mapping[str, Any]) -> dict[str, Any]:
+    """A routing decision as the controller takes it: without the diagnosis (each
+    candidate's scores, for ``GET /admin/routes`` on the gateway itself)."""
+    return {key: value for key, value in route.items() if key != "diagnosis"}
 
 
 def _signature(models: Mapping[str, ModelServer]) -> tuple[Any, ...]:
@@ -196,7 +203,7 @@ class Reporter:
             "host": self.host,
             "worker": self.worker,
             "models": [model_report(m) for m in self.models.values()],
-            "routes": list(self.routes())[-ROUTES_REPORTED:],
+            "routes": [_reported(r) for r in list(self.routes())[-ROUTES_REPORTED:]],
         }
         try:
             answer = await self.client.report_gateway(self.name, body)
@@ -264,11 +271,5 @@ class Reporter:
 
 async def _first_change(models: Mapping[str, ModelServer]) -> None:
     """Returns at the first change of any of ``models``."""
-    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(m.changed()) for m in models.values()]
-    if not waits:
-        waits.append(asyncio.ensure_future(asyncio.Event().wait()))
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait in waits:
-            wait.cancel()
+    waits: list[Awaitable[Any]] = [m.changed() for m in models.values()]
+    await first(*waits or [asyncio.Event().wait()])

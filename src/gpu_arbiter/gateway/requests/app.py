@@ -85,6 +85,7 @@ import httptools
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..base.metrics import GatewayMetrics
+from ..base.race import first, within
 from ..base.scopes import CancelScope
 from ..base.upstream import Body, NotConnected, UpstreamError
 from ..cluster.cluster import Cluster
@@ -92,7 +93,6 @@ from ..cluster.routing import Kind, Route
 from ..servers.lease import Lease
 from ..servers.model import ModelServer, Refused
 from ..servers.replica import Replica
-from ..servers.states import EndKind
 from .access import ADMIN_PREFIX, Access
 from .bodies import (
     MAX_BODY_BYTES,
@@ -144,12 +144,6 @@ believed."""
 _PEER_HEADERS = frozenset(
     {PEER, b"x-arbiter-priority", b"x-arbiter-lease", b"x-arbiter-via", b"authorization"}
 )
-_STOPPED = frozenset(
-    {
-        EndKind.PREEMPTED, EndKind.RECLAIMED, EndKind.REVOKED, EndKind.SHUTDOWN,
-        EndKind.KEEP_ALIVE, EndKind.UNLOADED,
-    }
-)  # fmt: skip
 STOPPING = "the gateway is stopping"
 CUT_FORWARDS_S = 1.0
 """At the stop, after the grace: how long the relays cut then may take to say so."""
@@ -239,18 +233,14 @@ class GatewayApp:
         """At the stop: the requests this front door relays to other gateways get
         ``grace_s`` to finish; those still running then end as a preemption ends them
         (a 503 naming why, or an event stream's final error event)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._forwards_done.wait(), grace_s)
+        await within(self._forwards_done, grace_s)
         for forward in set(self._forwards):
             forward.cancel(STOPPING)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._forwards_done.wait(), CUT_FORWARDS_S)
+        await within(self._forwards_done, CUT_FORWARDS_S)
 
     async def quiet(self, timeout_s: float) -> bool:
         """Waits until no request is being answered (at most ``timeout_s``); True then."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._quiet.wait(), timeout_s)
-        return self._quiet.is_set()
+        return await within(self._quiet, timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -793,7 +783,7 @@ class GatewayApp:
                 f"model {replica.model.name} stopped: {why}; the answer did not finish "
                 f"within its {grace_s:g}s grace"
             )
-        elif ending is not None and ending.kind in _STOPPED:
+        elif ending is not None and ending.kind.status == 503:
             status, code = 503, "unavailable"
             message = f"model {replica.model.name} stopped: {ending.reason}; the answer ended early"
         else:
@@ -806,10 +796,9 @@ class GatewayApp:
             await send({"type": "http.response.body", "body": event, "more_body": False})
 
     async def _failed(self, send: Send, replica: Replica, error: Exception) -> int:
-        with contextlib.suppress(TimeoutError):  # did the server exit? Then say why.
-            await asyncio.wait_for(replica.exited.wait(), 1.0)
+        await within(replica.exited, 1.0)  # did the server exit? Then say why.
         ending = replica.ending
-        if ending is not None and ending.kind in _STOPPED:
+        if ending is not None and ending.kind.status == 503:
             status, reason = 503, f"model {replica.model.name} stopped: {ending.reason}"
             await _error(send, status, reason, "unavailable", 1.0)
             return status
@@ -1092,7 +1081,7 @@ class _Wait:
                 await self.comment(f"{text} ({self.waited_s():.1f}s)")
                 said, beat_at = text, now + HEARTBEAT_S
             waits = self.clock.sleep(beat_at - now), self.model.changed(), self._over.wait()
-            await _first(*waits)
+            await first(*waits)
 
 
 class _AfterHead:
@@ -1136,16 +1125,6 @@ def _error_event(status: int, body: bytes | bytearray) -> dict[str, Any]:
     kind = "invalid_request_error" if status < 500 else "server_error"
     message = f"the model server answered {status}: {text}"
     return {"error": {"message": message, "type": kind, "code": "model_error", "status": status}}
-
-
-async def _first(*waits: Awaitable[Any]) -> None:
-    """Waits until the first of ``waits`` is done; the others are cancelled."""
-    tasks = [asyncio.ensure_future(wait) for wait in waits]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 async def _streams(json_body: bytearray) -> bool:

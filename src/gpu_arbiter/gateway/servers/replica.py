@@ -45,6 +45,7 @@ from typing import Any
 
 from ...client import ApiError, ControllerUnreachable, NotGranted
 from ..base.clock import sleep_or
+from ..base.race import first
 from ..base.scopes import CancelScope
 from ..base.upstream import Upstream
 from .asleep import SleepTier
@@ -65,11 +66,6 @@ READY_POLL_FIRST_S = 0.01  # a server that loads in a moment is seen at once; on
 READY_POLL_MAX_S = 0.25  # takes minutes is asked four times a second, not a hundred
 AGENT_MARGIN_S = 5.0  # beyond the grace, before the gateway kills what the agent did not
 CUT_WAIT_S = 1.0  # at most this long for cut requests to close their connections
-GRACED = frozenset(
-    {EndKind.PREEMPTED, EndKind.RECLAIMED, EndKind.REVOKED, EndKind.SHUTDOWN, EndKind.UNLOADED}
-)
-"""Endings that give the requests in flight the grace (the others find none, or the
-server gone)."""
 RELEASE_TRIES = 20
 PORT_TRIES = 3  # a server that could not bind its port is started again on another
 TAIL_LINES = 8
@@ -651,7 +647,7 @@ class Replica:
         deadline = clock.now() + grace_s
         if self.process is not None and not self.exited.is_set():
             await self.model.measure(self)  # its last figure, for the next lease
-        if self.ending.kind in GRACED:
+        if self.ending.kind.graced:
             while self.in_flight and not self.exited.is_set() and clock.now() < deadline:
                 self.activity.clear()
                 await sleep_or(clock.sleep(deadline - clock.now()), self.activity)
@@ -708,18 +704,9 @@ class Replica:
     async def _exits_within(self, process: ServerProcess, seconds: float | None) -> bool:
         """Waits for the group to be gone (at most ``seconds``); True when it is."""
         waiting = asyncio.ensure_future(process.wait())
-        if seconds is None:
-            self.returncode = await waiting
-        else:
-            sleeper = asyncio.ensure_future(self.parts.clock.sleep(seconds))
-            try:
-                await asyncio.wait({waiting, sleeper}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sleeper.cancel()
-            if not waiting.done():
-                waiting.cancel()
-                return False
-            self.returncode = waiting.result()
+        if seconds is not None and await first(waiting, self.parts.clock.sleep(seconds)) == 1:
+            return False  # the wait was cancelled, and is over
+        self.returncode = await waiting
         self.exited.set()
         return True
 

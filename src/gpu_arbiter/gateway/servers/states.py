@@ -68,6 +68,46 @@ class EndKind(StrEnum):
     UNLOADED = "unloaded"  # an operator's unload
     DROPPED = "dropped"  # Ollama unloaded it by itself (no failure: no backoff)
 
+    @property
+    def graced(self) -> bool:
+        """Whether the requests in flight get the model's grace to finish (the others
+        find none to wait for, or the server gone)."""
+        return _MEANING[self][1]
+
+    @property
+    def status(self) -> int:
+        """What a request this ending cuts off gets: 503 (the replica was stopped: try
+        again) or 502 (the model server failed)."""
+        return _MEANING[self][0]
+
+    @property
+    def retry_elsewhere(self) -> bool:
+        """Whether the ending says nothing against the model (its host or its lease
+        ended it): a request it cut off before any of it was sent may go to another
+        replica or host. Nothing retries on it yet: a relay once begun is the caller's."""
+        return _MEANING[self][2]
+
+
+_E = EndKind
+_MEANING: Mapping[EndKind, tuple[int, bool, bool]] = MappingProxyType(
+    {
+        #               status, graced, retry elsewhere
+        _E.KEEP_ALIVE: (503, False, True),  # idle: nothing in flight to grace
+        _E.RECLAIMED: (503, True, True),
+        _E.PREEMPTED: (503, True, True),
+        _E.REVOKED: (503, True, True),
+        _E.FAILED: (502, False, False),
+        _E.CANCELLED: (502, False, True),  # queued: no request was ever relayed to it
+        _E.SHUTDOWN: (503, True, True),
+        _E.UNLOADED: (503, True, True),
+        # Not a failure (no backoff), yet a request it cuts off is told 502 "failed" and
+        # gets no grace, as before the meanings were written here; likely a 503 stop.
+        _E.DROPPED: (502, False, True),
+    }
+)
+"""What each ending means to the requests it cuts off: the status they get, whether
+they get the grace first, and whether they may go elsewhere (:class:`EndKind`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Ending:

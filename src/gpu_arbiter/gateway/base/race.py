@@ -1,0 +1,78 @@
+"""Races between waits, written once (Trio's nursery, in small): every task started here
+is waited for before the function that started it returns, whoever won.
+
+- :func:`first`: runs several waits, returns which ended first; the others are
+  cancelled and over before it returns. The winner's error is raised.
+- :func:`sleep_or`: a clock's sleep that an event cuts short (every waiting loop of
+  the gateway sleeps so: on a virtual clock in tests, the loop's own in service).
+- :func:`within`: an event waited for at most some seconds (the loop's clock).
+- :func:`running`: a task that lives as long as a block (a client's disconnect
+  watched while a request is relayed): started on entry, cancelled and waited for on
+  the way out; its error, if any, is raised there."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from typing import Any
+
+__all__ = ["first", "running", "sleep_or", "within"]
+
+
+async def first(*waits: Awaitable[Any]) -> int:
+    """Waits until the first of ``waits`` ends; its index (the lowest, when several
+    ended together). The others are cancelled, and have ended, when it returns; the
+    winner's error is raised (a loser's is dropped: it lost)."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)  # over, whatever happens to the caller meanwhile
+    won = next(i for i, task in enumerate(tasks) if task.done() and not task.cancelled())
+    error = tasks[won].exception()
+    if error is not None:
+        raise error
+    return won
+
+
+async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
+    """Waits for ``sleeping`` (a clock's sleep, or a task of the caller's whose result
+    it reads itself) or ``event``; True when the event came. A task of the caller's is
+    cancelled when the event comes first (the caller cancels it when the event was set
+    already), and its own error stays in it."""
+    if event.is_set():
+        if asyncio.iscoroutine(sleeping):
+            sleeping.close()
+        return True
+    await first(_quietly(sleeping), event.wait())
+    return event.is_set()
+
+
+async def within(event: asyncio.Event, seconds: float) -> bool:
+    """Waits for ``event`` at most ``seconds`` of the event loop's clock; whether it is
+    set then."""
+    return await sleep_or(asyncio.sleep(max(0.0, seconds)), event)
+
+
+@contextlib.asynccontextmanager
+async def running(work: Coroutine[Any, Any, Any]) -> AsyncIterator[asyncio.Task[Any]]:
+    """``work`` as a task for the length of the block: cancelled (if not over) and
+    waited for when the block ends; an error of its own is raised then."""
+    task = asyncio.ensure_future(work)
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.wait([task])
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
+
+
+async def _quietly(wait: Awaitable[Any]) -> None:
+    """``wait``, its error kept in it (a task of the caller's: the caller reads it)."""
+    with contextlib.suppress(Exception):
+        await wait

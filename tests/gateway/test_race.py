@@ -1,0 +1,137 @@
+"""The race helpers (``base/race.py``), on the virtual clock: the first wait to end wins,
+the others are cancelled and over before the race returns, the winner's error is
+raised, and a task that lives as long as a block is waited for at its end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpu_arbiter.gateway.base.race import first, running, sleep_or, within
+
+from .fakes import FakeClock, settle
+
+
+async def test_the_first_to_end_wins_and_the_others_are_over_when_it_returns() -> None:
+    clock = FakeClock()
+    ended: list[str] = []
+
+    async def sleeper(name: str, seconds: float) -> None:
+        try:
+            await clock.sleep(seconds)
+        finally:
+            ended.append(name)
+
+    race = asyncio.ensure_future(first(sleeper("long", 5.0), sleeper("short", 1.0)))
+    await clock.advance(1.0)
+    assert await race == 1
+    assert sorted(ended) == ["long", "short"]  # the loser was cancelled and has ended
+
+
+async def test_the_lowest_index_wins_when_several_end_together() -> None:
+    clock = FakeClock()
+    race = asyncio.ensure_future(first(clock.sleep(1.0), clock.sleep(1.0), clock.sleep(2.0)))
+    await clock.advance(1.0)
+    assert await race == 0
+
+
+async def test_the_winners_error_is_raised_and_a_losers_dropped() -> None:
+    clock = FakeClock()
+
+    async def fails_after(seconds: float) -> None:
+        await clock.sleep(seconds)
+        raise ValueError("won with an error")
+
+    race = asyncio.ensure_future(first(fails_after(1.0), clock.sleep(2.0)))
+    await clock.advance(1.0)
+    with pytest.raises(ValueError, match="won with an error"):
+        await race
+    race = asyncio.ensure_future(first(clock.sleep(1.0), fails_after(1.0)))
+    await clock.advance(1.0)
+    assert await race == 0
+
+
+async def test_a_cancelled_race_cancels_and_waits_for_every_wait() -> None:
+    clock = FakeClock()
+    ended: list[str] = []
+
+    async def sleeper(name: str) -> None:
+        try:
+            await clock.sleep(10.0)
+        finally:
+            ended.append(name)
+
+    race = asyncio.ensure_future(first(sleeper("a"), sleeper("b")))
+    await settle()
+    race.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await race
+    assert sorted(ended) == ["a", "b"]
+
+
+async def test_sleep_or_says_whether_the_event_cut_the_sleep_short() -> None:
+    clock = FakeClock()
+    event = asyncio.Event()
+    sleeping = asyncio.ensure_future(sleep_or(clock.sleep(5.0), event))
+    await clock.advance(5.0)
+    assert await sleeping is False
+    sleeping = asyncio.ensure_future(sleep_or(clock.sleep(5.0), event))
+    await settle()
+    event.set()
+    assert await sleeping is True
+    assert await sleep_or(clock.sleep(5.0), event) is True  # set already: no sleep
+
+
+async def test_sleep_or_leaves_a_callers_task_its_own_result_or_error() -> None:
+    clock = FakeClock()
+    event = asyncio.Event()
+
+    async def fails() -> None:
+        await clock.sleep(1.0)
+        raise ConnectionError("unreachable")
+
+    task = asyncio.ensure_future(fails())
+    sleeping = asyncio.ensure_future(sleep_or(task, event))
+    await clock.advance(1.0)
+    assert await sleeping is False
+    assert isinstance(task.exception(), ConnectionError)  # the caller reads it
+
+    task = asyncio.ensure_future(clock.sleep(10.0))
+    sleeping = asyncio.ensure_future(sleep_or(task, event := asyncio.Event()))
+    await settle()
+    event.set()
+    assert await sleeping is True
+    assert task.cancelled()
+
+
+async def test_within_waits_at_most_its_seconds() -> None:
+    event = asyncio.Event()
+    assert await within(event, 0.01) is False
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await within(event, 10.0) is True
+
+
+async def test_a_running_task_is_cancelled_and_waited_for_at_the_blocks_end() -> None:
+    clock = FakeClock()
+    ended: list[str] = []
+
+    async def watcher() -> None:
+        try:
+            await clock.sleep(100.0)
+        finally:
+            ended.append("watcher")
+
+    async with running(watcher()) as task:
+        await settle()
+        assert not task.done()
+    assert ended == ["watcher"]
+
+
+async def test_a_running_tasks_error_is_raised_at_the_blocks_end() -> None:
+    async def broken() -> None:
+        raise RuntimeError("a bug in the watcher")
+
+    with pytest.raises(RuntimeError, match="a bug in the watcher"):
+        async with running(broken()):
+            await settle()
