@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpu_arbiter.gateway.cluster.cluster import DOWN_S, Cluster
-from gpu_arbiter.gateway.cluster.routing import Host, Kind, route
+from gpu_arbiter.gateway.cluster.routing import Kind, route
+from gpu_arbiter.gateway.profile import Candidate as Host
 
 
 def test_a_ready_replica_with_a_free_slot_and_the_fewest_in_flight_wins() -> None:
@@ -88,6 +89,72 @@ def test_the_decision_is_always_a_usable_host_or_a_load_or_none(found: list[Host
         assert len(usable) > 1 or not any(h.local for h in usable.values())
     else:
         assert not usable
+
+
+def _old_route(model: str, hosts: list[Host]) -> tuple[Kind, str | None, str]:
+    """The front door's rule as it was before the profile, on the same figures."""
+    usable = [h for h in hosts if h.local or h.routable]
+    if not usable:
+        gone = "; ".join(f"{h.gateway}: {h.why_not or 'not routable'}" for h in hosts)
+        return Kind.NONE, None, f"{model}: no host can serve it now ({gone or 'none'})"
+    ready = [h for h in usable if h.ready]
+    if ready:
+        best = min(
+            ready, key=lambda h: (h.in_flight >= h.slots, h.in_flight, not h.local, h.gateway)
+        )
+        free = "full" if best.in_flight >= best.slots else f"{best.in_flight} in flight"
+        kind = Kind.LOCAL if best.local else Kind.PEER
+        return kind, best.gateway, f"{model} -> {best.gateway}: warm, {free}"
+    coming = [h for h in usable if h.coming]
+    if coming:
+        there = min(coming, key=lambda h: (not h.local, h.gateway))
+        kind = Kind.LOCAL if there.local else Kind.PEER
+        return kind, there.gateway, f"{model} -> {there.gateway}: its load is on the way"
+    if len(usable) == 1 and usable[0].local:
+        return Kind.LOCAL, usable[0].gateway, f"{model}: cold, only this host runs it"
+    names = ", ".join(sorted(h.gateway for h in usable))
+    return Kind.LOAD, None, f"{model}: cold, a load for the cluster ({names})"
+
+
+many_hosts = st.lists(
+    st.builds(
+        Host,
+        gateway=st.sampled_from([f"gw-{i}" for i in range(12)]),
+        local=st.booleans(),
+        routable=st.booleans(),
+        ready=st.integers(0, 3),
+        slots=st.integers(0, 12),
+        in_flight=st.integers(0, 40),
+        coming=st.booleans(),
+        why_not=st.sampled_from(["", "worker box is draining"]),
+    ),
+    max_size=12,
+    unique_by=lambda h: h.gateway,
+)
+
+
+@given(many_hosts)
+def test_the_default_profile_routes_exactly_as_the_rule_before_it(found: list[Host]) -> None:
+    decided = route("chat", found)
+    assert (decided.kind, decided.gateway, decided.why) == _old_route("chat", found)
+
+
+def test_the_route_keeps_each_profiles_run_as_its_diagnosis() -> None:
+    hosts = [
+        Host("gw-1", local=True, coming=True),
+        Host("gw-2", routable=False, ready=1, slots=8, why_not="worker box-2 is draining"),
+    ]
+    decided = route("chat", hosts)
+    assert decided.gateway == "gw-1"
+    warm, coming = decided.diagnosis()
+    assert warm["profile"] == "warm" and warm["picked"] is None
+    assert [c.get("dropped") for c in warm["candidates"]] == [
+        {"filter": "ready", "why": "no replica ready"},
+        {"filter": "routable", "why": "worker box-2 is draining"},
+    ]
+    assert coming["profile"] == "coming" and coming["picked"] == "gw-1"
+    assert coming["candidates"][0] | {"scores": {}, "total": 0.0} == coming["candidates"][0]
+    assert len(route("chat", [Host("gw-2", ready=1, slots=1)]).diagnosis()) == 1
 
 
 class _Clock:

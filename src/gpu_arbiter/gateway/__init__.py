@@ -1,20 +1,23 @@
 """Model servers on demand: a gateway that starts, keeps warm and stops model servers
 under leases, and relays requests to them as one of the cluster's front doors.
 
-Four packages, each importing only those above it in this list (``tests/test_layering.py``
+Five packages, each importing only those above it in this list (``tests/test_layering.py``
 checks it):
 
 - ``base/``: what every part uses: the clock (``clock.py``), cancel scopes
   (``scopes.py``), the keep-alive HTTP/1.1 connections to a server or a peer
   (``upstream.py``), the metrics (``metrics.py``);
+- ``profile/``: routing as a profile, pure: filters, weighted scorers and a picker over
+  typed figures of a host or a replica (``pick.py``, ``figures.py``), and the rules
+  (``rules.py``), the same for a host at the front door and a replica inside it;
 - ``servers/``: a model server's life under its lease: a model's replicas and the queue
   for them (``model.py``), one server's life (``replica.py``, ``asleep.py``,
   ``states.py``), the engines (``engines.py``, ``ollama.py``), ``vram = "auto"``
   (``estimate.py``), and the process, agent and lease behind small interfaces
   (``interfaces.py``; real: ``process.py``, ``watchdog.py``, ``links.py``, ``lease.py``);
 - ``cluster/``: the other gateways as the controller shows them and the cluster's cold
-  loads (``cluster.py``), where a request goes (``routing.py``, pure), and what this
-  gateway tells the controller (``report.py``);
+  loads (``cluster.py``), where a request goes (``routing.py``, pure: two profiles, then
+  the cold cases), and what this gateway tells the controller (``report.py``);
 - ``requests/``: the request path: the ASGI routes (``app.py``), who may use the port
   (``access.py``) and the request bodies (``bodies.py``).
 

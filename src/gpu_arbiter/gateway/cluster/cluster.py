@@ -29,17 +29,18 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ...client import ApiError, ArbiterClient, ControllerUnreachable
 from ..base.clock import Clock
 from ..base.upstream import Upstream
+from ..profile import Candidate
 from ..servers.lease import Lease
 from ..servers.model import ModelServer, Refused
 from ..servers.replica import ReplicaState
-from .routing import Host, Route, route
+from .routing import Route, route
 
 __all__ = ["Cluster", "Peer"]
 
@@ -52,6 +53,7 @@ BACKOFF_MAX_S = 5.0
 DOWN_S = 5.0
 """A peer that refused a connection is left out of routing this long (or until the
 controller's view shows it again after a change)."""
+DOWN_WHY = "refused a connection just now"
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
 ROUTES_KEPT = 200
 """The routing decisions kept for ``GET /admin/routes`` (the newest; the report carries
@@ -81,6 +83,7 @@ class Peer:
     models: dict[str, Mapping[str, Any]]  # by id
     aliases: dict[str, str]  # a name or alias -> the model's id
     upstream: Upstream = field(repr=False)
+    figures: dict[str, Candidate] = field(default_factory=dict, repr=False)  # by id: routing's
 
     def model(self, name: str) -> Mapping[str, Any] | None:
         found = self.aliases.get(name)
@@ -136,7 +139,7 @@ class Cluster:
         gateway's report, the dashboard)."""
         self.routed.append(
             {"at": round(time.time(), 3), "model": model, "outcome": str(decided.kind),
-             "to": decided.gateway, "why": decided.why}
+             "to": decided.gateway, "why": decided.why, "diagnosis": decided.diagnosis()}
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the view
@@ -232,21 +235,27 @@ class Cluster:
         """Where a request for ``name`` (a model's name or alias) goes now."""
         return route(name, self.hosts(name))
 
-    def hosts(self, name: str) -> list[Host]:
-        found: list[Host] = []
+    def hosts(self, name: str) -> list[Candidate]:
+        """The candidates for a request for ``name``: this host's copy as it is now, and
+        each peer's as its report showed it (parsed once, when the view came), counting
+        the requests this gateway forwards there since, and left out of routing while it
+        refused a connection just now."""
+        found: list[Candidate] = []
         local = self.routes.get(name)
         if local is not None:
             found.append(_local_host(self.name, self.models[local]))
         now = self.clock.now()
         for peer in self.peers.values():
-            model = peer.model(name)
-            if model is None:
+            model_id = peer.aliases.get(name)
+            if model_id is None:
                 continue
-            down = self._down.get(peer.name, 0.0) > now
-            routable = peer.routable and not down
-            why = "refused a connection just now" if down else peer.why_not
-            ours = self.forwarding[(peer.name, str(model.get("id")))]
-            found.append(_peer_host(peer.name, model, routable, why, ours))
+            figures = peer.figures[model_id]
+            ours = self.forwarding.get((peer.name, model_id), 0)
+            if ours > figures.in_flight:
+                figures = replace(figures, in_flight=ours)
+            if self._down and self._down.get(peer.name, 0.0) > now:
+                figures = replace(figures, routable=False, why_not=DOWN_WHY)
+            found.append(figures)
         return found
 
     def peer_down(self, name: str) -> None:
@@ -439,30 +448,37 @@ def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:
         aliases[model_id] = model_id
         for alias in model.get("aliases") or ():
             aliases.setdefault(str(alias), model_id)
-    state = gateway.get("worker_state")
-    why = "" if gateway.get("routable") else f"worker {gateway.get('worker')} is {state}"
-    return Peer(
-        str(gateway.get("name")), url, gateway.get("worker"), bool(gateway.get("routable")),
-        why, models, aliases, upstream,
-    )  # fmt: skip
+    name, state = str(gateway.get("name")), gateway.get("worker_state")
+    routable = bool(gateway.get("routable"))
+    why = "" if routable else f"worker {gateway.get('worker')} is {state}"
+    worker_state = None if state is None else str(state)
+    figures = {
+        model_id: _peer_host(name, model, routable, why, worker_state)
+        for model_id, model in models.items()
+    }
+    return Peer(name, url, gateway.get("worker"), routable, why, models, aliases, upstream, figures)
 
 
-def _local_host(name: str, model: ModelServer) -> Host:
+def _local_host(name: str, model: ModelServer) -> Candidate:
     ready = [r for r in model.replicas if r.accepting]
     coming = any(r.state in _LOCAL_COMING and r.ending is None for r in model.replicas)
-    return Host(
-        name, local=True, ready=len(ready), slots=len(ready) * model.config.max_parallel,
-        in_flight=sum(r.in_flight for r in ready), coming=coming,
+    return Candidate(
+        name, local=True, state=model.state(), ready=len(ready),
+        slots=len(ready) * model.config.max_parallel, in_flight=sum(r.in_flight for r in ready),
+        coming=coming,
     )  # fmt: skip
 
 
-def _peer_host(name: str, model: Mapping[str, Any], routable: bool, why: str, ours: int) -> Host:
+def _peer_host(
+    name: str, model: Mapping[str, Any], routable: bool, why: str, worker_state: str | None
+) -> Candidate:
+    """A peer's copy of a model, from its report as the controller's view carries it."""
     replicas = [r for r in model.get("replicas") or () if isinstance(r, Mapping)]
     ready = sum(1 for r in replicas if r.get("state") in _READY)
     coming = any(r.get("state") in _COMING for r in replicas)
     parallel = int(model.get("max_parallel") or 1)
-    in_flight = max(int(model.get("in_flight") or 0), ours)
-    return Host(
-        name, routable=routable, ready=ready, slots=ready * parallel, in_flight=in_flight,
-        coming=coming, why_not=why,
+    return Candidate(
+        name, routable=routable, why_not=why, state=str(model.get("state") or ""), ready=ready,
+        slots=ready * parallel, in_flight=int(model.get("in_flight") or 0), coming=coming,
+        worker_state=worker_state,
     )  # fmt: skip

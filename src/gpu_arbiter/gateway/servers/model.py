@@ -1,7 +1,9 @@
 """A model's replicas, and how a request gets a slot on one of them.
 
-A request takes a slot on the accepting replica with the fewest requests in flight
-below ``max_parallel``. When there is none, it waits (up to ``queue_timeout``); a new
+A request takes a slot on the replica that the replica profile picks
+(``profile/rules.py``: an accepting replica with a free slot below ``max_parallel``,
+the fewest requests in flight, the first on a tie: the same rule as a host's at the
+front door). When there is none, it waits (up to ``queue_timeout``); a new
 replica (a new lease) is asked for when the requests waiting outnumber the slots of
 the replicas already on their way, up to ``replicas``. A replica that failed (its
 server exited, or was not ready in time) makes the model back off before it starts
@@ -42,6 +44,7 @@ from typing import Any, Protocol
 from ...core import PRIORITY_NAMES, format_s, priority_name
 from ..base.clock import sleep_or
 from ..base.metrics import GatewayMetrics
+from ..profile import REPLICA, Ask, Candidate
 from .config import ModelConfig
 from .engines import OFFLINE, driver_for
 from .interfaces import Parts
@@ -204,12 +207,18 @@ class ModelServer:
                     replica.cancel_if_queued()
 
     def _free_replica(self) -> Replica | None:
-        best: Replica | None = None
-        for replica in self.replicas:
-            room = replica.accepting and replica.in_flight < self.config.max_parallel
-            if room and (best is None or replica.in_flight < best.in_flight):
-                best = replica
-        return best
+        """The replica the request takes a slot on now, if one has a free slot."""
+        by_number = {r.number: r for r in self.replicas}
+        picked = REPLICA.pick(Ask(self.name), [self._figures(r) for r in self.replicas]).picked
+        return None if picked is None else by_number[picked.replica]
+
+    def _figures(self, replica: Replica) -> Candidate:
+        """A replica as routing reads it."""
+        accepting = replica.accepting
+        return Candidate(
+            "", replica.number, local=True, state=str(replica.state), ready=int(accepting),
+            slots=self.config.max_parallel if accepting else 0, in_flight=replica.in_flight,
+        )  # fmt: skip
 
     def _live(self) -> list[Replica]:
         return [r for r in self.replicas if r.live and r.ending is None]

@@ -1,0 +1,26 @@
+"""Routing as a profile (imports nothing else of the gateway): a request's candidates go
+through filters, then weighted scorers, then a picker (``pick.py``), each rule a small
+pure function over typed figures (``figures.py``); the rules and the profiles built of
+them (``rules.py``). The same machinery picks a host at the front door
+(``cluster/routing.py``) and a replica inside it (``servers/model.py``)."""
+
+from .figures import Ask, Candidate
+from .pick import Drop, Filter, Pick, Profile, Scorer, Verdict, rendezvous
+from .rules import COMING, REPLICA, WARM, WEIGHTS, profiles
+
+__all__ = [
+    "COMING",
+    "REPLICA",
+    "WARM",
+    "WEIGHTS",
+    "Ask",
+    "Candidate",
+    "Drop",
+    "Filter",
+    "Pick",
+    "Profile",
+    "Scorer",
+    "Verdict",
+    "profiles",
+    "rendezvous",
+]

@@ -1,0 +1,113 @@
+"""``GET /admin/routes`` shows each routing decision with the gateway's own diagnosis
+(every candidate's filter or scores, the weights, the totals, the pick), and the
+report to the controller carries the decisions without it; over a cluster view on a
+virtual clock and no network (the routes asked for end here: none, or a local cold)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.gateway.base.metrics import GatewayMetrics
+from gpu_arbiter.gateway.cluster.cluster import Cluster
+from gpu_arbiter.gateway.cluster.report import Reporter
+from gpu_arbiter.gateway.requests.app import GatewayApp
+
+from .fakes import FakeClock
+from .test_report import FakeController
+
+pytestmark = pytest.mark.timeout(20)
+Message = dict[str, Any]
+
+
+def _gateway(name: str, model: str, state: str, routable: bool = True) -> dict[str, Any]:
+    replicas = [{"state": state, "in_flight": 1}]
+    return {
+        "name": name, "url": f"http://127.0.0.2:80{name[-1]}", "worker": f"box-{name[-1]}",
+        "worker_state": "online" if routable else "draining", "routable": routable,
+        "models": [{"id": model, "aliases": [], "max_parallel": 2, "in_flight": 1,
+                    "replicas": replicas}],
+    }  # fmt: skip
+
+
+async def _call(app: GatewayApp, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
+    sent: list[Message] = []
+    given = False
+
+    async def receive() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await app({"type": "http", "method": method, "path": path, "headers": headers}, receive, send)
+    [head] = [m for m in sent if m["type"] == "http.response.start"]
+    text = b"".join(m.get("body", b"") for m in sent)
+    return head["status"], json.loads(text)
+
+
+def _front_door() -> tuple[GatewayApp, Cluster]:
+    app = GatewayApp({}, {}, GatewayMetrics())
+    cluster = Cluster(None, name="gw-1", worker="box-1", models={}, routes={}, clock=FakeClock())  # type: ignore[arg-type]
+    app.name = "gw-1"
+    app.cluster = cluster
+    cluster.apply(
+        {"signature": "s", "peer_key": "k",
+         "gateways": [_gateway("gw-2", "chat", "warm", routable=False),
+                      _gateway("gw-3", "other", "busy"), _gateway("gw-4", "other", "warm")]}
+    )  # fmt: skip
+    return app, cluster
+
+
+async def test_admin_routes_shows_each_decision_with_its_diagnosis() -> None:
+    app, cluster = _front_door()
+    status, answer = await _call(app, "POST", "/v1/chat/completions", b'{"model": "chat"}')
+    assert status == 503 and "worker box-2 is draining" in answer["error"]["message"]
+    cluster.record("other", cluster.decide("other"))  # a warm peer, scored
+    status, shown = await _call(app, "GET", "/admin/routes")
+    assert status == 200
+    newest, first = shown["routes"]
+    assert set(first) == {"at", "model", "outcome", "to", "why", "diagnosis"}
+    assert (first["model"], first["outcome"], first["to"]) == ("chat", "none", None)
+    [warm] = first["diagnosis"]
+    assert warm["picked"] is None
+    assert warm["candidates"][0]["dropped"] == {
+        "filter": "routable",
+        "why": "worker box-2 is draining",
+    }
+    assert (newest["outcome"], newest["to"]) == ("peer", "gw-3")
+    [warm] = newest["diagnosis"]
+    assert warm["profile"] == "warm" and warm["picked"] == "gw-3"
+    assert warm["weights"] == {"free_slot": 4.0, "fewest_in_flight": 1.0}
+    scored = {c["name"]: (c["scores"], c["total"]) for c in warm["candidates"]}
+    assert scored == {
+        "gw-3": ({"free_slot": 1.0, "fewest_in_flight": 0.5}, 4.5),
+        "gw-4": ({"free_slot": 1.0, "fewest_in_flight": 0.5}, 4.5),  # equal: by name
+    }
+
+
+async def test_the_report_carries_the_decisions_without_the_diagnosis() -> None:
+    _, cluster = _front_door()
+    cluster.record("other", cluster.decide("other"))
+    controller = FakeController()
+    reporter = Reporter(
+        controller,  # type: ignore[arg-type]  # the routes it calls
+        name="gw-1", url="http://127.0.0.1:8080", host="box", worker="box-1", models={},
+        administer=lambda *_: asyncio.sleep(0), routes=lambda: cluster.routed,
+    )  # fmt: skip
+    running = asyncio.ensure_future(reporter.run())
+    try:
+        [route] = (await controller.next_report())["routes"]
+    finally:
+        running.cancel()
+    assert set(route) == {"at", "model", "outcome", "to", "why"}
+    assert "diagnosis" in cluster.routed[-1]
