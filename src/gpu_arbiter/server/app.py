@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -28,6 +28,7 @@ from .guards import RequestGuard, TokenFirst
 from .history import History
 from .limits import BodyLimit, ClientLimits, Slots
 from .metrics import metrics_registry, refusal_counter, render
+from .responses import FiniteJSONResponse
 from .retention import prune_ended
 from .routes import router
 from .schemas import ErrorOut
@@ -92,6 +93,7 @@ def create_app(
         summary="The single authority for GPU memory: leases of VRAM, granted safely.",
         lifespan=lifespan,
         static_url=DOCS_ASSETS,
+        default_response_class=FiniteJSONResponse,
     )
     app.state.controller = controller
     app.state.auth = auth
@@ -110,15 +112,15 @@ def create_app(
     app.include_router(cluster_router)
 
     @app.get("/healthz", summary="The process is up")
-    async def healthz() -> JSONResponse:
-        return JSONResponse({"status": "ok"})
+    async def healthz() -> FiniteJSONResponse:
+        return FiniteJSONResponse({"status": "ok"})
 
     @app.get(
         "/readyz",
         summary="The controller accepts changes (a standby does not)",
         responses={503: {"model": ErrorOut, "description": "Not ready, or a standby"}},
     )
-    async def readyz() -> JSONResponse:
+    async def readyz() -> FiniteJSONResponse:
         if controller.gate.standby:
             leader = {"leader": controller.gate.leader_url} if controller.gate.leader_url else {}
             return error_response(503, "not_leader", "this controller is a standby", leader)
@@ -126,7 +128,7 @@ def create_app(
             return error_response(503, "unavailable", controller.gate.broken)
         if not controller.gate.started:
             return error_response(503, "unavailable", "the controller is not started")
-        return JSONResponse({"status": "ready"})
+        return FiniteJSONResponse({"status": "ready"})
 
     registry = metrics_registry(controller)
     app.state.refused = refusal_counter(registry)

@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
-from fastapi.responses import JSONResponse
 from pydantic import Field, StrictInt, StrictStr
 
 from ..controller import Controller
@@ -43,6 +42,7 @@ from . import schemas as s
 from .auth import Forbidden, Principal
 from .gateways import CLUSTER_MODEL, GatewayRegistry, Report
 from .limits import Slots
+from .responses import FiniteJSONResponse
 
 __all__ = ["adoptable", "router"]
 
@@ -89,7 +89,7 @@ async def cluster_view(
     request: Request,
     after: Annotated[str, Query(max_length=64)] = "",
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """Answers at once when the view's ``signature`` differs from ``after``, else as
     soon as it does, or after ``wait`` seconds (at most 60) as it is. Only the token that
     reports gateway ``name`` (or an admin)."""
@@ -105,7 +105,7 @@ async def cluster_view(
             if view["signature"] != after or left <= 0:
                 break
             await registry.moved(min(left, RECHECK_S))
-    return JSONResponse({**view, "peer_key": registry.peer_key})
+    return FiniteJSONResponse({**view, "peer_key": registry.peer_key})
 
 
 def _view(ctl: Controller, registry: GatewayRegistry) -> dict[str, Any]:
@@ -166,7 +166,7 @@ async def cluster_load(
     body: LoadIn,
     request: Request,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """The model's load for the cluster: the one pending or loading (joined), else a new
     lease request over every worker whose live gateway declares the model, preferring
     where it last ran; with ``replicas`` above 1, a new one while fewer are held or
@@ -199,7 +199,7 @@ async def cluster_load(
             waited = ctl.events.wait_lease(record.id, LeaseState.PENDING, wait)
             record = await routes.unless_gone(request, waited) or ctl.leases.get(record.id)
     answer = s.lease_out(record, ctl.leases.pending_view(record.id))
-    return JSONResponse({**answer, "joined": joined, "free_mb": _free(ctl, hosts)})
+    return FiniteJSONResponse({**answer, "joined": joined, "free_mb": _free(ctl, hosts)})
 
 
 def _hosts(ctl: Controller, registry: GatewayRegistry, model: str) -> dict[str, Mapping[str, Any]]:

@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..controller import NotLeader, ServiceUnavailable, TooManyRequests
@@ -22,6 +21,7 @@ from ..core import (
     Unschedulable,
 )
 from .auth import Forbidden, Unauthorized
+from .responses import FiniteJSONResponse
 
 __all__ = ["error_response", "install_error_handlers"]
 
@@ -51,16 +51,16 @@ _HTTP_CODES = {
 
 def error_response(
     status: int, code: str, message: str, details: dict[str, Any] | None = None
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """The one rendering of an error. A message may echo the request's text (a field's
     name, a metadata key), which need not be valid Unicode: what cannot be written as
     UTF-8 (a lone surrogate) is written as its escape (``\\ud800``), never a 500."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     body = {"error": {"code": code, "message": message, "details": details or {}}}
     try:
-        return JSONResponse(body, status_code=status, headers=headers)
+        return FiniteJSONResponse(body, status_code=status, headers=headers)
     except UnicodeEncodeError:
-        return JSONResponse(_writable(body), status_code=status, headers=headers)
+        return FiniteJSONResponse(_writable(body), status_code=status, headers=headers)
 
 
 def _writable(value: Any) -> Any:
@@ -80,7 +80,7 @@ def _details(error: ArbiterError) -> dict[str, Any]:
     return {k: v for k, v in error.details.items() if isinstance(v, str | int | float | bool)}
 
 
-async def _arbiter_error(request: Request, error: Exception) -> JSONResponse:
+async def _arbiter_error(request: Request, error: Exception) -> FiniteJSONResponse:
     assert isinstance(error, ArbiterError)
     if isinstance(error, NotLeader) and error.details.get("leader"):
         return _to_leader(request, error)
@@ -94,7 +94,7 @@ async def _arbiter_error(request: Request, error: Exception) -> JSONResponse:
     return response
 
 
-def _to_leader(request: Request, error: NotLeader) -> JSONResponse:
+def _to_leader(request: Request, error: NotLeader) -> FiniteJSONResponse:
     """A standby redirects a change to the leader: 307 keeps the method and the body,
     so ``curl -L`` and any HTTP client that follows redirects just work."""
     leader = str(error.details["leader"]).rstrip("/")
@@ -105,7 +105,7 @@ def _to_leader(request: Request, error: NotLeader) -> JSONResponse:
     return response
 
 
-async def _validation_error(request: Request, error: Exception) -> JSONResponse:
+async def _validation_error(request: Request, error: Exception) -> FiniteJSONResponse:
     assert isinstance(error, RequestValidationError)
     problems = [
         {
@@ -123,13 +123,13 @@ async def _validation_error(request: Request, error: Exception) -> JSONResponse:
     return error_response(422, "invalid_input", message, {"errors": problems})
 
 
-async def _http_error(request: Request, error: Exception) -> JSONResponse:
+async def _http_error(request: Request, error: Exception) -> FiniteJSONResponse:
     assert isinstance(error, HTTPException)
     code = _HTTP_CODES.get(error.status_code, "http_error")
     return error_response(error.status_code, code, str(error.detail))
 
 
-async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+async def _unexpected(request: Request, error: Exception) -> FiniteJSONResponse:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     return error_response(500, "internal", "internal error; see the controller's log")
 

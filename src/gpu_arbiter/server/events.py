@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..controller import Controller
 from ..store import Event
+from ..web.jsontext import dumps
 from .schemas import event_out
 
 __all__ = ["EventFeed", "EventStreamResponse", "event_stream"]
@@ -43,7 +44,7 @@ KEEPALIVE = b": keep-alive\n\n"
 
 
 def _format(event: Event) -> bytes:
-    data = json.dumps(event_out(event), separators=(",", ":"))
+    data = dumps(event_out(event), what=f"event {event.seq}", ensure_ascii=True)
     return f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n".encode()
 
 

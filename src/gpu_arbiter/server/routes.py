@@ -17,7 +17,6 @@ from collections.abc import Awaitable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Path, Query, Request
-from fastapi.responses import JSONResponse
 
 from ..controller import Controller, GpuProbeReport, NotLeader
 from ..core import Gpu, LeaseState, validate_worker_name
@@ -30,6 +29,7 @@ from .events import EventFeed, EventStreamResponse, event_stream
 from .gateways import REPORT_S, GatewayRegistry, Report
 from .history import History
 from .limits import Slots
+from .responses import FiniteJSONResponse
 
 __all__ = ["router"]
 
@@ -93,12 +93,12 @@ def _as_worker(who: Principal, name: str) -> None:
     raise Forbidden(f"this token may not act as worker {name} (your role: {who.role})")
 
 
-def _lease_json(ctl: Controller, record: LeaseRecord) -> JSONResponse:
+def _lease_json(ctl: Controller, record: LeaseRecord) -> FiniteJSONResponse:
     """A lease as it is after a verb or a read; a pending one with its place and reason."""
-    return JSONResponse(s.lease_out(record, ctl.leases.pending_view(record.id)))
+    return FiniteJSONResponse(s.lease_out(record, ctl.leases.pending_view(record.id)))
 
 
-def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
+def _worker_json(ctl: Controller, name: str, status: int = 200) -> FiniteJSONResponse:
     record = ctl.workers.get(name)
     body = s.worker_out(
         record,
@@ -106,7 +106,7 @@ def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
         ctl.workers.last_seen(name),
         ctl.updates.running(name),
     )
-    return JSONResponse(body, status_code=status)
+    return FiniteJSONResponse(body, status_code=status)
 
 
 # ---------------------------------------------------------------- leases
@@ -138,7 +138,7 @@ def _worker_json(ctl: Controller, name: str, status: int = 200) -> JSONResponse:
         422: {"model": s.ErrorOut, "description": "Invalid, or no GPU could ever satisfy it"},
     },
 )
-async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
+async def create_lease(body: s.LeaseCreate, request: Request) -> FiniteJSONResponse:
     """201 means granted and nothing else: only then may the caller use the GPUs
     (``gpus``, ``token``). 202: still pending; follow it with ``GET /v1/leases/{id}?wait=``.
     409 ``not_granted``: it ended before it was granted (``details.state``: ``timed_out``
@@ -155,13 +155,13 @@ async def create_lease(body: s.LeaseCreate, request: Request) -> JSONResponse:
         response = _not_granted(record)
     else:
         status = 202 if record.state is LeaseState.PENDING else 201
-        response = JSONResponse(s.lease_out(record, submitted.pending), status_code=status)
+        response = FiniteJSONResponse(s.lease_out(record, submitted.pending), status_code=status)
     if not submitted.new:
         response.headers["Idempotent-Replayed"] = "true"
     return response
 
 
-def _not_granted(record: LeaseRecord) -> JSONResponse:
+def _not_granted(record: LeaseRecord) -> FiniteJSONResponse:
     """409 for a request that ended before the answer (or a replayed lease that ended)."""
     how = f"{record.state} ({record.end_reason})" if record.end_reason else str(record.state)
     details = {"lease_id": record.id, "state": str(record.state), "reason": record.end_reason}
@@ -183,12 +183,12 @@ async def list_leases(
     state: LeaseState | None = None,
     worker: Annotated[str | None, Query(max_length=64)] = None,
     holder: Annotated[str | None, Query(max_length=256)] = None,
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     ctl, _who = context(request)
     records = ctl.leases.all(state=state, worker=worker, holder=holder)
     pending = any(r.state is LeaseState.PENDING for r in records)
     positions = ctl.leases.positions() if pending else {}
-    return JSONResponse([s.lease_out(r, position=positions.get(r.id)) for r in records])
+    return FiniteJSONResponse([s.lease_out(r, position=positions.get(r.id)) for r in records])
 
 
 @router.get("/leases/{lease_id}", response_model=s.LeaseOut, summary="A lease; long-poll")
@@ -197,7 +197,7 @@ async def get_lease(
     request: Request,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
     state: LeaseState | None = None,
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """With ``wait=SECONDS``, answers as soon as the lease's state changes, or when the wait
     ends (at most 60 s). With ``state=``, as soon as it differs from that state — at once if
     it already does — so a change between two polls is never missed.
@@ -244,7 +244,7 @@ async def _disconnected(request: Request) -> None:
 @router.post("/leases/{lease_id}/renew", response_model=s.LeaseOut, summary="Extend the TTL")
 async def renew_lease(
     lease_id: LeaseId, request: Request, body: s.RenewIn | None = None
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     ctl, who = context(request)
     _lease_access(request, who, ctl.leases.get(lease_id))
     ttl = None if body is None or body.ttl_s is None else float(body.ttl_s)
@@ -252,21 +252,21 @@ async def renew_lease(
 
 
 @router.post("/leases/{lease_id}/ready", response_model=s.LeaseOut, summary="The load finished")
-async def ready_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+async def ready_lease(lease_id: LeaseId, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.ready(lease_id))
 
 
 @router.post("/leases/{lease_id}/idle", response_model=s.LeaseOut, summary="Keep warm")
-async def idle_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+async def idle_lease(lease_id: LeaseId, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.set_idle(lease_id, True))
 
 
 @router.post("/leases/{lease_id}/busy", response_model=s.LeaseOut, summary="Busy again")
-async def busy_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+async def busy_lease(lease_id: LeaseId, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.set_idle(lease_id, False))
@@ -284,7 +284,7 @@ async def busy_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
         },
     },
 )
-async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) -> JSONResponse:
+async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) -> FiniteJSONResponse:
     """The lease holds ``vram_mb`` per GPU from now on (a model server put to sleep keeps
     its process and only what it still uses). Its committed memory drops at once, but the
     memory is granted to others only once the worker's probe shows it free; to hold more
@@ -297,14 +297,14 @@ async def shrink_lease(lease_id: LeaseId, body: s.ShrinkIn, request: Request) ->
 @router.delete(
     "/leases/{lease_id}", response_model=s.LeaseOut, summary="Release or cancel; idempotent"
 )
-async def release_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+async def release_lease(lease_id: LeaseId, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _lease_access(request, who, ctl.leases.get(lease_id))
     return _lease_json(ctl, ctl.leases.release(lease_id))
 
 
 @router.post("/leases/{lease_id}/revoke", response_model=s.LeaseOut, summary="Take a lease back")
-async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
+async def revoke_lease(lease_id: LeaseId, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _admin(who)
     return _lease_json(ctl, ctl.leases.revoke(lease_id))
@@ -320,7 +320,7 @@ async def revoke_lease(lease_id: LeaseId, request: Request) -> JSONResponse:
     summary="Register a worker (201), or update a registered one (200)",
     responses={200: {"model": s.WorkerOut, "description": "Updated"}},
 )
-async def register_worker(body: s.WorkerRegister, request: Request) -> JSONResponse:
+async def register_worker(body: s.WorkerRegister, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     name = validate_worker_name(body.name, "name")
     _as_worker(who, name)
@@ -341,7 +341,7 @@ async def register_worker(body: s.WorkerRegister, request: Request) -> JSONRespo
     response_model=s.HeartbeatOut,
     summary="Probe snapshot; answers which of the worker's leases are held and revoking",
 )
-async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JSONResponse:
+async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     name = validate_worker_name(name)
     _as_worker(who, name)
@@ -350,13 +350,13 @@ async def heartbeat(name: WorkerName, body: s.Heartbeat, request: Request) -> JS
         name, probes, stopped=body.stopped, stale=body.stale, supervised=body.leases
     )
     update = ctl.updates.for_agent(name)
-    return JSONResponse(s.heartbeat_out(record, ctl.workers.leases_on(name), update))
+    return FiniteJSONResponse(s.heartbeat_out(record, ctl.workers.leases_on(name), update))
 
 
 @router.get("/workers", response_model=list[s.WorkerOut], summary="Workers and their GPUs")
-async def list_workers(request: Request) -> JSONResponse:
+async def list_workers(request: Request) -> FiniteJSONResponse:
     ctl, _who = context(request)
-    return JSONResponse(
+    return FiniteJSONResponse(
         [
             s.worker_out(
                 w,
@@ -370,7 +370,7 @@ async def list_workers(request: Request) -> JSONResponse:
 
 
 @router.get("/workers/{name}", response_model=s.WorkerOut, summary="One worker")
-async def get_worker(name: WorkerName, request: Request) -> JSONResponse:
+async def get_worker(name: WorkerName, request: Request) -> FiniteJSONResponse:
     ctl, _who = context(request)
     return _worker_json(ctl, validate_worker_name(name))
 
@@ -378,28 +378,32 @@ async def get_worker(name: WorkerName, request: Request) -> JSONResponse:
 @router.post("/workers/{name}/drain", response_model=s.DrainOut, summary="Drain a worker")
 async def drain_worker(
     name: WorkerName, request: Request, body: s.DrainIn | None = None
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     ctl, who = context(request)
     _admin(who)
     body = body or s.DrainIn()
     deadline = None if body.deadline_s is None else float(body.deadline_s)
     force = body.mode == "force"
     outcome = ctl.workers.drain(validate_worker_name(name), force=force, deadline_s=deadline)
-    return JSONResponse(s.drain_out(outcome))
+    return FiniteJSONResponse(s.drain_out(outcome))
 
 
 @router.post("/workers/{name}/cancel-drain", response_model=s.DrainOut, summary="Back online")
-async def cancel_drain(name: WorkerName, request: Request) -> JSONResponse:
+async def cancel_drain(name: WorkerName, request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _admin(who)
-    return JSONResponse(s.drain_out(ctl.workers.cancel_drain(validate_worker_name(name))))
+    return FiniteJSONResponse(s.drain_out(ctl.workers.cancel_drain(validate_worker_name(name))))
 
 
 @router.delete("/workers/{name}", response_model=s.DrainOut, summary="Remove a worker")
-async def remove_worker(name: WorkerName, request: Request, force: bool = False) -> JSONResponse:
+async def remove_worker(
+    name: WorkerName, request: Request, force: bool = False
+) -> FiniteJSONResponse:
     ctl, who = context(request)
     _admin(who)
-    return JSONResponse(s.drain_out(ctl.workers.remove(validate_worker_name(name), force=force)))
+    return FiniteJSONResponse(
+        s.drain_out(ctl.workers.remove(validate_worker_name(name), force=force))
+    )
 
 
 @router.post(
@@ -410,7 +414,7 @@ async def remove_worker(name: WorkerName, request: Request, force: bool = False)
 )
 async def update_worker(
     name: WorkerName, request: Request, body: s.UpdateIn | None = None
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """The agent runs the update command configured on its own host (never one sent over
     the network). Follow the steps in ``GET /v1/operations/{id}``."""
     ctl, who = context(request)
@@ -421,13 +425,13 @@ async def update_worker(
         timeout_s=float(body.timeout_s),
         drain_deadline_s=None if body.drain_deadline_s is None else float(body.drain_deadline_s),
     )
-    return JSONResponse(s.operation_out(operation), status_code=202)
+    return FiniteJSONResponse(s.operation_out(operation), status_code=202)
 
 
 @router.get("/operations/{operation_id}", response_model=s.OperationOut, summary="An operation")
-async def get_operation(operation_id: LeaseId, request: Request) -> JSONResponse:
+async def get_operation(operation_id: LeaseId, request: Request) -> FiniteJSONResponse:
     ctl, _who = context(request)
-    return JSONResponse(s.operation_out(ctl.updates.get(operation_id)))
+    return FiniteJSONResponse(s.operation_out(ctl.updates.get(operation_id)))
 
 
 @router.post(
@@ -437,11 +441,11 @@ async def get_operation(operation_id: LeaseId, request: Request) -> JSONResponse
 )
 async def report_operation(
     operation_id: LeaseId, body: s.OperationReportIn, request: Request
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     ctl, who = context(request)
     _as_worker(who, ctl.updates.get(operation_id).worker)
     operation = ctl.updates.report(operation_id, body.step, body.outcome, body.detail)
-    return JSONResponse(s.operation_out(operation))
+    return FiniteJSONResponse(s.operation_out(operation))
 
 
 # ---------------------------------------------------------------- gateways
@@ -466,7 +470,7 @@ def leader_only(ctl: Controller) -> None:
 )
 async def report_gateway(
     name: GatewayName, body: s.GatewayReportIn, request: Request
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """Every ``report_s`` seconds and soon after a change; a gateway not reported for
     ``ttl_s`` is stale. An admin or a client token; the first reporter's token owns the
     name while its report is live (403 for another token but an admin's)."""
@@ -481,7 +485,7 @@ async def report_gateway(
     report = Report(url=body.url, host=body.host, worker=worker, models=models, routes=routes)
     commands = registry.report(name, who, report)
     answer = {"name": name, "ttl_s": registry.ttl_s, "report_s": REPORT_S}
-    return JSONResponse({**answer, "commands": [c.as_dict() for c in commands]})
+    return FiniteJSONResponse({**answer, "commands": [c.as_dict() for c in commands]})
 
 
 @router.get(
@@ -493,7 +497,7 @@ async def gateway_commands(
     name: GatewayName,
     request: Request,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """With ``wait=SECONDS`` (at most 60), answers as soon as a command is queued, or
     with none when the wait ends. Its reporter's token or an admin."""
     ctl, who, registry = _gateways(request)
@@ -502,7 +506,7 @@ async def gateway_commands(
     long_polls: Slots = request.app.state.long_polls
     with long_polls.hold(who.id):
         commands = await registry.commands(name, who, wait)
-    return JSONResponse({"name": name, "commands": [c.as_dict() for c in commands]})
+    return FiniteJSONResponse({"name": name, "commands": [c.as_dict() for c in commands]})
 
 
 @router.get(
@@ -510,11 +514,11 @@ async def gateway_commands(
     response_model=list[s.GatewayOut],
     summary="The gateways that report to this controller, with their models",
 )
-async def list_gateways(request: Request) -> JSONResponse:
+async def list_gateways(request: Request) -> FiniteJSONResponse:
     """Held in memory: a restarted controller knows them again at their next report
     (every few seconds); a standby knows none."""
     _ctl, _who, registry = _gateways(request)
-    return JSONResponse(registry.views())
+    return FiniteJSONResponse(registry.views())
 
 
 @router.post(
@@ -540,7 +544,7 @@ async def command_gateway(
     model: ModelName,
     verb: Literal["unload", "pin", "unpin"],
     request: Request,
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """202: queued; the gateway takes it within a moment (it long-polls) and runs it as
     its own ``POST /admin/models/{model}/{verb}``; its next report shows the outcome."""
     ctl, who, registry = _gateways(request)
@@ -548,55 +552,57 @@ async def command_gateway(
     leader_only(ctl)
     name = validate_worker_name(name, "name")
     command = registry.queue(name, model, verb)
-    return JSONResponse({"gateway": name, **command.as_dict()}, status_code=202)
+    return FiniteJSONResponse({"gateway": name, **command.as_dict()}, status_code=202)
 
 
 @router.delete("/gateways/{name}", response_model=s.GatewayGoneOut, summary="A gateway's goodbye")
-async def forget_gateway(name: GatewayName, request: Request) -> JSONResponse:
+async def forget_gateway(name: GatewayName, request: Request) -> FiniteJSONResponse:
     """At a clean stop: it leaves the list now, not once stale. Its reporter's token or
     an admin."""
     ctl, who, registry = _gateways(request)
     leader_only(ctl)
     name = validate_worker_name(name, "name")
     registry.forget(name, who)
-    return JSONResponse({"name": name, "forgotten": True})
+    return FiniteJSONResponse({"name": name, "forgotten": True})
 
 
 # ---------------------------------------------------------------- arbiter
 
 
 @router.post("/pause", summary="Grant nothing until resume")
-async def pause(request: Request) -> JSONResponse:
+async def pause(request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _admin(who)
     ctl.pause()
-    return JSONResponse({"paused": True})
+    return FiniteJSONResponse({"paused": True})
 
 
 @router.post("/resume", summary="Grant again")
-async def resume(request: Request) -> JSONResponse:
+async def resume(request: Request) -> FiniteJSONResponse:
     ctl, who = context(request)
     _admin(who)
     ctl.resume()
-    return JSONResponse({"paused": False})
+    return FiniteJSONResponse({"paused": False})
 
 
 @router.get("/status", summary="Counters, per-GPU figures, queue depth by priority")
-async def status(request: Request) -> JSONResponse:
+async def status(request: Request) -> FiniteJSONResponse:
     ctl, _who = context(request)
     body = ctl.status()
     workers = ctl.workers
     body["gpus"] = [s.gpu_out(f) for w in workers.all() for f in workers.gpu_figures(w.name)]
-    return JSONResponse(body)
+    return FiniteJSONResponse(body)
 
 
 @router.get("/queue", response_model=list[s.LeaseOut], summary="Pending requests, in order")
 async def queue(
     request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """The first ``limit`` pending requests, each with its position and reason."""
     ctl, _who = context(request)
-    return JSONResponse([s.lease_out(record, view) for record, view in ctl.leases.queue(limit)])
+    return FiniteJSONResponse(
+        [s.lease_out(record, view) for record, view in ctl.leases.queue(limit)]
+    )
 
 
 @router.get(
@@ -644,12 +650,12 @@ async def events(
 async def history(
     request: Request,
     since: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
-) -> JSONResponse:
+) -> FiniteJSONResponse:
     """A sample every ``sample_s`` seconds; with ``since=T`` (a time of ``times``), only the
     samples after it: poll at the sample rate to follow."""
     context(request)
     kept: History = request.app.state.history
-    return JSONResponse(kept.read(since))
+    return FiniteJSONResponse(kept.read(since))
 
 
 def _role(request: Request) -> str | None:
@@ -669,7 +675,7 @@ def _role(request: Request) -> str | None:
     summary="How to sign in (no token needed): whether tokens are needed, the role of the "
     "token sent, and, to a caller on this machine, where the admin token is",
 )
-async def access(request: Request) -> JSONResponse:
+async def access(request: Request) -> FiniteJSONResponse:
     """The admin token's path is told only to a caller on the controller's own machine
     (loopback): it is no secret (the file is readable by its owner only), but it names a
     local directory, and whoever can read the file is on that machine."""
@@ -681,4 +687,4 @@ async def access(request: Request) -> JSONResponse:
         "role": _role(request),
         "admin_token_file": str(token_file) if local else None,
     }
-    return JSONResponse(body)
+    return FiniteJSONResponse(body)

@@ -440,7 +440,10 @@ class LeaseOut(_Out):
     ttl_s: float | None
     submitted_at: float
     granted_at: float | None
-    expires_at: float | None
+    expires_at: float | None = Field(
+        description="When its TTL lapses unless renewed (Unix time); null while pending, "
+        "and for a lease with no TTL"
+    )
     ended_at: float | None
     end_reason: str | None
     revoke_reason: str | None
@@ -452,7 +455,14 @@ class LeaseOut(_Out):
     idempotency_key: str | None
     position: int | None = None
     effective_priority: int | None = None
-    reason: dict[str, Any] | None = None
+    reason: dict[str, Any] | None = Field(
+        default=None,
+        description="Why a pending request waits: code, message, gpus (a verdict per "
+        "outcome), nominated, blocked_by, blocker and blockers (each with kind, id, holder, "
+        "gpus, since, until, expires_at; a lease's also state, priority, priority_name, "
+        "rule). Every time is Unix time, finite, or null where there is none: until null "
+        "is never (or, for a revoking lease, no TTL bounds it), expires_at null is no TTL",
+    )
 
 
 class GpuOut(_Out):
