@@ -5,8 +5,9 @@ from __future__ import annotations
 from gpu_arbiter.core import GpuProbe, Lease, LeaseState
 from gpu_arbiter.core.ledger import Ledger
 from gpu_arbiter.core.nominations import Holds, Nomination
+from gpu_arbiter.core.verify import check_plan
 
-from .support import GiB, gid, gpu, req
+from .support import GiB, gid, gpu, grant_now, req, scheduler
 
 A, B = gid("w1:0"), gid("w1:1")
 
@@ -84,3 +85,20 @@ def test_a_nomination_holds_until_its_victims_end_and_the_probe_shows_it() -> No
     ledger.set_probe(A, GpuProbe(used_mb=0))
     assert not nomination.preempting(ledger)
     assert other.id not in nomination.victims
+
+
+def test_the_last_preemptor_whose_victim_still_stops_has_its_turn() -> None:
+    """The walk's early stop (no room anywhere, nothing left to preempt) never skips a
+    preemptor whose own memory is pre-held: it has its turn, keeps its memory (a hold in
+    the plan) and its diagnosis, cycle after cycle while its victim stops."""
+    sched = scheduler(gpu())
+    grant_now(sched, req("victim", 24 * GiB, priority="batch"))
+    sched.submit(req("preemptor", 24 * GiB), 1.0)
+    assert [lease.id for lease in sched.decide(1.0).revocations] == ["victim"]
+    plan = sched.plan(2.0)  # the victim still stops
+    assert "preemptor" in plan.turns
+    assert [(h.request_id, h.preheld) for h in plan.held()] == [
+        ("preemptor", True),
+        ("preemptor", False),
+    ]
+    assert check_plan(sched, plan) == []

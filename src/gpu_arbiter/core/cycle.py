@@ -145,7 +145,12 @@ class _Walk(PostFiltered):
                 continue
             preheld, lifted = self.holds.turn(request)
             room_left = self.max_room() >= smallest
-            if not room_left and not self.holds.preheld and not self.could_preempt(highest):
+            if (
+                not room_left
+                and not preheld  # its own memory: it keeps it, and its turn is diagnosed
+                and not self.holds.preheld
+                and not self.could_preempt(highest)
+            ):
                 break
             outcome = self.turn(request, room_left=room_left, preheld=preheld)
             self.holds.end_turn(lifted)

@@ -34,8 +34,8 @@ from .overlay import Overlay
 from .plan import Plan
 from .presence import Presence
 from .queue import PendingQueue
-from .reasons import GpuVerdict, PendingReason
-from .stages import outcome, taking_work
+from .reasons import PendingReason
+from .stages import taking_work
 from .timers import TimerKind, Timers
 
 __all__ = ["State"]
@@ -298,30 +298,6 @@ class State:
     def held_by(self, request_id: str) -> tuple[GpuId, ...]:
         """The GPUs whose memory ``request_id`` held in the last plan."""
         return next((gpus for rid, gpus, _ in self._holds if rid == request_id), ())
-
-    def verdicts(self, request: Request, worker: str) -> tuple[GpuVerdict, ...]:
-        """What the stages say of each matching GPU of one worker, against the last plan's
-        holds; GPUs that fit say ``too_few_gpus_on_worker`` (for a request not placed)."""
-        holds = self._holds_of_last_plan().by_gpu
-        reads = _Reads(self)
-        matching = self.matching(request)
-        out = []
-        for gpu_id in self._worker_gpus.get(worker, ()):
-            if gpu_id not in matching:
-                continue
-            code = outcome(reads, request, gpu_id, holds) or Outcome.TOO_FEW_GPUS_ON_WORKER
-            out.append(
-                GpuVerdict(
-                    gpu_id,
-                    code,
-                    need_mb=request.vram_mb,
-                    free_mb=max(0, self.ledger.free_mb(gpu_id)),
-                    committed_mb=self.ledger.committed_mb(gpu_id),
-                    observed_mb=self.ledger.observed_mb(gpu_id),
-                    held_mb=holds.get(gpu_id, 0),
-                )
-            )
-        return tuple(out)
 
     def _holds_of_last_plan(self) -> Holds:
         if self._last_holds is None:
