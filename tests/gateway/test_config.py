@@ -9,6 +9,7 @@ import pytest
 
 from gpu_arbiter.core import InvalidInput
 from gpu_arbiter.gateway.config import parse_config
+from gpu_arbiter.gateway.profile import Affinity
 
 COMMAND = "server --port {port}"
 
@@ -183,3 +184,32 @@ def test_a_key_carries_its_callers_priority_class() -> None:
         ("indexer", 150),
         ("ops", None),
     ]  # None: the model's priority
+
+
+def test_prefix_affinity_is_off_unless_asked_for() -> None:
+    assert parse_config({"models": MODELS}).affinity is None
+    on = parse_config({"gateway": {"prefix_affinity": True}, "models": MODELS})
+    assert on.affinity == Affinity(1024)
+    chars = {"prefix_affinity": True, "prefix_chars": 64}
+    assert parse_config({"gateway": chars, "models": MODELS}).affinity == Affinity(64)
+    off = parse_config({"gateway": {"prefix_affinity": False}, "models": MODELS})
+    assert off.affinity is None
+
+
+@pytest.mark.parametrize(
+    ("gateway", "field", "reason"),
+    [
+        ({"prefix_affinity": "yes"}, "gateway.prefix_affinity", "true or false, not 'yes'"),
+        ({"prefix_affinity": 1}, "gateway.prefix_affinity", "true or false"),
+        ({"prefix_affinity": True, "prefix_chars": 8}, "gateway.prefix_chars", "16..1048576"),
+        ({"prefix_affinity": True, "prefix_chars": "1k"}, "gateway.prefix_chars", "whole"),
+        ({"prefix_affinity": True, "prefix_chars": True}, "gateway.prefix_chars", "whole"),
+        ({"prefix_chars": 64}, "gateway.prefix_chars", "only with prefix_affinity = true"),
+    ],
+)
+def test_prefix_affinity_errors_name_the_field(
+    gateway: dict[str, Any], field: str, reason: str
+) -> None:
+    with pytest.raises(InvalidInput, match=reason) as raised:
+        parse_config({"gateway": gateway, "models": MODELS})
+    assert raised.value.field == field

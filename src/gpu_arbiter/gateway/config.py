@@ -16,6 +16,10 @@
     header_timeout = "10s"         # to send the headers (408 beyond)
     max_body_bytes = "64M"         # one request's body (413 beyond)
     max_buffered_bytes = "256M"    # bodies held in memory at once, all requests (503)
+    prefix_affinity = false        # true: a conversation's requests go where its prefix
+                                   # went last while it has a free slot (default: off)
+    prefix_chars = 1024            # how much of a chat's first messages (or a prompt)
+                                   # names its prefix (16..1048576; with prefix_affinity)
 
     [[gateway.keys]]               # a key with a name (beside or instead of api_keys)
     key = "..."
@@ -65,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds, validate_worker_name
+from .profile import Affinity
 from .requests.access import ROLES, ApiKey
 from .requests.bodies import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
 from .servers.config import ModelConfig
@@ -122,7 +127,11 @@ _PORT_KEYS = frozenset(
         "max_buffered_bytes",
     }
 )
-_GATEWAY_KEYS = frozenset({"host", "port", "worker", "controller", "name"}) | _PORT_KEYS
+_ROUTING_KEYS = frozenset({"prefix_affinity", "prefix_chars"})
+_GATEWAY_KEYS = (
+    frozenset({"host", "port", "worker", "controller", "name"}) | _PORT_KEYS | _ROUTING_KEYS
+)
+PREFIX_CHARS = (16, 1 << 20)
 MIB = 1024 * 1024
 
 
@@ -142,6 +151,7 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     max_body_bytes: int = MAX_BODY_BYTES
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
+    affinity: Affinity | None = None  # prefix affinity (None: off)
 
     def find(self, name: str) -> ModelConfig | None:
         """The model called ``name`` or having it as an alias."""
@@ -193,8 +203,27 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         worker=_optional_text(gateway.get("worker"), "gateway.worker"),
         name=_gateway_name(gateway.get("name")),
         controller=_optional_text(gateway.get("controller"), "gateway.controller"),
+        affinity=_affinity(gateway),
         **_port_settings(gateway, base or Path()),
     )
+
+
+def _affinity(gateway: Mapping[str, Any]) -> Affinity | None:
+    """``prefix_affinity`` and ``prefix_chars``: prefix affinity, or None (off)."""
+    on = gateway.get("prefix_affinity", False)
+    if not isinstance(on, bool):
+        raise InvalidInput("gateway.prefix_affinity", f"must be true or false, not {on!r}")
+    if "prefix_chars" not in gateway:
+        return Affinity() if on else None
+    chars = gateway["prefix_chars"]
+    low, high = PREFIX_CHARS
+    if isinstance(chars, bool) or not isinstance(chars, int) or not low <= chars <= high:
+        raise InvalidInput(
+            "gateway.prefix_chars", f"must be a whole number of characters {low}..{high}"
+        )
+    if not on:
+        raise InvalidInput("gateway.prefix_chars", "only with prefix_affinity = true")
+    return Affinity(chars)
 
 
 def _port_settings(gateway: Mapping[str, Any], base: Path) -> dict[str, Any]:

@@ -153,6 +153,7 @@ async def _serve(
         for model in models.values():
             model.neighbours = models  # collation: a busy model yields to one that waits
             model.asker = asker
+            model.affinity = config.affinity
         routes = {alias: m.name for m in config.models.values() for alias in m.aliases}
         routes.update({name: name for name in config.models})
         check_exposure(config.host, config.keys)  # the CLI said so already, in one line
@@ -171,8 +172,9 @@ async def _serve(
         name = config.name or default_name(port)
         app.name = name
         app.cluster = Cluster(
-            client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock
-        )
+            client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock,
+            affinity=config.affinity,
+        )  # fmt: skip
         reporter = Reporter(
             client, name=name, url=listen_url(host, port), host=socket.gethostname(),
             worker=worker, models=models, administer=app.administer, adopt=app.adopt,

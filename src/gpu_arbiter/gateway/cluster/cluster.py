@@ -36,11 +36,11 @@ from urllib.parse import urlsplit
 from ...client import ApiError, ArbiterClient, ControllerUnreachable
 from ..base.clock import Clock
 from ..base.upstream import Upstream
-from ..profile import Candidate
+from ..profile import Affinity, Ask, Candidate, Memory, profiles
 from ..servers.lease import Lease
 from ..servers.model import ModelServer, Refused
 from ..servers.replica import ReplicaState
-from .routing import Route, route
+from .routing import Kind, Route, route
 
 __all__ = ["Cluster", "Peer"]
 
@@ -114,6 +114,7 @@ class Cluster:
         models: Mapping[str, ModelServer],
         routes: Mapping[str, str],
         clock: Clock,
+        affinity: Affinity | None = None,
     ) -> None:
         self.client = client
         self.name = name
@@ -133,6 +134,9 @@ class Cluster:
         self._group: asyncio.TaskGroup | None = None  # owns the loads and adoptions
         self._changed = asyncio.Event()
         self.routed: deque[dict[str, Any]] = deque(maxlen=ROUTES_KEPT)
+        self.affinity = affinity  # prefix affinity (None: off)
+        self._warm = profiles(affinity is not None)[0]
+        self._went = Memory()  # a prefix -> the gateway it went to last
 
     def record(self, model: str, decided: Route) -> None:
         """A routing decision, as the operator reads it (``GET /admin/routes``, the
@@ -231,9 +235,18 @@ class Cluster:
                 return str(found.get("id"))
         return name
 
-    def decide(self, name: str) -> Route:
-        """Where a request for ``name`` (a model's name or alias) goes now."""
-        return route(name, self.hosts(name))
+    def decide(self, name: str, body: bytes | bytearray | None = None) -> Route:
+        """Where a request for ``name`` (a model's name or alias) goes now; ``body``: its
+        JSON body, when held (its prefix, with prefix affinity on)."""
+        if self.affinity is None or body is None:
+            return route(name, self.hosts(name))
+        prefix = self.affinity.prefix(self.model_id(name), body)
+        decided = route(
+            name, self.hosts(name), Ask(name, prefix, self._went.get(prefix)), self._warm
+        )
+        if decided.kind in (Kind.LOCAL, Kind.PEER) and decided.gateway is not None:
+            self._went.put(prefix, decided.gateway)
+        return decided
 
     def hosts(self, name: str) -> list[Candidate]:
         """The candidates for a request for ``name``: this host's copy as it is now, and

@@ -12,8 +12,11 @@ Filters:
 Scorers (weights in :data:`WEIGHTS`):
 
 - ``free_slot`` (4): 1 with a free slot, else 0;
-- ``prefix_affinity`` (2, only when configured): 1 where the request's conversation
-  prefix went last, else 0;
+- ``prefix_affinity`` (2, only with ``[gateway] prefix_affinity = true`` in
+  ``models.toml``): 1 where the request's conversation prefix went last, else 0
+  (``affinity.py``). Off by default: with it, a conversation stays on a busier replica
+  rather than the one with the fewest in flight, a trade (its engine's prompt cache
+  against the load's spread) for the operator to make, not the default;
 - ``fewest_in_flight`` (1): 1 / (1 + requests in flight).
 
 The weights make the rules strict in that order: a free slot outweighs everything else
@@ -86,12 +89,12 @@ REPLICA = Profile("replica", (READY, HAS_FREE_SLOT), (FREE_SLOT, FEWEST_IN_FLIGH
 """A replica inside a host with a free slot: the fewest in flight, the first on a tie."""
 
 
+_AFFINE = (FREE_SLOT, PREFIX_AFFINITY, FEWEST_IN_FLIGHT)
+WARM_AFFINE = Profile("warm", WARM.filters, _AFFINE)
+REPLICA_AFFINE = Profile("replica", REPLICA.filters, _AFFINE)
+
+
 def profiles(prefix_affinity: bool) -> tuple[Profile, Profile]:
-    """The warm-host and replica profiles, with the prefix affinity scorer or not."""
-    if not prefix_affinity:
-        return WARM, REPLICA
-    scorers = (FREE_SLOT, PREFIX_AFFINITY, FEWEST_IN_FLIGHT)
-    return (
-        Profile("warm", WARM.filters, scorers),
-        Profile("replica", REPLICA.filters, scorers),
-    )
+    """The warm-host and replica profiles, with the prefix affinity scorer or not (the
+    one new rule is one more scorer in each)."""
+    return (WARM_AFFINE, REPLICA_AFFINE) if prefix_affinity else (WARM, REPLICA)

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 from ...core import PRIORITY_NAMES, format_s, priority_name
 from ..base.clock import sleep_or
 from ..base.metrics import GatewayMetrics
-from ..profile import REPLICA, Ask, Candidate
+from ..profile import Affinity, Ask, Candidate, Memory, profiles
 from .config import ModelConfig
 from .engines import OFFLINE, driver_for
 from .interfaces import Parts
@@ -117,6 +117,8 @@ class ModelServer:
         self.neighbours: Mapping[str, ModelServer] = {}  # the gateway's models, this one too
         self.asker: Mapping[str, str] = {}  # which gateway asks (lease metadata; serve.py)
         self.cluster: Grower | None = None  # where other gateways declare it too
+        self.affinity: Affinity | None = None  # prefix affinity (serve.py; None: off)
+        self._went = Memory()  # a prefix -> the replica it went to last
         self._wanting: Counter[int] = Counter()  # the priorities of the callers waiting
         self.failures = 0
         self.failed_at = 0.0
@@ -161,14 +163,19 @@ class ModelServer:
     # ------------------------------------------------------------------ requests
 
     async def acquire(
-        self, on_wait: Callable[[], None] | None = None, priority: int | None = None
+        self,
+        on_wait: Callable[[], None] | None = None,
+        priority: int | None = None,
+        body: bytes | bytearray | None = None,
     ) -> tuple[Replica, float]:
         """A replica with a slot taken for the caller, and the seconds it queued.
         Raises :class:`Refused` (503 after ``queue_timeout``, 502 when its start failed).
         ``on_wait`` is called once, when the caller has to wait (not when a slot is free):
         the gateway then tells a streaming caller why (:meth:`waiting_for`). ``priority``:
         the caller's (its key's; None: the model's), which a lease asked for while it
-        waits is asked at, if higher than the model's."""
+        waits is asked at, if higher than the model's. ``body``: the request's JSON body,
+        when held (its prefix, with prefix affinity on: :attr:`affinity`)."""
+        prefix = "" if self.affinity is None else self.affinity.prefix(self.name, body)
         started = self.clock.now()
         deadline = started + self.config.queue_timeout_s
         failures_before, unloads_before = self.failures, self._unloads
@@ -177,7 +184,7 @@ class ModelServer:
         self._wanting[wanted] += 1
         try:
             while True:
-                replica = self._free_replica()
+                replica = self._free_replica(prefix)
                 if replica is not None:
                     if await replica.enter():
                         self.last_used = self.clock.now()
@@ -206,11 +213,17 @@ class ModelServer:
                 for replica in self.replicas:
                     replica.cancel_if_queued()
 
-    def _free_replica(self) -> Replica | None:
-        """The replica the request takes a slot on now, if one has a free slot."""
+    def _free_replica(self, prefix: str = "") -> Replica | None:
+        """The replica the request takes a slot on now, if one has a free slot (where
+        its ``prefix`` went last first, with prefix affinity on)."""
         by_number = {r.number: r for r in self.replicas}
-        picked = REPLICA.pick(Ask(self.name), [self._figures(r) for r in self.replicas]).picked
-        return None if picked is None else by_number[picked.replica]
+        profile = profiles(self.affinity is not None)[1]
+        ask = Ask(self.name, prefix, self._went.get(prefix))
+        picked = profile.pick(ask, [self._figures(r) for r in self.replicas]).picked
+        if picked is None:
+            return None
+        self._went.put(prefix, picked.name)
+        return by_number[picked.replica]
 
     def _figures(self, replica: Replica) -> Candidate:
         """A replica as routing reads it."""
