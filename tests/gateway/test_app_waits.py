@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from gpu_arbiter.gateway.base.metrics import GatewayMetrics
-from gpu_arbiter.gateway.requests.app import HEARTBEAT_S, GatewayApp, _AfterHead
+from gpu_arbiter.gateway.requests.answers import AfterHead
+from gpu_arbiter.gateway.requests.app import GatewayApp
 from gpu_arbiter.gateway.requests.bodies import json_true
+from gpu_arbiter.gateway.requests.waits import HEARTBEAT_S
 from gpu_arbiter.gateway.servers.replica import ReplicaState
 
 from .fakes import World, settle
@@ -165,12 +167,12 @@ async def test_after_the_head_a_200_streams_on_and_an_error_becomes_an_event() -
     async def send(message: Message) -> None:
         sent.append(message)
 
-    ok = _AfterHead(send)
+    ok = AfterHead(send)
     await ok({"type": "http.response.start", "status": 200, "headers": []})
     await ok({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
     assert sent == [{"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True}]
     sent.clear()
-    failed = _AfterHead(send)
+    failed = AfterHead(send)
     await failed({"type": "http.response.start", "status": 400, "headers": []})
     await failed({"type": "http.response.body", "body": b"context too ", "more_body": True})
     await failed({"type": "http.response.body", "body": b"long"})

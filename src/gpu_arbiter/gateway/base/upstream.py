@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import httptools
 
+from .race import first
+
 __all__ = ["Answer", "Body", "NotConnected", "Upstream", "UpstreamError"]
 
 Headers = list[tuple[bytes, bytes]]
@@ -213,19 +215,7 @@ class _Connection:
     async def _answer_came_first(self) -> bool:
         """Waits until the transport has room, or what the server sends comes (parsed
         here: its answer's start, or its end): True then."""
-        drained = asyncio.ensure_future(self.writer.drain())
-        answered = asyncio.ensure_future(self.feed())
-        try:
-            await asyncio.wait((drained, answered), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (drained, answered):
-                task.cancel()  # the other one; both are over before this returns
-            await asyncio.gather(drained, answered, return_exceptions=True)
-        if not answered.cancelled():
-            answered.result()  # its error, if any
-            return True
-        drained.result()
-        return False
+        return await first(self.feed(), self.writer.drain()) == 0  # the winner's error raised
 
     async def feed(self) -> bool:
         """Reads what came and parses it; False at the end of the connection (an

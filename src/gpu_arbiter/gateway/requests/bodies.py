@@ -19,6 +19,7 @@ when the request ends), never a list of chunks joined later.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -33,9 +34,11 @@ __all__ = [
     "MultipartModel",
     "OverBudget",
     "TooLarge",
+    "asks_stream",
     "boundary_of",
     "json_model",
     "json_true",
+    "scan_model",
     "stream_rest",
 ]
 
@@ -166,6 +169,26 @@ def json_true(body: bytes | bytearray, name: str) -> bool:
         return _top_level(body, json.dumps(name).encode()) == b"true"
     except (_Malformed, ValueError):
         return False
+
+
+SCAN_IN_THREAD_BYTES = 1024 * 1024
+"""A JSON body larger than this is scanned in a thread: the event loop goes on relaying
+meanwhile."""
+
+
+async def scan_model(body: bytearray) -> str | None:
+    """:func:`json_model`, in a thread for a large body."""
+    if len(body) > SCAN_IN_THREAD_BYTES:
+        return await asyncio.to_thread(json_model, body)
+    return json_model(body)
+
+
+async def asks_stream(body: bytearray) -> bool:
+    """Whether a JSON body asks for an event stream (``"stream": true``), in a thread
+    for a large body."""
+    if len(body) > SCAN_IN_THREAD_BYTES:
+        return await asyncio.to_thread(json_true, body, "stream")
+    return json_true(body, "stream")
 
 
 def _top_level(body: bytes | bytearray, quoted: bytes) -> bytes | None:

@@ -1,0 +1,122 @@
+"""One HTTP request as the gateway knows it (as Starlette's and httpx's ``Request``):
+built once at the ASGI entry, with what every step after reads: the method and path,
+the headers as sent and by lower-case name, whether a peer gateway sent it (its
+credential checked once), the caller's key and priority; then, once the route found
+them, the model it names and its body (:class:`Outbound`: what goes to the model server,
+read once)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from ..base.upstream import Body
+from .access import Access, ApiKey
+from .answers import Headers, Receive, Scope, Send
+
+__all__ = ["PEER", "Outbound", "Request", "chain", "declared_length"]
+
+PEER = b"x-arbiter-peer"
+"""The credential a forwarding gateway shows (issued by the controller:
+``cluster/cluster.py``); with it, ``x-arbiter-priority`` and ``x-arbiter-lease`` are
+believed."""
+
+
+@dataclass(slots=True)
+class Outbound:
+    """What goes to the model server: the target, the body (held bytes, or chunks as
+    the client sends them) and its length when known. ``body_read`` is set once a
+    streamed body has all been read: only then may anyone else wait on the client."""
+
+    target: bytes
+    body: Body
+    length: int | None = None
+    body_read: asyncio.Event | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    """A request to the gateway. ``peer``: None when no peer gateway sent it, True when
+    one did with the cluster's credential, False when the credential is not the
+    cluster's. ``key``: the caller's API key, if any; ``priority``: the one its key
+    (or, from a peer, its front door) gives it (None: the model's). ``model``,
+    ``outbound`` and ``json_body`` (a JSON body held whole: it may ask for a stream)
+    are set once the body named the model."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+    method: str
+    path: str
+    raw_headers: Headers
+    headers: Mapping[bytes, str]
+    peer: bool | None
+    key: ApiKey | None
+    priority: int | None
+    model: str = ""
+    outbound: Outbound | None = None
+    json_body: bytearray | None = None
+
+    @classmethod
+    def build(
+        cls,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        access: Access,
+        trusts: Callable[[str], bool],
+    ) -> Request:
+        """The request ``scope`` describes; ``trusts``: whether a peer's credential is
+        the cluster's."""
+        raw: Headers = scope["headers"]
+        headers = {name.lower(): value.decode("latin-1") for name, value in raw}
+        credential = headers.get(PEER)
+        peer = None if credential is None else trusts(credential)
+        key = access.key_of(headers)
+        if peer:
+            given = headers.get(b"x-arbiter-priority", "")
+            priority = int(given) if given.isdigit() and int(given) <= 1000 else None
+        else:
+            priority = key.priority if key is not None and access.auth else None
+        method, path = scope["method"], scope["path"]
+        return cls(scope, receive, send, method, path, raw, headers, peer, key, priority)
+
+    @property
+    def body(self) -> Outbound:
+        """What goes to the model server (once the route read what it needed of it)."""
+        assert self.outbound is not None
+        return self.outbound
+
+    def raw_path(self) -> bytes:
+        raw: bytes | None = self.scope.get("raw_path")
+        return raw if raw else quote(self.path).encode()
+
+    def target(self, path: bytes) -> bytes:
+        """The request target for the model server: ``path`` as the client sent it
+        (percent-encoded), and its query."""
+        query: bytes = self.scope.get("query_string") or b""
+        return path + b"?" + query if query else path
+
+    def media_type(self) -> str:
+        return self.headers.get(b"content-type", "").partition(";")[0].strip().lower()
+
+
+def declared_length(headers: Mapping[bytes, str]) -> int:
+    """The ``Content-Length`` the client declared; -1 when none (uvicorn checked it)."""
+    value = headers.get(b"content-length", "")
+    return int(value) if value.isdigit() else -1
+
+
+async def chain(
+    held: bytearray, rest: AsyncIterator[bytes], read: asyncio.Event
+) -> AsyncIterator[bytes | bytearray]:
+    """The held part of a body, then the rest; ``read`` is set once it has all been read."""
+    try:
+        if held:
+            yield held
+        async for chunk in rest:
+            yield chunk
+    finally:
+        read.set()

@@ -1,0 +1,96 @@
+"""The request as one value (``requests/request.py``): the peer's credential checked once
+at the entry, the caller's key and priority found there; and the dispatch table of
+``requests/app.py``: which handler answers a method and path, and which routes go to a
+model (those a stopping gateway refuses)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.gateway.requests import app
+from gpu_arbiter.gateway.requests.access import Access, ApiKey
+from gpu_arbiter.gateway.requests.app import GatewayApp
+from gpu_arbiter.gateway.requests.request import Request
+
+KEYS = (ApiKey("batch", "batch-key-0123456789", priority=200), ApiKey("ui", "ui-key-0123456789"))
+
+
+async def _receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+async def _send(message: Any) -> None:
+    pass
+
+
+def _request(headers: dict[str, str], access: Access, trusts: set[str]) -> Request:
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(name.encode(), value.encode()) for name, value in headers.items()],
+    }
+    asked: list[str] = []
+
+    def trusted(credential: str) -> bool:
+        asked.append(credential)
+        return credential in trusts
+
+    request = Request.build(scope, _receive, _send, access, trusted)
+    assert len(asked) == (1 if "X-Arbiter-Peer" in headers else 0)  # asked once, if at all
+    return request
+
+
+def test_a_request_without_a_peer_credential_carries_its_keys_priority() -> None:
+    access = Access(KEYS, "127.0.0.1", ())
+    request = _request({"Authorization": "Bearer batch-key-0123456789"}, access, set())
+    assert request.peer is None
+    assert request.key is KEYS[0] and request.priority == 200
+    assert request.headers[b"authorization"] == "Bearer batch-key-0123456789"
+    assert request.raw_headers == [(b"Authorization", b"Bearer batch-key-0123456789")]
+    request = _request({"Authorization": "Bearer ui-key-0123456789"}, access, set())
+    assert request.key is KEYS[1] and request.priority is None  # the model's
+
+
+def test_a_peer_with_the_clusters_credential_gives_the_priority_its_front_door_found() -> None:
+    access = Access(KEYS, "127.0.0.1", ())
+    headers = {"X-Arbiter-Peer": "secret", "X-Arbiter-Priority": "700"}
+    request = _request(headers, access, {"secret"})
+    assert request.peer is True and request.priority == 700
+    headers["X-Arbiter-Priority"] = "1001"  # beyond the scale: the model's
+    assert _request(headers, access, {"secret"}).priority is None
+    request = _request(headers | {"X-Arbiter-Peer": "forged"}, access, {"secret"})
+    assert request.peer is False and request.priority is None
+
+
+def test_without_keys_no_priority_comes_from_a_bearer_header() -> None:
+    request = _request({"Authorization": "Bearer batch-key-0123456789"}, Access((), "x", ()), set())
+    assert request.key is None and request.priority is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "handler", "to_a_model"),
+    [
+        ("POST", "/v1/chat/completions", GatewayApp._openai, True),
+        ("POST", "/v1/models", GatewayApp._openai, True),
+        ("GET", "/models/comfy/prompt", GatewayApp._prefix, True),
+        ("PUT", "/models/comfy/upload", GatewayApp._prefix, True),
+        ("GET", "/v1/models", GatewayApp._listing, False),
+        ("GET", "/v1/models/chat", GatewayApp._listing, False),
+        ("POST", "/admin/models/chat/unload", GatewayApp._admin, False),
+        ("POST", "/admin/models/chat/bogus", GatewayApp._admin, False),  # its 404 there
+        ("GET", "/admin/routes", GatewayApp._routed, False),
+        ("GET", "/metrics", app._metrics, False),
+        ("POST", "/healthz", app._healthz, False),
+        ("GET", "/v1/chat/completions", app._not_found, False),
+        ("DELETE", "/v1/models", app._not_found, False),
+        ("POST", "/admin/routes", app._not_found, False),
+        ("GET", "/nowhere", app._not_found, False),
+    ],
+)
+def test_one_table_says_which_handler_answers(
+    method: str, path: str, handler: Any, to_a_model: bool
+) -> None:
+    assert app._route_of(method, path) == (handler, to_a_model)
