@@ -76,29 +76,29 @@ class Pick:
         return [v for v in self.verdicts if v.dropped is not None and v.dropped.filter == name]
 
     def as_json(self) -> dict[str, Any]:
-        """The diagnosis as ``GET /admin/routes`` shows it."""
+        """The diagnosis as ``GET /admin/routes`` shows it (the raw scores unrounded)."""
         scorers = self.profile.scorers
+        names = [s.name for s in scorers]
         return {
             "profile": self.profile.name,
             "picked": None if self.picked is None else self.picked.name,
             "weights": {s.name: s.weight for s in scorers},
-            "candidates": [_verdict_json(v, scorers) for v in self.verdicts],
+            "candidates": [_verdict_json(v, names) for v in self.verdicts],
         }
 
 
-def _verdict_json(verdict: Verdict, scorers: Sequence[Scorer]) -> dict[str, Any]:
+def _verdict_json(verdict: Verdict, names: Sequence[str]) -> dict[str, Any]:
     c = verdict.candidate
     found: dict[str, Any] = {
         "name": c.name, "local": c.local, "ready": c.ready, "slots": c.slots,
         "in_flight": c.in_flight, "coming": c.coming,
     }  # fmt: skip
-    if verdict.dropped is not None:
-        found["dropped"] = {"filter": verdict.dropped.filter, "why": verdict.dropped.why}
+    dropped = verdict.dropped
+    if dropped is not None:
+        found["dropped"] = {"filter": dropped.filter, "why": dropped.why}
     else:
-        found["scores"] = {
-            s.name: round(raw, 6) for s, raw in zip(scorers, verdict.scores, strict=True)
-        }
-        found["total"] = round(verdict.total, 6)
+        found["scores"] = dict(zip(names, verdict.scores, strict=True))
+        found["total"] = verdict.total
     return found
 
 
