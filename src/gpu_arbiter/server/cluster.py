@@ -27,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import Field, StrictInt, StrictStr
 
-from ..controller import Controller
+from ..controller import Controller, ServiceUnavailable
 from ..core import Constraints, LeaseState, NotFound, WorkerStatus, validate_worker_name
 from ..core import Request as CoreRequest
 from ..store import LeaseRecord
@@ -74,6 +75,10 @@ class LoadIn(s._In):
     ttl_s: Annotated[s.Seconds, Field(gt=0, le=86400)] = 30.0
     max_wait_s: Annotated[s.Seconds, Field(ge=0, le=366 * 86400)] | None = None
     load_timeout_s: Annotated[s.Seconds, Field(gt=0, le=86400)] = 300.0
+    unreachable: Annotated[list[s.Short], Field(max_length=64)] = Field(default_factory=list)
+    """Gateways the asking front door cannot reach now (a refused connection, no answer
+    to its liveness check): a load there is not the model's load for it, and no new one
+    is placed there."""
 
 
 def _context(request: Request, name: str) -> tuple[Controller, Principal, GatewayRegistry, str]:
@@ -167,24 +172,23 @@ async def cluster_load(
     request: Request,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
 ) -> FiniteJSONResponse:
-    """The model's load for the cluster: the one pending or loading (joined), else a new
-    lease request over every worker whose live gateway declares the model, preferring
-    where it last ran; with ``replicas`` above 1, a new one while fewer are held or
-    coming. Answers once it is not pending, or after ``wait`` seconds (at most 60),
-    with the lease, ``joined`` and each candidate worker's most free MiB on one GPU.
-    404 when no routable gateway declares the model."""
+    """The model's load for the cluster: the one pending or loading on a routable host
+    (joined), else a new lease request over every worker whose live gateway declares the
+    model (and the front door can reach: ``unreachable``), preferring where it last ran;
+    with ``replicas`` above 1, a new one while fewer are held or coming there. A lease
+    on a host that is not routable (offline, draining, its gateway stale or unreachable)
+    keeps its memory but is not joined. Answers once it is not pending, or after
+    ``wait`` seconds (at most 60), with the lease, ``joined`` and each candidate
+    worker's most free MiB on one GPU. 404 when no routable gateway declares the model."""
     ctl, who, registry, name = _context(request, name)
     registry.owned(name, who, "ask loads for")
     if who.role not in ("admin", "client"):
         raise Forbidden(f"a {who.role} token may not ask for leases")
-    hosts = _hosts(ctl, registry, body.model)
+    unreachable = {validate_worker_name(g, "unreachable") for g in body.unreachable}
+    hosts = _hosts(ctl, registry, body.model, unreachable)
     if not hosts:
-        raise NotFound(
-            f"no routable gateway declares model {body.model!r} (a live report, beside an "
-            "online worker)",
-            model=body.model,
-        )
-    live = _live_loads(ctl, body.model)
+        raise _nowhere(ctl, registry, body.model, unreachable)
+    live = [r for r in _live_loads(ctl, body.model) if r.worker is None or r.worker in hosts]
     coming = [r for r in live if r.state in (LeaseState.PENDING, LeaseState.LOADING)]
     joined = bool(coming) or len(live) >= body.replicas
     if joined:
@@ -202,12 +206,17 @@ async def cluster_load(
     return FiniteJSONResponse({**answer, "joined": joined, "free_mb": _free(ctl, hosts)})
 
 
-def _hosts(ctl: Controller, registry: GatewayRegistry, model: str) -> dict[str, Mapping[str, Any]]:
-    """The online workers whose live gateway declares ``model`` (by name or alias): the
-    model as that gateway reports it, by worker."""
+def _hosts(
+    ctl: Controller, registry: GatewayRegistry, model: str, unreachable: set[str]
+) -> dict[str, Mapping[str, Any]]:
+    """The online workers whose live gateway, not ``unreachable``, declares ``model`` (by
+    name or alias): the model as that gateway reports it, by worker. A lease of the model
+    held anywhere else (its worker offline or draining, its gateway stale, gone or out of
+    the front door's reach) still holds its memory (I4) but is not the model's load: a
+    request for it is not joined to it, and a new one is placed among these."""
     found: dict[str, Mapping[str, Any]] = {}
-    for _, report in registry.live():
-        if report.worker is None:
+    for name, report in registry.live():
+        if report.worker is None or name in unreachable:
             continue
         try:
             if ctl.workers.get(report.worker).status is not WorkerStatus.ONLINE:
@@ -218,6 +227,48 @@ def _hosts(ctl: Controller, registry: GatewayRegistry, model: str) -> dict[str, 
             if reported.get("id") == model or model in (reported.get("aliases") or ()):
                 found[report.worker] = reported
     return found
+
+
+def _nowhere(
+    ctl: Controller, registry: GatewayRegistry, model: str, unreachable: set[str]
+) -> NotFound | ServiceUnavailable:
+    """Why no host may take ``model`` now: 404 when no gateway this controller knows
+    declares it; else 503 naming each host that does and what keeps it out (its worker
+    offline since its last heartbeat, draining, its gateway stale since its last report or
+    out of the front door's reach), for the caller to retry after."""
+    declaring = registry.declaring(model)
+    if not declaring:
+        return NotFound(f"no gateway declares model {model!r}", model=model)
+    why = [_out(ctl, name, report, silent_s, unreachable) for name, report, silent_s in declaring]
+    hosts = "its only host" if len(why) == 1 else "none of its hosts can take it:"
+    return ServiceUnavailable(
+        f"{model}: {hosts} {'; '.join(why)}", model=model, hosts="; ".join(why)
+    )
+
+
+def _out(
+    ctl: Controller, name: str, report: Report, silent_s: float | None, unreachable: set[str]
+) -> str:
+    """What keeps one gateway's host out of a model's routing, in words."""
+    host = report.worker or name
+    if name in unreachable:
+        return f"{host} is out of the front door's reach (its gateway {name} does not answer)"
+    if silent_s is not None:
+        return f"{host}'s gateway {name} has not reported since {_clock(time.time() - silent_s)}"
+    if report.worker is None:
+        return f"{name} runs beside no worker"
+    try:
+        worker = ctl.workers.get(report.worker)
+    except NotFound:
+        return f"{host} is not a registered worker"
+    seen = ctl.workers.last_seen(report.worker)
+    if worker.status is WorkerStatus.OFFLINE and seen is not None:
+        return f"{host} is offline since {_clock(seen)}"
+    return f"{host} is {worker.status}"
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(at))
 
 
 def _live_loads(ctl: Controller, model: str) -> list[LeaseRecord]:

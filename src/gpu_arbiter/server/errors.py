@@ -28,7 +28,8 @@ __all__ = ["error_response", "install_error_handlers"]
 log = logging.getLogger("gpu_arbiter.server")
 
 RETRY_AFTER_S = 2
-"""A refusal for a limit (429) says to retry after this many seconds."""
+"""A refusal for a limit (429) or for want of what is needed now (503) says to retry after
+this many seconds."""
 
 _STATUS: tuple[tuple[type[ArbiterError], int], ...] = (
     (Unauthorized, 401),
@@ -86,8 +87,9 @@ async def _arbiter_error(request: Request, error: Exception) -> FiniteJSONRespon
         return _to_leader(request, error)
     status = next((s for kind, s in _STATUS if isinstance(error, kind)), 400)
     response = error_response(status, error.code, error.message, _details(error))
-    if status == 429:
+    if status in (429, 503):
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    if status == 429:
         refused = getattr(request.app.state, "refused", None)
         if refused is not None:
             refused(str(error.details.get("limit", "other")))

@@ -202,6 +202,18 @@ class GatewayRegistry:
         now = self._clock()
         return [(n, g.report) for n, g in sorted(self._gateways.items()) if not self._stale(g, now)]
 
+    def declaring(self, model: str) -> list[tuple[str, Report, float | None]]:
+        """Every gateway this controller knows (live or stale) that declares ``model`` by
+        name or alias: (name, report, seconds since its last report if it is stale, else
+        None)."""
+        self._prune()
+        now = self._clock()
+        return [
+            (n, g.report, self._ago(g) if self._stale(g, now) else None)
+            for n, g in sorted(self._gateways.items())
+            if any(_names(m, model) for m in g.report.models)
+        ]
+
     def holds_worker(self, who: Principal, worker: str) -> bool:
         """Whether ``who`` reports a live gateway beside ``worker`` (it may hold the
         cluster's leases granted there)."""
