@@ -203,3 +203,21 @@ async def test_after_the_head_a_200_streams_on_and_an_error_becomes_an_event() -
 def test_json_true_finds_a_top_level_true(body: bytes, streams: bool) -> None:
     assert json_true(body, "stream") is streams
     assert json_true(bytearray(body), "stream") is streams
+
+
+async def test_the_held_json_body_goes_to_the_replicas_pick(world: World) -> None:
+    """With prefix affinity on, the pick reads the request's prefix from it."""
+    bodies: list[bytes | bytearray | None] = []
+    acquire = world.model.acquire
+
+    async def recording(on_wait: Any = None, priority: int | None = None, body: Any = None) -> Any:
+        bodies.append(body)
+        return await acquire(on_wait, priority, body)
+
+    world.model.acquire = recording  # type: ignore[method-assign]
+    world.leases.grant = False
+    exchange = Exchange({"model": "chat", "messages": []})
+    request = asyncio.ensure_future(_app(world)(exchange.scope(), exchange.receive, exchange.send))
+    await world.clock.advance(10)
+    await request
+    assert [bytes(body or b"") for body in bodies] == [exchange.body]

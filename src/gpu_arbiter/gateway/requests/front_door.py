@@ -52,7 +52,9 @@ async def front_door(app: FrontDoorApp, request: Request, name: str) -> bool | N
     head_sent = False
     for _ in range(len(cluster.peers) + 1):
         send = AfterHead(request.send) if head_sent else request.send
-        decision = _named(cluster, model, host) if host else cluster.decide(model)
+        decision = (
+            _named(cluster, model, host) if host else cluster.decide(model, request.json_body)
+        )
         app.metrics.routes.labels(model_id, str(decision.kind)).inc()
         cluster.record(model_id, decision)
         if decision.kind is Kind.LOCAL:

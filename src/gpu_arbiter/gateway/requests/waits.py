@@ -64,7 +64,7 @@ async def acquire(
     try:
         async with watching(request, cancel), cancel:
             began = wait.began if request.body.body_read is None else None
-            return await model.acquire(began, request.priority)
+            return await model.acquire(began, request.priority, request.json_body)
         if cancel.reason == STOPPING:
             raise Refused(503, f"{STOPPING}: model {model.name} takes no new requests", 1.0)
         return None
