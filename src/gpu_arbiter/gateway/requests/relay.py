@@ -18,6 +18,7 @@ length. 0 for a client that went away: nothing more is sent to it."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -62,6 +63,8 @@ _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 _PEER_HEADERS = frozenset(
     {PEER, b"x-arbiter-priority", b"x-arbiter-lease", b"x-arbiter-via", b"authorization"}
 )
+_HOP_TO_PEER = _HOP | _PEER_HEADERS
+_HOP_TO_OUR_SERVER = _HOP | {b"authorization"}  # with keys, the key is ours
 CUT_FORWARDS_S = 1.0
 """At the stop, after the grace: how long the relays cut then may take to say so."""
 Failed = Callable[[Send, UpstreamError], Awaitable[int | None]]
@@ -163,15 +166,12 @@ async def to_replica(
 ) -> int:
     """Relays the request to ``replica``, ``extra`` headers added to the answer's; the
     status sent (0 when the client went away)."""
-    drop = _HOP | {b"authorization"} if app.access.auth else _HOP  # the key is ours
+    drop = _HOP_TO_OUR_SERVER if app.access.auth else _HOP
     headers = [(k, v) for k, v in request.raw_headers if k.lower() not in drop]
     cancel = CancelScope()  # by the replica's cut, or by the client's disconnect
     replica.relays.add(cancel)
+    failed = functools.partial(_failed, replica)
     try:
-
-        async def failed(send: Send, error: UpstreamError) -> int:
-            return await _failed(send, replica, error)
-
         done = await exchange(
             request, send, replica.upstream, headers, extra, cancel, failed, app.too_large
         )
@@ -204,24 +204,13 @@ async def to_peer(
     peer = cluster.peers.get(gateway)
     if peer is None:
         return None
-    headers = [(k, v) for k, v in request.raw_headers if k.lower() not in _HOP | _PEER_HEADERS]
+    headers = [(k, v) for k, v in request.raw_headers if k.lower() not in _HOP_TO_PEER]
     headers += [(PEER, cluster.key.encode()), (b"x-arbiter-via", app.name.encode())]
     if request.priority is not None:
         headers.append((b"x-arbiter-priority", str(request.priority).encode()))
     if lease_id is not None:
         headers.append((b"x-arbiter-lease", lease_id.encode()))
-
-    async def failed(send: Send, error: UpstreamError) -> int | None:
-        if isinstance(error, NotConnected):
-            cluster.peer_down(gateway)
-            return None
-        message = (
-            f"gateway {gateway} failed before answering for {model}: {error}; "
-            "the request is not sent again"
-        )
-        await send_error(send, 502, message, "peer_failed")
-        return 502
-
+    failed = functools.partial(_peer_failed, cluster, gateway, model)
     cancel, key = CancelScope(), (gateway, model)
     cluster.forwarding[key] += 1
     app.forwards.add(cancel)
@@ -317,7 +306,9 @@ async def _stream_cut(send: Send, replica: Replica, *, cut: bool) -> None:
     await send_final_error(send, status, message, code)
 
 
-async def _failed(send: Send, replica: Replica, error: Exception) -> int:
+async def _failed(replica: Replica, send: Send, error: UpstreamError) -> int:
+    """The replica's server could not be reached, or failed before answering: 503 when
+    its replica was stopped (a stop's ending), else 502 naming why."""
     await within(replica.exited, 1.0)  # did the server exit? Then say why.
     ending, name = replica.ending, replica.model.name
     if ending is not None and ending.kind.status == 503:
@@ -326,6 +317,23 @@ async def _failed(send: Send, replica: Replica, error: Exception) -> int:
         return 503
     why = ending.reason if ending is not None else f"{error.__class__.__name__} {error}"
     await send_error(send, 502, f"model server {name} failed: {why}", "model_failed")
+    return 502
+
+
+async def _peer_failed(
+    cluster: Cluster, gateway: str, model: str, send: Send, error: UpstreamError
+) -> int | None:
+    """Gateway ``gateway`` could not be reached (None: nothing of the request left, the
+    peer is left out of routing a while), or failed before answering (502: the request
+    is never sent again)."""
+    if isinstance(error, NotConnected):
+        cluster.peer_down(gateway)
+        return None
+    message = (
+        f"gateway {gateway} failed before answering for {model}: {error}; "
+        "the request is not sent again"
+    )
+    await send_error(send, 502, message, "peer_failed")
     return 502
 
 

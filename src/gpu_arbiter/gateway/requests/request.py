@@ -74,12 +74,12 @@ class Request:
         headers = {name.lower(): value.decode("latin-1") for name, value in raw}
         credential = headers.get(PEER)
         peer = None if credential is None else trusts(credential)
-        key = access.key_of(headers)
+        key = access.key_of(headers) if access.auth else None  # no keys: none matches
         if peer:
             given = headers.get(b"x-arbiter-priority", "")
             priority = int(given) if given.isdigit() and int(given) <= 1000 else None
         else:
-            priority = key.priority if key is not None and access.auth else None
+            priority = None if key is None else key.priority
         method, path = scope["method"], scope["path"]
         return cls(scope, receive, send, method, path, raw, headers, peer, key, priority)
 
