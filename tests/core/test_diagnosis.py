@@ -213,3 +213,28 @@ def test_a_request_waiting_for_memory_being_revoked_names_that_lease_not_the_nea
     assert reason.blocker is not None
     assert (reason.blocker.id, reason.blocker.rule) == ("revoked", "revoking")
     assert "memory back when its holder stops" in reason.message
+
+
+def test_a_gpu_that_takes_no_new_work_offers_no_room_in_a_reason() -> None:
+    """An offline worker left from an earlier run, a draining one and a GPU whose probe
+    failed hold 80 GiB free by their books: the reason counts them by why they take no
+    work and offers none of their memory (free 0), the online GPU's figures as they are."""
+    sched = scheduler(
+        gpu(),
+        gpu(worker="old", total_mb=80 * 1024),
+        gpu(worker="leaving", total_mb=80 * 1024),
+        gpu(worker="flaky", total_mb=80 * 1024),
+    )
+    grant_now(sched, req("hold", 20 * 1024))
+    sched.set_offline("old", 0.0)
+    sched.drain("leaving", 0.0)
+    sched.set_probe(gid("flaky:0"), None)  # its probe failed: memory unknown (I2)
+    sched.submit(req("r", 10 * 1024), 1.0)
+    sched.decide(1.0)
+    reason = sched.explain("r", 1.0)
+    by_code = {v.code: v for v in reason.gpus}
+    assert by_code[Outcome.WORKER_OFFLINE].free_mb == 0
+    assert by_code[Outcome.WORKER_DRAINED].free_mb == 0  # draining with nothing to finish
+    assert by_code[Outcome.PROBE_STALE].free_mb == 0
+    assert by_code[Outcome.INSUFFICIENT_VRAM].free_mb == 4 * 1024
+    assert "80" not in reason.message

@@ -132,7 +132,9 @@ def _mb(value: Any) -> str:
 
 
 def status_view(workers: list[Json], status: Json, controllers: Sequence[Json] = ()) -> Group:
-    """Every worker and GPU with its memory bar, then the totals."""
+    """Every worker and GPU with its memory bar, then the totals (free memory counted only
+    on GPUs that may take new work: an offline, draining or drained worker's, or one whose
+    probe is stale, offers none)."""
     lines: list[RenderableType] = []
     totals = {"total_mb": 0, "committed_mb": 0, "used_mb": 0, "free_mb": 0}
     for worker in workers:
@@ -154,6 +156,8 @@ def status_view(workers: list[Json], status: Json, controllers: Sequence[Json] =
         for gpu in worker["gpus"]:
             for key in totals:
                 totals[key] += int(gpu[key] or 0)
+            if worker["state"] != "online" or gpu["stale"]:
+                totals["free_mb"] -= int(gpu["free_mb"] or 0)  # takes no new work: no room
             lines.append(_gpu_line(gpu))
     if not workers:
         lines.append(Text("no workers registered"))
@@ -164,7 +168,7 @@ def status_view(workers: list[Json], status: Json, controllers: Sequence[Json] =
             f"total: {len(workers)} workers, "
             f"{sum(len(w['gpus']) for w in workers)} GPUs; committed {_mb(totals['committed_mb'])}"
             f", used {_mb(totals['used_mb'])}, free {_mb(totals['free_mb'])}"
-            f" of {_mb(totals['total_mb'])}"
+            f" of {_mb(totals['total_mb'])} (free: on GPUs that take new work)"
         )
     )
     lines.append(Text(f"leases: {held}; pending: {status.get('pending', 0)}"))

@@ -28,7 +28,7 @@ from .model import GpuId, Request, slot_init
 from .nominations import Holds
 from .outcomes import Outcome
 from .overlay import Overlay
-from .reasons import GpuVerdict
+from .reasons import GpuVerdict, offered_mb
 from .stages import State, fit_code, outcome
 
 __all__ = ["Diagnosis", "Turn", "diagnose"]
@@ -236,7 +236,7 @@ def _verdict(
         gpu_id,
         code,
         need_mb=need,
-        free_mb=max(0, ledger.free_mb(gpu_id)),
+        free_mb=offered_mb(code, ledger.free_mb(gpu_id)),
         committed_mb=ledger.committed_mb(gpu_id),
         observed_mb=ledger.observed_mb(gpu_id),
         held_mb=held,

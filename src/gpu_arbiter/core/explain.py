@@ -36,6 +36,7 @@ from .reasons import (
     leases_in_the_way,
     loading_sentence,
     moment,
+    offered_mb,
     revoking_sentence,
     summarize,
     waiting_sentence,
@@ -175,19 +176,23 @@ def _on_worker(
     against the request at its turn (its own hold is not in its way); GPUs that fit say
     ``too_few_gpus_on_worker`` (for a request not placed)."""
     held, ledger, matching = _held(state, request, diagnosis), state.ledger, state.matching(request)
-    return tuple(
-        GpuVerdict(
-            gpu_id,
-            outcome(state, request, gpu_id, held) or Outcome.TOO_FEW_GPUS_ON_WORKER,
-            need_mb=request.vram_mb,
-            free_mb=max(0, ledger.free_mb(gpu_id)),
-            committed_mb=ledger.committed_mb(gpu_id),
-            observed_mb=ledger.observed_mb(gpu_id),
-            held_mb=held.get(gpu_id, 0),
+    found = []
+    for gpu_id in state.gpu_ids(worker):
+        if gpu_id not in matching:
+            continue
+        code = outcome(state, request, gpu_id, held) or Outcome.TOO_FEW_GPUS_ON_WORKER
+        found.append(
+            GpuVerdict(
+                gpu_id,
+                code,
+                need_mb=request.vram_mb,
+                free_mb=offered_mb(code, ledger.free_mb(gpu_id)),
+                committed_mb=ledger.committed_mb(gpu_id),
+                observed_mb=ledger.observed_mb(gpu_id),
+                held_mb=held.get(gpu_id, 0),
+            )
         )
-        for gpu_id in state.gpu_ids(worker)
-        if gpu_id in matching
-    )
+    return tuple(found)
 
 
 def _held(state: Explained, request: Request, diagnosis: Diagnosis) -> Mapping[GpuId, int]:

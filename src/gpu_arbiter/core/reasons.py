@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .ledger import Ledger
 from .model import GpuId, Lease, LeaseState, Policy, Request
-from .outcomes import Why
+from .outcomes import Outcome, Why
 from .preemption import giving_way
 from .units import format_mb, format_s, priority_name
 
@@ -52,10 +52,18 @@ def moment(at: float | None) -> float | None:
     return at if at is not None and math.isfinite(at) else None
 
 
+def offered_mb(code: Outcome, free_mb: int) -> int:
+    """The free memory a verdict shows: what the GPU's books say (never below 0), but 0 on
+    a GPU that may take no new work (its worker offline, draining or drained, its probe
+    stale: I2, I7), whose memory is never offered as room, however much its books hold."""
+    return 0 if code.helped_by == "an event" else max(0, free_mb)
+
+
 @dataclass(frozen=True, slots=True)
 class GpuVerdict:
     """Why one GPU could not take the request (or ``fits``), with its figures; ``count``:
-    how many GPUs say the same (this one the nearest of them to taking it)."""
+    how many GPUs say the same (this one the nearest of them to taking it). ``free_mb``:
+    :func:`offered_mb`."""
 
     gpu: GpuId
     code: str
