@@ -69,7 +69,11 @@ def check_order(state: View, plan: Plan) -> list[str]:
     plan is paused, a request left pending (ended by no timer first) fitted on no
     worker's GPUs at its turn (I10: its constraints, I7 and the probe's freshness,
     memory beyond the holds, the load gate). Exact, with no allowance: a
-    breach of either is a problem."""
+    breach of either is a problem.
+
+    Memory is read through an :class:`~.overlay.Overlay` of the state's ledger (the
+    ledger's exact accounting, without a copy: cheap enough for every simulated step);
+    :func:`_memory` checks the same grants through a copy of the ledger itself."""
     return _Order(state, plan).problems()
 
 
