@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gpu_arbiter.client import ApiError
-from gpu_arbiter.gateway.cluster.cluster import Cluster
+from gpu_arbiter.gateway.cluster.cluster import DOWN_S, Cluster
 from gpu_arbiter.gateway.servers.lease import Lease
 from gpu_arbiter.gateway.servers.model import Refused
 from gpu_arbiter.gateway.servers.replica import ReplicaState
@@ -88,3 +88,85 @@ async def test_a_refused_load_is_its_waiters_answer_and_the_cluster_runs_on() ->
     life.cancel()
     with pytest.raises(asyncio.CancelledError):
         await life
+
+
+class _Loads:
+    """The cluster's routes: no view comes; a load is granted on box-3 at once; each
+    load's body is kept."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def request(self, method: str, path: str, **keys: Any) -> Any:
+        if path.endswith("/cluster"):
+            await asyncio.Event().wait()
+        self.bodies.append(dict(keys["json_body"]))
+        return {"id": "l1", "state": "loading", "worker": "box-3", "gpus": ["box-3:0"],
+                "vram_mb": 1024, "joined": False, "free_mb": {}}  # fmt: skip
+
+
+async def test_a_load_names_the_peers_that_refused_a_connection_just_now() -> None:
+    """A peer that refused a connection is out of the front door's reach: the load it asks
+    for says so (the controller does not join a load held there, I4 keeps its memory)."""
+    controller, clock = _Loads(), FakeClock()
+    cluster = Cluster(
+        controller,  # type: ignore[arg-type]
+        name="gw-1", worker="box-1", models={}, routes={}, clock=clock,
+    )  # fmt: skip
+    life = asyncio.ensure_future(cluster.run())
+    try:
+        cluster.peer_down("gw-2")
+        await cluster.load("chat", 500)
+        assert controller.bodies[-1]["unreachable"] == ["gw-2"]
+        clock.time += DOWN_S + 0.1  # its time is up: it is tried again
+        cluster._loads.clear()
+        await cluster.load("chat", 500)
+        assert controller.bodies[-1]["unreachable"] == []
+    finally:
+        life.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await life
+
+
+def _own(state: str) -> dict[str, Any]:
+    return {"signature": state, "peer_key": "k", "gateways": [
+        {"name": "gw-1", "url": "http://127.0.0.1:1", "worker": "box", "worker_state": state,
+         "routable": state == "online", "models": []},
+    ]}  # fmt: skip
+
+
+async def test_a_draining_host_takes_no_new_request_and_ends_its_replicas_once_idle() -> None:
+    """While this host's worker drains, its own copy is not routable (a request goes
+    elsewhere, or gets a 503 naming the drain when no other host has the model), the
+    request in flight finishes, and then its replica ends (its lease released): the drain
+    can complete. Online again, its copy is routable again."""
+    world = World(keep_alive="5m", max_parallel=2)
+    cluster = Cluster(
+        _Controller(),  # type: ignore[arg-type]
+        name="gw-1", worker="box", models={"chat": world.model}, routes={"chat": "chat"},
+        clock=world.clock,
+    )  # fmt: skip
+    life = asyncio.ensure_future(cluster.run())
+    try:
+        busy = world.start(hold_s=30.0)  # a long answer in flight
+        await world.clock.advance(5)
+        replica = world.replica
+        assert replica.in_flight == 1
+        assert cluster.decide("chat").kind.value == "local"
+        cluster.apply(_own("draining"))
+        decided = cluster.decide("chat")
+        assert decided.kind.value == "none" and "worker box is draining" in decided.why
+        await world.clock.advance(10)
+        assert replica.live and replica.ending is None  # its request still runs
+        await world.clock.advance(25)
+        assert busy.done() and busy.exception() is None  # it finished
+        await world.clock.advance(30)
+        assert world.model.replicas == []  # ended once idle: its lease given back
+        assert ("release", replica.lease_id) in world.leases.calls  # its lease given back
+        cluster.apply(_own("online"))
+        assert cluster.decide("chat").kind.value == "local"  # cold, only this host: local
+    finally:
+        life.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await life
+        await world.close()

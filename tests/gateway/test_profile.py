@@ -32,9 +32,11 @@ from gpu_arbiter.gateway.profile.rules import (
 ASK = Ask("chat")
 
 
-def test_routable_keeps_this_host_and_a_routable_peer_and_says_why_it_drops_one() -> None:
-    assert ROUTABLE.drops(ASK, Candidate("gw-1", local=True, routable=False)) is None
+def test_routable_keeps_a_routable_host_and_says_why_it_drops_one() -> None:
+    assert ROUTABLE.drops(ASK, Candidate("gw-1", local=True)) is None
     assert ROUTABLE.drops(ASK, Candidate("gw-2")) is None
+    ours = Candidate("gw-1", local=True, routable=False, why_not="worker box-1 is draining")
+    assert ROUTABLE.drops(ASK, ours) == "worker box-1 is draining"  # this host too
     draining = Candidate("gw-2", routable=False, why_not="worker box-2 is draining")
     assert ROUTABLE.drops(ASK, draining) == "worker box-2 is draining"
     assert ROUTABLE.drops(ASK, Candidate("gw-2", routable=False)) == "not routable"

@@ -72,7 +72,7 @@ hosts = st.lists(
 @given(hosts)
 def test_the_decision_is_always_a_usable_host_or_a_load_or_none(found: list[Host]) -> None:
     decided = route("chat", found)
-    usable = {h.gateway: h for h in found if h.local or h.routable}
+    usable = {h.gateway: h for h in found if h.routable}  # this host too: its worker online
     if decided.kind in (Kind.LOCAL, Kind.PEER):
         chosen = usable[str(decided.gateway)]
         assert chosen.local is (decided.kind is Kind.LOCAL)
@@ -92,8 +92,9 @@ def test_the_decision_is_always_a_usable_host_or_a_load_or_none(found: list[Host
 
 
 def _old_route(model: str, hosts: list[Host]) -> tuple[Kind, str | None, str]:
-    """The front door's rule as it was before the profile, on the same figures."""
-    usable = [h for h in hosts if h.local or h.routable]
+    """The front door's rule as it was before the profile, on the same figures (but for
+    this host, now dropped too while its own worker is not online)."""
+    usable = [h for h in hosts if h.routable]
     if not usable:
         gone = "; ".join(f"{h.gateway}: {h.why_not or 'not routable'}" for h in hosts)
         return Kind.NONE, None, f"{model}: no host can serve it now ({gone or 'none'})"

@@ -196,24 +196,52 @@ def test_a_host_killed_with_sigkill_leaves_routing_and_its_model_loads_elsewhere
 
 
 def test_a_draining_host_gets_no_new_request_while_its_own_finish(cluster: Cluster) -> None:
+    """``drain box-3`` while chat is served there, a stream in flight on it: new requests
+    at every door, box-3's own included, go to box-2 (box-3's lease is not the model's
+    load any more, I4 keeping its memory until it ends), the stream finishes, then
+    box-3's replica ends, its lease is released and the drain completes. (At gw-2 the
+    model is cold and box-3 out: gw-2 loads it as the only host that may run it.)"""
     first = cluster.host(2, "1x24G:sm_86", _models(cluster))
     draining = cluster.host(3, "1x24G:sm_86", _models(cluster))
     cluster.settled("chat")
     with draining.gateway.client() as client:
         warm = client.post("/v1/chat/completions", json=chat("chat@gw-3"))
         assert served_by(warm) == "gw-3/chat"
-    drained = cluster.admin.post("/v1/workers/box-3/drain", json={})
-    assert drained.status_code in (200, 202), drained.text
-    with first.gateway.client() as client:
-        moved = wait_for(
-            lambda: (
-                (r := client.post("/v1/chat/completions", json=chat("chat")))
-                and served_by(r) == "gw-2/chat"
-                and r
-            ),
-            what="requests at gw-2 served by gw-2",
-        )
-    assert moved.status_code == 200
+    (box_3,) = records(cluster.record, "chat")
+    hold = cluster.root / "let-the-stream-end"
+    body = chat("chat@gw-3", stream=True, tokens=4, hold=str(hold))
+    with (
+        draining.gateway.client() as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as stream,
+    ):
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # it runs there
+        drained = cluster.admin.post("/v1/workers/box-3/drain", json={})
+        assert drained.status_code in (200, 202), drained.text
+        for door in (first, draining):
+            with door.gateway.client() as other:
+                moved = wait_for(
+                    lambda: (
+                        (r := other.post("/v1/chat/completions", json=chat("chat")))
+                        and served_by(r) == "gw-2/chat"
+                        and r
+                    ),
+                    what=f"requests at {door.gateway.url} served by gw-2",
+                )
+            assert moved.status_code == 200
+        assert worker_state(cluster.admin, "box-3") == "draining"  # the stream still runs
+        hold.touch()
+        rest = list(lines)
+    assert "data: [DONE]" in rest, rest
+    assert sum(1 for line in rest if line.startswith("data: {")) == 3  # every token came
+    wait_for(lambda: worker_state(cluster.admin, "box-3") == "drained", what="box-3 drained")
+
+    def ended() -> bool:
+        return any(r["pid"] == box_3["pid"] and r.get("term_at") for r in records(
+            cluster.record, "chat"))  # fmt: skip
+
+    wait_for(ended, what="box-3's chat server stopped")
+    assert {lease["worker"] for lease in model_leases(cluster.admin, "chat")} == {"box-2"}
 
 
 def test_a_load_granted_while_no_front_door_forwards_is_adopted_by_its_host(

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 from ...client import ApiError, ArbiterClient, ControllerUnreachable
 from ..base.clock import Clock
+from ..base.race import sleep_or
 from ..base.upstream import Upstream
 from ..profile import Affinity, Ask, Candidate, Memory, profiles
 from ..servers.lease import Lease
@@ -54,6 +55,11 @@ DOWN_S = 5.0
 """A peer that refused a connection is left out of routing this long (or until the
 controller's view shows it again after a change)."""
 DOWN_WHY = "refused a connection just now"
+RETIRING = ("draining", "drained")
+"""This host's worker states in which its own copies take no new request and its
+replicas end once idle (the drain completes)."""
+RETIRE_CHECK_S = 0.5
+"""How often a retiring host looks again for replicas with nothing in flight."""
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
 ROUTES_KEPT = 200
 """The routing decisions kept for ``GET /admin/routes`` (the newest; the report carries
@@ -134,6 +140,8 @@ class Cluster:
         self._group: asyncio.TaskGroup | None = None  # owns the loads and adoptions
         self._changed = asyncio.Event()
         self.routed: deque[dict[str, Any]] = deque(maxlen=ROUTES_KEPT)
+        self.own_state: str | None = None  # this host's worker, as the view shows it
+        self._retiring: asyncio.Future[None] | None = None
         self.affinity = affinity  # prefix affinity (None: off)
         self._warm = profiles(affinity is not None)[0]
         self._went = Memory()  # a prefix -> the gateway it went to last
@@ -205,6 +213,7 @@ class Cluster:
         for gateway in view.get("gateways") or ():
             name = str(gateway.get("name"))
             if name == self.name:
+                self._own(gateway.get("worker_state"))
                 continue
             old = self.peers.pop(name, None)
             found[name] = _peer(gateway, old)
@@ -215,6 +224,37 @@ class Cluster:
         self.seen.set()
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def _own(self, state: object) -> None:
+        """This host's worker as the view shows it: while it is draining or drained, its
+        own copies take no new request (they go to the other hosts, or to a load the
+        arbiter places among them) and its replicas end once nothing is in flight on them
+        (:meth:`_retire`), so that the drain completes."""
+        self.own_state = None if state is None else str(state)
+        retiring = self.own_state in RETIRING
+        if retiring and (self._retiring is None or self._retiring.done()):
+            log.info("gateway %s: worker %s is %s: its replicas end once idle",
+                     self.name, self.worker, self.own_state)  # fmt: skip
+            self._retiring = self._task(self._retire())
+
+    async def _retire(self) -> None:
+        """Ends this host's replicas as each model has nothing in flight, while its worker
+        stays draining or drained."""
+        while self.own_state in RETIRING:
+            for model in self.models.values():
+                live = [r for r in model.replicas if r.live and r.ending is None]
+                if live and not any(r.in_flight for r in live):
+                    log.info("gateway %s: %s: nothing in flight, ended for the drain",
+                             self.name, model.name)  # fmt: skip
+                    await model.unload()
+            await sleep_or(self.clock.sleep(RETIRE_CHECK_S), self._changed)
+
+    @property
+    def own_why(self) -> str:
+        """Why this host's own copies are not routable now ('' when they are)."""
+        if self.own_state is None or self.own_state == "online":
+            return ""
+        return f"worker {self.worker} is {self.own_state}"
 
     def trusts(self, key: str) -> bool:
         """Whether ``key`` is a credential this controller issued to its gateways."""
@@ -256,7 +296,7 @@ class Cluster:
         found: list[Candidate] = []
         local = self.routes.get(name)
         if local is not None:
-            found.append(_local_host(self.name, self.models[local]))
+            found.append(_local_host(self.name, self.models[local], self.own_why))
         now = self.clock.now()
         for peer in self.peers.values():
             model_id = peer.aliases.get(name)
@@ -352,6 +392,8 @@ class Cluster:
             "max_wait_s": config.queue_timeout_s if config else DEFAULT_QUEUE_TIMEOUT_S,
             "load_timeout_s": config.load_timeout_s if config else 300.0,
         }
+        now = self.clock.now()
+        body["unreachable"] = sorted(n for n, until in self._down.items() if until > now)
         path = f"/v1/gateways/{self.name}/loads"
         while True:
             try:
@@ -472,11 +514,12 @@ def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:
     return Peer(name, url, gateway.get("worker"), routable, why, models, aliases, upstream, figures)
 
 
-def _local_host(name: str, model: ModelServer) -> Candidate:
+def _local_host(name: str, model: ModelServer, why_not: str = "") -> Candidate:
     ready = [r for r in model.replicas if r.accepting]
     coming = any(r.state in _LOCAL_COMING and r.ending is None for r in model.replicas)
     return Candidate(
-        name, local=True, state=model.state(), ready=len(ready),
+        name, local=True, routable=not why_not, why_not=why_not, state=model.state(),
+        ready=len(ready),
         slots=len(ready) * model.config.max_parallel, in_flight=sum(r.in_flight for r in ready),
         coming=coming,
     )  # fmt: skip

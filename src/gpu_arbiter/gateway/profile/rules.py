@@ -2,9 +2,9 @@
 
 Filters:
 
-- ``routable``: a peer whose worker is not online (draining, drained, offline), or that
-  refused a connection just now, is dropped; this host is always kept (its own replicas
-  are its own to judge);
+- ``routable``: a host whose worker is not online (draining, drained, offline), this one
+  included, or a peer that refused a connection just now, is dropped (a draining host's
+  requests in flight finish there; new ones go elsewhere);
 - ``ready``: a candidate with no replica ready (warm or busy) is dropped;
 - ``coming``: a candidate with no replica on its way is dropped;
 - ``free_slot``: a replica with no free slot is dropped (a request waits for one).
@@ -42,7 +42,7 @@ __all__ = [
 
 
 def _routable(ask: Ask, c: Candidate) -> str | None:
-    if c.local or c.routable:
+    if c.routable:
         return None
     return c.why_not or "not routable"
 
