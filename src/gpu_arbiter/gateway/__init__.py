@@ -4,7 +4,8 @@ under leases, and relays requests to them as one of the cluster's front doors.
 Five packages, each importing only those above it in this list (``tests/test_layering.py``
 checks it):
 
-- ``base/``: what every part uses: the clock (``clock.py``), cancel scopes
+- ``base/``: what every part uses: the clock (``clock.py``), races between waits whose
+  tasks are all over when they return (``race.py``), cancel scopes
   (``scopes.py``), the keep-alive HTTP/1.1 connections to a server or a peer
   (``upstream.py``), the metrics (``metrics.py``);
 - ``profile/``: routing as a profile, pure: filters, weighted scorers and a picker over
@@ -18,8 +19,11 @@ checks it):
 - ``cluster/``: the other gateways as the controller shows them and the cluster's cold
   loads (``cluster.py``), where a request goes (``routing.py``, pure: two profiles, then
   the cold cases), and what this gateway tells the controller (``report.py``);
-- ``requests/``: the request path: the ASGI routes (``app.py``), who may use the port
-  (``access.py``) and the request bodies (``bodies.py``).
+- ``requests/``: the request path: a request as one value (``request.py``), the shared
+  checks and the dispatch table (``app.py``), the front door (``front_door.py``), a
+  caller's wait (``waits.py``), the relay to a replica or a peer (``relay.py``), the
+  gateway's own answers (``answers.py``), who may use the port (``access.py``) and the
+  request bodies (``bodies.py``).
 
 Beside them, the gateway as a whole: ``config.py`` reads ``models.toml`` and
 ``serve.py`` builds the parts and runs them.

@@ -11,6 +11,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
+from ...web.jsontext import dumps
 from ..servers.model import Refused
 
 __all__ = [
@@ -57,7 +58,8 @@ async def send_bytes(
 
 
 async def send_json(send: Send, status: int, value: Any, extra: Any = ()) -> None:
-    await send_bytes(send, status, json.dumps(value).encode(), b"application/json", extra)
+    body = dumps(value, what="a gateway answer").encode()
+    await send_bytes(send, status, body, b"application/json", extra)
 
 
 async def send_error(
@@ -89,7 +91,7 @@ async def send_refused(send: Send, refused: Refused, waited_s: float) -> None:
 async def send_final_error(send: Send, status: int, message: str, code: str) -> None:
     """The final event of an event stream cut short, in OpenAI's error shape."""
     error = {"message": message, "type": "server_error", "code": code, "status": status}
-    event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    event = b"data: " + dumps({"error": error}, what="an error event").encode() + b"\n\n"
     with contextlib.suppress(OSError):
         await send({"type": "http.response.body", "body": event, "more_body": False})
 
@@ -118,7 +120,8 @@ class AfterHead:
             body: bytes = message.get("body", b"")
             self.error += body[: MAX_ERROR_BYTES - len(self.error)]
             if not message.get("more_body"):
-                event = b"data: " + json.dumps(error_event(self.status, self.error)).encode()
+                error = dumps(error_event(self.status, self.error), what="an error event")
+                event = b"data: " + error.encode()
                 await self.send({"type": "http.response.body", "body": event + b"\n\n"})
 
 
