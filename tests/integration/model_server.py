@@ -1,7 +1,7 @@
 """A small OpenAI-compatible model server for the gateway's tests and bench.
 
 ``python model_server.py --port P --name N [--mb MB] [--load-s S] [--record DIR]
-[--no-drain] [--ignore-term]``
+[--no-drain] [--ignore-term] [--fail-while PATH]``
 
 On start it takes ``--mb`` MiB on each GPU of ``CUDA_VISIBLE_DEVICES`` in the fake
 probe (half at once, all after ``--load-s``, as a real server grows while it loads),
@@ -20,7 +20,8 @@ With ``--record DIR`` it writes ``DIR/<name>-<pid>.json`` with its start, ready,
 SIGTERM and exit times and how many SIGTERMs it got (each process of a model its own
 file). On SIGTERM it drains (the requests in flight finish, then it exits), or with
 ``--no-drain`` exits half a second later whatever is in flight, as many servers do; with
-``--ignore-term`` it records the SIGTERM and carries on (only SIGKILL ends it).
+``--ignore-term`` it records the SIGTERM and carries on (only SIGKILL ends it). With
+``--fail-while PATH`` its start fails (a line on stderr, exit code 4) while PATH exists.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -205,7 +207,11 @@ if __name__ == "__main__":
     parser.add_argument("--record", default="")
     parser.add_argument("--no-drain", dest="drain", action="store_false")
     parser.add_argument("--ignore-term", action="store_true")
+    parser.add_argument("--fail-while", default="")
     arguments = parser.parse_args()
     STATE["name"], STATE["record"] = arguments.name, arguments.record
     record("started_at")
+    if arguments.fail_while and Path(arguments.fail_while).exists():
+        print(f"cannot start: {arguments.fail_while} exists", file=sys.stderr, flush=True)
+        sys.exit(4)
     asyncio.run(main(arguments))

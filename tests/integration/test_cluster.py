@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -58,6 +59,66 @@ def cluster(start_server: Callable[..., Server], tmp_path: Path) -> Iterator[Clu
 def _models(cluster: Cluster, **keys: object) -> str:
     keys = {"vram": "8G", "keep_alive": "60s", "aliases": ["gpt-4o-mini"], **keys}
     return model_entry("chat", cluster.record, mb=6000, **keys)  # type: ignore[arg-type]
+
+
+def test_a_front_door_lists_the_clusters_state_and_a_failed_start_as_failed(
+    cluster: Cluster,
+) -> None:
+    """gw-2's copy fails its start: gw-2 lists it failed among its hosts, with the failure
+    and when it may start again, and reports it so to the controller; once gw-3's copy is
+    warm, gw-2 lists the model warm (the cluster's state), while its report still says
+    its own copy failed; once the failure is gone, a request starts gw-2's again."""
+    broken = cluster.root / "broken"
+    broken.write_text("")
+    failing = model_entry("chat", cluster.record, mb=6000, vram="8G", fail_while=broken)
+    door = cluster.host(2, "1x24G:sm_86", failing)
+    cluster.host(3, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+
+    def listed() -> dict[str, Any]:
+        with door.gateway.client() as client:
+            found: dict[str, Any] = client.get("/v1/models/chat").json()
+        return found
+
+    def reported() -> dict[str, Any]:
+        gateways = cluster.admin.get("/v1/gateways").json()
+        models = next(g for g in gateways if g["name"] == "gw-2")["models"]
+        found: dict[str, Any] = next(m for m in models if m["id"] == "chat")
+        return found
+
+    with door.gateway.client() as client:
+        failed = client.post("/v1/chat/completions", json=chat("chat@gw-2"))
+        assert failed.status_code == 502, failed.text
+        entry = listed()
+        assert entry["state"] == "cold"  # gw-3 may still start it
+        here = entry["hosts"][0]
+        assert (here["gateway"], here["state"]) == ("gw-2", "failed")
+        assert "exited with code 4" in here["failure"]
+        assert here["retry_at"] > 0 and 0 <= here["retry_in_s"] <= 1.0
+        wait_for(lambda: reported()["state"] == "failed", what="gw-2 reports its copy failed")
+        assert "exited with code 4" in reported()["failure"]
+
+        with cluster.hosts[1].gateway.client() as there:
+            served = there.post("/v1/chat/completions", json=chat("chat@gw-3"))
+        assert served_by(served) == "gw-3/chat", served.text
+        wait_for(lambda: listed()["state"] == "warm", what="gw-2 to list chat warm on gw-3")
+        entry = listed()
+        assert {k: entry[k] for k in ("id", "object", "owned_by")} == {
+            "id": "chat", "object": "model", "owned_by": "gpu-arbiter",
+        }  # fmt: skip
+        assert isinstance(entry["created"], int)
+        assert [(h["gateway"], h["worker"], h["state"], h["ready"]) for h in entry["hosts"]] == [
+            ("gw-2", "box-2", "failed", 0), ("gw-3", "box-3", "warm", 1),
+        ]  # fmt: skip
+        assert reported()["state"] == "failed"  # its own copy, not the cluster's
+
+        broken.unlink()
+        wait_for(lambda: listed()["hosts"][0]["retry_in_s"] == 0, what="the back-off over")
+        again = client.post("/v1/chat/completions", json=chat("chat@gw-2"))
+        assert served_by(again) == "gw-2/chat", again.text
+    assert listed()["hosts"][0]["state"] in ("warm", "busy")
+    wait_for(lambda: reported()["state"] in ("warm", "busy"), what="gw-2 reports it warm")
+    assert "failure" not in reported()
 
 
 def test_a_cold_model_loads_where_it_fits_and_the_warm_copy_serves_every_front_door(

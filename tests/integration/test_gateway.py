@@ -285,7 +285,10 @@ def test_a_crash_is_a_502_and_restarts_back_off(setup: Setup) -> None:
         wait_for(lambda: not setup.held("chat"), 10, "the lease released")
         # the 503 while it backs off is timed on a virtual clock in
         # tests/gateway/test_replica.py; here, under any load: no restart by itself
-        wait_for(lambda: gateway.model_state("chat")["state"] == "cold", 10, "back-off over")
+        listed = gateway.model_state("chat")
+        assert listed["state"] == "failed"  # until a start loads, with the failure
+        assert "exited with code 3" in listed["failure"]
+        wait_for(lambda: gateway.model_state("chat")["retry_in_s"] == 0, 10, "back-off over")
         assert len(records(setup.record, "chat")) == 1
         assert client.post("/v1/completions", json=chat("chat")).status_code == 200
     assert len(records(setup.record, "chat")) == 2

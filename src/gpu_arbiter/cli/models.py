@@ -155,12 +155,9 @@ def _row(model: Json) -> list[str]:
     replicas = model.get("replicas") or []
     leases = [_lease_words(r) for r in replicas if r.get("lease")]
     left = [_keep_alive_words(r) for r in replicas if "keep_alive_left_s" in r]
-    state = str(model.get("state"))
-    if model.get("pending_reason"):
-        state += f": {model['pending_reason']}"
     return [
         str(model.get("id")),
-        state,
+        _state_words(model),
         ", ".join(leases) or "-",
         format_mb(int(model["held_mb"])) if model.get("held_mb") else "-",
         str(model.get("in_flight", 0)),
@@ -169,6 +166,20 @@ def _row(model: Json) -> list[str]:
         ", ".join(left) or "-",
         _pin_words(model) if model.get("pinned") else "-",
     ]
+
+
+def _state_words(model: Json) -> str:
+    """The state, and why where it says: the arbiter's reason for a queued model, the
+    failure of a failed one and when a request may start it again."""
+    state = str(model.get("state"))
+    if model.get("pending_reason"):
+        state += f": {model['pending_reason']}"
+    if state == "failed":
+        state += f": {model.get('failure') or 'its last start failed'}"
+        left = model.get("retry_in_s")
+        if isinstance(left, int | float):
+            state += f"; next start in {format_s(float(left))}" if left > 0 else "; may start now"
+    return state
 
 
 def _last_used_words(model: Json) -> str:

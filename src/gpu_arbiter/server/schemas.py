@@ -388,6 +388,8 @@ class GatewayModelIn(_In):
     preemptible_by: Text | None = None
     pending_reason: LongText | None = None
     failure: LongText | None = None
+    retry_at: Ago | None = None  # a failed model: when a request may start it again (unix)
+    retry_in_s: Ago | None = None  # and in how many seconds (0: now)
     replicas: Annotated[list[SmallObject], Field(max_length=64)] = Field(default_factory=list)
 
 

@@ -311,6 +311,34 @@ class Cluster:
             found.append(figures)
         return found
 
+    def copies(self, model_id: str) -> list[dict[str, Any]]:
+        """Each host's copy of model ``model_id`` as this front door routes among them
+        (:meth:`hosts`): this host's first, then the peers' by name; a failed copy with
+        its failure and when it may start again."""
+        found = []
+        for host in sorted(self.hosts(model_id), key=lambda h: (not h.local, h.gateway)):
+            copy: dict[str, Any] = {
+                "gateway": host.gateway, "state": host.state, "ready": host.ready,
+                "in_flight": host.in_flight, "routable": host.routable,
+            }  # fmt: skip
+            if host.local:
+                copy["worker"] = self.worker
+                described = self.models[self.routes[model_id]].describe()
+            else:
+                peer = self.peers[host.gateway]
+                copy["worker"] = peer.worker
+                described = dict(peer.model(model_id) or {})
+                if isinstance(described.get("retry_at"), int | float):  # counted from now
+                    described["retry_in_s"] = round(
+                        max(0.0, described["retry_at"] - time.time()), 1
+                    )
+            if not host.routable:
+                copy["why_not"] = host.why_not
+            if host.state == "failed":
+                copy.update({k: described.get(k) for k in ("failure", "retry_at", "retry_in_s")})
+            found.append(copy)
+        return found
+
     def peer_down(self, name: str) -> None:
         """A peer refused a connection: left out of routing for :data:`DOWN_S`."""
         self._down[name] = self.clock.now() + DOWN_S

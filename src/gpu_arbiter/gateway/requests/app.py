@@ -6,7 +6,9 @@ route answers it (:data:`_EXACT`, :data:`_PREFIXES`).
                               JSON body's top-level key, a multipart body's form field
     ANY  /models/{name}/...   any HTTP server, by prefix (the prefix is taken off)
     GET  /v1/models           the configured models with their state, and each alias
-                              as an entry of its own (``alias_of``)
+                              as an entry of its own (``alias_of``); at a front door,
+                              the cluster's models, each with the cluster's state and
+                              every host's copy beside it (``hosts``: :func:`_with_hosts`)
     GET  /v1/models/{id}      one of them, by name or alias
     POST /admin/models/{name}/unload, /pin, /unpin
                               an operator's (an admin key's, when there are keys): stop
@@ -85,6 +87,7 @@ from ..base.race import within
 from ..base.scopes import CancelScope
 from ..cluster.cluster import Cluster
 from ..servers.model import ModelServer, Refused
+from ..servers.states import most_advanced
 from .access import ADMIN_PREFIX, Access
 from .answers import (
     STOPPING,
@@ -465,30 +468,31 @@ def _route_of(method: str, path: str) -> tuple[Handler, bool]:
 def _with_hosts(
     entries: list[dict[str, Any]], cluster: Cluster, created: int
 ) -> list[dict[str, Any]]:
-    """The models of the whole cluster: each of this gateway's with the gateways that
-    serve it (``hosts``: each one's state and requests in flight), and those only
-    other gateways serve as entries of their own."""
+    """The models of the whole cluster: each of this gateway's with every host's copy
+    (``hosts``: :meth:`Cluster.copies`), and those only other gateways serve as entries
+    of their own. An entry's ``state`` (its aliases' too) is the cluster's: the most
+    advanced of its routable hosts' (``MODEL_STATES``), ``unavailable`` when none is
+    routable; its other figures are this gateway's own."""
     by_id = {e["id"]: e for e in entries if "alias_of" not in e}
     for peer in sorted(cluster.peers.values(), key=lambda p: p.name):
         for model_id, model in peer.models.items():
-            there = {"gateway": peer.name, "worker": peer.worker, "state": model.get("state"),
-                     "in_flight": model.get("in_flight", 0), "routable": peer.routable}  # fmt: skip
-            entry = by_id.get(model_id)
-            if entry is None:
-                entry = {"id": model_id, "object": "model", "created": created,
-                         "owned_by": "gpu-arbiter", "state": model.get("state"),
-                         "aliases": list(model.get("aliases") or ()), "hosts": []}  # fmt: skip
-                by_id[model_id] = entry
-                entries.append(entry)
-                for alias in entry["aliases"]:
-                    entries.append({"id": alias, "object": "model", "created": created,
-                                    "owned_by": "gpu-arbiter", "alias_of": model_id})  # fmt: skip
-            entry.setdefault("hosts", []).append(there)
+            if model_id in by_id:
+                continue
+            aliases = [str(alias) for alias in model.get("aliases") or ()]
+            entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created,
+                                     "owned_by": "gpu-arbiter", "aliases": aliases}  # fmt: skip
+            by_id[model_id] = entry
+            entries.append(entry)
+            for alias in aliases:
+                entries.append({"id": alias, "object": "model", "created": created,
+                                "owned_by": "gpu-arbiter", "alias_of": model_id})  # fmt: skip
     for model_id, entry in by_id.items():
-        if model_id in cluster.routes and cluster.routes[model_id] == model_id:
-            local = {"gateway": cluster.name, "worker": cluster.worker, "state": entry.get("state"),
-                     "in_flight": entry.get("in_flight", 0), "routable": True}  # fmt: skip
-            entry["hosts"] = [local, *entry.get("hosts", [])]
+        entry["hosts"] = cluster.copies(model_id)
+        found = most_advanced(h["state"] for h in entry["hosts"] if h["routable"])
+        entry["state"] = found or "unavailable"
+    for entry in entries:
+        if "alias_of" in entry:
+            entry["state"] = by_id[entry["alias_of"]]["state"]
     return entries
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -50,20 +51,11 @@ from .engines import OFFLINE, driver_for
 from .interfaces import Parts
 from .lease import Lease
 from .replica import AGENT_MARGIN_S, Replica, ReplicaState
-from .states import EndKind
+from .states import EndKind, most_advanced
 
 __all__ = ["ModelServer", "Refused"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
-_MOST_ADVANCED = (
-    ReplicaState.BUSY,
-    ReplicaState.WARM,
-    ReplicaState.WAKING,
-    ReplicaState.ASLEEP,
-    ReplicaState.LOADING,
-    ReplicaState.QUEUED,
-    ReplicaState.STOPPING,
-)
 _COMING = (ReplicaState.QUEUED, ReplicaState.LOADING, ReplicaState.WAKING)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -517,12 +509,14 @@ class ModelServer:
     # ------------------------------------------------------------------ state
 
     def state(self) -> str:
-        """cold, queued, loading, warm, busy (or backoff): the most advanced replica's."""
-        states = {r.state for r in self.replicas}
-        for state in _MOST_ADVANCED:
-            if state in states:
-                return str(state)
-        return "backoff" if self.backoff_left_s() > 0 else "cold"
+        """The most advanced replica's state (``MODEL_STATES``); with none, ``failed``
+        when the last one failed (it could not start, was not ready in time, or its
+        server exited: :attr:`failure`) and no start loaded since, else ``cold``."""
+        states = (str(r.state) for r in self.replicas if r.state is not ReplicaState.ENDED)
+        found = most_advanced(states)
+        if found is not None:
+            return found
+        return "failed" if self.failures else "cold"
 
     def describe(self) -> dict[str, Any]:
         found: dict[str, Any] = {
@@ -546,8 +540,11 @@ class ModelServer:
         queued = [r for r in self.replicas if r.state is ReplicaState.QUEUED]
         if queued:
             found["pending_reason"] = self._queued_text(queued[0])
-        if self.failure and self.backoff_left_s() > 0:
+        if found["state"] == "failed":
+            left = self.backoff_left_s()
             found["failure"] = self.failure
+            found["retry_at"] = round(time.time() + left, 3)  # the wall clock's, unix time
+            found["retry_in_s"] = round(left, 1)
         return found
 
     def _last_used_ago_s(self) -> float | None:

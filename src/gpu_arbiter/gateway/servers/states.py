@@ -6,12 +6,20 @@ bug: ``AssertionError`` naming both states). ``ended`` has no way out."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
-__all__ = ["TRANSITIONS", "EndKind", "Ending", "ReplicaState", "check_move"]
+__all__ = [
+    "MODEL_STATES",
+    "TRANSITIONS",
+    "EndKind",
+    "Ending",
+    "ReplicaState",
+    "check_move",
+    "most_advanced",
+]
 
 
 class ReplicaState(StrEnum):
@@ -46,6 +54,29 @@ TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = MappingProxyType(
     }
 )
 """The moves a replica's state may make: from -> the states it may go to."""
+
+
+MODEL_STATES = (
+    "busy", "warm", "waking", "asleep", "loading", "queued", "stopping", "cold", "failed",
+)  # fmt: skip
+"""A model's states, the most advanced first: a copy's state is its most advanced
+replica's (``busy`` to ``stopping``), else ``cold`` (nothing runs; the next request
+starts it) or ``failed`` (its last start failed: the next request starts it once the
+back-off is over). The cluster's state of a model is the most advanced of its routable
+hosts' in the same order: a host that serves, or wakes or loads it, comes before one
+where it would have to start, and a host where it may start before one where its last
+start failed."""
+
+
+def most_advanced(states: Iterable[str]) -> str | None:
+    """The first of ``states`` in :data:`MODEL_STATES`' order (a word it does not know
+    last); None when there is none."""
+    found = list(states)
+    if not found:
+        return None
+    return min(
+        found, key=lambda s: MODEL_STATES.index(s) if s in MODEL_STATES else len(MODEL_STATES)
+    )
 
 
 def check_move(now: ReplicaState, to: ReplicaState) -> None:

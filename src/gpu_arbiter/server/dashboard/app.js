@@ -503,7 +503,7 @@ async function pollHistory(generation) {
 // host, one table per gateway, polled every GATEWAYS_POLL_MS while the page is visible.
 const MODEL_STATES = {
   cold: "cold (stopped)",
-  backoff: "backing off after a failed start",
+  failed: "failed (its last start failed)",
   asleep: "asleep (process kept, memory given back)",
 };
 
@@ -527,7 +527,10 @@ function keepAliveLeft(model) {
 }
 
 function modelState(model) {
-  const why = model.pending_reason || model.failure;
+  let why = model.pending_reason || model.failure;
+  if (model.state === "failed" && typeof model.retry_in_s === "number") {
+    why = (why || "") + (model.retry_in_s > 0 ? `; next start in ${duration(model.retry_in_s)}` : "; may start now");
+  }
   return el("span", {},
     el("span", { class: "model-state " + model.state, "data-state": model.state }, MODEL_STATES[model.state] || model.state),
     why ? el("div", { class: "reason-text" }, why) : null);
