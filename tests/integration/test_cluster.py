@@ -98,8 +98,7 @@ def test_a_front_door_lists_the_clusters_state_and_a_failed_start_as_failed(
         wait_for(lambda: reported()["state"] == "failed", what="gw-2 reports its copy failed")
         assert "exited with code 4" in reported()["failure"]
 
-        with cluster.hosts[1].gateway.client() as there:
-            served = there.post("/v1/chat/completions", json=chat("chat@gw-3"))
+        served = client.post("/v1/chat/completions", json=chat("chat@gw-3"))  # relayed
         assert served_by(served) == "gw-3/chat", served.text
         wait_for(lambda: listed()["state"] == "warm", what="gw-2 to list chat warm on gw-3")
         entry = listed()
@@ -175,6 +174,10 @@ def test_the_openai_sdk_sees_every_model_of_the_cluster_and_names_one_hosts_copy
         model="chat@gw-2", messages=[{"role": "user", "content": "hi"}]
     )
     assert named.headers["x-served-by"] == "gw-2/chat"
+    relayed = sdk.chat.completions.with_raw_response.create(
+        model="chat@gw-3", messages=[{"role": "user", "content": "hi"}]
+    )  # another host's copy: relayed, and served there under its own name
+    assert relayed.headers["x-served-by"] == "gw-3/chat"
     with pytest.raises(openai.NotFoundError):
         sdk.chat.completions.create(model="chat@gw-9", messages=[{"role": "user", "content": "hi"}])
     assert second.gateway.url  # the second host served embed

@@ -367,6 +367,9 @@ class GatewayApp:
         else through the front door when there is a cluster, then here if it says so."""
         request.model = name
         if self.cluster is not None and request.peer:
+            model, at, host = name.rpartition("@")
+            if at and host == self.name:  # MODEL@GATEWAY, named at a front door: this copy
+                name = model
             lease_id = request.headers.get(b"x-arbiter-lease")
             found = self.routes.get(name)
             if lease_id and found is not None:
