@@ -77,7 +77,7 @@ def test_cold_start_warm_reuse_and_keep_alive(setup: Setup) -> None:
     with gateway.client() as client:
         first = client.post("/v1/chat/completions", json=chat("gpt-4o-mini"))
         assert first.status_code == 200, first.text
-        assert first.json()["model"] == "chat"
+        assert first.json()["model"] == "gpt-4o-mini"  # the name it asked for
         [lease] = setup.held("chat")
         assert lease["vram_mb"] == 10240 and lease["priority"] == 800
         second = client.post("/v1/chat/completions", json=chat("chat"))

@@ -255,3 +255,35 @@ def test_a_generating_llama_server_is_stopped_without_a_second_grace(
     assert gone_s >= grace_s - 0.5  # the stream had its grace
     assert gone_s < 2 * grace_s - 0.5  # not a second grace
     print(f"llama: batch gone {gone_s:.1f}s, preemptor served {served_s:.1f}s after it asked")
+
+
+def test_the_answer_names_the_model_as_the_caller_asked_for_it(
+    setup: Setup, sdk: Any, llama_server: Path, tiny_models: Path
+) -> None:
+    """llama.cpp's server names itself by the path of its GGUF file; the caller gets
+    the name it sent (the model's, an alias, or ``MODEL@GATEWAY``) in a JSON answer, with
+    its length, and in every chunk of a stream."""
+    setup.agent()
+    entry, _ = llama_entry(
+        "chat", llama_server, tiny_models / "tiny-chat.gguf", vram="1G",
+        aliases=["gpt-4o-mini"], keep_alive="5m",
+    )  # fmt: skip
+    gateway = setup.gateway(entry)
+    client = sdk(gateway)
+    hello = [{"role": "user", "content": "hello"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="chat", messages=hello, max_tokens=4
+    )
+    assert raw.parse().model == "chat"
+    assert int(raw.headers["content-length"]) == len(raw.content)
+    here = raw.headers["x-served-by"].partition("/")[0]  # MODEL@GATEWAY: this gateway's
+    for asked in ("gpt-4o-mini", f"chat@{here}"):
+        answer = client.chat.completions.create(model=asked, messages=hello, max_tokens=4)
+        assert answer.model == asked
+        chunks = list(
+            client.chat.completions.create(model=asked, messages=hello, max_tokens=4, stream=True)
+        )
+        assert len(chunks) >= 2
+        assert {chunk.model for chunk in chunks} == {asked}
+    completion = client.completions.create(model="gpt-4o-mini", prompt="once", max_tokens=2)
+    assert completion.model == "gpt-4o-mini"

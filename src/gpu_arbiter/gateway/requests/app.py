@@ -27,7 +27,11 @@ model needs, under ``max_body_bytes`` each and ``max_buffered_bytes`` in all
 
 Responses stream through as they come (server-sent events, chunked bodies): each
 chunk the model server sends is passed on at once. A client that disconnects
-cancels the request to the model server (its connection is closed).
+cancels the request to the model server (its connection is closed). An answer to a
+JSON body names the model as the body did (the model's name, an alias, or
+``MODEL@GATEWAY`` as sent), not as the model server calls itself (llama.cpp's server:
+its GGUF file's path): its top-level ``model``, in a JSON answer and in each event of a
+stream, renamed by the gateway that serves it (``renamed.py``).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
 
@@ -55,8 +59,9 @@ other answer cut short ends with its connection, short of its length.
 
 The request path's modules: ``front_door.py`` (where a request that came here first
 goes in the cluster), ``waits.py`` (a wait for a replica or a load), ``relay.py`` (the
-relay to a replica or a peer, and what its end says), ``answers.py`` (the gateway's own
-answers), ``request.py`` (the request as a value).
+relay to a replica or a peer, and what its end says), ``renamed.py`` (the answer's
+``model`` renamed), ``answers.py`` (the gateway's own answers), ``request.py`` (the
+request as a value).
 
 A gateway that stops (:meth:`GatewayApp.stop`) answers 503 at once to each new request
 for a model and to those waiting for a replica; the requests relayed to a replica get

@@ -18,6 +18,7 @@ length. 0 for a client that went away: nothing more is sent to it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ from ..servers.replica import Replica
 from .access import Access
 from .answers import STOPPING, Headers, Receive, Send, send_error, send_final_error
 from .bodies import TooLarge
+from .renamed import HELD_MAX, Events, renamed
 from .request import PEER, Request
 
 __all__ = [
@@ -134,10 +136,12 @@ async def exchange(
     cancel: CancelScope,
     failed: Failed,
     too_large: Callable[[Send], Awaitable[None]],
+    rename: str | None = None,
 ) -> Exchange:
     """Relays ``request`` (its headers: ``headers``) to ``upstream`` inside ``cancel``,
     the client's disconnect watched meanwhile, and its answer back with ``extra``
-    headers added. A streamed body over the limit before any answer is a 413."""
+    headers added (and its ``model`` renamed ``rename``, if given: ``renamed.py``). A
+    streamed body over the limit before any answer is a 413."""
     outbound = request.body
     done = Exchange()
     watcher = watch_disconnect(request.receive, cancel, done, outbound.body_read)
@@ -152,7 +156,7 @@ async def exchange(
                     status = await failed(send, error)
                     done.status, done.unsent = status or 0, status is None
                 else:
-                    await pass_on(send, answer, done, extra)
+                    await pass_on(send, answer, done, extra, rename)
         except TooLarge:  # a streamed body went over the limit before any answer
             await too_large(send)
             done.status = 413
@@ -165,15 +169,18 @@ async def to_replica(
     app: Relaying, request: Request, send: Send, replica: Replica, extra: Headers
 ) -> int:
     """Relays the request to ``replica``, ``extra`` headers added to the answer's; the
-    status sent (0 when the client went away)."""
+    status sent (0 when the client went away). The answer to a JSON request names the
+    model as the request did (``renamed.py``): at the gateway that serves it, so that
+    every front door passes it on as it is."""
     drop = _HOP_TO_OUR_SERVER if app.access.auth else _HOP
     headers = [(k, v) for k, v in request.raw_headers if k.lower() not in drop]
     cancel = CancelScope()  # by the replica's cut, or by the client's disconnect
     replica.relays.add(cancel)
     failed = functools.partial(_failed, replica)
+    rename = request.model if request.json_body is not None and request.model else None
     try:
         done = await exchange(
-            request, send, replica.upstream, headers, extra, cancel, failed, app.too_large
+            request, send, replica.upstream, headers, extra, cancel, failed, app.too_large, rename
         )
     finally:
         replica.relay_ended(cancel)
@@ -228,25 +235,78 @@ async def to_peer(
     return await _forward_ended(send, done, cancel, f"{model} from {gateway}")
 
 
-async def pass_on(send: Send, answer: Any, done: Exchange, extra: Sequence[Any]) -> None:
-    """Sends an answer on as it comes, ``extra`` headers added; a body cut short ends
-    the answer short (an event stream's final event is the caller's to add)."""
+async def pass_on(
+    send: Send, answer: Any, done: Exchange, extra: Sequence[Any], rename: str | None = None
+) -> None:
+    """Sends an answer on as it comes, ``extra`` headers added, its ``model`` renamed
+    ``rename`` when given (a JSON answer that says its length is held whole for that, an
+    event stream renamed line by line: ``renamed.py``); a body cut short ends the answer
+    short (an event stream's final event is the caller's to add)."""
+    kept = [(k, v) for k, v in answer.headers if k.lower() not in _HOP_OUT]
+    kept += extra
+    head = kept  # as it came: for an answer cut while it was held
+    done.event_stream = _is_event_stream(answer.headers)
+    ok = 200 <= answer.status < 300
+    events = Events(rename) if rename is not None and ok and done.event_stream else None
+    held: bytes | None = None
     try:
-        kept = [(k, v) for k, v in answer.headers if k.lower() not in _HOP_OUT]
-        kept += extra
+        if rename is not None and ok and _holdable(answer.headers):
+            held = await _read_all(answer)
+            body = renamed(held, rename)
+            if body is not None:
+                held = body
+                kept = [(k, v) for k, v in kept if k.lower() != b"content-length"]
+                kept.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": answer.status, "headers": kept})
         done.status = answer.status
-        done.event_stream = _is_event_stream(answer.headers)
+        if held is not None:
+            await send({"type": "http.response.body", "body": held, "more_body": False})
+            done.ended = True
+            return
         more = True
         while more:  # the last bytes go with the end: one write less
             chunk = await answer.read()
             more = not answer.ended
+            if events is not None:
+                chunk = events.feed(chunk) + (b"" if more else events.end())
+                if more and not chunk:
+                    continue
             await send({"type": "http.response.body", "body": chunk, "more_body": more})
         done.ended = True
     except (OSError, httptools.HttpParserError):
-        pass  # cut mid-body: an event stream's final event says so, any other ends short
+        # cut mid-body: an event stream's final event says so, any other ends short (one
+        # cut while it was held: its head as it came, and no body)
+        if not done.status:
+            with contextlib.suppress(OSError):
+                await send(
+                    {"type": "http.response.start", "status": answer.status, "headers": head}
+                )
+                done.status = answer.status
     finally:
         answer.close()
+
+
+def _holdable(headers: Headers) -> bool:
+    """Whether an answer is JSON that says its length, at most :data:`HELD_MAX` bytes."""
+    json_type = length = False
+    for name, value in headers:
+        name = name.lower()
+        if name == b"content-type":
+            json_type = value.split(b";")[0].strip().lower() == b"application/json"
+        elif name == b"content-length":
+            length = value.strip().isdigit() and int(value) <= HELD_MAX
+    return json_type and length
+
+
+async def _read_all(answer: Any) -> bytes:
+    """All of an answer's body (it said its length)."""
+    parts = []
+    while not answer.ended:
+        chunk = await answer.read()
+        if not chunk and not answer.ended:
+            raise OSError("the answer ended short of its length")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def watch_disconnect(
