@@ -111,3 +111,25 @@ async def test_the_report_carries_the_decisions_without_the_diagnosis() -> None:
         running.cancel()
     assert set(route) == {"at", "model", "outcome", "to", "why"}
     assert "diagnosis" in cluster.routed[-1]
+
+
+@pytest.mark.parametrize(
+    ("name", "status", "says"),
+    [("other@gw-9", 404, "other@gw-9: no live gateway 'gw-9' in this cluster"),
+     ("chat@gw-3", 404, "chat@gw-3: gateway gw-3 does not serve 'chat'"),
+     ("chat@gw-2", 503, "chat@gw-2: gateway gw-2 takes no new request: worker box-2 is draining"),
+     ("other@gw-4", 503, "other@gw-4: gateway gw-4 takes no new request: refused a connection"),
+     ("other@gw-1", 404, "other@gw-1: gateway gw-1 does not serve 'other'")],
+)  # fmt: skip
+async def test_a_named_copy_not_to_be_had_says_which_gateway_and_why(
+    name: str, status: int, says: str
+) -> None:
+    """``MODEL@GATEWAY``: a gateway no live one is called, or one that does not serve the
+    model, is a 404; one live but draining or down just now a 503 naming it and why."""
+    app, cluster = _front_door()
+    cluster.peer_down("gw-4")
+    found, answer = await _call(
+        app, "POST", "/v1/chat/completions", b'{"model": "%s"}' % name.encode()
+    )
+    assert found == status
+    assert answer["error"]["message"].startswith(says), answer

@@ -481,3 +481,46 @@ def test_a_front_door_stopping_gives_its_relays_the_grace_then_ends_them_with_an
     assert door.gateway.proc.wait(30) == 0
     assert serving.gateway.model_state("chat")["state"] in ("warm", "busy")
     assert cluster.started("chat") == 1
+
+
+def test_a_named_hosts_copy_is_served_from_every_door_and_one_out_is_named(
+    cluster: Cluster,
+) -> None:
+    """``chat@gw-3`` at gw-2's door is served by gw-3 (the relayed body still names it,
+    and gw-3 takes its own name off), its answer naming the model as asked, each chunk
+    of a stream too; a gateway no live one is called is a 404 naming it, and gw-3 while
+    its worker drains a 503 naming it and why, at either door."""
+    door = cluster.host(2, "1x24G:sm_86", _models(cluster))
+    named = cluster.host(3, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+    with door.gateway.client() as client:
+        answer = client.post("/v1/chat/completions", json=chat("chat@gw-3"))
+        assert answer.status_code == 200, answer.text
+        assert served_by(answer) == "gw-3/chat"
+        assert answer.json()["model"] == "chat@gw-3"
+        alias = client.post("/v1/chat/completions", json=chat("gpt-4o-mini@gw-3"))
+        assert served_by(alias) == "gw-3/chat"
+        assert alias.json()["model"] == "gpt-4o-mini@gw-3"
+        body = chat("chat@gw-3", stream=True, tokens=3)
+        with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data: {")]
+        assert [json.loads(line[6:])["model"] for line in lines] == ["chat@gw-3"] * 3
+        missing = client.post("/v1/chat/completions", json=chat("chat@gw-9"))
+        assert missing.status_code == 404
+        assert "gw-9" in missing.json()["error"]["message"]
+    assert cluster.started("chat") == 1  # gw-2 loaded none of its own
+    drained = cluster.admin.post("/v1/workers/box-3/drain", json={})
+    assert drained.status_code in (200, 202), drained.text
+    for front in (door, named):
+        with front.gateway.client() as client:
+            refused = wait_for(
+                lambda: (
+                    (r := client.post("/v1/chat/completions", json=chat("chat@gw-3")))
+                    and r.status_code == 503
+                    and r
+                ),
+                what=f"chat@gw-3 refused at {front.gateway.url}",
+            )
+        message = refused.json()["error"]["message"]
+        assert "gw-3" in message and "box-3 is drain" in message, message
+        assert refused.headers["retry-after"]

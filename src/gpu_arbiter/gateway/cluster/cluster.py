@@ -339,6 +339,15 @@ class Cluster:
             found.append(copy)
         return found
 
+    def why_not(self, name: str) -> str:
+        """Why peer ``name`` takes no request now ('' when it does, or is not known)."""
+        peer = self.peers.get(name)
+        if peer is None:
+            return ""
+        if self._down.get(name, 0.0) > self.clock.now():
+            return DOWN_WHY
+        return "" if peer.routable else peer.why_not
+
     def peer_down(self, name: str) -> None:
         """A peer refused a connection: left out of routing for :data:`DOWN_S`."""
         self._down[name] = self.clock.now() + DOWN_S

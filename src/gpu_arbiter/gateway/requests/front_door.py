@@ -3,7 +3,10 @@
 it), a ready replica on another host (relayed there: ``relay.to_peer``), the cluster's
 one load of a cold model (waited for here, then served where it was granted), or the
 cluster's queue. ``MODEL@GATEWAY`` names one gateway's copy (``@`` is in no model's
-name). A host that could not be reached takes nothing of the request: the next
+name): at any front door, relayed as it was sent (the body still names it; that gateway
+takes its own name off); a gateway no live one is called is a 404, one that is live but
+takes no request now (its worker draining or offline, or down just now) a 503 saying
+so. A host that could not be reached takes nothing of the request: the next
 decision leaves it out, once per host."""
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ async def front_door(app: FrontDoorApp, request: Request, name: str) -> bool | N
         if decision.kind is Kind.LOCAL:
             return head_sent
         if decision.kind is Kind.NONE:
-            status, code = (404, "model_not_found") if host else (503, "unavailable")
+            status, code = _named_status(decision) if host else (503, "unavailable")
             await send_error(send, status, decision.why, code, 1.0 if status == 503 else None)
             return None
         lease_id, gateway = None, decision.gateway
@@ -125,13 +128,31 @@ def _gateway_on(cluster: Cluster, lease: Lease) -> str | None:
 
 
 def _named(cluster: Cluster, model: str, host: str) -> Route:
-    """``MODEL@GATEWAY``: that gateway's copy, or none."""
-    if host == cluster.name and model in cluster.routes:
-        return Route(Kind.LOCAL, host, f"{model}@{host}: named")
+    """``MODEL@GATEWAY``: that gateway's copy, or none (its why says whether the gateway
+    is live, serves the model, and takes requests now: :func:`_named_status`)."""
+    named = f"{model}@{host}"
+    if host == cluster.name:
+        if model not in cluster.routes:
+            return Route(Kind.NONE, None, f"{named}: gateway {host} does not serve {model!r}")
+        if cluster.own_why:
+            why = f"{named}: gateway {host} takes no new request: {cluster.own_why}"
+            return Route(Kind.NONE, host, why)
+        return Route(Kind.LOCAL, host, f"{named}: named")
     peer = cluster.peers.get(host)
-    if peer is not None and peer.model(model) is not None:
-        return Route(Kind.PEER, host, f"{model}@{host}: named")
-    return Route(Kind.NONE, None, f"no gateway {host!r} of this cluster serves model {model!r}")
+    if peer is None:
+        return Route(Kind.NONE, None, f"{named}: no live gateway {host!r} in this cluster")
+    if peer.model(model) is None:
+        return Route(Kind.NONE, None, f"{named}: gateway {host} does not serve {model!r}")
+    why_not = cluster.why_not(host)
+    if why_not:
+        return Route(Kind.NONE, host, f"{named}: gateway {host} takes no new request: {why_not}")
+    return Route(Kind.PEER, host, f"{named}: named")
+
+
+def _named_status(decision: Route) -> tuple[int, str]:
+    """A named copy that is not to be had: 404 when no live gateway of that name serves
+    the model, 503 when it does but takes no request now (draining, offline, down)."""
+    return (503, "unavailable") if decision.gateway else (404, "model_not_found")
 
 
 def _model_priority(app: FrontDoorApp, cluster: Cluster, model: str) -> int:
