@@ -26,7 +26,7 @@ from .relay import Relaying, to_peer
 from .request import Request
 from .waits import ClusterLoad, Wait, watching
 
-__all__ = ["FrontDoorApp", "front_door"]
+__all__ = ["FrontDoorApp", "front_door", "load_priority"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 
@@ -100,9 +100,7 @@ async def _load(
     gone)."""
     cluster = app.cluster
     assert cluster is not None
-    wanted = request.priority
-    if wanted is None:
-        wanted = _model_priority(app, cluster, model)
+    wanted = load_priority(_model_priority(app, cluster, model), request.priority)
     wait = Wait(ClusterLoad(cluster, model), send, request.json_body)
     cancel = CancelScope()
     app.waits.add(cancel)
@@ -119,6 +117,14 @@ async def _load(
     finally:
         app.waits.discard(cancel)
         await wait.end()
+
+
+def load_priority(model: int, caller: int | None) -> int:
+    """The priority the cluster's load is asked at: the model's own, or the caller's
+    (its key's, ``x-arbiter-priority``) if higher, as a replica's lease is on one
+    gateway (``ModelServer.lease_priority``): a batch key never lowers it, so never makes
+    it preemptible."""
+    return model if caller is None else max(model, caller)
 
 
 def _gateway_on(cluster: Cluster, lease: Lease) -> str | None:

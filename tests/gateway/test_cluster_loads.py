@@ -1,0 +1,115 @@
+"""The cluster's load of a cold model as a front door asks for it, over a fake controller
+on a virtual clock: asked at the model's own priority unless the caller's key is higher
+(as a replica's lease is on one gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.client import ApiError
+from gpu_arbiter.gateway.base.metrics import GatewayMetrics
+from gpu_arbiter.gateway.cluster.cluster import Cluster
+from gpu_arbiter.gateway.requests.access import Access, ApiKey
+from gpu_arbiter.gateway.requests.app import GatewayApp
+from gpu_arbiter.gateway.requests.front_door import load_priority
+
+from .fakes import FakeClock
+
+pytestmark = pytest.mark.timeout(20)
+Message = dict[str, Any]
+KEYS = (
+    ApiKey("batch", "batch-key-0123456789", priority=100),
+    ApiKey("ui", "ui-key-0123456789", priority=800),
+    ApiKey("plain", "plain-key-0123456789"),
+)
+
+
+class _Refusing:
+    """The cluster's routes: no view comes; each load's body is kept, then refused."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def request(self, method: str, path: str, **keys: Any) -> Any:
+        if path.endswith("/cluster"):
+            await asyncio.Event().wait()
+        self.bodies.append(dict(keys["json_body"]))
+        raise ApiError(503, "unavailable", "no room", {})
+
+
+def _view(priority: int) -> dict[str, Any]:
+    """gw-2 on box-2 declares ``chat`` at ``priority``, with no replica: a cold load."""
+    chat = {"id": "chat", "aliases": [], "max_parallel": 2, "in_flight": 0,
+            "priority": priority, "replicas": []}  # fmt: skip
+    return {"signature": "s", "peer_key": "k", "gateways": [
+        {"name": "gw-2", "url": "http://127.0.0.2:8082", "worker": "box-2",
+         "worker_state": "online", "routable": True, "models": [chat]},
+    ]}  # fmt: skip
+
+
+async def _call(app: GatewayApp, key: str, body: bytes) -> tuple[int, Any]:
+    sent: list[Message] = []
+    given = False
+
+    async def receive() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"authorization", f"Bearer {key}".encode()),
+    ]
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+    await app(scope, receive, send)
+    [head] = [m for m in sent if m["type"] == "http.response.start"]
+    return head["status"], json.loads(b"".join(m.get("body", b"") for m in sent))
+
+
+def test_a_load_is_asked_at_the_models_priority_unless_the_callers_is_higher() -> None:
+    assert load_priority(500, None) == 500
+    assert load_priority(500, 100) == 500  # a batch key never lowers it
+    assert load_priority(500, 800) == 800
+    assert load_priority(300, 300) == 300
+
+
+@pytest.mark.parametrize(
+    ("key", "model", "asked"),
+    [
+        ("batch-key-0123456789", 500, 500),  # the model's own, not the batch key's 100
+        ("ui-key-0123456789", 500, 800),  # a higher key raises it
+        ("plain-key-0123456789", 300, 300),  # a key without a priority: the model's
+        ("batch-key-0123456789", 50, 100),
+    ],
+)
+async def test_a_key_asks_for_a_model_through_another_door_at_the_higher_priority(
+    key: str, model: int, asked: int
+) -> None:
+    controller = _Refusing()
+    app = GatewayApp({}, {}, GatewayMetrics(), Access(KEYS, "127.0.0.1", ()))
+    cluster = Cluster(
+        controller,  # type: ignore[arg-type]
+        name="gw-1", worker="box-1", models={}, routes={}, clock=FakeClock(),
+    )  # fmt: skip
+    app.name, app.cluster = "gw-1", cluster
+    cluster.apply(_view(model))
+    life = asyncio.ensure_future(cluster.run())
+    try:
+        status, answer = await _call(app, key, b'{"model": "chat"}')
+    finally:
+        life.cancel()
+        await asyncio.gather(life, return_exceptions=True)
+    assert status == 503 and "no room" in answer["error"]["message"]
+    [body] = controller.bodies
+    assert (body["model"], body["priority"]) == ("chat", asked)
