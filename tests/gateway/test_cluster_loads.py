@@ -113,3 +113,25 @@ async def test_a_key_asks_for_a_model_through_another_door_at_the_higher_priorit
     assert status == 503 and "no room" in answer["error"]["message"]
     [body] = controller.bodies
     assert (body["model"], body["priority"]) == ("chat", asked)
+
+
+async def test_a_host_that_refuses_a_connection_is_named_in_the_callers_error() -> None:
+    """gw-3 serves chat warm but nothing listens at its address any more (its host was
+    killed): the front door leaves it out and the caller's 503 names gw-3 and box-3."""
+    app = GatewayApp({}, {}, GatewayMetrics(), Access(KEYS, "127.0.0.1", ()))
+    cluster = Cluster(
+        _Refusing(),  # type: ignore[arg-type]
+        name="gw-1", worker="box-1", models={}, routes={}, clock=FakeClock(),
+    )  # fmt: skip
+    app.name, app.cluster = "gw-1", cluster
+    chat = {"id": "chat", "aliases": [], "max_parallel": 2, "in_flight": 0,
+            "replicas": [{"state": "warm", "in_flight": 0}]}  # fmt: skip
+    cluster.apply({"signature": "s", "peer_key": "k", "gateways": [
+        {"name": "gw-3", "url": "http://127.0.0.1:1", "worker": "box-3",
+         "worker_state": "online", "routable": True, "models": [chat]},
+    ]})  # fmt: skip
+    status, answer = await _call(app, "ui-key-0123456789", b'{"model": "chat"}')
+    assert status == 503
+    assert "gw-3: on box-3, refused a connection just now" in answer["error"]["message"]
+    assert cluster.host_name("gw-3") == "gw-3 (box-3)"
+    assert cluster.host_name("gw-9") == "gw-9"

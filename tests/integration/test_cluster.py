@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,39 @@ def test_a_host_killed_with_sigkill_leaves_routing_and_its_model_loads_elsewhere
     wait_for(lambda: not on_box_3("loading", "active"), timeout_s=3.0 + 10.0, what="revoked")
     doomed.agent.start()  # the host is back: its agent finds nothing of the lease running
     wait_for(lambda: not on_box_3(), timeout_s=30.0, what="box-3's lease released")
+
+
+def test_a_host_killed_with_sigkill_is_routed_around_at_once_with_the_default_settings(
+    cluster: Cluster,
+) -> None:
+    """Kill box-3 whole (agent, gateway, model server) with the default TTL and without
+    waiting for it to go offline: the first request at box-2's door is refused a
+    connection by gw-3, leaves it out and loads the model on box-2 (box-3's lease keeps
+    its memory, I4, and is not joined), served within seconds, not once the dead host's
+    lease lapses. The time from the kill to that answer is printed."""
+    models = _models(cluster)
+    survivor = cluster.host(2, "1x24G:sm_86", models)
+    doomed = cluster.host(3, "1x24G:sm_86", models)
+    cluster.settled("chat")
+    with doomed.gateway.client() as client:
+        answer = client.post("/v1/chat/completions", json=chat("chat@gw-3"))
+        assert served_by(answer) == "gw-3/chat"
+    (server_record,) = records(cluster.record, "chat")
+    with survivor.gateway.client() as client:
+        wait_for(
+            lambda: (
+                served_by(client.post("/v1/chat/completions", json=chat("chat"))) == "gw-3/chat"
+            ),
+            what="gw-2's door to route chat to gw-3",
+        )
+        doomed.kill()
+        os.kill(server_record["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        after = client.post("/v1/chat/completions", json=chat("chat"))
+        took = time.monotonic() - killed
+    print(f"kill -> first answer at the survivor's door: {took:.2f}s ({after.status_code})")
+    assert after.status_code == 200, after.text
+    assert served_by(after) == "gw-2/chat"
 
 
 def test_a_draining_host_gets_no_new_request_while_its_own_finish(cluster: Cluster) -> None:

@@ -307,7 +307,8 @@ class Cluster:
             if ours > figures.in_flight:
                 figures = replace(figures, in_flight=ours)
             if self._down and self._down.get(peer.name, 0.0) > now:
-                figures = replace(figures, routable=False, why_not=DOWN_WHY)
+                why = f"on {peer.worker}, {DOWN_WHY}" if peer.worker else DOWN_WHY
+                figures = replace(figures, routable=False, why_not=why)
             found.append(figures)
         return found
 
@@ -351,7 +352,16 @@ class Cluster:
     def peer_down(self, name: str) -> None:
         """A peer refused a connection: left out of routing for :data:`DOWN_S`."""
         self._down[name] = self.clock.now() + DOWN_S
-        log.warning("gateway %s: peer %s refused a connection; routing around it", self.name, name)
+        log.warning(
+            "gateway %s: peer %s refused a connection; routing around it",
+            self.name, self.host_name(name),
+        )  # fmt: skip
+
+    def host_name(self, gateway: str) -> str:
+        """A peer as a caller reads it in an error: its gateway and its worker
+        (``gw-3 (box-3)``), or its gateway alone when its worker is not known here."""
+        peer = self.peers.get(gateway)
+        return f"{gateway} ({peer.worker})" if peer is not None and peer.worker else gateway
 
     def peer_on(self, worker: str) -> Peer | None:
         return next((p for p in self.peers.values() if p.worker == worker), None)

@@ -53,6 +53,7 @@ async def front_door(app: FrontDoorApp, request: Request, name: str) -> bool | N
         return False  # unknown anywhere: the local path names the models it knows
     model_id = cluster.model_id(model)
     head_sent = False
+    refused: list[str] = []  # the hosts that refused a connection, as a caller reads them
     for _ in range(len(cluster.peers) + 1):
         send = AfterHead(request.send) if head_sent else request.send
         decision = (
@@ -66,7 +67,7 @@ async def front_door(app: FrontDoorApp, request: Request, name: str) -> bool | N
             status, code = _named_status(decision) if host else (503, "unavailable")
             await send_error(send, status, decision.why, code, 1.0 if status == 503 else None)
             return None
-        lease_id, gateway = None, decision.gateway
+        lease_id, gateway, where = None, decision.gateway, "its host"
         if decision.kind is Kind.LOAD:
             log.info("route: %s", decision.why)
             placed = await _load(app, request, send, model_id)
@@ -78,16 +79,19 @@ async def front_door(app: FrontDoorApp, request: Request, name: str) -> bool | N
                 await cluster.adopt(app.models[model_id], lease.id)
                 return head_sent
             lease_id, gateway = lease.id, _gateway_on(cluster, lease)
+            where = f"its host {lease.worker}"
         else:
             log.debug("route: %s", decision.why)
         if gateway is None:
-            await send_error(send, 503, f"{model}: its host is not known here", "unavailable", 1.0)
+            await send_error(send, 503, f"{model}: {where} is not known here", "unavailable", 1.0)
             return None
         if await to_peer(app, request, send, gateway, model_id, lease_id) is not None:
             return None
+        refused.append(cluster.host_name(gateway))
         app.metrics.routes.labels(model_id, "retried").inc()
     send = AfterHead(request.send) if head_sent else request.send
-    await send_error(send, 503, f"{model}: no host took the request", "unavailable", 1.0)
+    why = f"{', '.join(refused)} refused a connection; " if refused else ""
+    await send_error(send, 503, f"{model}: {why}no host took the request", "unavailable", 1.0)
     return None
 
 

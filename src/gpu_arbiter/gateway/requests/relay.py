@@ -232,7 +232,7 @@ async def to_peer(
         app.forwards.discard(cancel)
     if done.unsent:
         return None
-    return await _forward_ended(send, done, cancel, f"{model} from {gateway}")
+    return await _forward_ended(send, done, cancel, f"{model} from {cluster.host_name(gateway)}")
 
 
 async def pass_on(
@@ -390,7 +390,7 @@ async def _peer_failed(
         cluster.peer_down(gateway)
         return None
     message = (
-        f"gateway {gateway} failed before answering for {model}: {error}; "
+        f"gateway {cluster.host_name(gateway)} failed before answering for {model}: {error}; "
         "the request is not sent again"
     )
     await send_error(send, 502, message, "peer_failed")
