@@ -17,7 +17,7 @@ from gpu_arbiter.gateway.requests.access import Access, ApiKey
 from gpu_arbiter.gateway.requests.app import GatewayApp
 from gpu_arbiter.gateway.requests.front_door import load_priority
 
-from .fakes import FakeClock
+from .fakes import FakeClock, settle
 
 pytestmark = pytest.mark.timeout(20)
 Message = dict[str, Any]
@@ -135,3 +135,100 @@ async def test_a_host_that_refuses_a_connection_is_named_in_the_callers_error() 
     assert "gw-3: on box-3, refused a connection just now" in answer["error"]["message"]
     assert cluster.host_name("gw-3") == "gw-3 (box-3)"
     assert cluster.host_name("gw-9") == "gw-9"
+
+
+class _Pending:
+    """The cluster's routes: no view comes; a load is pending (its long-poll answers
+    only once ``grant`` is set, then granted on box-3); each call is kept, and each
+    long-poll that was cut off (its asker stopped asking)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.cut = 0
+        self.grant = asyncio.Event()
+
+    async def request(self, method: str, path: str, **keys: Any) -> Any:
+        if path.endswith("/cluster"):
+            await asyncio.Event().wait()
+        self.calls.append((method, path, keys.get("params")))
+        if method == "DELETE":
+            return {"model": "chat", "ended": ["l1"], "kept": []}
+        try:
+            await self.grant.wait()
+        except asyncio.CancelledError:
+            self.cut += 1
+            raise
+        return {"id": "l1", "state": "loading", "worker": "box-3", "gpus": ["box-3:0"],
+                "vram_mb": 1024, "joined": False, "free_mb": {}}  # fmt: skip
+
+    def withdrawn(self) -> list[Any]:
+        return [params for method, _, params in self.calls if method == "DELETE"]
+
+
+async def _cluster(controller: _Pending) -> tuple[Cluster, asyncio.Task[None]]:
+    cluster = Cluster(
+        controller,  # type: ignore[arg-type]
+        name="gw-1", worker="box-1", models={}, routes={}, clock=FakeClock(),
+    )  # fmt: skip
+    life = asyncio.ensure_future(cluster.run())
+    await settle()
+    return cluster, life
+
+
+async def _end(life: asyncio.Task[None]) -> None:
+    life.cancel()
+    await asyncio.gather(life, return_exceptions=True)
+
+
+async def test_a_pending_load_whose_last_waiter_goes_away_is_withdrawn_at_once() -> None:
+    """No clock advances: the long-poll is cut off and the controller told at once, not
+    after LOAD_WAIT_S; another waiter keeps it asked for until it goes away too."""
+    controller = _Pending()
+    cluster, life = await _cluster(controller)
+    try:
+        first = asyncio.ensure_future(cluster.load("chat", 500))
+        second = asyncio.ensure_future(cluster.load("chat", 500))
+        await settle()
+        first.cancel()
+        await settle()
+        assert controller.withdrawn() == [] and controller.cut == 0  # one still waits
+        second.cancel()
+        await settle()
+        assert controller.cut == 1
+        assert controller.withdrawn() == [{"model": "chat"}]
+        assert controller.calls[-1][1] == "/v1/gateways/gw-1/loads"
+        assert cluster.load_waiting("chat") == "asking the arbiter where to load it"  # gone
+        controller.grant.set()  # a new waiter asks anew
+        again = await cluster.load("chat", 500)
+        assert again.id == "l1" and len(controller.withdrawn()) == 1
+    finally:
+        await _end(life)
+
+
+async def test_a_grant_its_last_waiter_left_before_taking_is_withdrawn_one_taken_is_not() -> None:
+    controller = _Pending()
+    cluster, life = await _cluster(controller)
+    try:
+        taken = await asyncio.gather(cluster.load("chat", 500), _granting(controller))
+        assert taken[0].id == "l1"
+        await settle()
+        assert controller.withdrawn() == []  # taken: its host serves it
+        cluster._loads.clear()
+        controller.grant.clear()
+        waiter = asyncio.ensure_future(cluster.load("chat", 500))
+        await settle()
+        load = cluster._loads["chat"]
+        controller.grant.set()
+        while not load.task.done():  # the grant is in, its waiter not woken yet
+            await asyncio.sleep(0)
+        waiter.cancel()
+        await settle()
+        assert waiter.cancelled() and load.task.result().id == "l1"
+        assert controller.withdrawn() == [{"model": "chat"}]
+    finally:
+        await _end(life)
+
+
+async def _granting(controller: _Pending) -> None:
+    await settle()
+    controller.grant.set()

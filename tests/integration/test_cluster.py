@@ -293,6 +293,49 @@ def test_a_host_killed_with_sigkill_is_routed_around_at_once_with_the_default_se
     assert served_by(after) == "gw-2/chat"
 
 
+def test_a_caller_that_hangs_up_while_its_load_is_pending_cancels_it(cluster: Cluster) -> None:
+    """Every GPU is held by a lease chat cannot preempt, so its cluster load stays pending;
+    the one caller waiting for it, a stream, hangs up: the front door withdraws the load
+    and the controller cancels it within wait_for's bound (20 s, the time of one
+    long-poll, LOAD_WAIT_S, which it no longer waits out), and no server ever starts."""
+    door = cluster.host(2, "1x24G:sm_86", _models(cluster))
+    cluster.host(3, "1x24G:sm_86", _models(cluster))
+    cluster.settled("chat")
+    for worker in ("box-2", "box-3"):
+        held = cluster.admin.post(
+            "/v1/leases",
+            json={
+                "vram_mb": 20000,
+                "priority": 1000,
+                "ttl_s": 300,
+                "constraints": {"worker": worker},
+            },
+        )
+        assert held.status_code < 300, held.text
+    with (
+        door.gateway.client() as client,
+        client.stream("POST", "/v1/chat/completions", json=chat("chat", stream=True)) as stream,
+    ):
+        lines = stream.iter_lines()  # kept: a generator closed ends the connection
+        assert next(line for line in lines if line.startswith(": chat"))  # it waits
+        (pending,) = wait_for(
+            lambda: [
+                ls for ls in cluster_leases(cluster.admin, "chat") if ls["state"] == "pending"
+            ],
+            what="chat's load pending",
+        )
+    hung_up = time.monotonic()  # the client hung up
+    ended = wait_for(
+        lambda: (
+            (found := cluster.admin.get(f"/v1/leases/{pending['id']}").json())["ended_at"] and found
+        ),
+        what="chat's pending load cancelled",
+    )
+    print(f"hang-up -> the pending load ended: {time.monotonic() - hung_up:.2f}s")
+    assert (ended["state"], ended["end_reason"]) == ("cancelled", "cancelled"), ended
+    assert cluster.started("chat") == 0
+
+
 def test_a_draining_host_gets_no_new_request_while_its_own_finish(cluster: Cluster) -> None:
     """``drain box-3`` while chat is served there, a stream in flight on it: new requests
     at every door, box-3's own included, go to box-2 (box-3's lease is not the model's

@@ -132,3 +132,51 @@ def test_a_model_whose_only_host_is_offline_is_a_503_naming_it_and_since_when(
         assert answer.status_code == 503, answer.text
         message = answer.json()["error"]["message"]
         assert message == f"solo: its only host box-3 is offline since {since}"
+
+
+def _withdraw(admin: httpx.Client, gateway: str, model: str) -> dict[str, Any]:
+    answer = admin.delete(f"/v1/gateways/{gateway}/loads", params={"model": model})
+    assert answer.status_code == 200, answer.text
+    found: dict[str, Any] = answer.json()
+    return found
+
+
+def test_a_load_its_only_front_door_withdraws_ends_at_once_pending_or_loading(
+    admin: httpx.Client,
+) -> None:
+    """Withdrawn by the one front door that asked: a pending load is cancelled, a granted
+    one still loading is given back; twice is nothing more."""
+    fillers = [
+        admin.post("/v1/leases", json={"vram_mb": 24000, "priority": 1000, "ttl_s": 300,
+                                       "constraints": {"worker": w}}).json()
+        for w in ("box-2", "box-3")
+    ]  # fmt: skip
+    pending = admin.post("/v1/gateways/gw-2/loads", json={"model": "chat"}).json()
+    assert pending["state"] == "pending"
+    assert _withdraw(admin, "gw-2", "chat") == {"model": "chat", "ended": [pending["id"]],
+                                                "kept": []}  # fmt: skip
+    assert _lease(admin, pending["id"])["state"] == "cancelled"
+    assert _withdraw(admin, "gw-2", "chat")["ended"] == []  # idempotent
+    for filler in fillers:
+        assert admin.delete(f"/v1/leases/{filler['id']}").status_code == 200
+    loading = _load(admin, "chat").json()
+    assert loading["state"] == "loading"
+    assert _withdraw(admin, "gw-2", "chat")["ended"] == [loading["id"]]
+    assert _lease(admin, loading["id"])["state"] == "released"
+
+
+def test_a_withdrawn_load_another_front_door_asked_for_is_kept_and_a_serving_one_too(
+    admin: httpx.Client,
+) -> None:
+    first = _load(admin, "chat").json()
+    joined = admin.post("/v1/gateways/gw-3/loads", json={"model": "chat"}).json()
+    assert joined["id"] == first["id"] and joined["joined"]
+    assert _withdraw(admin, "gw-2", "chat") == {"model": "chat", "ended": [],
+                                                "kept": [first["id"]]}  # fmt: skip
+    assert _lease(admin, first["id"])["state"] == "loading"
+    assert _withdraw(admin, "gw-3", "chat")["ended"] == [first["id"]]  # the last one
+    serving = _load(admin, "code").json()
+    assert admin.post(f"/v1/leases/{serving['id']}/ready").status_code == 200
+    assert _withdraw(admin, "gw-2", "code")["kept"] == [serving["id"]]
+    assert _lease(admin, serving["id"])["state"] == "active"
+    assert _withdraw(admin, "gw-3", "solo") == {"model": "solo", "ended": [], "kept": []}

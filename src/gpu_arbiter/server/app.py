@@ -18,7 +18,7 @@ from .. import __version__
 from ..controller import Controller
 from ..store import SqliteStore
 from .auth import Authenticator
-from .cluster import adoptable
+from .cluster import LoadAskers, adoptable
 from .cluster import router as cluster_router
 from .durable import DurableAnswers
 from .errors import error_response, install_error_handlers
@@ -101,6 +101,7 @@ def create_app(
     app.state.admin_token_file = admin_token_file
     app.state.gateways = GatewayRegistry()  # in memory, like the workers' live figures
     app.state.gateways.adoptable = functools.partial(adoptable, controller)
+    app.state.load_askers = LoadAskers()  # who asked for each cluster load
     bounds = client_limits or ClientLimits()
     app.state.event_feed = EventFeed(controller)
     app.state.streams = Slots("streams", bounds.max_streams_per_token, bounds.max_streams)

@@ -4,6 +4,7 @@
                                        models' routing figures, and the credential
                                        gateways show each other; a long-poll
     POST /v1/gateways/{name}/loads     a model's cold load, for the whole cluster
+    DELETE /v1/gateways/{name}/loads   a front door waits no more for a model's load
 
 A gateway asks for the cluster view with the signature of the view it has (``after``)
 and is answered when the view differs: a gateway came or left, turned stale, its worker
@@ -18,8 +19,11 @@ file is in the page cache). Every front door that asks while the model's load is
 or loading joins it instead of asking again, so a burst anywhere starts one server. The
 front doors that wait long-poll it here, which is its presence: a caller that hangs up
 does not cancel it while others wait, and one nobody waits for any more ends as any
-abandoned request does. Once granted, the gateway beside the lease's worker holds it
-(renews, readies, releases it: :meth:`GatewayRegistry.holds_lease`), whoever asked for it.
+abandoned request does. A front door whose last waiter went away withdraws (the
+DELETE): a load no other front door asked for ends at once, cancelled while pending,
+given back while it loads (:class:`LoadAskers`). Once granted, the gateway beside the
+lease's worker holds it (renews, readies, releases it:
+:meth:`GatewayRegistry.holds_lease`), whoever asked for it.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from .gateways import CLUSTER_MODEL, GatewayRegistry, Report
 from .limits import Slots
 from .responses import FiniteJSONResponse
 
-__all__ = ["adoptable", "router"]
+__all__ = ["LoadAskers", "adoptable", "router"]
 
 MAX_WAIT_S = 60.0
 RECHECK_S = 1.0
@@ -58,6 +62,37 @@ ROUTED = (
 """A model's fields in the cluster view (besides its replicas and when it last ran)."""
 
 _LIVE = (LeaseState.PENDING, LeaseState.LOADING, LeaseState.ACTIVE)
+_WITHDRAWN = (LeaseState.PENDING, LeaseState.LOADING)
+"""A load no front door waits for any more ends in these states (cancelled, or given
+back before it serves); one serving is the model's replica, kept."""
+
+
+class LoadAskers:
+    """The front doors that asked for each cluster load (by model, then lease id), in
+    memory like the gateways' reports: a load is one while some asked for it and has
+    not withdrawn. After a restart none is known: a load then ends as any abandoned
+    request does (I8), never by a withdrawal."""
+
+    def __init__(self) -> None:
+        self._asked: dict[str, dict[str, set[str]]] = {}
+
+    def asked(self, model: str, lease_id: str, gateway: str, live: Sequence[str]) -> None:
+        """``gateway`` asked for ``lease_id``; the model's loads not ``live`` are forgotten."""
+        loads = self._asked.setdefault(model, {})
+        for gone in [i for i in loads if i not in live]:
+            del loads[gone]
+        loads.setdefault(lease_id, set()).add(gateway)
+
+    def withdraw(self, model: str, lease_id: str, gateway: str) -> bool | None:
+        """``gateway`` waits no more for ``lease_id``: whether another front door still
+        does, None when ``gateway`` had not asked for it."""
+        askers = self._asked.get(model, {}).get(lease_id)
+        if askers is None or gateway not in askers:
+            return None
+        askers.discard(gateway)
+        return bool(askers)
+
+
 GatewayName = Annotated[str, Path(min_length=1, max_length=64)]
 router = APIRouter(prefix="/v1", responses=routes.ERRORS, route_class=s.StrictJsonRoute)
 
@@ -197,6 +232,8 @@ async def cluster_load(
         place = max(len(live) + 1, body.replicas)
         submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, place))
         record = submitted.record
+    askers: LoadAskers = request.app.state.load_askers
+    askers.asked(body.model, record.id, name, [r.id for r in live] + [record.id])
     if record.state is LeaseState.PENDING and wait > 0:
         long_polls: Slots = request.app.state.long_polls
         with long_polls.hold(who.id), ctl.leases.watching(record.id):
@@ -204,6 +241,34 @@ async def cluster_load(
             record = await routes.unless_gone(request, waited) or ctl.leases.get(record.id)
     answer = s.lease_out(record, ctl.leases.pending_view(record.id))
     return FiniteJSONResponse({**answer, "joined": joined, "free_mb": _free(ctl, hosts)})
+
+
+@router.delete("/gateways/{name}/loads", summary="A front door waits no more for a model's load")
+async def withdraw_load(
+    name: GatewayName,
+    request: Request,
+    model: Annotated[str, Query(min_length=1, max_length=64)],
+) -> FiniteJSONResponse:
+    """Gateway ``name``'s front door waits no more for ``model``'s cluster load (its last
+    waiter went away): each live load of the model it asked for ends at once if no other
+    front door asked for it too, cancelled while pending, released while it loads
+    (nothing serves under it yet); one serving, or one another front door waits for, is
+    kept. Answers with the leases ``ended`` and ``kept``; idempotent."""
+    ctl, who, registry, name = _context(request, name)
+    registry.owned(name, who, "withdraw loads for")
+    askers: LoadAskers = request.app.state.load_askers
+    ended: list[str] = []
+    kept: list[str] = []
+    for record in _live_loads(ctl, model):
+        others = askers.withdraw(model, record.id, name)
+        if others is None:
+            continue
+        if others or record.state not in _WITHDRAWN:
+            kept.append(record.id)
+        else:
+            ctl.leases.release(record.id)
+            ended.append(record.id)
+    return FiniteJSONResponse({"model": model, "ended": ended, "kept": kept})
 
 
 def _hosts(

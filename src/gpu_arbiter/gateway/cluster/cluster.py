@@ -14,8 +14,10 @@ A cold load for the cluster (:meth:`Cluster.load`) is asked once per model by th
 gateway however many requests wait for it (and once for the whole cluster: the
 controller joins every front door that asks while one is pending or loading), and it is
 the cluster's, not the caller's: a caller that hangs up leaves it to the others, and
-when nobody here waits any more this gateway stops asking (the controller then ends it
-as any abandoned request, unless another front door still waits for it). Once it is
+when the last one here goes away before it served (:meth:`Cluster._withdraw`), this
+gateway stops asking at once and withdraws (``DELETE /v1/gateways/{name}/loads``): the
+controller ends it there and then (cancelled while pending, given back while it loads)
+unless another front door asked for it too, which keeps it. Once it is
 granted, the gateway beside its worker adopts it (:meth:`ModelServer.adopt`): this one
 when the lease is on its own worker, else the one the request is forwarded to, told by
 ``x-arbiter-lease``.
@@ -105,9 +107,18 @@ class _Load:
     waiters: int = 0
     waiting: str = "asking the arbiter where to load it"
     also: Callable[[], int] = lambda: 0
+    taken: bool = False  # a waiter went on with its grant
+    withdrawn: bool = False  # its last waiter went away first: the controller was told
 
     def wanted(self) -> bool:
         return self.waiters + self.also() > 0
+
+    def forsaken(self) -> bool:
+        """Nobody waits for it any more and no waiter took its grant, while it is still
+        asked for or was granted (one refused or cancelled ended as it is)."""
+        if self.wanted() or self.taken or self.withdrawn or self.task.cancelled():
+            return False
+        return not self.task.done() or self.task.exception() is None
 
 
 class Cluster:
@@ -169,12 +180,14 @@ class Cluster:
 
     def _task(self, work: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         """``work`` run by :meth:`run`'s group; its outcome (a refusal too: no failure of
-        the group) in the future returned, cancelled with the group. A bare task only
-        while the group does not run (before it starts)."""
+        the group) in the future returned, cancelled with the group, and cancelling it
+        cancels the work. A bare task only while the group does not run (before it
+        starts)."""
         if self._group is None:
             return asyncio.ensure_future(work)
         outcome: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._group.create_task(_into(work, outcome))
+        task = self._group.create_task(_into(work, outcome))
+        outcome.add_done_callback(lambda done: task.cancel() if done.cancelled() else None)
         return outcome
 
     async def follow(self) -> None:
@@ -380,9 +393,35 @@ class Cluster:
             self._loads[model] = found
         found.waiters += 1
         try:
-            return await asyncio.shield(found.task)
+            lease = await asyncio.shield(found.task)
+            found.taken = True
+            return lease
         finally:
             found.waiters -= 1
+            if found.forsaken():
+                self._withdraw(model, found)
+
+    def _withdraw(self, model: str, found: _Load) -> None:
+        """The last waiter of a load went away before it served: this gateway stops
+        asking at once and tells the controller, which ends the load if no other front
+        door asked for it (cancelled while pending, given back while it loads)."""
+        found.withdrawn = True
+        found.task.cancel()
+        if self._loads.get(model) is found:
+            del self._loads[model]
+        log.info("route: %s: nobody waits for its load here any more: withdrawn", model)
+        self._task(self._tell_withdrawn(model, found.task))
+
+    async def _tell_withdrawn(self, model: str, asking: asyncio.Future[Lease]) -> None:
+        await asyncio.wait([asking])  # its long-poll closed first
+        path = f"/v1/gateways/{self.name}/loads"
+        try:
+            answer = await self.client.request("DELETE", path, params={"model": model})
+        except (ApiError, ControllerUnreachable) as error:
+            log.warning("route: %s: its load not withdrawn (%s)", model, error)
+            return
+        ended, kept = answer.get("ended") or [], answer.get("kept") or []
+        log.info("route: %s: load withdrawn: ended %s, kept %s", model, ended, kept)
 
     def load_waiting(self, model: str) -> str:
         found = self._loads.get(model)
@@ -469,6 +508,9 @@ class Cluster:
             self._changed.set()
             self._changed = asyncio.Event()
             if found is None or not found.wanted():
+                if found is not None and not found.withdrawn:
+                    found.withdrawn = True
+                    self._task(self._tell_withdrawn(model, found.task))
                 raise Refused(503, f"model {model}: nobody waits for its load any more", 1.0)
 
     def _say_placed(self, model: str, lease: Lease, answer: Mapping[str, Any]) -> None:
