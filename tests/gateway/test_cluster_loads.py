@@ -205,6 +205,23 @@ async def test_a_pending_load_whose_last_waiter_goes_away_is_withdrawn_at_once()
         await _end(life)
 
 
+async def test_a_load_asked_while_the_last_one_is_withdrawn_is_asked_after() -> None:
+    """Never joined to the load being withdrawn (the withdrawal would end it)."""
+    controller = _Pending()
+    cluster, life = await _cluster(controller)
+    try:
+        first = asyncio.ensure_future(cluster.load("chat", 500))
+        await settle()
+        first.cancel()
+        await asyncio.sleep(0)
+        controller.grant.set()
+        again = await cluster.load("chat", 500)  # asked at once, before the withdrawal
+        assert again.id == "l1"
+        assert [method for method, _, _ in controller.calls] == ["POST", "DELETE", "POST"]
+    finally:
+        await _end(life)
+
+
 async def test_a_grant_its_last_waiter_left_before_taking_is_withdrawn_one_taken_is_not() -> None:
     controller = _Pending()
     cluster, life = await _cluster(controller)

@@ -148,6 +148,7 @@ class Cluster:
         self._down: dict[str, float] = {}  # peer -> left out of routing until
         self._loads: dict[str, _Load] = {}
         self._adopting: dict[str, asyncio.Future[None]] = {}
+        self._withdrawing: dict[str, asyncio.Future[None]] = {}  # model -> telling it
         self._group: asyncio.TaskGroup | None = None  # owns the loads and adoptions
         self._changed = asyncio.Event()
         self.routed: deque[dict[str, Any]] = deque(maxlen=ROUTES_KEPT)
@@ -410,7 +411,18 @@ class Cluster:
         if self._loads.get(model) is found:
             del self._loads[model]
         log.info("route: %s: nobody waits for its load here any more: withdrawn", model)
-        self._task(self._tell_withdrawn(model, found.task))
+        self._tell(model, found.task)
+
+    def _tell(self, model: str, asking: asyncio.Future[Lease]) -> None:
+        """Tells the controller, once ``asking`` ended; a new load of ``model`` asked
+        meanwhile is asked only after (never joined to the load being withdrawn)."""
+        telling = self._task(self._tell_withdrawn(model, asking))
+        self._withdrawing[model] = telling
+        telling.add_done_callback(
+            lambda _: (
+                self._withdrawing.pop(model) if self._withdrawing.get(model) is telling else None
+            )
+        )
 
     async def _tell_withdrawn(self, model: str, asking: asyncio.Future[Lease]) -> None:
         await asyncio.wait([asking])  # its long-poll closed first
@@ -468,6 +480,9 @@ class Cluster:
             model.adopt(lease)
 
     async def _ask(self, model: str, priority: int, replicas: int = 1) -> Lease:
+        withdrawing = self._withdrawing.get(model)
+        if withdrawing is not None:
+            await asyncio.wait([withdrawing])
         local = self.routes.get(model)
         config = self.models[local].config if local is not None else None
         body = {
@@ -510,7 +525,7 @@ class Cluster:
             if found is None or not found.wanted():
                 if found is not None and not found.withdrawn:
                     found.withdrawn = True
-                    self._task(self._tell_withdrawn(model, found.task))
+                    self._tell(model, found.task)
                 raise Refused(503, f"model {model}: nobody waits for its load any more", 1.0)
 
     def _say_placed(self, model: str, lease: Lease, answer: Mapping[str, Any]) -> None:
