@@ -491,7 +491,8 @@ def test_api_keys_apply_at_the_front_door_and_its_priority_travels_with_the_requ
     cluster: Cluster,
 ) -> None:
     """The front door checks its own keys; the serving gateway takes the peer's word for
-    them (it has other keys), and the key's priority is the cold load's. A caller can
+    them (it has other keys), and the key's priority is the cold load's where higher than
+    the model's (a batch key's is not: the model's own is asked). A caller can
     neither pass as a peer nor raise its priority with the peers' headers."""
     door_key, other_key = "sk-door-indexer-key", "sk-another-hosts-key"
     door = cluster.host(2, "1x4G:sm_86", _keys(door_key, "batch") + _models(cluster))
@@ -506,7 +507,8 @@ def test_api_keys_apply_at_the_front_door_and_its_priority_travels_with_the_requ
     assert answer.status_code == 200, answer.text
     assert served_by(answer) == "gw-3/chat"
     (lease,) = cluster_leases(cluster.admin, "chat")
-    assert lease["priority"] == 100  # the door key's batch, not the header's 1000
+    assert lease["priority"] == 500  # the model's: the key's batch (100) never lowers it,
+    # and the header's 1000 is not a caller's to give
     direct = httpx.post(
         serving.gateway.url + "/v1/chat/completions", json=body, timeout=30,
         headers={"authorization": f"Bearer {door_key}"},
