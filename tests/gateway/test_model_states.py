@@ -201,3 +201,14 @@ async def test_a_model_no_host_can_serve_is_unavailable(world: World) -> None:
     assert [h["why_not"] for h in listed["hosts"]] == [
         "worker box-1 is draining", "worker box-2 is draining",
     ]  # fmt: skip
+
+
+def test_the_time_left_shown_is_zero_only_once_none_is_left() -> None:
+    """A back-off shown over (0) while a moment of it remains would have a request that
+    waited for 0 refused: what is left is rounded up to a tenth."""
+    from gpu_arbiter.gateway.servers.model import tenths_up
+
+    assert tenths_up(0.0) == 0.0 and tenths_up(-1.0) == 0.0
+    assert tenths_up(0.001) == 0.1 and tenths_up(0.04) == 0.1
+    assert tenths_up(0.1) == 0.1 and tenths_up(0.3 - 0.2) == 0.1  # float noise is not a tenth
+    assert tenths_up(1.01) == 1.1

@@ -41,7 +41,7 @@ from ..base.race import sleep_or
 from ..base.upstream import Upstream
 from ..profile import Affinity, Ask, Candidate, Memory, profiles
 from ..servers.lease import Lease
-from ..servers.model import ModelServer, Refused
+from ..servers.model import ModelServer, Refused, tenths_up
 from ..servers.replica import ReplicaState
 from .routing import Kind, Route, route
 
@@ -344,9 +344,7 @@ class Cluster:
                 copy["worker"] = peer.worker
                 described = dict(peer.model(model_id) or {})
                 if isinstance(described.get("retry_at"), int | float):  # counted from now
-                    described["retry_in_s"] = round(
-                        max(0.0, described["retry_at"] - time.time()), 1
-                    )
+                    described["retry_in_s"] = tenths_up(described["retry_at"] - time.time())
             if not host.routable:
                 copy["why_not"] = host.why_not
             if host.state == "failed":

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from collections import Counter
@@ -60,6 +61,12 @@ _COMING = (ReplicaState.QUEUED, ReplicaState.LOADING, ReplicaState.WAKING)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 UNLOAD_MARGIN_S = 10.0  # beyond two graces and the agent's margin: the release
+
+
+def tenths_up(seconds: float) -> float:
+    """Seconds left, rounded up to a tenth: 0 only once none is left (a back-off shown
+    over while a moment of it remains would be a start refused after 0 s)."""
+    return math.ceil(round(max(0.0, seconds) * 10, 6)) / 10  # 0.1000000001 is 0.1
 
 
 class Grower(Protocol):
@@ -232,7 +239,9 @@ class ModelServer:
         wait_s = self.backoff_left_s()
         if wait_s > 0 and not self._live():
             raise Refused(
-                503, f"model {self.name}: {self.failure}; next start in {wait_s:.1f}s", wait_s
+                503,
+                f"model {self.name}: {self.failure}; next start in {tenths_up(wait_s)}s",
+                wait_s,
             )
 
     def backoff_left_s(self) -> float:
@@ -544,7 +553,7 @@ class ModelServer:
             left = self.backoff_left_s()
             found["failure"] = self.failure
             found["retry_at"] = round(time.time() + left, 3)  # the wall clock's, unix time
-            found["retry_in_s"] = round(left, 1)
+            found["retry_in_s"] = tenths_up(left)
         return found
 
     def _last_used_ago_s(self) -> float | None:
