@@ -170,3 +170,16 @@ async def test_a_draining_host_takes_no_new_request_and_ends_its_replicas_once_i
         with pytest.raises(asyncio.CancelledError):
             await life
         await world.close()
+
+
+def test_a_host_whose_worker_the_controller_does_not_know_keeps_its_own_copies() -> None:
+    """A gateway beside a worker no agent registered (or under another name) still
+    serves its own models; offline or draining, it does not."""
+    world_clock = FakeClock()
+    cluster = Cluster(
+        None,  # type: ignore[arg-type]
+        name="gw-1", worker="box", models={}, routes={}, clock=world_clock,
+    )  # fmt: skip
+    for state, why in (("unknown", ""), ("online", ""), ("offline", "worker box is offline")):
+        cluster.apply(_own(state))
+        assert cluster.own_why == why

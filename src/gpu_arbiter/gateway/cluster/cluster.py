@@ -60,6 +60,8 @@ DOWN_WHY = "refused a connection just now"
 RETIRING = ("draining", "drained")
 """This host's worker states in which its own copies take no new request and its
 replicas end once idle (the drain completes)."""
+OWN_OUT = ("draining", "drained", "offline")
+"""This host's worker states in which its own copies are not routable."""
 RETIRE_CHECK_S = 0.5
 """How often a retiring host looks again for replicas with nothing in flight."""
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
@@ -265,8 +267,11 @@ class Cluster:
 
     @property
     def own_why(self) -> str:
-        """Why this host's own copies are not routable now ('' when they are)."""
-        if self.own_state is None or self.own_state == "online":
+        """Why this host's own copies are not routable now ('' when they are): its worker
+        draining, drained or offline. A worker the controller does not know (no agent
+        registered it, or under another name) leaves them routable: its leases say the
+        rest."""
+        if self.own_state not in OWN_OUT:
             return ""
         return f"worker {self.worker} is {self.own_state}"
 
