@@ -283,7 +283,7 @@ def test_the_answer_names_the_model_as_the_caller_asked_for_it(
         chunks = list(
             client.chat.completions.create(model=asked, messages=hello, max_tokens=4, stream=True)
         )
-        assert len(chunks) >= 2
+        assert chunks  # a random-weight model may end at its first token: one chunk
         assert {chunk.model for chunk in chunks} == {asked}
     completion = client.completions.create(model="gpt-4o-mini", prompt="once", max_tokens=2)
     assert completion.model == "gpt-4o-mini"
