@@ -293,6 +293,101 @@ def test_a_host_killed_with_sigkill_is_routed_around_at_once_with_the_default_se
     assert served_by(after) == "gw-2/chat"
 
 
+def test_a_frozen_gateway_is_routed_around_and_its_relays_end_with_a_504_default_settings(
+    cluster: Cluster,
+) -> None:
+    """SIGSTOP gw-3's gateway for 20 s (its port still accepts; its agent and model
+    server run on) with the default settings, while gw-2's door routes chat to it: gw-2's
+    own liveness check sees the freeze, new requests load chat on box-2 and are served
+    there, the requests relayed to gw-3 meanwhile (a stream begun before the freeze,
+    plain requests after it) end with a 504 naming the host, none is sent elsewhere
+    after its body left; after SIGCONT gw-3 is routable again. The times from the freeze
+    to the first request routed elsewhere and to the 504s are printed."""
+    models = _models(cluster)
+    survivor = cluster.host(2, "1x24G:sm_86", models)
+    frozen = cluster.host(3, "1x24G:sm_86", models)
+    cluster.settled("chat")
+    with frozen.gateway.client() as client:
+        assert served_by(client.post("/v1/chat/completions", json=chat("chat@gw-3"))) == (
+            "gw-3/chat"
+        )
+    door = survivor.gateway.client(timeout=120.0)
+    wait_for(
+        lambda: served_by(door.post("/v1/chat/completions", json=chat("chat"))) == "gw-3/chat",
+        what="gw-2's door to route chat to gw-3",
+    )
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=40)
+    began = concurrent.futures.Future[None]()
+
+    def stream() -> tuple[int, str]:
+        body = chat("chat", stream=True, tokens=400, token_s=0.1)  # 40 s if left alone
+        with door.stream("POST", "/v1/chat/completions", json=body) as answer:
+            lines = []
+            for line in answer.iter_lines():
+                if line.startswith("data: ") and not began.done():
+                    began.set_result(None)
+                lines.append(line)
+            return answer.status_code, "\n".join(lines)
+
+    def plain() -> tuple[float, float, int, str]:
+        sent = time.monotonic()
+        answer = door.post("/v1/chat/completions", json=chat("chat"))
+        text = answer.text if answer.status_code != 200 else served_by(answer)
+        return sent, time.monotonic(), answer.status_code, text
+
+    streaming = pool.submit(stream)
+    began.result(timeout=60.0)
+    pid = frozen.gateway.proc.pid  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        sent = []
+        while time.monotonic() - frozen_at < 16.0:
+            sent.append(pool.submit(plain))
+            time.sleep(0.5)
+        answers = [f.result(timeout=120.0) for f in sent]
+        stream_status, stream_text = streaming.result(timeout=120.0)
+        wait_for(lambda: time.monotonic() - frozen_at >= 20.0, what="20 s of freeze")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    pool.shutdown()
+    here = [(s, status) for s, _, status, by in answers if by == "gw-2/chat"]
+    elsewhere = [s - frozen_at for s, status in here if status == 200]
+    cut = [(s - frozen_at, e - frozen_at) for s, e, status, _ in answers if status == 504]
+    print(f"freeze -> first request routed elsewhere: {min(elsewhere):.2f}s; "
+          f"504s at {[round(e, 1) for _, e in cut]} s; {len(answers)} requests")  # fmt: skip
+    for _, _, status, text in answers:
+        assert status in (200, 504), text
+        if status == 504:
+            assert "gw-3 (box-3)" in text and "liveness check" in text, text
+            assert "not sent again" in text, text
+        else:
+            assert text in ("gw-2/chat", "gw-3/chat"), text
+    assert elsewhere, answers
+    assert stream_status == 200
+    final = [line for line in stream_text.splitlines() if line.startswith("data: {")][-1]
+    error = json.loads(final.removeprefix("data: "))["error"]
+    assert error["status"] == 504 and "gw-3 (box-3)" in error["message"], error
+    # none was sent twice: box-2's server (chat's second) served exactly the requests
+    # gw-2's door answered from it, no cut one among them
+    first_server, second_server = records(cluster.record, "chat")
+    assert first_server["pid"] != second_server["pid"]
+    assert _served(second_server["pid"]) == len(elsewhere)
+    wait_for(
+        lambda: door.post("/v1/chat/completions", json=chat("chat@gw-3")).status_code == 200,
+        what="gw-3 answers again and is routable from gw-2's door",
+    )
+    door.close()
+
+
+def _served(pid: int) -> int:
+    """How many requests the test model server of process ``pid`` served (its port read
+    from its command line)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    port = int(argv[argv.index(b"--port") + 1])
+    return int(httpx.get(f"http://127.0.0.1:{port}/stats").json()["requests"])
+
+
 def test_a_caller_that_hangs_up_while_its_load_is_pending_cancels_it(cluster: Cluster) -> None:
     """Every GPU is held by a lease chat cannot preempt, so its cluster load stays pending;
     the one caller waiting for it, a stream, hangs up: the front door withdraws the load

@@ -20,6 +20,10 @@
                                    # went last while it has a free slot (default: off)
     prefix_chars = 1024            # how much of a chat's first messages (or a prompt)
                                    # names its prefix (16..1048576; with prefix_affinity)
+    peer_check = "1s"              # how often each other gateway's /healthz is asked
+    peer_timeout = "3s"            # unanswered this long: routed around (a freeze)
+    peer_cut = "5s"                # still silent this long more: requests relayed to
+                                   # it end with a 504 naming it (cluster/liveness.py)
 
     [[gateway.keys]]               # a key with a name (beside or instead of api_keys)
     key = "..."
@@ -64,11 +68,12 @@ import re
 import shlex
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds, validate_worker_name
+from .cluster.liveness import LivenessSettings
 from .profile import Affinity
 from .requests.access import ROLES, ApiKey
 from .requests.bodies import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
@@ -128,8 +133,12 @@ _PORT_KEYS = frozenset(
     }
 )
 _ROUTING_KEYS = frozenset({"prefix_affinity", "prefix_chars"})
+_LIVENESS_KEYS = frozenset({"peer_check", "peer_timeout", "peer_cut"})
 _GATEWAY_KEYS = (
-    frozenset({"host", "port", "worker", "controller", "name"}) | _PORT_KEYS | _ROUTING_KEYS
+    frozenset({"host", "port", "worker", "controller", "name"})
+    | _PORT_KEYS
+    | _ROUTING_KEYS
+    | _LIVENESS_KEYS
 )
 PREFIX_CHARS = (16, 1 << 20)
 MIB = 1024 * 1024
@@ -152,6 +161,7 @@ class GatewayConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
     affinity: Affinity | None = None  # prefix affinity (None: off)
+    liveness: LivenessSettings = field(default_factory=LivenessSettings)  # of the peers
 
     def find(self, name: str) -> ModelConfig | None:
         """The model called ``name`` or having it as an alias."""
@@ -204,6 +214,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         name=_gateway_name(gateway.get("name")),
         controller=_optional_text(gateway.get("controller"), "gateway.controller"),
         affinity=_affinity(gateway),
+        liveness=_liveness(gateway),
         **_port_settings(gateway, base or Path()),
     )
 
@@ -224,6 +235,23 @@ def _affinity(gateway: Mapping[str, Any]) -> Affinity | None:
     if not on:
         raise InvalidInput("gateway.prefix_chars", "only with prefix_affinity = true")
     return Affinity(chars)
+
+
+def _liveness(gateway: Mapping[str, Any]) -> LivenessSettings:
+    """``peer_check``, ``peer_timeout`` and ``peer_cut``: the liveness check of the other
+    gateways; an ask is answered or timed out before the next (timeout at least check)."""
+    found = {}
+    seconds = _seconds_between(0.1, 3600)
+    for key in ("peer_check", "peer_timeout", "peer_cut"):
+        if key in gateway:
+            found[f"{key[5:]}_s"] = _parsed(seconds, gateway[key], f"gateway.{key}")
+    settings = LivenessSettings(**found)
+    if settings.timeout_s < settings.check_s:
+        raise InvalidInput(
+            "gateway.peer_timeout",
+            f"must be at least peer_check ({settings.check_s:g}s): one ask at a time",
+        )
+    return settings
 
 
 def _port_settings(gateway: Mapping[str, Any], base: Path) -> dict[str, Any]:

@@ -173,7 +173,7 @@ async def _serve(
         app.name = name
         app.cluster = Cluster(
             client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock,
-            affinity=config.affinity,
+            affinity=config.affinity, liveness=config.liveness,
         )  # fmt: skip
         reporter = Reporter(
             client, name=name, url=listen_url(host, port), host=socket.gethostname(),

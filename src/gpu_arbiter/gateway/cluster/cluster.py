@@ -26,11 +26,12 @@ when the lease is on its own worker, else the one the request is forwarded to, t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -38,14 +39,16 @@ from urllib.parse import urlsplit
 from ...client import ApiError, ArbiterClient, ControllerUnreachable
 from ..base.clock import Clock
 from ..base.race import sleep_or
+from ..base.scopes import CancelScope
 from ..base.upstream import Upstream
 from ..profile import Affinity, Ask, Candidate, Memory, profiles
 from ..servers.lease import Lease
 from ..servers.model import ModelServer, Refused, tenths_up
 from ..servers.replica import ReplicaState
+from .liveness import Liveness, LivenessSettings
 from .routing import Kind, Route, route
 
-__all__ = ["Cluster", "Peer"]
+__all__ = ["UNRESPONSIVE", "Cluster", "Peer"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 T = TypeVar("T")
@@ -57,6 +60,8 @@ DOWN_S = 5.0
 """A peer that refused a connection is left out of routing this long (or until the
 controller's view shows it again after a change)."""
 DOWN_WHY = "refused a connection just now"
+UNRESPONSIVE = "the gateway does not answer its liveness check"
+"""The reason a relay to a silent peer was cut (``liveness.py``)."""
 RETIRING = ("draining", "drained")
 """This host's worker states in which its own copies take no new request and its
 replicas end once idle (the drain completes)."""
@@ -93,6 +98,7 @@ class Peer:
     models: dict[str, Mapping[str, Any]]  # by id
     aliases: dict[str, str]  # a name or alias -> the model's id
     upstream: Upstream = field(repr=False)
+    check: Upstream = field(repr=False)  # its liveness check's own connection
     figures: dict[str, Candidate] = field(default_factory=dict, repr=False)  # by id: routing's
 
     def model(self, name: str) -> Mapping[str, Any] | None:
@@ -134,6 +140,7 @@ class Cluster:
         routes: Mapping[str, str],
         clock: Clock,
         affinity: Affinity | None = None,
+        liveness: LivenessSettings | None = None,
     ) -> None:
         self.client = client
         self.name = name
@@ -159,6 +166,11 @@ class Cluster:
         self.affinity = affinity  # prefix affinity (None: off)
         self._warm = profiles(affinity is not None)[0]
         self._went = Memory()  # a prefix -> the gateway it went to last
+        self.relays: dict[str, set[CancelScope]] = {}  # peer -> the requests relayed there
+        self.liveness = Liveness(
+            liveness or LivenessSettings(), clock, self._ping,
+            refused=self.peer_down, silent=self._wake, cut=self.cut, answers=self._wake,
+        )  # fmt: skip
 
     def record(self, model: str, decided: Route) -> None:
         """A routing decision, as the operator reads it (``GET /admin/routes``, the
@@ -176,6 +188,7 @@ class Cluster:
         leases it adopts, which end with it."""
         async with asyncio.TaskGroup() as group:
             self._group = group
+            group.create_task(self.liveness.watch(lambda: self.peers.keys(), self._task))
             try:
                 await self.follow()
             finally:
@@ -215,6 +228,7 @@ class Cluster:
         finally:
             for peer in self.peers.values():
                 peer.upstream.close()
+                peer.check.close()
             for load in self._loads.values():
                 load.task.cancel()
 
@@ -235,6 +249,7 @@ class Cluster:
             found[name] = _peer(gateway, old)
         for gone in self.peers.values():
             gone.upstream.close()
+            gone.check.close()
         self.peers = found
         self._down.clear()  # a fresh view: every peer it shows is tried again
         self.seen.set()
@@ -325,8 +340,9 @@ class Cluster:
             ours = self.forwarding.get((peer.name, model_id), 0)
             if ours > figures.in_flight:
                 figures = replace(figures, in_flight=ours)
-            if self._down and self._down.get(peer.name, 0.0) > now:
-                why = f"on {peer.worker}, {DOWN_WHY}" if peer.worker else DOWN_WHY
+            out = self._out(peer.name, now)
+            if out:
+                why = f"on {peer.worker}, {out}" if peer.worker else out
                 figures = replace(figures, routable=False, why_not=why)
             found.append(figures)
         return found
@@ -362,9 +378,14 @@ class Cluster:
         peer = self.peers.get(name)
         if peer is None:
             return ""
-        if self._down.get(name, 0.0) > self.clock.now():
+        return self._out(name, self.clock.now()) or ("" if peer.routable else peer.why_not)
+
+    def _out(self, name: str, now: float) -> str:
+        """Why this front door itself leaves peer ``name`` out of routing now ('' when
+        it does not): it refused a connection just now, or it is silent."""
+        if self._down and self._down.get(name, 0.0) > now:
             return DOWN_WHY
-        return "" if peer.routable else peer.why_not
+        return self.liveness.why(name)
 
     def peer_down(self, name: str) -> None:
         """A peer refused a connection: left out of routing for :data:`DOWN_S`."""
@@ -373,6 +394,49 @@ class Cluster:
             "gateway %s: peer %s refused a connection; routing around it",
             self.name, self.host_name(name),
         )  # fmt: skip
+
+    async def _ping(self, name: str) -> None:
+        """Asks peer ``name``'s ``/healthz`` once (``liveness.py``), on its own connection."""
+        peer = self.peers.get(name)
+        if peer is None:
+            return
+        answer = await peer.check.request("GET", b"/healthz", [], b"")
+        try:
+            while not answer.ended:
+                if not await answer.read() and not answer.ended:
+                    raise OSError("the answer ended short")
+        finally:
+            answer.close()
+
+    def cut(self, name: str) -> None:
+        """Cuts the requests relayed to peer ``name`` (silent: ``liveness.py``); each ends
+        with a 504 naming it (``relay.py``)."""
+        relays = self.relays.get(name)
+        if relays:
+            log.warning(
+                "gateway %s: %d request(s) relayed to %s cut: %s",
+                self.name, len(relays), self.host_name(name), self.liveness.why(name),
+            )  # fmt: skip
+            for scope in list(relays):
+                scope.cancel(UNRESPONSIVE)
+
+    @contextlib.contextmanager
+    def relaying(self, name: str, scope: CancelScope) -> Iterator[None]:
+        """A request relayed to peer ``name`` for the length of the block, cut in
+        ``scope`` should that peer fall silent."""
+        relays = self.relays.setdefault(name, set())
+        relays.add(scope)
+        try:
+            yield
+        finally:
+            relays.discard(scope)
+            if not relays and self.relays.get(name) is relays:
+                del self.relays[name]
+
+    def _wake(self, _name: str) -> None:
+        """A peer fell silent or answers again: requests waiting re-route."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def host_name(self, gateway: str) -> str:
         """A peer as a caller reads it in an error: its gateway and its worker
@@ -497,7 +561,8 @@ class Cluster:
             "load_timeout_s": config.load_timeout_s if config else 300.0,
         }
         now = self.clock.now()
-        body["unreachable"] = sorted(n for n, until in self._down.items() if until > now)
+        down = {n for n, until in self._down.items() if until > now}
+        body["unreachable"] = sorted(down | set(self.liveness.silent()))
         path = f"/v1/gateways/{self.name}/loads"
         while True:
             try:
@@ -597,11 +662,12 @@ def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     if old is not None and old.url == url:
-        upstream = old.upstream
+        upstream, check = old.upstream, old.check
     else:
         if old is not None:
             old.upstream.close()
-        upstream = Upstream(port, PEER_KEEP, host)
+            old.check.close()
+        upstream, check = Upstream(port, PEER_KEEP, host), Upstream(port, 1, host)
     models: dict[str, Mapping[str, Any]] = {}
     aliases: dict[str, str] = {}
     for model in gateway.get("models") or ():
@@ -618,7 +684,9 @@ def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:
         model_id: _peer_host(name, model, routable, why, worker_state)
         for model_id, model in models.items()
     }
-    return Peer(name, url, gateway.get("worker"), routable, why, models, aliases, upstream, figures)
+    return Peer(
+        name, url, gateway.get("worker"), routable, why, models, aliases, upstream, check, figures
+    )
 
 
 def _local_host(name: str, model: ModelServer, why_not: str = "") -> Candidate:

@@ -10,7 +10,9 @@ grace or the gateway's stop cancel. What is said when it ends short is each one'
                   ending says (``EndKind.status``), else 502
     to a peer     unreachable: nothing was sent, the front door may go elsewhere; failed
                   after that: 502, never sent again; cut by the stop: 503 (or the
-                  stream's final error event); a stream the peer cut short: 502 event
+                  stream's final error event); a stream the peer cut short: 502 event;
+                  cut because the peer fell silent (``cluster/liveness.py``): 504
+                  naming it (or the stream's final error event), never sent again
 
 An answer cut short that is not an event stream ends with its connection, short of its
 length. 0 for a client that went away: nothing more is sent to it."""
@@ -28,7 +30,7 @@ import httptools
 from ..base.race import running, within
 from ..base.scopes import CancelScope
 from ..base.upstream import NotConnected, Upstream, UpstreamError
-from ..cluster.cluster import Cluster
+from ..cluster.cluster import UNRESPONSIVE, Cluster
 from ..servers.replica import Replica
 from .access import Access
 from .answers import STOPPING, Headers, Receive, Send, send_error, send_final_error
@@ -222,9 +224,10 @@ async def to_peer(
     cluster.forwarding[key] += 1
     app.forwards.add(cancel)
     try:
-        done = await exchange(
-            request, send, peer.upstream, headers, [], cancel, failed, app.too_large
-        )
+        with cluster.relaying(gateway, cancel):
+            done = await exchange(
+                request, send, peer.upstream, headers, [], cancel, failed, app.too_large
+            )
     finally:
         cluster.forwarding[key] -= 1
         if cluster.forwarding[key] <= 0:
@@ -232,6 +235,8 @@ async def to_peer(
         app.forwards.discard(cancel)
     if done.unsent:
         return None
+    if cancel.cancelled_caught and cancel.reason == UNRESPONSIVE and not done.gone:
+        return await _silent(send, done, cluster, gateway, model)
     return await _forward_ended(send, done, cancel, f"{model} from {cluster.host_name(gateway)}")
 
 
@@ -395,6 +400,23 @@ async def _peer_failed(
     )
     await send_error(send, 502, message, "peer_failed")
     return 502
+
+
+async def _silent(send: Send, done: Exchange, cluster: Cluster, gateway: str, model: str) -> int:
+    """A relay cut because its gateway fell silent (``cluster/liveness.py``): a 504
+    naming it (an event stream begun: its final error event; any other answer begun
+    ends short); never sent again, its body having left."""
+    why = cluster.liveness.why(gateway) or UNRESPONSIVE
+    message = (
+        f"gateway {cluster.host_name(gateway)} {why}: {model} did not finish there; "
+        "the request is not sent again"
+    )
+    if not done.status:
+        await send_error(send, 504, message, "peer_unresponsive")
+        return 504
+    if done.event_stream and not done.ended:
+        await send_final_error(send, 504, message, "peer_unresponsive")
+    return done.status
 
 
 async def _forward_ended(send: Send, done: Exchange, cancel: CancelScope, what: str) -> int:
