@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gpu_arbiter.core import InvalidInput
+from gpu_arbiter.gateway.cluster.liveness import LivenessSettings
 from gpu_arbiter.gateway.config import parse_config
 from gpu_arbiter.gateway.profile import Affinity
 
@@ -210,6 +211,29 @@ def test_prefix_affinity_is_off_unless_asked_for() -> None:
 def test_prefix_affinity_errors_name_the_field(
     gateway: dict[str, Any], field: str, reason: str
 ) -> None:
+    with pytest.raises(InvalidInput, match=reason) as raised:
+        parse_config({"gateway": gateway, "models": MODELS})
+    assert raised.value.field == field
+
+
+def test_the_liveness_check_of_the_other_gateways_has_defaults_and_takes_durations() -> None:
+    assert parse_config({"models": MODELS}).liveness == LivenessSettings(1.0, 3.0, 5.0)
+    keys = {"peer_check": "0.5s", "peer_timeout": "2s", "peer_cut": 10}
+    found = parse_config({"gateway": keys, "models": MODELS}).liveness
+    assert found == LivenessSettings(0.5, 2.0, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("gateway", "field", "reason"),
+    [
+        ({"peer_check": "0s"}, "gateway.peer_check", "between 0.1 and 3600 seconds"),
+        ({"peer_timeout": "soon"}, "gateway.peer_timeout", "not a duration"),
+        ({"peer_cut": -1}, "gateway.peer_cut", "not negative"),
+        ({"peer_check": "5s"}, "gateway.peer_timeout", "at least peer_check"),
+        ({"peer_check": "2s", "peer_timeout": "1s"}, "gateway.peer_timeout", "one ask at a time"),
+    ],
+)
+def test_liveness_errors_name_the_field(gateway: dict[str, Any], field: str, reason: str) -> None:
     with pytest.raises(InvalidInput, match=reason) as raised:
         parse_config({"gateway": gateway, "models": MODELS})
     assert raised.value.field == field
