@@ -39,7 +39,7 @@ class HostGateway(GatewayProcess):
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise AssertionError(f"gateway exited: {self.log.read_text()}")
-        found = self._listening.findall(self.log.read_text(errors="replace"))
+        found = self._listening.findall(self.started_log())
         return found[-1] if found else None
 
     def kill(self) -> None:

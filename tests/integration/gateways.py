@@ -47,6 +47,7 @@ def model_entry(
 class GatewayProcess(ManagedProcess):
     def __init__(self, url: str, token: str, runtime: Path, models: str) -> None:
         self.runtime = runtime
+        self.log_from = 0  # where the log of the last start begins
         self.config = runtime / "models.toml"
         self.models = models
         self.command = [sys.executable, "-m", "gpu_arbiter", "gateway", "--config"]
@@ -59,6 +60,7 @@ class GatewayProcess(ManagedProcess):
     def start(self, timeout_s: float = 30.0) -> GatewayProcess:
         self.runtime.mkdir(parents=True, exist_ok=True)
         self.config.write_text(self.models)
+        self.log_from = self.log.stat().st_size if self.log.exists() else 0  # this start's
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.command, stdout=log, stderr=log, env=env_for(self.runtime)
@@ -71,8 +73,14 @@ class GatewayProcess(ManagedProcess):
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise AssertionError(f"gateway exited: {self.log.read_text()}")
-        found = LISTENING.findall(self.log.read_text(errors="replace"))
+        found = LISTENING.findall(self.started_log())
         return found[-1] if found else None
+
+    def started_log(self) -> str:
+        """What the gateway wrote to its log since its last start."""
+        with self.log.open("rb") as log:
+            log.seek(self.log_from)
+            return log.read().decode(errors="replace")
 
     def client(self, **kwargs: Any) -> httpx.Client:
         kwargs.setdefault("timeout", 60)

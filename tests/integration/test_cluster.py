@@ -6,6 +6,7 @@ model's server, and the ``openai`` SDK or httpx as the caller."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -378,6 +379,97 @@ def test_a_frozen_gateway_is_routed_around_and_its_relays_end_with_a_504_default
         what="gw-3 answers again and is routable from gw-2's door",
     )
     door.close()
+
+
+def test_a_host_killed_mid_load_and_mid_stream_ends_each_request_naming_it(
+    cluster: Cluster,
+) -> None:
+    """Default settings. gw-2 (box-2, too small for chat) is the door. (1) A stream
+    relayed to gw-3 when box-3 is killed whole ends with a final error event naming the
+    host; the next request loads chat on box-4 and is served. (2) Stopped there, chat's
+    next load lands on box-3 or box-4 and that host is killed while chat loads: each
+    request waiting for it (plain and streamed) ends with an answer from the other host
+    or an error naming the lost one; the lost host's lease keeps its memory (I4) and is
+    not joined by the next load."""
+    models = _models(cluster, load_s=3.0)
+    door = cluster.host(2, "1x4G:sm_86", models)
+    hosts = {3: cluster.host(3, "1x24G:sm_86", models), 4: cluster.host(4, "1x24G:sm_86", models)}
+    cluster.settled("chat")
+    client = door.gateway.client(timeout=120.0)
+
+    # (1) mid-stream
+    with hosts[3].gateway.client() as own:
+        assert served_by(own.post("/v1/chat/completions", json=chat("chat@gw-3"))) == "gw-3/chat"
+    began = concurrent.futures.Future[None]()
+
+    def stream() -> str:
+        body = chat("chat", stream=True, tokens=400, token_s=0.05)
+        with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+            assert answer.status_code == 200
+            lines = []
+            for line in answer.iter_lines():
+                if line.startswith("data: ") and not began.done():
+                    began.set_result(None)
+                lines.append(line)
+            return "\n".join(lines)
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+    streaming = pool.submit(stream)
+    began.result(timeout=60.0)
+    (server,) = records(cluster.record, "chat")
+    hosts[3].kill()
+    os.kill(server["pid"], signal.SIGKILL)
+    final = [line for line in streaming.result(timeout=60).splitlines() if "error" in line][-1]
+    error = json.loads(final.removeprefix("data: "))["error"]
+    assert "gw-3 (box-3)" in error["message"], error
+    after = client.post("/v1/chat/completions", json=chat("chat"))
+    assert after.status_code == 200, after.text
+    assert served_by(after) == "gw-4/chat"
+
+    # (2) mid-load: chat stopped on box-4 and its next load's host killed while it loads
+    hosts[3].agent.start()
+    hosts[3].gateway.start()
+    cluster.settled("chat")
+    with hosts[4].gateway.client() as own:
+        assert own.post("/admin/models/chat/unload", json={}).status_code == 200
+    wait_for(lambda: not [x for x in model_leases(cluster.admin, "chat")
+                          if x["worker"] == "box-4"], what="box-4's chat ended")  # fmt: skip
+    bodies = [chat("chat"), chat("chat", stream=True), chat("chat")]
+    started = len(records(cluster.record, "chat"))
+
+    def ask(body: dict[str, Any]) -> tuple[int, str]:
+        if body.get("stream"):
+            with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+                text = "".join(answer.iter_text())
+                return answer.status_code, text
+        answer = client.post("/v1/chat/completions", json=body)
+        return answer.status_code, answer.text if answer.status_code != 200 else served_by(answer)
+
+    asked = [pool.submit(ask, body) for body in bodies]
+    wait_for(lambda: len(records(cluster.record, "chat")) > started, what="chat's next load")
+    (loading,) = [x for x in cluster_leases(cluster.admin, "chat") if x["state"] != "released"]
+    lost = int(loading["worker"].removeprefix("box-"))
+    other = 7 - lost
+    hosts[lost].kill()
+    for record in records(cluster.record, "chat")[started:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record["pid"], signal.SIGKILL)
+    outcomes = [f.result(timeout=120.0) for f in asked]
+    print(f"box-{lost} killed while chat loaded there:", [(s, t[-120:]) for s, t in outcomes])
+    for status, text in outcomes:
+        if status == 200 and text.startswith("gw-"):
+            assert text == f"gw-{other}/chat", text
+        elif status == 200:  # a stream: served, or its final error event names the host
+            assert "[DONE]" in text or f"box-{lost}" in text, text
+        else:
+            assert f"box-{lost}" in text or f"gw-{lost}" in text, text
+    again = client.post("/v1/chat/completions", json=chat("chat"))
+    assert again.status_code == 200, again.text
+    assert served_by(again) == f"gw-{other}/chat"
+    held = [x for x in model_leases(cluster.admin, "chat") if x["worker"] == f"box-{lost}"]
+    assert held, "the lost host's lease keeps its memory until its agent confirms (I4)"
+    pool.shutdown()
+    client.close()
 
 
 def _served(pid: int) -> int:
