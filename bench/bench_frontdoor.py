@@ -1,5 +1,6 @@
 """The cluster front door's extra hop and its cold burst:
-``python bench/bench_frontdoor.py [--seconds 3] [--runs 3] [--burst 200] [--load-s 0.2]``.
+``python bench/bench_frontdoor.py [--against [REV]] [--seconds 3] [--runs 3] [--burst 200]
+[--load-s 0.2]``.
 
 A controller (memory store) and two hosts on this machine, each an agent with its own
 worker name, simulated GPU and runtime directory and a gateway on its own loopback
@@ -23,15 +24,30 @@ gw-3 on 127.0.0.3. Both gateways declare model ``chat`` (tests/integration/model
    (counted by the model server's ``--record`` files: it must be 1). Repeated
    ``--runs`` times with new models; the medians are printed.
 
-Every process is stopped at the end (SIGTERM, then a wait; SIGKILL after 30 s), also on
-errors. Everything shares this machine's cores: the figures include the contention of
-the callers, both gateways, the agents, the controller and the model servers.
+With ``--against REV`` (``--against`` alone: ``94a2739``, the last commit before the
+gateway was split into packages and its request path rewritten) the extra hop is
+measured on this tree and on REV in one run: REV is checked out as a ``git worktree``
+in a temporary folder (removed after), and each of the ``--runs`` runs starts each
+tree's controller, agents and gateways in turn (``PYTHONPATH=<tree>/src``; the order
+alternates run by run, so that the machine's drift falls on both), measures both paths
+with 1 and 16 callers, and stops them. The callers, the model server and this harness
+are this tree's for both (the flags, config keys, ``x-served-by`` and the hosts of
+``GET /v1/models`` the harness uses are the same at 94a2739). Prints the medians per
+tree, the ratio this tree / REV of what the front door adds (p50 and p99), and whether
+this tree meets the goal. The cold burst then runs on this tree only, in a cluster of
+its own.
+
+Every process is stopped at the end of each cluster's turn (SIGTERM, then a wait;
+SIGKILL after 30 s), also on errors. Everything shares this machine's cores: the
+figures include the contention of the callers, both gateways, the agents, the
+controller and the model servers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -41,17 +57,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
 MODEL_SERVER = ROOT / "tests" / "integration" / "model_server.py"
 CALLERS = (1, 16)
 GOAL_ADDED_P50_MS = 0.5
 GOAL_BURST_RATIO = 1.2
+BEFORE = "94a2739"  # the last commit before the gateway's packages and request path
+
+Figures = tuple[float, float, float]  # p50 ms, p99 ms, requests/s
+Run = dict[int, tuple[Figures, Figures]]  # callers: (direct, via the front door)
 
 
 class Conn:
@@ -127,14 +147,15 @@ async def measure(
 
 
 class Processes:
-    """Every process this bench started, stopped last first."""
+    """Every process of one cluster, each run from the tree at ``src``; stopped last
+    first."""
 
-    def __init__(self, work: Path) -> None:
-        self.work = work
+    def __init__(self, work: Path, src: Path) -> None:
+        self.work, self.src = work, src
         self.started: list[subprocess.Popen[bytes]] = []
 
     def start(self, command: list[str], log: Path, runtime: Path | None = None) -> Any:
-        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        env = {**os.environ, "PYTHONPATH": str(self.src)}
         for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_CONFIG"):
             env.pop(name, None)
         if runtime is not None:
@@ -204,21 +225,89 @@ def sees_each_other(gateways: dict[str, tuple[str, int]], model: str) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--against",
+        nargs="?",
+        const=BEFORE,
+        help=f"also measure the hop at this commit, in turn (alone: {BEFORE})",
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="each path's turn")
     parser.add_argument("--runs", type=int, default=3, help="medians over this many runs")
     parser.add_argument("--burst", type=int, default=200, help="callers of the cold burst")
     parser.add_argument("--load-s", type=float, default=0.2, help="a cold server's load")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-frontdoor-"))
-    procs = Processes(work)
+    if args.against is None:
+        with cluster(work, ROOT / "src", args) as (gateways, record):
+            asyncio.run(warm(gateways))
+            report({"this": [asyncio.run(hop(gateways, args.seconds)) for _ in range(args.runs)]})
+            asyncio.run(cold(gateways, record, args))
+    else:
+        rev = _short(args.against)
+        with worktree(rev) as other:
+            found = against(work, {"this": ROOT, rev: other}, args)
+        report(found)
+        with cluster(work / "cold", ROOT / "src", args) as (gateways, record):
+            asyncio.run(cold(gateways, record, args))
+    print(f"(logs in {work})")
+
+
+def against(work: Path, trees: dict[str, Path], args: argparse.Namespace) -> dict[str, list[Run]]:
+    """The hop of each tree, ``--runs`` times, each run starting each tree's cluster in
+    turn (the first tree first in even runs, last in odd ones)."""
+    found: dict[str, list[Run]] = {name: [] for name in trees}
+    for n in range(args.runs):
+        order = list(trees.items()) if n % 2 == 0 else list(trees.items())[::-1]
+        for name, tree in order:
+            with cluster(work / f"run-{n + 1}-{name}", tree / "src", args) as (gateways, _):
+                asyncio.run(warm(gateways))
+                found[name].append(asyncio.run(hop(gateways, args.seconds)))
+        print(f"run {n + 1}/{args.runs} done", file=sys.stderr)
+    return found
+
+
+def _short(rev: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip()
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """``rev`` checked out in a temporary folder, removed after."""
+    with tempfile.TemporaryDirectory() as tmp:
+        other = Path(tmp) / "other"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), rev],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            yield other
+        finally:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)],
+                check=False,
+                capture_output=True,
+            )
+
+
+@contextlib.contextmanager
+def cluster(
+    work: Path, src: Path, args: argparse.Namespace
+) -> Iterator[tuple[dict[str, tuple[str, int]], Path]]:
+    """The controller and both hosts of the tree at ``src``, stopped on the way out."""
+    work.mkdir(parents=True, exist_ok=True)
+    procs = Processes(work, src)
     try:
-        gateways, record = start_cluster(procs, work, args)
-        asyncio.run(hop(gateways, args.seconds, args.runs))
-        asyncio.run(cold(gateways, record, args))
+        yield start_cluster(procs, work, args)
     finally:
         procs.stop()
-    print(f"(logs in {work})")
 
 
 def start_cluster(
@@ -271,32 +360,67 @@ def _state(admin: httpx.Client, worker: str) -> str | None:
     return str(answer.json()["state"]) if answer.status_code == 200 else None
 
 
-async def hop(gateways: dict[str, tuple[str, int]], seconds: float, runs: int) -> None:
-    """Direct to gw-3 and via gw-2 in turn, ``runs`` times: the medians of each figure
-    and of what the front door adds in each run."""
-    warm = await Conn.open(gateways["gw-2"], "chat")  # the first request loads it
-    if await warm.call() != 200:
-        raise SystemExit(f"chat did not load: {warm.body.decode(errors='replace')}")
-    warm.close()
-    print(f"chat warm, served by {warm.served_by}")
-    print(f"{'callers':>7} {'path':>12} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}   ({runs} runs)")
+async def warm(gateways: dict[str, tuple[str, int]]) -> None:
+    """One request at gw-2: the cluster's load of ``chat`` on gw-3's host."""
+    conn = await Conn.open(gateways["gw-2"], "chat")
+    if await conn.call() != 200:
+        raise SystemExit(f"chat did not load: {conn.body.decode(errors='replace')}")
+    conn.close()
+    print(f"chat warm, served by {conn.served_by}", file=sys.stderr)
+
+
+async def hop(gateways: dict[str, tuple[str, int]], seconds: float) -> Run:
+    """One run: with each number of callers, direct to gw-3, then via gw-2."""
+    found: Run = {}
     for callers in CALLERS:
-        direct, via, added = [], [], []
-        for _ in range(runs):
-            d = await measure(gateways["gw-3"], callers, seconds, "gw-3/chat")
-            v = await measure(gateways["gw-2"], callers, seconds, "gw-3/chat")
-            direct.append(d)
-            via.append(v)
-            added.append((v[0] - d[0], v[1] - d[1], v[2] / d[2]))
-        d50, d99, drps = _medians(direct)
-        v50, v99, vrps = _medians(via)
-        a50, a99, ratio = _medians(added)
-        print(f"{callers:>7} {'direct gw-3':>12} {d50:8.2f} {d99:8.2f} {drps:8.0f}")
-        print(f"{callers:>7} {'via gw-2':>12} {v50:8.2f} {v99:8.2f} {vrps:8.0f}")
-        print(f"{callers:>7} {'added':>12} {a50:8.2f} {a99:8.2f} {ratio:7.2f}x")
-        if callers == 1:
-            verdict = "met" if a50 <= GOAL_ADDED_P50_MS else "NOT met"
-            print(f"goal: at most {GOAL_ADDED_P50_MS} ms added at p50 with one caller: {verdict}")
+        direct = await measure(gateways["gw-3"], callers, seconds, "gw-3/chat")
+        via = await measure(gateways["gw-2"], callers, seconds, "gw-3/chat")
+        found[callers] = (direct, via)
+    return found
+
+
+def added(direct: Figures, via: Figures) -> Figures:
+    """What the front door adds: p50 and p99 in ms, and the ratio of requests/s."""
+    return via[0] - direct[0], via[1] - direct[1], via[2] / direct[2]
+
+
+def report(found: dict[str, list[Run]]) -> None:
+    """Per tree, the medians over its runs of each path's figures and of what the front
+    door adds in each run; with two trees, the ratio of the added p50 and p99."""
+    runs = len(next(iter(found.values())))
+    print(f"{'tree':>8} {'callers':>7} {'path':>12} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}"
+          f"   (medians of {runs} runs)")  # fmt: skip
+    adds: dict[str, dict[int, Figures]] = {}
+    for name, rows in found.items():
+        adds[name] = {}
+        for callers in CALLERS:
+            pairs = [run[callers] for run in rows]
+            d50, d99, drps = _medians([d for d, _ in pairs])
+            v50, v99, vrps = _medians([v for _, v in pairs])
+            a50, a99, ratio = adds[name][callers] = _medians([added(d, v) for d, v in pairs])
+            print(f"{name:>8} {callers:>7} {'direct gw-3':>12} {d50:8.2f} {d99:8.2f} {drps:8.0f}")
+            print(f"{name:>8} {callers:>7} {'via gw-2':>12} {v50:8.2f} {v99:8.2f} {vrps:8.0f}")
+            print(f"{name:>8} {callers:>7} {'added':>12} {a50:8.2f} {a99:8.2f} {ratio:7.2f}x")
+    names = list(found)
+    if len(names) == 2:
+        this, other = names
+        for callers in CALLERS:
+            (m50, m99, _), (t50, t99, _) = adds[this][callers], adds[other][callers]
+            print(
+                f"added, {callers} caller(s), {this} / {other}: p50 {m50:.2f} / {t50:.2f} ms"
+                f" = {_ratio(m50, t50)}, p99 {m99:.2f} / {t99:.2f} ms = {_ratio(m99, t99)}"
+            )
+    a50 = adds[names[0]][1][0]
+    verdict = "met" if a50 <= GOAL_ADDED_P50_MS else "NOT met"
+    print(
+        f"goal ({names[0]}): at most {GOAL_ADDED_P50_MS} ms added at p50 with one caller: "
+        f"{a50:.2f} ms, {verdict}"
+    )
+
+
+def _ratio(mine: float, theirs: float) -> str:
+    """``mine / theirs`` as a ratio, or why not (an added time may be 0 or less)."""
+    return f"{mine / theirs:.2f}x" if theirs > 0 else "n/a (the other's is not above 0)"
 
 
 async def cold(gateways: dict[str, tuple[str, int]], record: Path, args: Any) -> None:
@@ -349,7 +473,7 @@ async def _timed(conn: Conn, began: float) -> tuple[int, float]:
     return status, time.perf_counter() - began
 
 
-def _medians(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+def _medians(rows: list[Figures]) -> Figures:
     p50, p99, rps = (statistics.median(column) for column in zip(*rows, strict=True))
     return p50, p99, rps
 
