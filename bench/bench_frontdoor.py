@@ -401,6 +401,9 @@ def report(found: dict[str, list[Run]]) -> None:
             print(f"{name:>8} {callers:>7} {'direct gw-3':>12} {d50:8.2f} {d99:8.2f} {drps:8.0f}")
             print(f"{name:>8} {callers:>7} {'via gw-2':>12} {v50:8.2f} {v99:8.2f} {vrps:8.0f}")
             print(f"{name:>8} {callers:>7} {'added':>12} {a50:8.2f} {a99:8.2f} {ratio:7.2f}x")
+    for name, rows in found.items():
+        each = ", ".join(f"{added(*run[1])[0]:.2f}" for run in rows)
+        print(f"{name:>8} added p50 with one caller, run by run: {each} ms")
     names = list(found)
     if len(names) == 2:
         this, other = names
