@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from gpu_arbiter.client import ApiError
+from gpu_arbiter.client import ApiError, ControllerUnreachable
 from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.cluster.cluster import Cluster
 from gpu_arbiter.gateway.requests.access import Access, ApiKey
 from gpu_arbiter.gateway.requests.app import GatewayApp
 from gpu_arbiter.gateway.requests.front_door import load_priority
+from gpu_arbiter.gateway.servers.model import Refused
 
 from .fakes import FakeClock, settle
 
@@ -165,7 +166,7 @@ class _Pending:
         return [params for method, _, params in self.calls if method == "DELETE"]
 
 
-async def _cluster(controller: _Pending) -> tuple[Cluster, asyncio.Task[None]]:
+async def _cluster(controller: object) -> tuple[Cluster, asyncio.Task[None]]:
     cluster = Cluster(
         controller,  # type: ignore[arg-type]
         name="gw-1", worker="box-1", models={}, routes={}, clock=FakeClock(),
@@ -249,3 +250,101 @@ async def test_a_grant_its_last_waiter_left_before_taking_is_withdrawn_one_taken
 async def _granting(controller: _Pending) -> None:
     await settle()
     controller.grant.set()
+
+
+class _BetweenLeaders:
+    """The cluster's routes while a standby takes over: each load's ask fails as the
+    next of ``failures`` says (an exception), then it is granted on box-3."""
+
+    def __init__(self, *failures: Exception) -> None:
+        self.failures = list(failures)
+        self.calls: list[str] = []
+
+    async def request(self, method: str, path: str, **keys: Any) -> Any:
+        if path.endswith("/cluster"):
+            await asyncio.Event().wait()
+        self.calls.append(method)
+        if method == "POST" and self.failures:
+            raise self.failures.pop(0)
+        return {"id": "l1", "state": "loading", "worker": "box-3", "gpus": ["box-3:0"],
+                "vram_mb": 1024, "joined": True, "free_mb": {}}  # fmt: skip
+
+
+def _unreachable() -> ControllerUnreachable:
+    return ControllerUnreachable("no controller answered (a: ConnectError; b: a standby)")
+
+
+async def test_a_load_is_asked_again_while_the_controller_is_between_leaders() -> None:
+    """None answers, then the new leader does not know this gateway yet (404 naming it,
+    then 409 until its report is fresh): asked again after 0.5, 1 and 2 s, and joined."""
+    unknown = ApiError(404, "not_found", "no gateway 'gw-1' reports here", {"gateway": "gw-1"})
+    stale = ApiError(409, "conflict", "gateway gw-1 has not reported", {"gateway": "gw-1"})
+    controller = _BetweenLeaders(_unreachable(), unknown, stale)
+    cluster, life = await _cluster(controller)
+    clock = cluster.clock
+    assert isinstance(clock, FakeClock)
+    try:
+        waiter = asyncio.ensure_future(cluster.load("chat", 500))
+        await settle()
+        assert controller.calls == ["POST"]
+        assert "the controller is unreachable" in cluster.load_waiting("chat")
+        await clock.advance(0.5)
+        assert controller.calls == ["POST"] * 2
+        assert "does not know this gateway yet" in cluster.load_waiting("chat")
+        await clock.advance(1.0)
+        assert controller.calls == ["POST"] * 3 and not waiter.done()
+        await clock.advance(2.0)
+        assert (await waiter).id == "l1"
+    finally:
+        await _end(life)
+
+
+async def test_a_load_the_controller_cannot_be_asked_for_ends_with_its_wait() -> None:
+    """Asked again until its ``max_wait_s`` (300 s without a model here) is over, then
+    its waiter is refused with the cause."""
+    controller = _BetweenLeaders(*(_unreachable() for _ in range(100)))
+    cluster, life = await _cluster(controller)
+    clock = cluster.clock
+    assert isinstance(clock, FakeClock)
+    try:
+        waiter = asyncio.ensure_future(cluster.load("chat", 500))
+        await clock.advance(290.0)
+        assert not waiter.done()
+        await clock.advance(10.0)
+        with pytest.raises(Refused) as refused:
+            await waiter
+        assert refused.value.status == 503
+        assert "chat: the controller is unreachable (no controller answered" in refused.value.reason
+        assert 60 < len(controller.calls) < 70  # at most every 5 s
+    finally:
+        await _end(life)
+
+
+async def test_a_load_refused_for_another_cause_ends_at_once() -> None:
+    """A 404 that does not name this gateway (no gateway declares the model) is the
+    caller's answer, not a leader changing."""
+    nowhere = ApiError(404, "not_found", "no gateway declares model 'chat'", {"model": "chat"})
+    controller = _BetweenLeaders(nowhere)
+    cluster, life = await _cluster(controller)
+    try:
+        with pytest.raises(Refused) as refused:
+            await cluster.load("chat", 500)
+        assert refused.value.status == 404 and "no gateway declares" in refused.value.reason
+        assert controller.calls == ["POST"]
+    finally:
+        await _end(life)
+
+
+async def test_a_load_asked_again_is_left_when_its_last_waiter_goes() -> None:
+    controller = _BetweenLeaders(*(_unreachable() for _ in range(100)))
+    cluster, life = await _cluster(controller)
+    clock = cluster.clock
+    assert isinstance(clock, FakeClock)
+    try:
+        waiter = asyncio.ensure_future(cluster.load("chat", 500))
+        await clock.advance(1.0)
+        waiter.cancel()
+        await clock.advance(60.0)
+        assert controller.calls == ["POST"] * 2 + ["DELETE"]  # withdrawn, asked no more
+    finally:
+        await _end(life)

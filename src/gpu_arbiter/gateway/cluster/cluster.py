@@ -17,7 +17,10 @@ the cluster's, not the caller's: a caller that hangs up leaves it to the others,
 when the last one here goes away before it served (:meth:`Cluster._withdraw`), this
 gateway stops asking at once and withdraws (``DELETE /v1/gateways/{name}/loads``): the
 controller ends it there and then (cancelled while pending, given back while it loads)
-unless another front door asked for it too, which keeps it. Once it is
+unless another front door asked for it too, which keeps it. While the controllers are
+between leaders (none answers, or a new leader this gateway has not reported to yet),
+the load is asked again, backing off, until its queue timeout: it is stored, so the new
+leader has it and the ask joins it there (:meth:`Cluster._ask_again`). Once it is
 granted, the gateway beside its worker adopts it (:meth:`ModelServer.adopt`): this one
 when the lease is on its own worker, else the one the request is forwarded to, told by
 ``x-arbiter-lease``.
@@ -552,32 +555,32 @@ class Cluster:
             await asyncio.wait([withdrawing])
         local = self.routes.get(model)
         config = self.models[local].config if local is not None else None
+        max_wait_s = config.queue_timeout_s if config else DEFAULT_QUEUE_TIMEOUT_S
         body = {
             "model": model,
             "priority": priority,
             "replicas": replicas,
             "ttl_s": config.ttl_s if config else 30.0,
-            "max_wait_s": config.queue_timeout_s if config else DEFAULT_QUEUE_TIMEOUT_S,
+            "max_wait_s": max_wait_s,
             "load_timeout_s": config.load_timeout_s if config else 300.0,
         }
         now = self.clock.now()
         down = {n for n, until in self._down.items() if until > now}
         body["unreachable"] = sorted(down | set(self.liveness.silent()))
         path = f"/v1/gateways/{self.name}/loads"
+        give_up_at = now + max_wait_s
+        backoff = BACKOFF_FIRST_S
         while True:
             try:
                 answer: dict[str, Any] = await self.client.request(
                     "POST", path, json_body=body, params={"wait": LOAD_WAIT_S},
                     timeout_s=LOAD_WAIT_S + 10.0,
                 )  # fmt: skip
-            except ApiError as error:
-                raise Refused(
-                    503 if error.status >= 500 else 404, f"{model}: {error}", 1.0
-                ) from None
-            except ControllerUnreachable as error:
-                raise Refused(
-                    503, f"{model}: the controller is unreachable ({error})", 1.0
-                ) from None
+            except (ApiError, ControllerUnreachable) as error:
+                await self._ask_again(model, error, give_up_at - self.clock.now(), backoff)
+                backoff = min(BACKOFF_MAX_S, 2 * backoff)
+                continue
+            backoff = BACKOFF_FIRST_S
             lease = Lease.of(answer)
             if lease.held:
                 self._say_placed(model, lease, answer)
@@ -595,6 +598,29 @@ class Cluster:
                     found.withdrawn = True
                     self._tell(model, found.task)
                 raise Refused(503, f"model {model}: nobody waits for its load any more", 1.0)
+
+    async def _ask_again(
+        self, model: str, error: ApiError | ControllerUnreachable, left_s: float, backoff: float
+    ) -> None:
+        """After a load's ask failed: waits ``backoff`` when the controller is only between
+        leaders (none answers, or a new leader that this gateway has not reported to yet:
+        404 or 409 naming it), the load is still wanted and its wait (``max_wait_s``) has
+        ``left_s``; else raises :class:`Refused` with the cause. The load is stored, so a
+        standby that takes over has it, and the ask joins it there."""
+        if isinstance(error, ApiError) and not _unknown_here(error, self.name):
+            raise Refused(503 if error.status >= 500 else 404, f"{model}: {error}", 1.0) from None
+        if isinstance(error, ApiError):
+            why = f"the controller does not know this gateway yet ({error})"
+        else:
+            why = f"the controller is unreachable ({error})"
+        found = self._loads.get(model)
+        if found is None or not found.wanted() or left_s < backoff:
+            raise Refused(503, f"{model}: {why}", 1.0) from None
+        log.info("route: %s: %s; asking again in %.1fs", model, why, backoff)
+        found.waiting = f"waiting for the controller: {why}"
+        self._changed.set()
+        self._changed = asyncio.Event()
+        await self.clock.sleep(backoff)
 
     def _say_placed(self, model: str, lease: Lease, answer: Mapping[str, Any]) -> None:
         """The routing decision of a cold load, as the operator reads it (the load's
@@ -655,6 +681,12 @@ async def _into(work: Coroutine[Any, Any, T], outcome: asyncio.Future[T]) -> Non
         return
     if not outcome.done():
         outcome.set_result(found)
+
+
+def _unknown_here(error: ApiError, gateway: str) -> bool:
+    """Whether the controller refused because ``gateway`` has not reported to it (yet):
+    a new leader knows the gateways only from their next reports."""
+    return error.status in (404, 409) and error.details.get("gateway") == gateway
 
 
 def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:
