@@ -29,15 +29,17 @@ def model_entry(
     load_s: float = 0.2,
     drain: bool = True,
     fail_while: Path | None = None,
+    ready_when: Path | None = None,
     **keys: Any,
 ) -> str:
     """One ``[models.NAME]`` table running the test model server (``drain``: whether it
     lets its requests finish on SIGTERM; ``fail_while``: its start fails while that file
-    exists)."""
+    exists; ``ready_when``: it loads until that file exists)."""
     command = [sys.executable, str(MODEL_SERVER), "--port", "{port}", "--name", name]
     command += ["--mb", str(mb), "--load-s", str(load_s), "--record", str(record)]
     command += [] if drain else ["--no-drain"]
     command += [] if fail_while is None else ["--fail-while", str(fail_while)]
+    command += [] if ready_when is None else ["--ready-when", str(ready_when)]
     keys = {"idle_after": "0.1s", "grace": "1s", "queue_timeout": "60s", **keys}
     lines = [f"[models.{name}]", f"command = {json.dumps(command)}"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]

@@ -1,11 +1,12 @@
 """A small OpenAI-compatible model server for the gateway's tests and bench.
 
 ``python model_server.py --port P --name N [--mb MB] [--load-s S] [--record DIR]
-[--no-drain] [--ignore-term] [--fail-while PATH]``
+[--no-drain] [--ignore-term] [--fail-while PATH] [--ready-when PATH]``
 
 On start it takes ``--mb`` MiB on each GPU of ``CUDA_VISIBLE_DEVICES`` in the fake
 probe (half at once, all after ``--load-s``, as a real server grows while it loads),
-and answers ``/health`` with 503 until then. Chat and completion requests stream
+and answers ``/health`` with 503 until then; with ``--ready-when PATH``, until that file
+exists too (a load that lasts as long as a test wants). Chat and completion requests stream
 tokens (``"stream": true``) or answer once; a request's body steers it:
 
 - ``tokens`` (default 3), ``token_s`` (pause before each token, default 0)
@@ -153,7 +154,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _load(mb: int, load_s: float) -> None:
+async def _load(mb: int, load_s: float, ready_when: str) -> None:
     usage = os.environ.get("GPU_ARBITER_FAKE_USAGE_DIR")
     indexes = [int(i) for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i]
     if mb and usage:
@@ -164,6 +165,8 @@ async def _load(mb: int, load_s: float) -> None:
         report_usage({i: mb for i in indexes})
     else:
         await asyncio.sleep(load_s)
+    while ready_when and not Path(ready_when).exists():
+        await asyncio.sleep(0.02)
     STATE["ready"] = True
     record("ready_at")
 
@@ -192,7 +195,7 @@ async def main(args: argparse.Namespace) -> None:
     server = _Server(config)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, _on_term, server, args.drain, args.ignore_term)
-    loading = asyncio.ensure_future(_load(args.mb, args.load_s))
+    loading = asyncio.ensure_future(_load(args.mb, args.load_s, args.ready_when))
     await server.serve()
     loading.cancel()
     record("exit_at")
@@ -208,6 +211,7 @@ if __name__ == "__main__":
     parser.add_argument("--no-drain", dest="drain", action="store_false")
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--fail-while", default="")
+    parser.add_argument("--ready-when", default="")
     arguments = parser.parse_args()
     STATE["name"], STATE["record"] = arguments.name, arguments.record
     record("started_at")

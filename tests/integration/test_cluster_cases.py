@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from .cluster import Host, cluster_leases, routable, served_by
 from .conftest import Server, wait_for
 from .gateways import chat, metric, model_entry, records
 from .test_cluster import Cluster, cluster
+from .test_gateway_lifecycle import alive
 from .test_ha import Controllers, leader_of, role
 
 __all__ = ["cluster"]  # the fixture, shared with test_cluster.py
@@ -185,6 +187,95 @@ def test_a_standby_takes_over_and_the_front_doors_go_on_routing(
             (still,) = cluster_leases(admin, "chat")
             assert still["id"] == before["id"]
         assert len(records(record, "chat")) == 1  # the warm replica served throughout
+    finally:
+        for host in reversed(hosts):
+            host.stop()
+
+
+def _sdk_chat(url: str, streamed: bool) -> tuple[str, str]:
+    """One request for ``chat`` by the ``openai`` SDK at front door ``url``: ("answer",
+    its text) or ("error", the status and message the SDK raised)."""
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "user", "content": "hi"}
+    ]
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=150) as sdk:
+        try:
+            if streamed:
+                stream = sdk.chat.completions.create(model="chat", messages=messages, stream=True)
+                return "answer", " ".join(c.choices[0].delta.content or "" for c in stream)
+            raw = sdk.chat.completions.with_raw_response.create(model="chat", messages=messages)
+            return "answer", str(raw.http_response.json()["choices"][0]["text"])
+        except openai.APIStatusError as error:
+            return "error", f"{error.status_code} {error.message}"
+        except openai.APIError as error:  # an error event after the stream's head
+            return "error", f"{(error.body or {}).get('status')} {error.message}"
+
+
+@pytest.mark.parametrize("moment", ["pending", "loading"])
+def test_a_standby_taking_over_mid_load_leaves_every_waiting_request_an_ending(
+    controllers: Controllers, tmp_path: Path, moment: str
+) -> None:
+    """The leader is SIGKILLed while six requests (two streamed) at two front doors wait
+    for the cluster's cold load of a model: ``pending`` (both hosts it fits full) or
+    granted with its server ``loading`` (until the test lets it be ready). Each request
+    is answered by the one server started for the model (its front door asks for the
+    stored load again at the new leader); the new leader's leases are what runs; once
+    the hosts stop, no server runs and no lease is held."""
+    first = _start_controller(controllers, "a")
+    leader_of(first)
+    second = _start_controller(controllers, "b")
+    wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+    both = f"{first.url},{second.url}"
+    record = tmp_path / "record"
+    record.mkdir()
+    loaded = tmp_path / "loaded"  # the server loads until this file exists
+    keys = {"keep_alive": "120s", "ttl": "30s", "queue_timeout": "120s"}
+    models = model_entry("chat", record, mb=6000, vram="8G", ready_when=loaded, **keys)
+    hosts: list[Host] = []
+    try:
+        with first.client() as admin:
+            for number, spec in ((2, "1x24G:sm_86"), (3, "1x24G:sm_86"), (4, "1x4G:sm_86")):
+                host = Host(first, tmp_path, number, spec, models, controllers=both)
+                hosts.append(host)
+                host.start(admin)
+            wait_for(lambda: routable(admin, hosts, "chat"), what="every host routable")
+            blockers = [_block(admin, w) for w in ("box-2", "box-3")] if moment == "pending" else []
+        doors = (hosts[0], hosts[2])  # gw-4's host is too small: a front door only
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            calls = [
+                pool.submit(_sdk_chat, doors[i % 2].gateway.url, streamed=i < 2) for i in range(6)
+            ]
+            wait_for(
+                lambda: all(_routed(door, "chat") >= 3 for door in doors),
+                what="every request waiting for the load",
+            )
+            if moment == "loading":
+                wait_for(lambda: records(record, "chat"), what="the server to start")
+            with first.client() as admin:
+                (load,) = cluster_leases(admin, "chat")
+            assert load["state"] == moment, load
+            first.kill9()
+            assert leader_of(second, timeout_s=30) is second
+            with second.client(token=first.admin_token) as admin:
+                for blocker in blockers:
+                    admin.delete(f"/v1/leases/{blocker}")
+                loaded.write_text("")
+                ended = [call.result(timeout=170) for call in calls]
+                assert ended == [("answer", "t0 t1 t2")] * 6, ended
+                (server,) = records(record, "chat")
+                (lease,) = _held(admin)  # the blockers gone, only what runs is held
+                assert lease["metadata"]["cluster_model"] == "chat", lease
+                assert lease["state"] == "active" and lease["id"] == load["id"]  # the one load
+                serving = next(h for h in hosts if h.worker == lease["worker"])
+                replicas = serving.gateway.model_state("chat")["replicas"]
+                assert [(r["lease"], r["pid"]) for r in replicas] == [(lease["id"], server["pid"])]
+                assert alive(server["pid"])
+        for host in reversed(hosts):
+            host.stop()
+        hosts.clear()
+        assert not alive(server["pid"])
+        with second.client(token=first.admin_token) as admin:
+            wait_for(lambda: not _held(admin), 30, "every lease released")
     finally:
         for host in reversed(hosts):
             host.stop()
