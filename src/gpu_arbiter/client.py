@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 import httpx
 
-from .core import ArbiterError
+from .core import ArbiterError, format_mb
 
 __all__ = [
     "ApiError",
@@ -39,6 +39,7 @@ __all__ = [
     "SseEvent",
     "parse_urls",
     "pending_text",
+    "verdict_text",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:7070"
@@ -90,6 +91,23 @@ def pending_text(lease: Json) -> str:
     text = str(reason.get("message") or reason.get("code") or "waiting")
     position = lease.get("position")
     return text if position is None else f"position {position}: {text}"
+
+
+def verdict_text(verdict: Mapping[str, Any]) -> str:
+    """One GPU's verdict of a pending reason (``reason.gpus``), as ``gpu-arbiter queue -v``
+    prints it: 'box-3:0 insufficient_vram: need 6.0 GiB, free 2.0 GiB, committed 22.0 GiB,
+    observed 22.0 GiB (2 more GPU(s) say the same)'."""
+
+    def mb(key: str) -> str:
+        value = verdict.get(key)
+        return "-" if value is None else format_mb(int(value))
+
+    count = int(verdict.get("count") or 1)
+    more = f" ({count - 1} more GPU(s) say the same)" if count > 1 else ""
+    return (
+        f"{verdict.get('gpu')} {verdict.get('code')}: need {mb('need_mb')}, free {mb('free_mb')}"
+        f", committed {mb('committed_mb')}, observed {mb('observed_mb')}{more}"
+    )
 
 
 def parse_urls(value: str | Sequence[str] | None) -> list[str]:

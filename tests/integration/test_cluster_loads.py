@@ -6,6 +6,7 @@ reports through its HTTP API, as agents and gateways send them."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -180,3 +181,30 @@ def test_a_withdrawn_load_another_front_door_asked_for_is_kept_and_a_serving_one
     assert _withdraw(admin, "gw-2", "code")["kept"] == [serving["id"]]
     assert _lease(admin, serving["id"])["state"] == "active"
     assert _withdraw(admin, "gw-3", "solo") == {"model": "solo", "ended": [], "kept": []}
+
+
+def test_a_pending_loads_long_poll_answers_when_its_reason_moves(admin: httpx.Client) -> None:
+    """A front door that has not read the reason is answered at once (its ``signature``);
+    one that has (``after``) once the reason moves (here: the arbiter paused), whenever
+    the pause comes: an answer after the whole wait would carry the same signature."""
+    for worker in ("box-2", "box-3"):
+        filler = {
+            "vram_mb": 24000,
+            "priority": 1000,
+            "ttl_s": 300,
+            "constraints": {"worker": worker},
+        }
+        assert admin.post("/v1/leases", json=filler).status_code == 201
+    first = _load(admin, "chat").json()
+    assert first["state"] == "pending" and first["signature"], first
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        moved = pool.submit(
+            admin.post, "/v1/gateways/gw-2/loads", json={"model": "chat"},
+            params={"wait": 60, "after": first["signature"]}, timeout=90,
+        )  # fmt: skip
+        assert admin.post("/v1/pause").status_code == 200
+        answer = moved.result(timeout=90)
+    assert answer.status_code == 200, answer.text
+    found = answer.json()
+    assert found["id"] == first["id"] and found["state"] == "pending"
+    assert found["reason"]["code"] == "paused" and found["signature"] != first["signature"]

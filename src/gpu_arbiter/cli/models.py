@@ -7,8 +7,9 @@ Every command asks every gateway given (``--gateway``, repeatable or comma-separ
 ``GPU_ARBITER_GATEWAY``), at once. A gateway that cannot be reached, or refuses, is one
 line naming it; the others are still shown. Given no gateway, the controller is asked
 (``--controller``, ``--token``, as every other command): its gateways' last reports
-(``GET /v1/gateways``), and a change is queued there for each live gateway that has the
-model (``POST /v1/gateways/NAME/models/MODEL/VERB``).
+(``GET /v1/gateways``; a model whose cluster load waits in its queue, ``GET
+/v1/queue``, is shown ``queued`` with why), and a change is queued there for each live
+gateway that has the model (``POST /v1/gateways/NAME/models/MODEL/VERB``).
 
 Exit codes: 0 done; 1 ``models``: no gateway answered with its models; a change: a
 gateway was not reached or refused it, or none knows the model; 2 bad arguments.
@@ -30,6 +31,9 @@ from rich.table import Table
 
 from ..client import ArbiterClient
 from ..core import format_mb, format_s
+from ..gateway.cluster.queued import queued_words
+from ..gateway.servers.lease import Lease
+from ..gateway.servers.states import most_advanced
 from .ops import EXIT_API_ERROR, Controller, Token, call_controller, option, stdout_console
 
 __all__ = ["MODEL_COMMANDS", "models_view"]
@@ -37,6 +41,8 @@ __all__ = ["MODEL_COMMANDS", "models_view"]
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 LIST_TIMEOUT_S = 10.0
 CHANGE_TIMEOUT_S = 300.0  # an unload answers once its servers are gone: two graces or so
+CLUSTER_MODEL = "cluster_model"
+"""The metadata key naming the model of a cluster load's lease (the controller's)."""
 Json = dict[str, Any]
 
 Gateways = Annotated[
@@ -235,7 +241,17 @@ def _changed_line(verb: str, answer: Answer) -> str:
 
 def reported(controller: str | None, token: str | None) -> list[Answer]:
     """The controller's gateways as answers: a live one's models, a stale one refused."""
-    found: list[Json] = call_controller(controller, token, lambda c: c.gateways())
+
+    async def fetch(client: ArbiterClient) -> tuple[list[Json], list[Json]]:
+        return await client.gateways(), await client.queue()
+
+    found, pending = call_controller(controller, token, fetch)
+    loads = {
+        str(lease["metadata"][CLUSTER_MODEL]): lease
+        for lease in pending
+        if CLUSTER_MODEL in (lease.get("metadata") or {})
+    }
+    workers = {str(e.get("worker")): str(e["name"]) for e in found if e.get("worker")}
     answers = []
     for entry in found:
         name = f"{entry['name']} ({entry['url']})"
@@ -248,8 +264,20 @@ def reported(controller: str | None, token: str | None) -> list[Answer]:
             }
             answers.append(Answer(name, 409, why))
         else:
-            answers.append(Answer(name, 200, {"data": entry["models"]}))
+            models = [_queued(m, loads.get(str(m.get("id"))), workers) for m in entry["models"]]
+            answers.append(Answer(name, 200, {"data": models}))
     return answers
+
+
+def _queued(model: Json, load: Json | None, workers: dict[str, str]) -> Json:
+    """A gateway's model as it reported it, or ``queued`` with why when the cluster's
+    load of it waits in the controller's queue and the gateway's copy neither serves nor
+    loads it (a front door lists it so: ``Cluster.queued``)."""
+    state = str(model.get("state"))
+    if load is None or state == "queued" or most_advanced((state, "queued")) != "queued":
+        return model
+    why = queued_words(Lease.of(load), workers.get)
+    return {**model, "state": "queued", "pending_reason": why}
 
 
 def _queue_change(verb: str, model: str, controller: str | None, token: str | None) -> None:

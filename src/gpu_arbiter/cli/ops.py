@@ -24,7 +24,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..client import ApiError, ArbiterClient, ControllerUnreachable
+from ..client import ApiError, ArbiterClient, ControllerUnreachable, verdict_text
 from ..core import ArbiterError, InvalidInput, format_mb, format_s, parse_seconds
 from .access import TOKEN_HELP, credentials, refusal
 
@@ -222,15 +222,8 @@ def queue_view(pending: list[Json], verbose: bool = False) -> RenderableType:
         verdicts = (lease.get("reason") or {}).get("gpus") or []
         parts.append(Text(f"{lease['id']}:", "bold"))
         for v in verdicts:
-            count = v.get("count", 1)
-            more = f" ({count - 1} more GPU(s) say the same)" if count > 1 else ""
-            parts.append(
-                Text(
-                    f"  {v['gpu']:<10} {v['code']}: need {_mb(v['need_mb'])},"
-                    f" free {_mb(v['free_mb'])}, committed {_mb(v['committed_mb'])},"
-                    f" observed {_mb(v['observed_mb'])}{more}"
-                )
-            )
+            gpu, _, rest = verdict_text(v).partition(" ")
+            parts.append(Text(f"  {gpu:<10} {rest}"))
         if not verdicts:
             parts.append(Text("  no per-GPU detail"))
     return Group(*parts)

@@ -1,8 +1,9 @@
 """The cluster's front doors: what a gateway needs to serve a request on any host.
 
     GET  /v1/gateways/{name}/cluster   every live gateway, its worker's state and its
-                                       models' routing figures, and the credential
-                                       gateways show each other; a long-poll
+                                       models' routing figures, the cluster's loads
+                                       still queued, and the credential gateways show
+                                       each other; a long-poll
     POST /v1/gateways/{name}/loads     a model's cold load, for the whole cluster
     DELETE /v1/gateways/{name}/loads   a front door waits no more for a model's load
 
@@ -38,7 +39,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import Field, StrictInt, StrictStr
 
-from ..controller import Controller, ServiceUnavailable
+from ..controller import Controller, PendingView, ServiceUnavailable
 from ..core import Constraints, LeaseState, NotFound, WorkerStatus, validate_worker_name
 from ..core import Request as CoreRequest
 from ..store import LeaseRecord
@@ -54,7 +55,11 @@ __all__ = ["LoadAskers", "adoptable", "router"]
 MAX_WAIT_S = 60.0
 RECHECK_S = 1.0
 """How often a cluster long-poll looks again for what no report says: a report turning
-stale, a worker draining or going offline."""
+stale, a worker draining or going offline, a pending load's reason moving."""
+WORDS_S = 5.0
+"""A pending load's long-poll answers when only the words of its reason moved (a time
+counting down, memory figures) once it has waited this long: its callers' times stay
+fresh, and a front door asks at most this often for them."""
 ROUTED = (
     "id", "aliases", "state", "in_flight", "queued", "max_parallel", "vram_mb", "gpus",
     "priority",
@@ -91,6 +96,15 @@ class LoadAskers:
             return None
         askers.discard(gateway)
         return bool(askers)
+
+    def asking(self) -> list[tuple[str, str, list[str]]]:
+        """Each load some front door still asks for: (model, lease id, its gateways)."""
+        return [
+            (model, lease_id, sorted(gateways))
+            for model, loads in sorted(self._asked.items())
+            for lease_id, gateways in loads.items()
+            if gateways
+        ]
 
 
 GatewayName = Annotated[str, Path(min_length=1, max_length=64)]
@@ -138,9 +152,10 @@ async def cluster_view(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     long_polls: Slots = request.app.state.long_polls
+    askers: LoadAskers = request.app.state.load_askers
     with long_polls.hold(who.id):
         while True:
-            view = _view(ctl, registry)
+            view = _view(ctl, registry, askers)
             left = deadline - loop.time()
             if view["signature"] != after or left <= 0:
                 break
@@ -148,10 +163,35 @@ async def cluster_view(
     return FiniteJSONResponse({**view, "peer_key": registry.peer_key})
 
 
-def _view(ctl: Controller, registry: GatewayRegistry) -> dict[str, Any]:
+def _view(ctl: Controller, registry: GatewayRegistry, askers: LoadAskers) -> dict[str, Any]:
     gateways = [_gateway(ctl, name, report) for name, report in registry.live()]
-    signed = json.dumps([_signed(g) for g in gateways], sort_keys=True).encode()
-    return {"signature": hashlib.sha256(signed).hexdigest()[:32], "gateways": gateways}
+    loads = _queued(ctl, askers)
+    signed = json.dumps(
+        [[_signed(g) for g in gateways], [(q["model"], q["lease"]) for q in loads]],
+        sort_keys=True,
+    ).encode()
+    return {
+        "signature": hashlib.sha256(signed).hexdigest()[:32],
+        "gateways": gateways,
+        "loads": loads,
+    }
+
+
+def _queued(ctl: Controller, askers: LoadAskers) -> list[dict[str, Any]]:
+    """The cluster's loads still pending that a front door asks for, for every front door
+    to list its model ``queued``: the model, the lease, the gateways that asked, its
+    position and reason as the queue shows them now (the view changes when a load comes
+    or goes, not when only its reason does: its askers follow that, ``cluster_load``)."""
+    found = []
+    for model, lease_id, gateways in askers.asking():
+        pending = ctl.leases.pending_view(lease_id)
+        if pending is None:
+            continue
+        found.append(
+            {"model": model, "lease": lease_id, "asked_by": gateways,
+             "position": pending.position, "reason": pending.reason.as_dict()}
+        )  # fmt: skip
+    return found
 
 
 def _gateway(ctl: Controller, name: str, report: Report) -> dict[str, Any]:
@@ -206,6 +246,7 @@ async def cluster_load(
     body: LoadIn,
     request: Request,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
+    after: Annotated[str, Query(max_length=64)] = "",
 ) -> FiniteJSONResponse:
     """The model's load for the cluster: the one pending or loading on a routable host
     (joined), else a new lease request over every worker whose live gateway declares the
@@ -214,7 +255,10 @@ async def cluster_load(
     on a host that is not routable (offline, draining, its gateway stale or unreachable)
     keeps its memory but is not joined. Answers once it is not pending, or after
     ``wait`` seconds (at most 60), with the lease, ``joined`` and each candidate
-    worker's most free MiB on one GPU. 404 when no routable gateway declares the model."""
+    worker's most free MiB on one GPU. A pending one is answered at once when its reason's
+    ``signature`` differs from ``after`` (the one the front door last read), else as soon
+    as its reason moves (:func:`_pending_moves`), for the front door to tell its callers.
+    404 when no routable gateway declares the model."""
     ctl, who, registry, name = _context(request, name)
     registry.owned(name, who, "ask loads for")
     if who.role not in ("admin", "client"):
@@ -237,10 +281,13 @@ async def cluster_load(
     if record.state is LeaseState.PENDING and wait > 0:
         long_polls: Slots = request.app.state.long_polls
         with long_polls.hold(who.id), ctl.leases.watching(record.id):
-            waited = ctl.events.wait_lease(record.id, LeaseState.PENDING, wait)
+            waited = _pending_moves(ctl, record.id, wait, after)
             record = await routes.unless_gone(request, waited) or ctl.leases.get(record.id)
-    answer = s.lease_out(record, ctl.leases.pending_view(record.id))
-    return FiniteJSONResponse({**answer, "joined": joined, "free_mb": _free(ctl, hosts)})
+    pending = ctl.leases.pending_view(record.id)
+    answer = {**s.lease_out(record, pending), "joined": joined, "free_mb": _free(ctl, hosts)}
+    return FiniteJSONResponse(
+        {**answer, "signature": "" if pending is None else _signed_reason(pending)}
+    )
 
 
 @router.delete("/gateways/{name}/loads", summary="A front door waits no more for a model's load")
@@ -269,6 +316,45 @@ async def withdraw_load(
             ctl.leases.release(record.id)
             ended.append(record.id)
     return FiniteJSONResponse({"model": model, "ended": ended, "kept": kept})
+
+
+async def _pending_moves(ctl: Controller, lease_id: str, wait_s: float, after: str) -> LeaseRecord:
+    """The load at once when its reason's signature (:func:`_signed_reason`) is not
+    ``after``, else once it is not pending or its signature moved (the lease or request in
+    its way, the GPU nearest to taking it, its position), looked at every
+    :data:`RECHECK_S` (a reason is not stored: the leases around it move it), or once
+    only its words did (a time counting down, the memory figures) after
+    :data:`WORDS_S`; as it is after ``wait_s``."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    said = ctl.leases.pending_view(lease_id)
+    if said is None or _signed_reason(said) != after:
+        return ctl.leases.get(lease_id)
+    while True:
+        left = began + wait_s - loop.time()
+        record = await ctl.events.wait_lease(lease_id, LeaseState.PENDING, min(left, RECHECK_S))
+        now = ctl.leases.pending_view(lease_id)
+        if record.state is not LeaseState.PENDING or now is None or left <= RECHECK_S:
+            return record
+        if _signed_reason(now) != after:
+            return record
+        if now.reason.message != said.reason.message and loop.time() - began >= WORDS_S:
+            return record
+
+
+def _signed_reason(view: PendingView) -> str:
+    """What a pending load waits for, without the words and figures that move by
+    themselves, as a signature: its position, the reason's code, the GPUs nominated for
+    it, what is in its way (each lease or request, its state and when it gives way) and
+    each outcome's GPU nearest to taking it."""
+    reason = view.reason
+    blockers = (reason.blocker, *reason.blockers) if reason.blocker else reason.blockers
+    gist = (
+        view.position, str(reason.code), [str(g) for g in reason.nominated], reason.blocked_by,
+        [(b.kind, b.id, b.state, b.until, b.rule) for b in blockers],
+        [(str(v.gpu), v.code) for v in reason.gpus],
+    )  # fmt: skip
+    return hashlib.sha256(json.dumps(gist).encode()).hexdigest()[:32]
 
 
 def _hosts(

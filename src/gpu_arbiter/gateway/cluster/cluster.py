@@ -23,7 +23,11 @@ the load is asked again, backing off, until its queue timeout: it is stored, so 
 leader has it and the ask joins it there (:meth:`Cluster._ask_again`). Once it is
 granted, the gateway beside its worker adopts it (:meth:`ModelServer.adopt`): this one
 when the lease is on its own worker, else the one the request is forwarded to, told by
-``x-arbiter-lease``.
+``x-arbiter-lease``. While it is pending, its long-poll is answered as soon as its reason
+moves: what its callers read (:meth:`Cluster.load_waiting`: the host nearest to taking
+it, the lease in its way and when that gives way, ``queued.py``) follows it, and the
+model is listed ``queued`` (:meth:`Cluster.queued`) here and, through the controller's
+view (its ``loads``), at every other front door.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from ..servers.lease import Lease
 from ..servers.model import ModelServer, Refused, tenths_up
 from ..servers.replica import ReplicaState
 from .liveness import Liveness, LivenessSettings
+from .queued import queued_words
 from .routing import Kind, Route, route
 
 __all__ = ["UNRESPONSIVE", "Cluster", "Peer"]
@@ -119,6 +124,7 @@ class _Load:
     waiting: str = "asking the arbiter where to load it"
     also: Callable[[], int] = lambda: 0
     taken: bool = False  # a waiter went on with its grant
+    lease: Lease | None = None  # the load as its last pending answer showed it
     withdrawn: bool = False  # its last waiter went away first: the controller was told
 
     def wanted(self) -> bool:
@@ -152,6 +158,7 @@ class Cluster:
         self.routes = routes
         self.clock = clock
         self.peers: dict[str, Peer] = {}
+        self.loads: dict[str, Mapping[str, Any]] = {}  # model -> its load queued, as the view shows
         self.keys: list[str] = []  # the peer credentials accepted, newest first
         self.key = ""
         self.signature = ""
@@ -254,6 +261,9 @@ class Cluster:
             gone.upstream.close()
             gone.check.close()
         self.peers = found
+        self.loads = {
+            str(q.get("model")): q for q in view.get("loads") or () if isinstance(q, Mapping)
+        }
         self._down.clear()  # a fresh view: every peer it shows is tried again
         self.seen.set()
         self._changed.set()
@@ -509,6 +519,35 @@ class Cluster:
         found = self._loads.get(model)
         return found.waiting if found is not None else "asking the arbiter where to load it"
 
+    def queued(self, model: str) -> dict[str, Any] | None:
+        """The cluster's load of ``model`` while it is queued, as ``GET /v1/models`` lists
+        it: its ``lease``, the front doors that asked (``asked_by``), its ``position`` and
+        why it waits (``waiting``, :func:`.queued.queued_words`); this front door's own
+        (with its ``waiters`` here, its reason as its long-poll last said it), else one
+        another front door asked for, as the controller's view shows it; None when none
+        is."""
+        seen = self.loads.get(model)
+        found = self._loads.get(model)
+        if found is not None and not found.task.done() and found.lease is not None:
+            lease = found.lease
+            also = seen.get("asked_by") or () if seen and seen.get("lease") == lease.id else ()
+            return {"lease": lease.id, "asked_by": sorted({self.name, *map(str, also)}),
+                    "position": lease.position, "waiting": found.waiting,
+                    "waiters": found.waiters + found.also()}  # fmt: skip
+        if seen is None:
+            return None
+        lease = Lease.of({**seen, "id": seen.get("lease"), "state": "pending"})
+        return {"lease": lease.id, "asked_by": [str(g) for g in seen.get("asked_by") or ()],
+                "position": lease.position, "waiting": queued_words(lease, self.gateway_on),
+                "waiters": 0}  # fmt: skip
+
+    def gateway_on(self, worker: str) -> str | None:
+        """The gateway beside ``worker``: this one, or a peer, if known here."""
+        if worker == self.worker:
+            return self.name
+        peer = self.peer_on(worker)
+        return None if peer is None else peer.name
+
     def grow(self, model: ModelServer) -> bool:
         """Requests queue here for a busy model: one more replica for the cluster, placed
         by the arbiter like any load, while the cluster holds fewer than its ``replicas``
@@ -564,16 +603,17 @@ class Cluster:
             "max_wait_s": max_wait_s,
             "load_timeout_s": config.load_timeout_s if config else 300.0,
         }
-        now = self.clock.now()
-        down = {n for n, until in self._down.items() if until > now}
-        body["unreachable"] = sorted(down | set(self.liveness.silent()))
         path = f"/v1/gateways/{self.name}/loads"
-        give_up_at = now + max_wait_s
+        give_up_at = self.clock.now() + max_wait_s
         backoff = BACKOFF_FIRST_S
+        said = ""  # the signature of the pending reason read last: answered when it moves
         while True:
+            now = self.clock.now()  # the peers out of reach as of each ask
+            down = {n for n, until in self._down.items() if until > now}
+            body["unreachable"] = sorted(down | set(self.liveness.silent()))
             try:
                 answer: dict[str, Any] = await self.client.request(
-                    "POST", path, json_body=body, params={"wait": LOAD_WAIT_S},
+                    "POST", path, json_body=body, params={"wait": LOAD_WAIT_S, "after": said},
                     timeout_s=LOAD_WAIT_S + 10.0,
                 )  # fmt: skip
             except (ApiError, ControllerUnreachable) as error:
@@ -588,9 +628,11 @@ class Cluster:
             if not lease.pending:
                 why = lease.end_reason or lease.state
                 raise Refused(503, f"model {model}: the cluster's load ended unplaced ({why})", 1.0)
+            said = str(answer.get("signature") or "")
             found = self._loads.get(model)
             if found is not None:
-                found.waiting = f"queued for the cluster, {lease.pending_text()}"
+                found.lease = lease
+                found.waiting = queued_words(lease, self.gateway_on)
             self._changed.set()
             self._changed = asyncio.Event()
             if found is None or not found.wanted():

@@ -8,7 +8,9 @@ route answers it (:data:`_EXACT`, :data:`_PREFIXES`).
     GET  /v1/models           the configured models with their state, and each alias
                               as an entry of its own (``alias_of``); at a front door,
                               the cluster's models, each with the cluster's state and
-                              every host's copy beside it (``hosts``: :func:`_with_hosts`)
+                              every host's copy beside it (``hosts``: :func:`_with_hosts`),
+                              ``queued`` with the cluster's load (``load``) while
+                              that waits at the arbiter
     GET  /v1/models/{id}      one of them, by name or alias
     POST /admin/models/{name}/unload, /pin, /unpin
                               an operator's (an admin key's, when there are keys): stop
@@ -498,10 +500,26 @@ def _with_hosts(
         entry["hosts"] = cluster.copies(model_id)
         found = most_advanced(h["state"] for h in entry["hosts"] if h["routable"])
         entry["state"] = found or "unavailable"
+        _queued(entry, cluster.queued(model_id))
     for entry in entries:
         if "alias_of" in entry:
             entry["state"] = by_id[entry["alias_of"]]["state"]
     return entries
+
+
+def _queued(entry: dict[str, Any], load: dict[str, Any] | None) -> None:
+    """A model no host serves, loads or queues yet, whose cluster load is queued at the
+    arbiter: listed ``queued``, with why it waits (``pending_reason``) and the load
+    (``load``: its lease, the front doors that asked, its position); the requests that
+    wait for it at this front door count in its ``queued``."""
+    if load is None or entry["state"] == "queued":
+        return
+    if most_advanced((entry["state"], "queued")) != "queued":
+        return
+    entry["state"] = "queued"
+    entry["pending_reason"] = load["waiting"]
+    entry["queued"] = int(entry.get("queued") or 0) + load.pop("waiters")
+    entry["load"] = load
 
 
 async def _multipart_model(request: Request, held: HeldBody) -> str | None:

@@ -1,7 +1,9 @@
 """A request's wait for a replica of this gateway (:func:`acquire`) or for the cluster's
 load of its model (``front_door.py``), as its caller sees it (:class:`Wait`): a
 streaming one gets its answer's head at once and a comment line saying why, on each
-change and every :data:`HEARTBEAT_S`."""
+change and every :data:`HEARTBEAT_S`. A cluster load the arbiter queues is said as
+``gpu-arbiter queue -v`` says it (the host nearest to taking it, the lease in its way,
+when that gives way: ``cluster/queued.py``), anew as its reason moves."""
 
 from __future__ import annotations
 
