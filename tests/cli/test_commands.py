@@ -85,12 +85,12 @@ def test_help_lists_every_command() -> None:
     assert done.returncode == 0, done.stderr
     listing = done.stdout.split("\nCommands:\n", 1)[1]
     listed = [line.split()[0] for line in listing.splitlines() if line.startswith("  ")]
-    every = SINGLE_COMMANDS | set(ops.COMMANDS) | set(models.MODEL_COMMANDS) | {"token"}
+    every = SINGLE_COMMANDS | set(ops.COMMANDS) | set(models.MODEL_COMMANDS) | {"token", "tls"}
     assert sorted(listed) == sorted(every)
 
 
 @pytest.mark.parametrize(
-    "name", [*sorted(SINGLE_COMMANDS), *ops.COMMANDS, *models.MODEL_COMMANDS, "token"]
+    "name", [*sorted(SINGLE_COMMANDS), *ops.COMMANDS, *models.MODEL_COMMANDS, "token", "tls"]
 )
 def test_a_command_is_found_by_its_name_alone(name: str) -> None:
     done = CliRunner().invoke(app, [name, "--help"])

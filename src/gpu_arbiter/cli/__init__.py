@@ -42,6 +42,7 @@ DEFINED_IN: dict[str, tuple[str, str]] = {
     **{name: ("models", "MODEL_COMMANDS") for name in _MODELS},
     "top": ("top", "top"),
     "token": ("serve", "token_app"),
+    "tls": ("tls", "tls_app"),
 }
 """Each command, in the order ``--help`` lists them: its module, and the function (or
 the typer app of a command group, or a table of functions by command) it is there."""
