@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from urllib.parse import quote
 import httpx
 
 from .core import ArbiterError, format_mb
+from .tls import client_context, refusal
 
 __all__ = [
     "ApiError",
@@ -132,13 +134,18 @@ class ArbiterClient:
         token: str | None = None,
         timeout_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: how an https controller is verified (and this client presents itself,
+        for mutual TLS); by default from ``GPU_ARBITER_CA``, ``GPU_ARBITER_CLIENT_CERT`` and
+        ``GPU_ARBITER_CLIENT_KEY`` (:func:`~.tls.client_context`), else the system's CAs."""
         self.urls = parse_urls(urls)
         self._current = 0
         token = token if token is not None else os.environ.get("GPU_ARBITER_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        verify = tls or client_context() or True
         self._http = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s), transport=transport
+            headers=headers, timeout=httpx.Timeout(timeout_s), transport=transport, verify=verify
         )
 
     async def __aenter__(self) -> ArbiterClient:
@@ -187,7 +194,9 @@ class ArbiterClient:
                     headers=None if method in ("GET", "HEAD") else _JSON,
                 )
             except httpx.TransportError as exc:
-                errors.append(f"{url}: {exc.__class__.__name__} {exc}".strip())
+                why = refusal(exc, url.startswith("https:")) or f"{exc.__class__.__name__} {exc}"
+                why = why.strip()
+                errors.append(f"{url}: {why}")
                 continue
             leader = _leader_of(response)
             if leader is not None:  # a standby: its leader first, then the others

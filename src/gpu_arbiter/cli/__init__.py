@@ -11,9 +11,11 @@ typer resolves a command's annotations, and what a command costs is one table aw
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Iterator, MutableMapping
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -116,6 +118,22 @@ def _print_version(given: bool) -> None:
         raise typer.Exit()
 
 
+TLS_HELP = (
+    "The cluster's CA: https controllers are verified against it (default: the system's).",
+    "A client certificate, for a controller that asks for one (mutual TLS).",
+    "The client certificate's key.",
+)
+
+
+def _tls_file(flag: str, envvar: str, text: str) -> Any:
+    """A root option naming a PEM file; given, it stands for its variable (``envvar``)
+    for the command after it, and any process that command starts."""
+    return typer.Option(
+        flag, envvar=envvar, help=text, exists=True, dir_okay=False, metavar="FILE",
+        show_default=False,
+    )  # fmt: skip
+
+
 @app.callback()
 def _root(
     version: Annotated[
@@ -124,8 +142,20 @@ def _root(
             "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
         ),
     ] = False,
+    ca: Annotated[Path | None, _tls_file("--ca", "GPU_ARBITER_CA", TLS_HELP[0])] = None,
+    client_cert: Annotated[
+        Path | None, _tls_file("--client-cert", "GPU_ARBITER_CLIENT_CERT", TLS_HELP[1])
+    ] = None,
+    client_key: Annotated[
+        Path | None, _tls_file("--client-key", "GPU_ARBITER_CLIENT_KEY", TLS_HELP[2])
+    ] = None,
 ) -> None:
     """The single authority for GPU memory: leases of VRAM, granted safely."""
+    given = {"GPU_ARBITER_CA": ca, "GPU_ARBITER_CLIENT_CERT": client_cert}
+    given["GPU_ARBITER_CLIENT_KEY"] = client_key
+    for variable, path in given.items():  # every command's client reads them (tls.py)
+        if path is not None:
+            os.environ[variable] = str(path.absolute())
 
 
 METAVARS = {
@@ -136,6 +166,7 @@ METAVARS = {
     "token": "TOKEN",
     "state_dir": "DIR",
     "config": "FILE",
+    **dict.fromkeys(("tls_cert", "tls_key", "tls_client_ca"), "FILE"),
     "version_file": "FILE",
     "simulate": "SPEC",
     "port": "PORT",

@@ -155,6 +155,15 @@ def serve(
     config: Annotated[
         Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
     ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        _opt("TLS_CERT", "Serve HTTPS with this certificate (PEM; reloaded when it changes)."),
+    ] = None,
+    tls_key: Annotated[Path | None, _opt("TLS_KEY", "The certificate's key (PEM).")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        _opt("TLS_CLIENT_CA", "Require a client certificate signed by this CA (mutual TLS)."),
+    ] = None,
     local: Annotated[
         bool,
         typer.Option(
@@ -197,6 +206,9 @@ def serve(
         "max_connections": max_connections,
         "max_header_bytes": max_header_bytes,
         "header_timeout_s": header_timeout_s,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_client_ca": tls_client_ca,
     }
     from ..server.config import ServeConfig
     from ..server.serve import serve as run_server

@@ -16,6 +16,9 @@
     header_timeout = "10s"         # to send the headers (408 beyond)
     max_body_bytes = "64M"         # one request's body (413 beyond)
     max_buffered_bytes = "256M"    # bodies held in memory at once, all requests (503)
+    tls_cert = "box-1.pem"         # serve HTTPS (relative: to this file; reloaded when
+    tls_key = "box-1-key.pem"      #   changed); a client certificate is checked against
+    tls_client_ca = "ca.pem"       #   tls_client_ca where one is presented (SDKs: none)
     prefix_affinity = false        # true: a conversation's requests go where its prefix
                                    # went last while it has a free slot (default: off)
     prefix_chars = 1024            # how much of a chat's first messages (or a prompt)
@@ -73,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds, validate_worker_name
+from ..tls import ServerTls, server_context
 from .cluster.liveness import LivenessSettings
 from .profile import Affinity
 from .requests.access import ROLES, ApiKey
@@ -134,8 +138,9 @@ _PORT_KEYS = frozenset(
 )
 _ROUTING_KEYS = frozenset({"prefix_affinity", "prefix_chars"})
 _LIVENESS_KEYS = frozenset({"peer_check", "peer_timeout", "peer_cut"})
+_TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
 _GATEWAY_KEYS = (
-    frozenset({"host", "port", "worker", "controller", "name"})
+    frozenset({"host", "port", "worker", "controller", "name", *_TLS_KEYS})
     | _PORT_KEYS
     | _ROUTING_KEYS
     | _LIVENESS_KEYS
@@ -162,6 +167,7 @@ class GatewayConfig:
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
     affinity: Affinity | None = None  # prefix affinity (None: off)
     liveness: LivenessSettings = field(default_factory=LivenessSettings)  # of the peers
+    tls: ServerTls | None = None  # the listener's (None: plain HTTP)
 
     def find(self, name: str) -> ModelConfig | None:
         """The model called ``name`` or having it as an alias."""
@@ -215,8 +221,31 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         controller=_optional_text(gateway.get("controller"), "gateway.controller"),
         affinity=_affinity(gateway),
         liveness=_liveness(gateway),
+        tls=_tls(gateway, base or Path()),
         **_port_settings(gateway, base or Path()),
     )
+
+
+def _tls(gateway: Mapping[str, Any], base: Path) -> ServerTls | None:
+    """``tls_cert``, ``tls_key`` (both or neither) and ``tls_client_ca``, each loaded once
+    here so that a file that cannot be is named before anything starts. A client's
+    certificate is checked where one is presented (a peer's), never required: the
+    OpenAI SDKs that call a gateway have none."""
+    paths = {k: base / _text(gateway[k], f"gateway.{k}") for k in _TLS_KEYS if k in gateway}
+    if not paths:
+        return None
+    for one, other in (("tls_cert", "tls_key"), ("tls_key", "tls_cert")):
+        if one in paths and other not in paths:
+            raise InvalidInput(f"gateway.{other}", f"needed with gateway.{one}")
+    if "tls_cert" not in paths:
+        raise InvalidInput("gateway.tls_client_ca", "needs tls_cert and tls_key (TLS to serve)")
+    fields = ("gateway.tls_cert", "gateway.tls_key", "gateway.tls_client_ca")
+    tls = ServerTls(
+        paths["tls_cert"], paths["tls_key"], paths.get("tls_client_ca"),
+        client_cert_required=False, fields=fields,
+    )  # fmt: skip
+    server_context(tls)
+    return tls
 
 
 def _affinity(gateway: Mapping[str, Any]) -> Affinity | None:

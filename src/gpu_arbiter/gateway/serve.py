@@ -43,6 +43,7 @@ from ..agent.local import local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import InvalidInput
 from ..logs import Redactor, say
+from ..tls import Reloader, server_context, warn_if_plain
 from ..web.connections import (
     HeadLimits,
     Listener,
@@ -96,11 +97,23 @@ def _estimate(model: ModelConfig) -> Estimate:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without signal handlers of its own: whoever runs the gateway stops it."""
+    """uvicorn without signal handlers of its own: whoever runs the gateway stops it;
+    with TLS, its certificate files reloaded while it serves when they change."""
+
+    def __init__(self, config: uvicorn.Config, tls: Reloader | None) -> None:
+        super().__init__(config)
+        self.tls = tls
 
     @contextlib.contextmanager
     def capture_signals(self) -> Any:
         yield
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.tls is None:
+            await super().serve(sockets)
+            return
+        async with self.tls.watching():
+            await super().serve(sockets)
 
 
 async def run_gateway(
@@ -164,11 +177,15 @@ async def _serve(
             max_buffered_bytes=config.max_buffered_bytes,
         )  # fmt: skip
         _hide(config.keys)
-        server = _Server(_uvicorn_config(app, config))
+        tls = None if config.tls is None else Reloader(server_context(config.tls), config.tls)
+        warn_if_plain("the gateway", config.host, config.tls, "tls_cert and tls_key in [gateway]")
+        server = _Server(_uvicorn_config(app, config, tls), tls)
         sock.cap = server.config.limit_concurrency or sock.cap
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
-        say(f"gateway on http://{host}:{port} for {', '.join(models)} (worker {worker or 'any'})")
+        scheme = "http" if tls is None else "https"
+        serves = f"for {', '.join(models)} (worker {worker or 'any'})"
+        say(f"gateway on {scheme}://{host}:{port} {serves}")
         name = config.name or default_name(port)
         app.name = name
         app.cluster = Cluster(
@@ -176,7 +193,7 @@ async def _serve(
             affinity=config.affinity, liveness=config.liveness,
         )  # fmt: skip
         reporter = Reporter(
-            client, name=name, url=listen_url(host, port), host=socket.gethostname(),
+            client, name=name, url=listen_url(host, port, scheme), host=socket.gethostname(),
             worker=worker, models=models, administer=app.administer, adopt=app.adopt,
             routes=lambda: app.cluster.routed if app.cluster is not None else (),
         )  # fmt: skip
@@ -284,7 +301,7 @@ def _upstream_connections(config: GatewayConfig) -> int:
     return sum(model.max_parallel * model.replicas for model in config.models.values())
 
 
-def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
+def _uvicorn_config(app: GatewayApp, config: GatewayConfig, tls: Reloader | None) -> uvicorn.Config:
     """uvicorn with the port's bounds: the controller's head limits and header timeout
     (one implementation, ``web/connections.py``) and a cap on connections that leaves
     room, under the open-files limit, for the connections to the model servers."""
@@ -293,8 +310,10 @@ def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
     if cap < config.max_connections:
         log.warning("gateway: at most %d connections: the limit of open files allows no more", cap)
     limits = HeadLimits(config.max_header_bytes, config.max_headers, config.header_timeout_s)
+    context = None if tls is None else tls.context
     return uvicorn.Config(
         app, http=bounded_http(limits), limit_concurrency=cap, log_config=None,
+        ssl_context_factory=None if context is None else (lambda config, default: context),
         access_log=False, lifespan="off", timeout_graceful_shutdown=1, timeout_keep_alive=30,
         proxy_headers=False, server_header=False, date_header=False,  # the model server's
     )  # fmt: skip

@@ -7,7 +7,11 @@ options' names with ``_`` (``host``, ``port``, ``state_dir``, ``simulate``,
 ``max_streams_per_token``, ``max_long_polls``, ``max_long_polls_per_token``,
 ``log_level``, ``log_format``, ``advertise_url``, ``leader_ttl_s``, ``allowed_hosts``,
 ``retention``, ``max_header_bytes``, ``max_headers``, ``header_timeout_s``,
-``max_connections``, ``history_sample_s``), optionally under ``[serve]``.
+``max_connections``, ``history_sample_s``, ``tls_cert``, ``tls_key``, ``tls_client_ca``),
+optionally under ``[serve]``.
+
+``tls_cert`` and ``tls_key`` (both or neither): serve HTTPS only; with ``tls_client_ca``,
+every client presents a certificate it signed (mutual TLS; see ``tls.py``).
 
 ``history_sample_s`` (config file only; default 10): how often the dashboard's history
 is sampled; the last 360 samples are kept (an hour at 10 s; see ``history.py``).
@@ -29,6 +33,7 @@ from ..core import Gpu, InvalidInput, Policy, parse_mb, parse_seconds
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..paths import default_state_dir, is_loopback
 from ..store import is_postgres_url
+from ..tls import ServerTls
 
 __all__ = ["ServeConfig", "default_state_dir", "is_loopback", "parse_simulate", "policy_from"]
 
@@ -73,6 +78,9 @@ class ServeConfig:
     header_timeout_s: float = 10.0
     max_connections: int = 10_000
     history_sample_s: float = 10.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
     policy: Policy = field(default_factory=Policy)  # the file's [policy] table: policy_from
 
     def __post_init__(self) -> None:
@@ -104,8 +112,7 @@ class ServeConfig:
         if unknown:
             raise InvalidInput("config", f"unknown settings {', '.join(sorted(unknown))}")
         merged = {**from_file, **{k: v for k, v in given.items() if v is not None}}
-        if merged.get("state_dir") is not None:
-            merged["state_dir"] = Path(merged["state_dir"]).expanduser()
+        merged.update(_paths(merged))
         if isinstance(merged.get("allowed_hosts"), str):  # a flag: comma-separated
             merged["allowed_hosts"] = merged["allowed_hosts"].split(",")
         merged["allowed_hosts"] = tuple(h.strip() for h in merged.get("allowed_hosts", ()))
@@ -125,7 +132,26 @@ class ServeConfig:
             raise InvalidInput("advertise_url", "must be like http://host:7070")
         if not 0.5 <= config.leader_ttl_s <= 600:
             raise InvalidInput("leader_ttl_s", "must be between 0.5 and 600 seconds")
+        config.check_tls()
         return config
+
+    def check_tls(self) -> None:
+        """A certificate comes with its key; a client CA only with both."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            )
+            raise InvalidInput(missing, f"needed with {given} (a certificate and its key)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise InvalidInput("tls_client_ca", "needs tls_cert and tls_key (TLS to serve)")
+
+    @property
+    def tls(self) -> ServerTls | None:
+        """The listener's TLS, if it serves HTTPS: clients' certificates required where a
+        client CA is given (the controller's clients are all the cluster's own)."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def check_limits(self) -> None:
         """Every bound is a number in its range, named when it is not."""
@@ -154,6 +180,12 @@ class ServeConfig:
     @property
     def state_path(self) -> Path:
         return self.state_dir or default_state_dir()
+
+
+def _paths(merged: Mapping[str, Any]) -> dict[str, Path]:
+    """The settings that name a file or a directory, as paths (``~`` expanded)."""
+    names = ("state_dir", "tls_cert", "tls_key", "tls_client_ca")
+    return {n: Path(merged[n]).expanduser() for n in names if merged.get(n) is not None}
 
 
 def policy_from(table: Any) -> Policy:

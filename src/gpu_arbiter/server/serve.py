@@ -7,6 +7,11 @@ store. Either refusal is one line and an exit code (:class:`ServeRefused`)::
     73  another process holds the state directory, or it cannot be written
         (EXIT_STATE_DIR_IN_USE)
     98  the address cannot be listened on: in use, or not this machine's (EXIT_CANNOT_LISTEN)
+     2  its TLS certificate, key or client CA cannot be loaded (EXIT_BAD_TLS)
+
+With ``tls_cert`` and ``tls_key`` it serves HTTPS only (a plain HTTP request on its port
+fails the handshake and the connection is closed, unanswered); the files are reloaded
+when they change (``tls.py``). Listening beyond loopback without TLS is warned of.
 
 Stopping: SIGINT or SIGTERM stops it gracefully and it exits 0 (uvicorn would raise the
 signal again once stopped: ``_Server`` does not). With companions (``serve --local``'s
@@ -27,6 +32,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -37,8 +43,10 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from ..controller import Controller, Limits
+from ..core import InvalidInput
 from ..logs import say, setup_logging
 from ..store import MemoryStore, SqliteStore, Store, is_postgres_url
+from ..tls import Reloader, server_context, warn_if_plain
 from ..web.connections import HeadLimits, Listener, bound, bounded_http, raise_open_files_limit
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
@@ -52,6 +60,7 @@ if TYPE_CHECKING:
     from ..store import PostgresStore
 
 __all__ = [
+    "EXIT_BAD_TLS",
     "EXIT_CANNOT_LISTEN",
     "EXIT_STATE_DIR_IN_USE",
     "Companion",
@@ -66,6 +75,7 @@ log = logging.getLogger(__name__)
 
 EXIT_STATE_DIR_IN_USE = 73
 EXIT_CANNOT_LISTEN = 98
+EXIT_BAD_TLS = 2
 
 KEEP_ALIVE_S = 65
 """Idle keep-alive: longer than clients keep idle connections (httpx: 5 s; load balancers:
@@ -175,15 +185,31 @@ def serve(config: ServeConfig, companion: Companion | None = None) -> None:
             f"refusing to listen on {config.host} without authentication; "
             "use a loopback address or enable auth"
         )
+    reloader = _tls(config)
     with contextlib.ExitStack() as held:
         if config.store == "sqlite":  # a shared database has several controllers by design
             held.callback(os.close, lock_state_dir(config.state_path))
         sock = held.enter_context(listen(config.host, config.port))
-        _serve_on(sock, config, companion)
+        _serve_on(sock, config, companion, reloader)
 
 
-def _serve_on(sock: Listener, config: ServeConfig, companion: Companion | None) -> None:
+def _tls(config: ServeConfig) -> Reloader | None:
+    """The listener's TLS context and its reloader, or :class:`ServeRefused` naming the
+    file that cannot be loaded; None for plain HTTP."""
+    tls = config.tls
+    if tls is None:
+        return None
+    try:
+        return Reloader(server_context(tls), tls)
+    except InvalidInput as error:
+        raise ServeRefused(str(error), EXIT_BAD_TLS) from None
+
+
+def _serve_on(
+    sock: Listener, config: ServeConfig, companion: Companion | None, tls: Reloader | None
+) -> None:
     redactor = setup_logging(config.log_format, config.log_level)
+    warn_if_plain("the controller", config.host, config.tls, "--tls-cert and --tls-key")
     if is_postgres_url(config.store):
         with contextlib.suppress(ValueError):
             redactor.hide(urlsplit(config.store).password)  # the database's, if in the URL
@@ -227,7 +253,7 @@ def _serve_on(sock: Listener, config: ServeConfig, companion: Companion | None) 
         history=History(sample_s=config.history_sample_s),
         admin_token_file=token_file,
     )
-    server = _Server(app.state.event_feed.close, _uvicorn_config(app, config))
+    server = _Server(app.state.event_feed.close, _uvicorn_config(app, config, tls), tls)
     sock.cap = server.config.limit_concurrency or sock.cap
     companions = [] if companion is None else [companion]
     if shared is not None:
@@ -244,10 +270,22 @@ class _Server(uvicorn.Server):
     the event streams first, so that their clients see the end at once rather than the
     cut of the graceful timeout."""
 
-    def __init__(self, end_streams: Callable[[], None], config: uvicorn.Config) -> None:
+    def __init__(
+        self, end_streams: Callable[[], None], config: uvicorn.Config, tls: Reloader | None
+    ) -> None:
         super().__init__(config)
         self.end_streams = end_streams
         self.own_signals = True  # False: whoever runs it handles SIGINT and SIGTERM
+        self.tls = tls
+        self.scheme = "http" if tls is None else "https"
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serves; with TLS, its certificate files are reloaded meanwhile when they change."""
+        if self.tls is None:
+            await super().serve(sockets)
+            return
+        async with self.tls.watching():
+            await super().serve(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -270,7 +308,7 @@ class _Server(uvicorn.Server):
             host, port = sockets[0].getsockname()[:2]
             where = f"[{host}]" if ":" in host else host
             logging.getLogger("uvicorn.error").info(
-                "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", where, port
+                "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", self.scheme, where, port
             )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -278,7 +316,7 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def _uvicorn_config(app: Any, config: ServeConfig) -> uvicorn.Config:
+def _uvicorn_config(app: Any, config: ServeConfig, tls: Reloader | None) -> uvicorn.Config:
     """uvicorn with the connection limits of ``config`` (see ``connections.py``), on
     asyncio's own loop alone as beside an agent or a gateway (``serve --local``): one
     loop however it runs, whose accepts go through the listening socket (its cap), and
@@ -292,6 +330,7 @@ def _uvicorn_config(app: Any, config: ServeConfig) -> uvicorn.Config:
     limits = HeadLimits(config.max_header_bytes, config.max_headers, config.header_timeout_s)
     return uvicorn.Config(
         app,
+        ssl_context_factory=None if tls is None else _context_of(tls),
         host=config.host,
         port=config.port,
         http=bounded_http(limits),
@@ -303,6 +342,12 @@ def _uvicorn_config(app: Any, config: ServeConfig) -> uvicorn.Config:
         timeout_keep_alive=KEEP_ALIVE_S,
         loop="asyncio",
     )
+
+
+def _context_of(tls: Reloader) -> Callable[[uvicorn.Config, Any], ssl.SSLContext]:
+    """uvicorn's factory of its TLS context: the reloader's own, whose certificate is
+    replaced in place when the files change."""
+    return lambda config, default: tls.context
 
 
 def _coordinate(controller: Controller, store: LeaderStore, config: ServeConfig) -> Companion:
@@ -353,7 +398,7 @@ async def _serve_beside(
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     if host in ("0.0.0.0", "::"):
         host = socket.getfqdn()
-    url = f"http://{host}:{port}"
+    url = f"{server.scheme}://{host}:{port}"
     beside: asyncio.Future[list[None]] = asyncio.ensure_future(
         asyncio.gather(*(companion(url, token, stopping) for companion in companions))
     )

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
+import ssl
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
@@ -286,12 +287,17 @@ class Answer:
 
 
 class Upstream:
-    """The connections to one server (``127.0.0.1:port``)."""
+    """The connections to one server (``127.0.0.1:port``); with ``tls``, over TLS (a
+    peer gateway's HTTPS listener: the context verifies it against the cluster's CA and
+    may present this gateway's own certificate), its certificate checked for ``host``."""
 
-    def __init__(self, port: int, keep: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int, keep: int, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None
+    ) -> None:
         self.host = host
         self.port = port
         self.keep = keep
+        self.tls = tls
         self._idle: list[_Connection] = []
         self._closed = False
         self._host_header = f"host: {host}:{port}\r\n".encode()
@@ -325,7 +331,12 @@ class Upstream:
 
     async def _connect(self) -> _Connection:
         try:
-            reader, writer = await asyncio.open_connection(self.host, self.port, limit=READ_BYTES)
+            reader, writer = await asyncio.open_connection(
+                self.host, self.port, limit=READ_BYTES, ssl=self.tls
+            )
+        except ssl.SSLCertVerificationError as error:
+            why = error.verify_message or str(error)
+            raise NotConnected(f"its TLS certificate was refused: {why}") from error
         except OSError as error:
             raise NotConnected(f"{error.__class__.__name__}: {error}") from error
         return _Connection(reader, writer)

@@ -63,11 +63,11 @@ def default_name(port: int, host: str | None = None) -> str:
     return (base or "gateway")[: 63 - len(suffix)] + suffix
 
 
-def listen_url(host: str, port: int) -> str:
+def listen_url(host: str, port: int, scheme: str = "http") -> str:
     """The URL the gateway listens on; this host's name for every interface."""
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def model_report(model: ModelServer) -> dict[str, Any]:

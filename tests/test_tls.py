@@ -1,0 +1,173 @@
+"""TLS from PEM files (``tls.py``): a listener's context and its reload, a client's
+context from the environment, and what a refused certificate says, each over a real
+handshake on loopback (a server on 127.0.0.2 presenting the certificate under test)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gpu_arbiter.certs import create_ca, create_cert
+from gpu_arbiter.client import ArbiterClient, ControllerUnreachable
+from gpu_arbiter.core import InvalidInput
+from gpu_arbiter.tls import Reloader, ServerTls, client_context, server_context
+
+HOST = "127.0.0.2"
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> Path:
+    create_ca(tmp_path / "ca")
+    create_cert(tmp_path / "ca", "ctl", ips=(HOST,))
+    create_cert(tmp_path / "ca", "cli", dns=("client",))
+    return tmp_path / "ca"
+
+
+def _tls(directory: Path, name: str = "ctl", client_ca: bool = False) -> ServerTls:
+    ca = directory / "ca.pem" if client_ca else None
+    return ServerTls(directory / f"{name}.pem", directory / f"{name}-key.pem", ca)
+
+
+def _serial(path: Path) -> int:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+
+
+async def _answering(context: ssl.SSLContext) -> AsyncIterator[int]:
+    """A TLS server on HOST answering every request 200 ``{}``; yields its port."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (await reader.readuntil(b"\r\n\r\n")) and not writer.is_closing():
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, HOST, 0, ssl=context)
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
+async def _peer_serial(port: int, context: ssl.SSLContext) -> int:
+    _, writer = await asyncio.open_connection(HOST, port, ssl=context)
+    try:
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.close()
+    from cryptography import x509
+
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_a_file_that_cannot_be_loaded_is_named_by_its_setting(ca: Path) -> None:
+    with pytest.raises(InvalidInput) as missing:
+        server_context(ServerTls(ca / "nope.pem", ca / "ctl-key.pem"))
+    assert missing.value.field == "tls_cert"
+    assert "no such file" in missing.value.reason
+    with pytest.raises(InvalidInput) as mismatched:
+        server_context(ServerTls(ca / "ctl.pem", ca / "cli-key.pem"))
+    assert mismatched.value.field == "tls_cert"
+    assert "the key is not the certificate's" in mismatched.value.reason
+    with pytest.raises(InvalidInput) as client_ca:
+        server_context(ServerTls(ca / "ctl.pem", ca / "ctl-key.pem", ca / "ctl-key.pem"))
+    assert client_ca.value.field == "tls_client_ca"
+
+
+def test_a_client_context_comes_from_the_environment(ca: Path) -> None:
+    assert client_context(env={}) is None
+    context = client_context(env={"GPU_ARBITER_CA": str(ca / "ca.pem")})
+    assert context is not None
+    assert context.verify_mode == ssl.CERT_REQUIRED
+    assert context.check_hostname
+    with pytest.raises(InvalidInput) as bad:
+        client_context(env={"GPU_ARBITER_CA": str(ca / "missing.pem")})
+    assert bad.value.field == "GPU_ARBITER_CA"
+    with pytest.raises(InvalidInput) as alone:
+        client_context(env={"GPU_ARBITER_CLIENT_KEY": str(ca / "cli-key.pem")})
+    assert alone.value.field == "GPU_ARBITER_CLIENT_CERT"
+
+
+async def test_a_changed_certificate_serves_the_next_handshakes(ca: Path) -> None:
+    tls = _tls(ca)
+    reloader = Reloader(server_context(tls), tls)
+    trusting = client_context(ca=ca / "ca.pem")
+    assert trusting is not None
+    old = _serial(ca / "ctl.pem")
+    async for port in _answering(reloader.context):
+        assert await _peer_serial(port, trusting) == old
+        assert not reloader.check()  # nothing changed
+        key = (ca / "ctl-key.pem").read_bytes()
+        create_cert(ca, "ctl", ips=(HOST,))
+        (ca / "ctl-key.pem").write_bytes(key)  # the new cert beside the old key: refused
+        assert not reloader.check()
+        assert await _peer_serial(port, trusting) == old  # the old pair serves on
+        create_cert(ca, "ctl", ips=(HOST,))
+        new = _serial(ca / "ctl.pem")
+        assert reloader.check()
+        assert await _peer_serial(port, trusting) == new
+        assert reloader.reloads == 1
+
+
+def _another_ca(tmp_path: Path) -> Path:
+    other = tmp_path / "other"
+    create_ca(other)
+    create_cert(other, "ctl", ips=(HOST,))
+    return other
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        (
+            "another CA",
+            "certificate was refused: unable to get local issuer certificate: not signed",
+        ),
+        ("expired", "certificate was refused: certificate has expired"),
+        ("another name", "certificate was refused: IP address mismatch"),
+    ],
+)
+async def test_a_controller_whose_certificate_is_not_trusted_is_refused_in_words(
+    ca: Path, tmp_path: Path, case: str, words: str
+) -> None:
+    if case == "another CA":  # a man in the middle, with a certificate for the address
+        served = _tls(_another_ca(tmp_path))
+    elif case == "expired":
+        long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30)
+        create_cert(ca, "old", ips=(HOST,), days=1, now=long_ago)
+        served = _tls(ca, "old")
+    else:
+        create_cert(ca, "elsewhere", ips=("127.0.0.3",), dns=("box-9",))
+        served = _tls(ca, "elsewhere")
+    async for port in _answering(server_context(served)):
+        trusting = client_context(ca=ca / "ca.pem")
+        async with ArbiterClient(f"https://{HOST}:{port}", tls=trusting) as client:
+            with pytest.raises(ControllerUnreachable) as refused:
+                await client.status()
+        assert words in str(refused.value)
+        # the same server is answered once its certificate is trusted (the test's own check)
+        if case == "another CA":
+            trusting_it = client_context(ca=tmp_path / "other" / "ca.pem")
+            async with ArbiterClient(f"https://{HOST}:{port}", tls=trusting_it) as client:
+                assert await client.status() == {}
+
+
+async def test_a_listener_asking_for_client_certificates_says_so(ca: Path) -> None:
+    context = server_context(_tls(ca, client_ca=True))
+    async for port in _answering(context):
+        url = f"https://{HOST}:{port}"
+        with_cert = client_context(ca=ca / "ca.pem", cert=ca / "cli.pem", key=ca / "cli-key.pem")
+        async with ArbiterClient(url, tls=with_cert) as client:
+            assert await client.status() == {}
+        async with ArbiterClient(url, tls=client_context(ca=ca / "ca.pem")) as client:
+            with pytest.raises(ControllerUnreachable) as refused:
+                await client.status()
+        assert "client certificate" in str(refused.value)
