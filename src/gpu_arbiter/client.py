@@ -194,8 +194,9 @@ class ArbiterClient:
                     headers=None if method in ("GET", "HEAD") else _JSON,
                 )
             except httpx.TransportError as exc:
-                why = refusal(exc, url.startswith("https:")) or f"{exc.__class__.__name__} {exc}"
-                why = why.strip()
+                closed = isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError)
+                why = refusal(exc, closed and url.startswith("https:"))
+                why = why or f"{exc.__class__.__name__} {exc}".strip()
                 errors.append(f"{url}: {why}")
                 continue
             leader = _leader_of(response)

@@ -229,24 +229,25 @@ def client_context(
     return context
 
 
-def refusal(error: BaseException, https: bool = False) -> str | None:
+def refusal(error: BaseException, closed_unanswered: bool = False) -> str | None:
     """What a failed TLS connection says in words, or None if it is not one: the
-    server's certificate refused (and why), or the server refusing this client's (with
+    server's certificate refused (and why), or the server refusing this client's. With
     TLS 1.3 a server that requires a client certificate closes the connection once the
-    handshake is over: to an ``https`` client, a connection closed unanswered says so)."""
+    handshake is over, unanswered: ``closed_unanswered`` (an https request that ended
+    so) is said as that possibility."""
     seen: BaseException | None = error
+    if closed_unanswered and not any(isinstance(e, ssl.SSLError) for e in _chain(error)):
+        return (
+            "it closed the connection unanswered, as a server that requires a client "
+            f"certificate does without one: set {CLIENT_CERT_ENV} and {CLIENT_KEY_ENV} "
+            "(or --client-cert and --client-key)"
+        )
     while seen is not None:
         if isinstance(seen, ssl.SSLCertVerificationError):
             why = (seen.verify_message or str(seen)).rstrip(".")
             if "issuer" in why or "self-signed" in why:
                 why += f": not signed by a CA trusted here (the cluster's: {CA_ENV} or --ca)"
             return f"its certificate was refused: {why}"
-        if https and isinstance(seen, ConnectionResetError):
-            return (
-                "it closed the connection unanswered, as a server does that requires a "
-                f"client certificate: set {CLIENT_CERT_ENV} and {CLIENT_KEY_ENV} "
-                "(or --client-cert and --client-key)"
-            )
         if isinstance(seen, ssl.SSLError):
             text = str(seen)
             if "CERTIFICATE_REQUIRED" in text.upper():
@@ -261,3 +262,12 @@ def refusal(error: BaseException, https: bool = False) -> str | None:
             return f"TLS failed: {text}"
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    found: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and seen not in found:
+        found.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return found
