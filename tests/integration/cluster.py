@@ -28,11 +28,13 @@ class HostGateway(GatewayProcess):
         self.name = name
         found = re.search(r'^key = "([^"]+)"', models, re.MULTILINE)
         self.key = found.group(1) if found else ""
-        self._listening = re.compile(rf"gateway on http://{re.escape(address)}:(\d+)")
+        self._listening = re.compile(rf"gateway on https?://{re.escape(address)}:(\d+)")
 
     def start(self, timeout_s: float = 30.0) -> HostGateway:
         super().start(timeout_s)
         self.url = self.url.replace("127.0.0.1", self.address)
+        if re.search(r"^tls_cert = ", self.models, re.MULTILINE):
+            self.url = self.url.replace("http://", "https://")
         return self
 
     def _port(self) -> str | None:

@@ -12,6 +12,7 @@ import socket
 import ssl
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,7 @@ from gpu_arbiter.client import ArbiterClient
 from gpu_arbiter.tls import client_context
 
 from .agents import AgentProcess, env_for
+from .cluster import Host
 from .conftest import SRC, Server, wait_for
 from .gateways import GatewayProcess, model_entry
 
@@ -302,3 +304,60 @@ def test_a_gateway_serves_https_to_the_openai_sdk_without_a_client_certificate(
     finally:
         server.stop()
         server.end()
+
+
+def test_a_front_door_relays_to_its_peer_over_mutual_tls_and_an_sdk_caller_needs_none(
+    tmp_path: Path, pki: Path, start_server: Callable[..., Server]
+) -> None:
+    """Two hosts whose gateways listen over HTTPS only, each with its own certificate
+    (gw-2 on 127.0.0.2, gw-3 on 127.0.0.3) and the cluster's CA as client CA: an openai
+    SDK caller without a certificate asks gw-2 (too small for chat) and is served by gw-3,
+    relayed over HTTPS with gw-2's own certificate shown; a caller showing another CA's certificate is
+    refused at the handshake."""
+    server = start_server()
+    admin = server.client()
+    record = tmp_path / "records"
+    record.mkdir()
+    hosts = []
+    try:
+        for number, spec in ((2, "1x4G:sm_86"), (3, "1x24G:sm_86")):
+            name = f"gw-{number}"
+            create_cert(pki, name, ips=(f"127.0.0.{number}",))
+            tls = (
+                f'tls_cert = "{pki / f"{name}.pem"}"\n'
+                f'tls_key = "{pki / f"{name}-key.pem"}"\n'
+                f'tls_client_ca = "{pki / "ca.pem"}"\n\n'
+            )
+            models = tls + model_entry("chat", record, mb=6000, vram="8G", keep_alive="60s")
+            hosts.append(Host(server, tmp_path, number, spec, models).start(admin))
+        door = hosts[0]
+        assert door.gateway.url.startswith("https://127.0.0.2:")
+        trusting = ssl.create_default_context(cafile=pki / "ca.pem")
+
+        def sees(host: Host, other: str) -> bool:
+            listing = httpx.get(host.gateway.url + "/v1/models", verify=trusting).json()
+            (chat,) = [m for m in listing["data"] if m["id"] == "chat"]
+            return any(h["gateway"] == other and h["routable"] for h in chat["hosts"])
+
+        def sees_gw3() -> bool:
+            return sees(door, "gw-3")
+
+        wait_for(lambda: sees_gw3() and sees(hosts[1], "gw-2"), what="each to see the other")
+        with httpx.Client(verify=trusting, timeout=60) as http:
+            sdk = openai.OpenAI(base_url=door.gateway.url + "/v1", api_key="none", http_client=http)
+            raw = sdk.chat.completions.with_raw_response.create(
+                model="chat", messages=[{"role": "user", "content": "hi"}]
+            )
+            assert raw.headers["x-served-by"] == "gw-3/chat"
+            assert raw.parse().choices
+        assert sees_gw3()  # its liveness asks, over HTTPS too, found it answering
+        other = tmp_path / "other"
+        assert _cli("tls", "ca", "--dir", str(other)).returncode == 0
+        create_cert(other, "intruder", dns=("intruder",))
+        trusting.load_cert_chain(other / "intruder.pem", other / "intruder-key.pem")
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(door.gateway.url + "/v1/models", verify=trusting, timeout=10)
+    finally:
+        for host in reversed(hosts):
+            host.stop()
+        admin.close()

@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import ssl
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ from ..agent.local import local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import InvalidInput
 from ..logs import Redactor, say
-from ..tls import Reloader, server_context, warn_if_plain
+from ..tls import CA_ENV, Reloader, client_context, server_context, warn_if_plain
 from ..web.connections import (
     HeadLimits,
     Listener,
@@ -190,7 +192,7 @@ async def _serve(
         app.name = name
         app.cluster = Cluster(
             client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock,
-            affinity=config.affinity, liveness=config.liveness,
+            affinity=config.affinity, liveness=config.liveness, peer_tls=_peer_tls(config),
         )  # fmt: skip
         reporter = Reporter(
             client, name=name, url=listen_url(host, port, scheme), host=socket.gethostname(),
@@ -299,6 +301,17 @@ def beside_a_controller(config: GatewayConfig) -> GatewayConfig:
 def _upstream_connections(config: GatewayConfig) -> int:
     """The most connections to model servers at once: each replica's ``max_parallel``."""
     return sum(model.max_parallel * model.replicas for model in config.models.values())
+
+
+def _peer_tls(config: GatewayConfig) -> ssl.SSLContext | None:
+    """How this gateway reaches peers that listen over HTTPS: trusting its
+    ``tls_client_ca`` (the cluster's CA), else ``GPU_ARBITER_CA``, and showing its own
+    certificate (mutual TLS); without TLS of its own, as any client of the cluster does
+    (``GPU_ARBITER_CA``, ``GPU_ARBITER_CLIENT_CERT``/``KEY``)."""
+    if config.tls is None:
+        return client_context()
+    ca = config.tls.client_ca or os.environ.get(CA_ENV) or None
+    return client_context(ca, config.tls.cert, config.tls.key)
 
 
 def _uvicorn_config(app: GatewayApp, config: GatewayConfig, tls: Reloader | None) -> uvicorn.Config:

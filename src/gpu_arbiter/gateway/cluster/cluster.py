@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import ssl
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Iterator, Mapping
@@ -150,6 +151,7 @@ class Cluster:
         clock: Clock,
         affinity: Affinity | None = None,
         liveness: LivenessSettings | None = None,
+        peer_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.client = client
         self.name = name
@@ -177,6 +179,7 @@ class Cluster:
         self._warm = profiles(affinity is not None)[0]
         self._went = Memory()  # a prefix -> the gateway it went to last
         self.relays: dict[str, set[CancelScope]] = {}  # peer -> the requests relayed there
+        self.peer_tls = peer_tls  # how an https peer is reached (its own certificate shown)
         self.liveness = Liveness(
             liveness or LivenessSettings(), clock, self._ping,
             refused=self.peer_down, silent=self._wake, cut=self.cut, answers=self._wake,
@@ -256,7 +259,7 @@ class Cluster:
                 self._own(gateway.get("worker_state"))
                 continue
             old = self.peers.pop(name, None)
-            found[name] = _peer(gateway, old)
+            found[name] = _peer(gateway, old, self.peer_tls)
         for gone in self.peers.values():
             gone.upstream.close()
             gone.check.close()
@@ -731,17 +734,24 @@ def _unknown_here(error: ApiError, gateway: str) -> bool:
     return error.status in (404, 409) and error.details.get("gateway") == gateway
 
 
-def _peer(gateway: Mapping[str, Any], old: Peer | None) -> Peer:
+def _peer(gateway: Mapping[str, Any], old: Peer | None, tls: ssl.SSLContext | None) -> Peer:
+    """A peer from the view; an ``https`` one is reached over TLS with ``tls`` (the
+    cluster's CA trusted, this gateway's own certificate shown: mutual TLS)."""
     url = str(gateway.get("url") or "")
     parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     if old is not None and old.url == url:
         upstream, check = old.upstream, old.check
     else:
         if old is not None:
             old.upstream.close()
             old.check.close()
-        upstream, check = Upstream(port, PEER_KEEP, host), Upstream(port, 1, host)
+        secure = tls if parts.scheme == "https" else None
+        if parts.scheme == "https" and secure is None:
+            secure = ssl.create_default_context()  # the system's CAs
+        upstream = Upstream(port, PEER_KEEP, host, secure)
+        check = Upstream(port, 1, host, secure)
     models: dict[str, Mapping[str, Any]] = {}
     aliases: dict[str, str] = {}
     for model in gateway.get("models") or ():
