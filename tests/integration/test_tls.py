@@ -312,8 +312,8 @@ def test_a_front_door_relays_to_its_peer_over_mutual_tls_and_an_sdk_caller_needs
     """Two hosts whose gateways listen over HTTPS only, each with its own certificate
     (gw-2 on 127.0.0.2, gw-3 on 127.0.0.3) and the cluster's CA as client CA: an openai
     SDK caller without a certificate asks gw-2 (too small for chat) and is served by gw-3,
-    relayed over HTTPS with gw-2's own certificate shown; a caller showing another CA's certificate is
-    refused at the handshake."""
+    relayed over HTTPS with gw-2's own certificate shown; a caller showing another CA's
+    certificate is refused at the handshake."""
     server = start_server()
     admin = server.client()
     record = tmp_path / "records"
