@@ -42,6 +42,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_frontdoor import (
+    ROOT,
     Processes,
     _state,
     model_table,
@@ -195,7 +196,8 @@ async def freeze_case(
 
 
 def run_case(case: str, work: Path, interval_s: float) -> Any:
-    procs = Processes(work)
+    work.mkdir(parents=True, exist_ok=True)
+    procs = Processes(work, ROOT / "src")
     try:
         hosts, record = start_cluster(procs, work)
         if case == "kill":
