@@ -41,8 +41,12 @@ def test_a_warm_copy_beats_a_load_on_its_way_and_a_load_beats_a_new_one() -> Non
 def test_cold_everywhere_is_one_load_for_the_cluster_and_cold_alone_is_local() -> None:
     decided = route("chat", [Host("gw-1", local=True), Host("gw-2")])
     assert decided.kind is Kind.LOAD and decided.gateway is None
-    alone = route("chat", [Host("gw-1", local=True), Host("gw-2", routable=False)])
+    alone = route("chat", [Host("gw-1", local=True)])
     assert alone.kind is Kind.LOCAL
+    # another host declares it, out of routing now: still the cluster's load (the
+    # arbiter places it among the routable hosts, or names why none can take it)
+    others_out = route("chat", [Host("gw-1", local=True), Host("gw-2", routable=False)])
+    assert others_out.kind is Kind.LOAD and others_out.gateway is None
 
 
 def test_a_host_that_is_not_routable_is_never_chosen_and_none_left_says_why() -> None:
@@ -83,10 +87,10 @@ def test_the_decision_is_always_a_usable_host_or_a_load_or_none(found: list[Host
                 assert chosen.in_flight < chosen.slots
                 assert chosen.in_flight == min(h.in_flight for h in free)
         else:
-            assert chosen.coming or (len(usable) == 1 and chosen.local)
+            assert chosen.coming or (len(found) == 1 and chosen.local)
     elif decided.kind is Kind.LOAD:
         assert not any(h.ready or h.coming for h in usable.values())
-        assert len(usable) > 1 or not any(h.local for h in usable.values())
+        assert len(found) > 1 or not any(h.local for h in usable.values())
     else:
         assert not usable
 
@@ -111,7 +115,7 @@ def _old_route(model: str, hosts: list[Host]) -> tuple[Kind, str | None, str]:
         there = min(coming, key=lambda h: (not h.local, h.gateway))
         kind = Kind.LOCAL if there.local else Kind.PEER
         return kind, there.gateway, f"{model} -> {there.gateway}: its load is on the way"
-    if len(usable) == 1 and usable[0].local:
+    if len(hosts) == 1 and usable[0].local:  # no other host declares it at all
         return Kind.LOCAL, usable[0].gateway, f"{model}: cold, only this host runs it"
     names = ", ".join(sorted(h.gateway for h in usable))
     return Kind.LOAD, None, f"{model}: cold, a load for the cluster ({names})"

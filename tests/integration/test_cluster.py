@@ -472,6 +472,36 @@ def test_a_host_killed_mid_load_and_mid_stream_ends_each_request_naming_it(
     client.close()
 
 
+def test_a_model_whose_only_host_is_lost_is_a_503_at_the_door_naming_it_and_since_when(
+    cluster: Cluster,
+) -> None:
+    """box-3, the only host chat fits, is killed whole (default settings): at gw-2's door
+    a request for chat is a 503 with Retry-After naming the host, first as out of the
+    door's reach (its gateway refused a connection), then, once the controller has it
+    offline, as offline since the time of its last heartbeat (beside why the door's own
+    host cannot hold it)."""
+    models = _models(cluster)
+    door = cluster.host(2, "1x4G:sm_86", models)
+    lost = cluster.host(3, "1x24G:sm_86", models)
+    cluster.settled("chat")
+    lost.kill()
+    with door.gateway.client() as client:
+        answer = client.post("/v1/chat/completions", json=chat("chat"))
+        assert answer.status_code == 503, answer.text
+        assert answer.headers.get("retry-after"), answer.headers
+        message = answer.json()["error"]["message"]
+        assert "box-3" in message and ("gw-3" in message or "offline" in message), message
+        wait_for(lambda: worker_state(cluster.admin, "box-3") == "offline", what="box-3 offline")
+        last = cluster.admin.get("/v1/workers/box-3").json()["last_heartbeat_at"]
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(last))
+        answer = client.post("/v1/chat/completions", json=chat("chat"))
+    assert answer.status_code == 503, answer.text
+    assert answer.headers.get("retry-after"), answer.headers
+    message = answer.json()["error"]["message"]
+    assert message.startswith("chat: box-2 cannot hold it (8.0 GiB"), message
+    assert message.endswith(f"; box-3 is offline since {since}"), message
+
+
 def _served(pid: int) -> int:
     """How many requests the test model server of process ``pid`` served (its port read
     from its command line)."""

@@ -40,7 +40,14 @@ from fastapi import APIRouter, Path, Query, Request
 from pydantic import Field, StrictInt, StrictStr
 
 from ..controller import Controller, PendingView, ServiceUnavailable
-from ..core import Constraints, LeaseState, NotFound, WorkerStatus, validate_worker_name
+from ..core import (
+    Constraints,
+    LeaseState,
+    NotFound,
+    Unschedulable,
+    WorkerStatus,
+    validate_worker_name,
+)
 from ..core import Request as CoreRequest
 from ..store import LeaseRecord
 from . import routes
@@ -274,7 +281,10 @@ async def cluster_load(
         record = (coming or live)[-1]
     else:
         place = max(len(live) + 1, body.replicas)
-        submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, place))
+        try:
+            submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, place))
+        except Unschedulable as error:
+            raise _too_small(ctl, registry, body.model, unreachable, hosts, error) from None
         record = submitted.record
     askers: LoadAskers = request.app.state.load_askers
     askers.asked(body.model, record.id, name, [r.id for r in live] + [record.id])
@@ -397,15 +407,36 @@ def _nowhere(
     )
 
 
+def _too_small(
+    ctl: Controller,
+    registry: GatewayRegistry,
+    model: str,
+    unreachable: set[str],
+    hosts: Mapping[str, Any],
+    error: Unschedulable,
+) -> Unschedulable | ServiceUnavailable:
+    """A load no routable host can ever hold: ``error`` as it is (422) when every host
+    that declares the model is routable; else 503 naming what keeps the others out (the
+    one that could hold it may be back soon), for the caller to retry after."""
+    out = [
+        _out(ctl, name, report, silent_s, unreachable)
+        for name, report, silent_s in registry.declaring(model)
+        if report.worker not in hosts
+    ]
+    if not out:
+        return error
+    here = ", ".join(sorted(hosts))
+    return ServiceUnavailable(
+        f"{model}: {here} cannot hold it ({error}); {'; '.join(out)}",
+        model=model, hosts="; ".join(out),
+    )  # fmt: skip
+
+
 def _out(
     ctl: Controller, name: str, report: Report, silent_s: float | None, unreachable: set[str]
 ) -> str:
     """What keeps one gateway's host out of a model's routing, in words."""
     host = report.worker or name
-    if name in unreachable:
-        return f"{host} is out of the front door's reach (its gateway {name} does not answer)"
-    if silent_s is not None:
-        return f"{host}'s gateway {name} has not reported since {_clock(time.time() - silent_s)}"
     if report.worker is None:
         return f"{name} runs beside no worker"
     try:
@@ -414,7 +445,13 @@ def _out(
         return f"{host} is not a registered worker"
     seen = ctl.workers.last_seen(report.worker)
     if worker.status is WorkerStatus.OFFLINE and seen is not None:
-        return f"{host} is offline since {_clock(seen)}"
+        return f"{host} is offline since {_clock(seen)}"  # the whole host, first
+    if worker.status is not WorkerStatus.ONLINE:
+        return f"{host} is {worker.status}"
+    if name in unreachable:
+        return f"{host} is out of the front door's reach (its gateway {name} does not answer)"
+    if silent_s is not None:
+        return f"{host}'s gateway {name} has not reported since {_clock(time.time() - silent_s)}"
     return f"{host} is {worker.status}"
 
 

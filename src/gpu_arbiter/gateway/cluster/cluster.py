@@ -653,7 +653,9 @@ class Cluster:
         ``left_s``; else raises :class:`Refused` with the cause. The load is stored, so a
         standby that takes over has it, and the ask joins it there."""
         if isinstance(error, ApiError) and not _unknown_here(error, self.name):
-            raise Refused(503 if error.status >= 500 else 404, f"{model}: {error}", 1.0) from None
+            said = str(error)
+            said = said if said.startswith(f"{model}: ") else f"{model}: {said}"
+            raise Refused(503 if error.status >= 500 else 404, said, 1.0) from None
         if isinstance(error, ApiError):
             why = f"the controller does not know this gateway yet ({error})"
         else:

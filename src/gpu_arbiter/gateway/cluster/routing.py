@@ -13,7 +13,11 @@ In this order:
    behind that load, and starts no other;
 3. **load**: a cold load for the cluster, placed by the arbiter (one lease request over
    every host that declares the model: ``server/cluster.py``); a model only this host
-   declares is loaded here, as a gateway on its own does.
+   declares is loaded here, as a gateway on its own does. One that other hosts declare
+   too, out of routing now, is still the cluster's load: the arbiter places it among
+   the hosts that are routable, or says why none can take it (its only host offline
+   since when, out of the front door's reach), where a load of this host's own would
+   only say that it does not fit here.
 
 A host is routable while its gateway reports and its worker is online (not draining,
 drained or offline); this host always is to itself (its own replicas are its own to
@@ -82,7 +86,7 @@ def route(
     usable = [
         v.candidate for v in first.verdicts if v.dropped is None or v.dropped.filter != "routable"
     ]
-    if len(usable) == 1 and usable[0].local:
+    if len(hosts) == 1 and usable[0].local:
         why = f"{model}: cold, only this host runs it"
         return Route(Kind.LOCAL, usable[0].gateway, why, (first, then))
     names = ", ".join(sorted(h.gateway for h in usable))
