@@ -90,8 +90,8 @@ def test_a_gateway_reports_its_models_and_takes_pin_unpin_and_unload_from_the_co
 def test_bad_commands_and_reports_are_refused_naming_why_and_change_nothing(
     setup: Setup,
 ) -> None:
-    client_token = setup.server.token("client")
-    gateway = gateway_in(setup, "gateway", client_token)
+    gateway_token = setup.server.token("gateway", "box")
+    gateway = gateway_in(setup, "gateway", gateway_token, worker="box")
     found = wait_for(lambda: reported(setup.admin, gateway), 30, "the gateway's report")
     name = found["name"]
 
@@ -105,15 +105,20 @@ def test_bad_commands_and_reports_are_refused_naming_why_and_change_nothing(
     assert verb.json()["error"]["details"]["errors"][0]["field"] == "path.verb"
     bad_name = setup.admin.put("/v1/gateways/Not%20a%20name", json={"models": []})
     assert bad_name.status_code == 422 and bad_name.json()["error"]["details"]["field"] == "name"
-    with setup.server.client(client_token) as own:  # the gateway's own token: no commands
+    with setup.server.client(gateway_token) as own:  # the gateway's own token: no commands
         refused = own.post(f"/v1/gateways/{name}/models/chat/pin")
         assert refused.status_code == 403
         assert "only an admin" in refused.json()["error"]["message"]
-    with setup.server.client(setup.server.token("client")) as other:
-        taken = other.put(f"/v1/gateways/{name}", json={"url": "http://elsewhere:1"})
+    with setup.server.client(setup.server.token("gateway", "box")) as other:
+        body = {"url": "http://elsewhere:1", "worker": "box"}
+        taken = other.put(f"/v1/gateways/{name}", json=body)
         assert taken.status_code == 403
-        assert "only the token that reports" in taken.json()["error"]["message"]
+        assert "only the token that first reported it" in taken.json()["error"]["message"]
         assert other.delete(f"/v1/gateways/{name}").status_code == 403
+    with setup.server.client(setup.server.token("client")) as client:
+        joined = client.put("/v1/gateways/gw-new", json={"url": "http://elsewhere:1"})
+        assert joined.status_code == 403
+        assert "a client token may not report a gateway" in joined.json()["error"]["message"]
     extra = setup.admin.put(f"/v1/gateways/{name}", json={"models": [], "shell": "rm -rf"})
     assert extra.status_code == 422
     assert extra.json()["error"]["details"]["errors"][0]["field"] == "shell"
@@ -124,9 +129,14 @@ def test_bad_commands_and_reports_are_refused_naming_why_and_change_nothing(
     assert own_view(gateway, "chat")["pinned"] is False
 
 
-def gateway_in(setup: Setup, runtime: str, token: str | None = None) -> GatewayProcess:
-    """A gateway of its own runtime directory (its own log, state and lock)."""
+def gateway_in(
+    setup: Setup, runtime: str, token: str | None = None, worker: str | None = None
+) -> GatewayProcess:
+    """A gateway of its own runtime directory (its own log, state and lock), beside
+    ``worker`` when given."""
     models = model_entry("chat", setup.record, vram="1G")
+    if worker is not None:
+        models = f'[gateway]\nworker = "{worker}"\n\n' + models
     found = GatewayProcess(
         setup.server.url, token or setup.server.admin_token, setup.runtime / runtime, models
     )

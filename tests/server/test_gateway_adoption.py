@@ -8,7 +8,7 @@ import asyncio
 from gpu_arbiter.server.auth import Principal
 from gpu_arbiter.server.gateways import ADOPT_AGAIN_S, GatewayRegistry, Report
 
-WHO = Principal("client-1", "client")
+WHO = Principal("gateway-2", "gateway", "box-2")
 
 
 class _Clock:

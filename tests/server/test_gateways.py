@@ -1,5 +1,6 @@
 """The controller's registry of gateways (``server/gateways.py``) on a fake clock:
-ownership of a name, staleness and forgetting, commands handed over once, and the
+ownership of a name (live or stale, until an admin forgets it), staleness and
+forgetting, which token holds the cluster's leases, commands handed over once, and the
 long-poll that wakes when a command is queued."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from gpu_arbiter.server.auth import Forbidden, Principal
 from gpu_arbiter.server.gateways import GatewayRegistry, Report
 
 ADMIN = Principal("admin", "admin")
-ALICE = Principal("client-alice", "client")
-BOB = Principal("client-bob", "client")
+ALICE = Principal("gateway-alice", "gateway", "box")
+BOB = Principal("gateway-bob", "gateway", "box")
 
 
 class FakeClock:
@@ -41,11 +42,11 @@ def registry(clock: FakeClock) -> GatewayRegistry:
     return GatewayRegistry(clock=clock, ttl_s=15.0, forget_s=600.0)
 
 
-def test_the_first_reporter_owns_the_name_while_its_report_is_live(
+def test_the_first_reporter_owns_the_name_live_or_stale_until_an_admin_forgets_it(
     registry: GatewayRegistry, clock: FakeClock
 ) -> None:
     registry.report("box-8080", ALICE, report("chat"))
-    with pytest.raises(Forbidden, match="only the token that reports"):
+    with pytest.raises(Forbidden, match="only the token that first reported it"):
         registry.report("box-8080", BOB, report("other"))
     assert [m["id"] for m in registry.view("box-8080")["models"]] == ["chat"]  # unchanged
     registry.report("box-8080", ADMIN, report("chat", "embed"))  # an admin may
@@ -53,10 +54,44 @@ def test_the_first_reporter_owns_the_name_while_its_report_is_live(
         registry.report("box-8080", BOB, report("other"))  # still Alice's
     with pytest.raises(Forbidden):
         registry.forget("box-8080", BOB)
-    clock.now += 15.0  # stale: anyone who may report takes it over
+    clock.now += 15.0  # stale: still Alice's
+    with pytest.raises(Forbidden, match="gateways forget box-8080"):
+        registry.report("box-8080", BOB, report("other"))
+    clock.now += 601.0  # forgotten as a report: the name is still Alice's
+    assert registry.views() == []
+    with pytest.raises(Forbidden):
+        registry.report("box-8080", BOB, report("other"))
+    registry.report("box-8080", ALICE, report("chat"))  # Alice's reports go on
+    registry.forget("box-8080", ALICE)  # her goodbye: the name stays hers
+    with pytest.raises(Forbidden):
+        registry.report("box-8080", BOB, report("other"))
+    registry.forget("box-8080", ADMIN)  # an admin forgets it: free again
+    with pytest.raises(NotFound):
+        registry.forget("box-8080", ADMIN)
     registry.report("box-8080", BOB, report("other"))
     with pytest.raises(Forbidden):
         registry.report("box-8080", ALICE, report("chat"))
+
+
+def test_names_held_are_bounded_stale_or_not(clock: FakeClock) -> None:
+    from gpu_arbiter.controller import TooManyRequests
+
+    registry = GatewayRegistry(clock=clock, ttl_s=15.0, forget_s=1.0, max_gateways=1)
+    registry.report("box-8080", ALICE, report("chat"))
+    clock.now += 100.0  # its report forgotten, its name held
+    with pytest.raises(TooManyRequests, match="max_gateways"):
+        registry.report("box-9090", BOB, report("chat"))
+    registry.forget("box-8080", ADMIN)
+    registry.report("box-9090", BOB, report("chat"))
+
+
+def test_only_the_gateway_token_of_a_leases_worker_holds_the_clusters_lease() -> None:
+    holds = GatewayRegistry.holds_lease
+    assert holds(Principal("gateway-3", "gateway", "box-3"), "box-3")
+    assert not holds(Principal("gateway-2", "gateway", "box-2"), "box-3")
+    assert not holds(Principal("worker-3", "worker", "box-3"), "box-3")  # its agent: no
+    assert not holds(Principal("client-1", "client"), "box-3")
+    assert not holds(Principal("gateway-3", "gateway", "box-3"), None)  # not granted yet
 
 
 def test_a_gateway_turns_stale_after_its_ttl_and_is_forgotten_later(

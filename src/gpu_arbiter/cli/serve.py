@@ -409,9 +409,9 @@ def usage_lines(url: str, token_file: Path | None) -> list[str]:
 
 @token_app.command("create")
 def token_create(
-    role: Annotated[str, typer.Option(help="client or worker.")],
+    role: Annotated[str, typer.Option(help="client, worker or gateway.")],
     worker: Annotated[
-        str | None, typer.Option(help="The worker a worker token is bound to.")
+        str | None, typer.Option(help="The worker a worker or gateway token is bound to.")
     ] = None,
     state_dir: StateDirOpt = None,
     store: StoreOpt = None,
@@ -420,8 +420,8 @@ def token_create(
     from ..server.auth import create_token
     from ..store import StoreError
 
-    if role not in ("client", "worker"):
-        raise typer.BadParameter("--role must be client or worker")
+    if role not in ("client", "worker", "gateway"):
+        raise typer.BadParameter("--role must be client, worker or gateway")
     try:
         name = validate_worker_name(worker) if worker is not None else None
     except InvalidInput as error:

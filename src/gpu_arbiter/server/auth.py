@@ -2,7 +2,17 @@
 
     admin    everything
     worker   bound to one worker name: registers and heartbeats as that worker only
+    gateway  bound to one worker name: reports the gateway beside that worker, asks for
+             the cluster's loads (placed on any host), holds the cluster's leases
+             granted on that worker and its own leases there; never registers or
+             heartbeats the worker (that is its agent's worker token)
     client   asks for leases; renews, readies, idles, shrinks and releases only its own
+
+A worker token does not serve as its host's gateway, nor a gateway token as its agent:
+the two run as separate processes (often as separate users), and each token holds only
+what its process needs: a leaked gateway token cannot report GPU memory (I2) or stop
+processes, a leaked worker token cannot relay requests or hold the cluster's leases,
+and either can be revoked alone.
 
 A token is ``gat_`` + 32 random bytes (URL-safe). Only its SHA-256 digest is
 stored; a presented token is hashed and the digests compared in constant time.
@@ -33,9 +43,22 @@ __all__ = [
     "Unauthorized",
     "create_token",
     "ensure_admin_token",
+    "refuse",
 ]
 
-ROLES = ("admin", "worker", "client")
+ROLES = ("admin", "worker", "gateway", "client")
+BOUND = ("worker", "gateway")
+"""Roles whose token is bound to one worker name."""
+MAY = {
+    "admin": "do everything",
+    "client": "ask for leases and renew, ready, idle, shrink and release its own",
+    "worker": "register and heartbeat its worker and report its operations",
+    "gateway": (
+        "report gateways beside its worker, ask for the cluster's loads and hold the "
+        "leases granted on its worker"
+    ),
+}
+"""What each role may do, in words, for a refusal."""
 _PREFIX = "gat_"
 
 TOKEN_RECHECK_S = 1.0
@@ -64,6 +87,20 @@ class Principal:
     def is_admin(self) -> bool:
         return self.role == "admin"
 
+    def described(self) -> str:
+        """``a gateway token of worker box-3``, as a refusal names the caller."""
+        bound = f" of worker {self.worker}" if self.worker else ""
+        return f"a{'n' if self.role == 'admin' else ''} {self.role} token{bound}"
+
+
+def refuse(who: Principal, doing: str, **details: object) -> Forbidden:
+    """403 naming the caller's role and what that role may do instead."""
+    return Forbidden(
+        f"{who.described()} may not {doing}; it may {MAY.get(who.role, 'nothing')}",
+        role=who.role,
+        **details,
+    )
+
 
 ANONYMOUS_ADMIN = Principal("anonymous", "admin")
 
@@ -73,12 +110,12 @@ def _digest(token: str) -> str:
 
 
 def create_token(store: Store, role: str, worker: str | None = None) -> tuple[str, TokenRecord]:
-    """A new token of ``role`` (a worker token is bound to ``worker``); returns the token
-    itself — shown once, never stored — and its record."""
+    """A new token of ``role`` (a worker or gateway token is bound to ``worker``); returns
+    the token itself — shown once, never stored — and its record."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
-    if (role == "worker") != (worker is not None):
-        raise ValueError("a worker token needs --worker NAME; other roles take none")
+    if (role in BOUND) != (worker is not None):
+        raise ValueError("a worker or gateway token needs --worker NAME; other roles take none")
     token = _PREFIX + secrets.token_urlsafe(32)
     record = TokenRecord(
         id=f"{role}-{secrets.token_hex(4)}",

@@ -22,9 +22,12 @@ front doors that wait long-poll it here, which is its presence: a caller that ha
 does not cancel it while others wait, and one nobody waits for any more ends as any
 abandoned request does. A front door whose last waiter went away withdraws (the
 DELETE): a load no other front door asked for ends at once, cancelled while pending,
-given back while it loads (:class:`LoadAskers`). Once granted, the gateway beside the
-lease's worker holds it (renews, readies, releases it:
+given back while it loads (:class:`LoadAskers`). Once granted, the gateway token bound
+to the lease's worker holds it (renews, readies, releases it:
 :meth:`GatewayRegistry.holds_lease`), whoever asked for it.
+
+Every route here is a gateway's (a gateway token, which owns the name it asks as) or an
+admin's: a client or worker token is refused (:func:`as_gateway`).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ from ..core import Request as CoreRequest
 from ..store import LeaseRecord
 from . import routes
 from . import schemas as s
-from .auth import Forbidden, Principal
-from .gateways import CLUSTER_MODEL, GatewayRegistry, Report
+from .auth import Principal
+from .gateways import CLUSTER_MODEL, GatewayRegistry, Report, as_gateway
 from .limits import Slots
 from .responses import FiniteJSONResponse
 
@@ -155,6 +158,7 @@ async def cluster_view(
     soon as it does, or after ``wait`` seconds (at most 60) as it is. Only the token that
     reports gateway ``name`` (or an admin)."""
     ctl, who, registry, name = _context(request, name)
+    as_gateway(who, "read the cluster's view")
     registry.owned(name, who, "route for")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
@@ -267,9 +271,8 @@ async def cluster_load(
     as its reason moves (:func:`_pending_moves`), for the front door to tell its callers.
     404 when no routable gateway declares the model."""
     ctl, who, registry, name = _context(request, name)
+    as_gateway(who, "ask for the cluster's loads")
     registry.owned(name, who, "ask loads for")
-    if who.role not in ("admin", "client"):
-        raise Forbidden(f"a {who.role} token may not ask for leases")
     unreachable = {validate_worker_name(g, "unreachable") for g in body.unreachable}
     hosts = _hosts(ctl, registry, body.model, unreachable)
     if not hosts:
@@ -308,10 +311,12 @@ async def withdraw_load(
 ) -> FiniteJSONResponse:
     """Gateway ``name``'s front door waits no more for ``model``'s cluster load (its last
     waiter went away): each live load of the model it asked for ends at once if no other
-    front door asked for it too, cancelled while pending, released while it loads
-    (nothing serves under it yet); one serving, or one another front door waits for, is
-    kept. Answers with the leases ``ended`` and ``kept``; idempotent."""
+    front door asked for it too and this token made its request, cancelled while
+    pending, released while it loads (nothing serves under it yet); one serving, one
+    another front door waits for, or one it only joined, is kept. Answers with the leases
+    ``ended`` and ``kept``; idempotent."""
     ctl, who, registry, name = _context(request, name)
+    as_gateway(who, "withdraw the cluster's loads")
     registry.owned(name, who, "withdraw loads for")
     askers: LoadAskers = request.app.state.load_askers
     ended: list[str] = []
@@ -320,7 +325,7 @@ async def withdraw_load(
         others = askers.withdraw(model, record.id, name)
         if others is None:
             continue
-        if others or record.state not in _WITHDRAWN:
+        if others or record.state not in _WITHDRAWN or not _asked_first(who, record):
             kept.append(record.id)
         else:
             ctl.leases.release(record.id)
@@ -365,6 +370,13 @@ def _signed_reason(view: PendingView) -> str:
         [(str(v.gpu), v.code) for v in reason.gpus],
     )  # fmt: skip
     return hashlib.sha256(json.dumps(gist).encode()).hexdigest()[:32]
+
+
+def _asked_first(who: Principal, record: LeaseRecord) -> bool:
+    """Whether ``who`` made the load's lease request (or is an admin): only then may its
+    withdrawal end it; a front door that joined a load only stops waiting for it (after
+    a restart, when no asker is known, it would otherwise end another door's load)."""
+    return who.is_admin or record.owner == who.id
 
 
 def _hosts(

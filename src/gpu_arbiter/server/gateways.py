@@ -14,10 +14,19 @@ A gateway's life here::
                            ^  \\--goodbye (DELETE)--> (forgotten)    |
                            +-------------- report ------------------+
 
-The first reporter's principal owns the name while its report is live; another
-principal but an admin is refused. Once the report is stale, anyone who may report
-takes it over (a gateway restarted with a new token). Commands are handed over once:
-in the answer to the next report or to a long-poll, whichever comes first.
+Who may be a gateway: a gateway token (``gpu-arbiter token create --role gateway
+--worker W``), bound to its worker W: it reports gateways beside W only, and holds the
+cluster's leases granted on W; or an admin token (tests, one host). A client or worker
+token is refused (:func:`as_gateway`).
+
+A name belongs to the token (its id) that first reported it, live or stale: another
+token but an admin's is refused, so a gateway that stopped reporting keeps its name
+until its own token reports again. The owner's goodbye (``DELETE``) forgets the report
+but keeps the name for it; an admin's forgets both (``gpu-arbiter gateways forget``),
+so that a gateway given a new token may take its name again. Names are held in memory
+like the reports: a restarted controller gives each name to the first gateway token
+that reports it. Commands are handed over once: in the answer to the next report or to
+a long-poll, whichever comes first.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 
 from ..controller import TooManyRequests
 from ..core import Conflict, NotFound
-from .auth import Forbidden, Principal
+from .auth import Forbidden, Principal, refuse
 
 __all__ = [
     "CLUSTER_MODEL",
@@ -45,6 +54,7 @@ __all__ = [
     "Command",
     "GatewayRegistry",
     "Report",
+    "as_gateway",
 ]
 
 REPORT_S = 5.0
@@ -124,6 +134,7 @@ class GatewayRegistry:
         self.max_gateways = max_gateways
         self.max_commands = max_commands
         self._gateways: dict[str, _Gateway] = {}
+        self._owners: dict[str, str] = {}  # name -> the id of the token that holds it
         self.adoptable: Adoptable = lambda worker: []
         """The cluster's leases a gateway's worker should adopt (set by the server)."""
         self.peer_key = peer_key or secrets.token_urlsafe(32)
@@ -137,27 +148,28 @@ class GatewayRegistry:
     def report(self, name: str, who: Principal, report: Report) -> list[Command]:
         """Stores ``report`` as the gateway's latest; returns the commands queued for it
         (handed over: they are not queued any more). Raises :class:`Forbidden` when
-        another principal owns the name (its report is live)."""
+        another token owns the name (its report live or stale)."""
         self._prune()
+        owner = self._owners.get(name)
+        if owner is not None and owner != who.id and not who.is_admin:
+            raise self._taken(name, who, "report as")
         found = self._gateways.get(name)
         now = self._clock()
-        if found is not None and (found.owner == who.id or not self._stale(found, now)):
-            self._check_owner(found, who, "report as")
+        if found is not None:
             if found.report != report or self._stale(found, now):
                 self._moved_now()
             found.report, found.reported_at = report, now
             return self._hand_over(found)
-        if found is not None:
-            found.queued.set()  # taken over: a long-poll of the former owner ends, empty
-        if found is None and len(self._gateways) >= self.max_gateways:
+        if owner is None and len(self._owners) >= self.max_gateways:
             raise TooManyRequests(
-                f"{len(self._gateways)} gateways are known already (max_gateways is "
-                f"{self.max_gateways}); retry later",
+                f"{len(self._owners)} gateway names are held already (max_gateways is "
+                f"{self.max_gateways}); retry later, or forget one",
                 limit="max_gateways",
                 value=self.max_gateways,
-                current=len(self._gateways),
+                current=len(self._owners),
             )
-        self._gateways[name] = _Gateway(name, who.id, report, now)  # new, or taken over
+        owner = self._owners.setdefault(name, who.id)
+        self._gateways[name] = _Gateway(name, owner, report, now)
         self._moved_now()
         return []
 
@@ -177,11 +189,21 @@ class GatewayRegistry:
         return self._hand_over(found)
 
     def forget(self, name: str, who: Principal) -> None:
-        """The gateway's goodbye at a clean stop: it is forgotten now."""
-        found = self._owned(name, who, "forget")
-        del self._gateways[name]
-        found.queued.set()  # a long-poll of it ends now, empty
-        self._moved_now()
+        """The gateway's goodbye at a clean stop (its report is forgotten now, its name
+        kept for its token), or an admin's forgetting of it (the name is free again).
+        Raises :class:`NotFound` for a name nobody holds."""
+        self._prune()
+        owner = self._owners.get(name)
+        if owner is None:
+            raise NotFound(f"no gateway {name!r} reports to this controller", gateway=name)
+        if owner != who.id and not who.is_admin:
+            raise self._taken(name, who, "forget")
+        found = self._gateways.pop(name, None)
+        if who.is_admin:
+            del self._owners[name]
+        if found is not None:
+            found.queued.set()  # a long-poll of it ends now, empty
+            self._moved_now()
 
     # ------------------------------------------------------------------ the cluster
 
@@ -214,22 +236,12 @@ class GatewayRegistry:
             if any(_names(m, model) for m in g.report.models)
         ]
 
-    def holds_worker(self, who: Principal, worker: str) -> bool:
-        """Whether ``who`` reports a live gateway beside ``worker`` (it may hold the
-        cluster's leases granted there)."""
-        now = self._clock()
-        return any(
-            g.owner == who.id and g.report.worker == worker and not self._stale(g, now)
-            for g in self._gateways.values()
-        )
-
-    def holds_lease(self, who: Principal, metadata: Mapping[str, Any], worker: str | None) -> bool:
-        """Whether ``who`` holds a lease of ``metadata`` granted on ``worker`` as the
-        cluster's: a lease asked for the cluster (:data:`CLUSTER_MODEL`) is held by the
-        gateway beside its worker, whoever asked for it."""
-        if CLUSTER_MODEL not in metadata or worker is None or who.role != "client":
-            return False
-        return self.holds_worker(who, worker)
+    @staticmethod
+    def holds_lease(who: Principal, worker: str | None) -> bool:
+        """Whether ``who`` holds the cluster's leases granted on ``worker`` (renews,
+        readies, idles, releases, adopts them), whichever front door asked for them: the
+        gateway token bound to that worker."""
+        return worker is not None and who.role == "gateway" and who.worker == worker
 
     async def moved(self, timeout_s: float) -> None:
         """Returns at the next change of the gateways, or after ``timeout_s``."""
@@ -308,17 +320,17 @@ class GatewayRegistry:
         found = self._gateways.get(name)
         if found is None:
             raise NotFound(f"no gateway {name!r} reports to this controller", gateway=name)
-        self._check_owner(found, who, doing)
+        if not who.is_admin and who.id != found.owner:
+            raise self._taken(name, who, doing)
         return found
 
     @staticmethod
-    def _check_owner(found: _Gateway, who: Principal, doing: str) -> None:
-        if who.is_admin or who.id == found.owner:
-            return
-        raise Forbidden(
-            f"gateway {found.name} is reported by another token: only the token that "
-            f"reports a gateway, or an admin, may {doing} it (your role: {who.role})",
-            owner_rule="the first reporter owns the name while its report is live",
+    def _taken(name: str, who: Principal, doing: str) -> Forbidden:
+        return Forbidden(
+            f"gateway {name} belongs to another token: only the token that first reported "
+            f"it, or an admin, may {doing} it (you are {who.described()}; an admin frees "
+            f"the name with `gpu-arbiter gateways forget {name}`)",
+            owner_rule="a name belongs to the token that first reported it, live or stale",
         )
 
     def _hand_over(self, found: _Gateway) -> list[Command]:
@@ -361,6 +373,13 @@ class GatewayRegistry:
         cutoff = self._clock() - self.ttl_s - self.forget_s
         for name in [n for n, g in self._gateways.items() if g.reported_at < cutoff]:
             self._gateways.pop(name).queued.set()
+
+
+def as_gateway(who: Principal, doing: str) -> None:
+    """Raises :class:`Forbidden` unless ``who`` may act as a gateway: a gateway token,
+    or an admin."""
+    if who.role not in ("admin", "gateway"):
+        raise refuse(who, doing, needs="a gateway token (gpu-arbiter token create --role gateway)")
 
 
 def _names(model: Mapping[str, Any], wanted: str) -> bool:

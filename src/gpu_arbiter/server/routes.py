@@ -1,13 +1,15 @@
 """The HTTP routes under ``/v1``: arguments in, one controller call, JSON out.
 
 Who may call what (see :mod:`.auth`): reads are open to every role; creating a
-lease to admin and client; renew/ready/idle/busy/shrink/release to admin and
-the client that created the lease; register and heartbeat to admin and the worker
-the token is bound to (and the reports of that worker's operations); revoke,
-drain, cancel-drain, remove, update, pause and resume to admin only. A gateway reports
-itself (admin or client; the first reporter's token owns the name while its report is
-live), takes its commands and says goodbye as that token or an admin; commands are
-queued by an admin (see :mod:`.gateways`).
+lease to admin, client and gateway (a gateway's only on its own worker);
+renew/ready/idle/busy/shrink/release to admin and the client or gateway that created
+the lease, and for a lease asked for the cluster, to the gateway token bound to the
+worker it was granted on (its asker only while it is pending); register and heartbeat
+to admin and the worker the token is bound to (and the reports of that worker's
+operations); revoke, drain, cancel-drain, remove, update, pause and resume to admin
+only. A gateway reports itself (admin, or a gateway token beside its own worker; the
+first reporter's token owns the name), takes its commands and says goodbye as that
+token or an admin; an admin queues commands and forgets gateways (see :mod:`.gateways`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Header, Path, Query, Request
 
 from ..controller import Controller, GpuProbeReport, NotLeader
-from ..core import Gpu, LeaseState, validate_worker_name
+from ..core import Constraints, Gpu, LeaseState, validate_worker_name
 from ..store import LeaseRecord
 from . import schemas as s
-from .auth import Forbidden, Principal, Unauthorized
+from .auth import Forbidden, Principal, Unauthorized, refuse
 from .config import is_loopback
 from .errors import error_response
 from .events import EventFeed, EventStreamResponse, event_stream
-from .gateways import REPORT_S, GatewayRegistry, Report
+from .gateways import CLUSTER_MODEL, REPORT_S, GatewayRegistry, Report, as_gateway
 from .history import History
 from .limits import Slots
 from .responses import FiniteJSONResponse
@@ -77,14 +79,37 @@ def _admin(who: Principal) -> None:
 
 
 def _lease_access(request: Request, who: Principal, record: LeaseRecord) -> None:
-    """An admin, the lease's owner, or for a lease asked for the cluster, the gateway
-    beside the worker it was granted on (``cluster.py``)."""
-    if who.is_admin or (who.role == "client" and record.owner == who.id):
+    """An admin, or the lease's holder (:func:`holds`)."""
+    if who.is_admin or holds(who, record):
         return
-    registry: GatewayRegistry = request.app.state.gateways
-    if registry.holds_lease(who, record.request.metadata, record.worker):
-        return
+    if CLUSTER_MODEL in record.request.metadata:
+        on = record.worker or "no worker yet"
+        raise refuse(who, f"touch lease {record.id}, the cluster's, granted on {on}")
     raise Forbidden(f"lease {record.id} belongs to another holder (your role: {who.role})")
+
+
+def holds(who: Principal, record: LeaseRecord) -> bool:
+    """Whether ``who`` holds the lease (renews, readies, idles, shrinks, releases it, and
+    its read takes it up). A lease asked for the cluster is held by the gateway token
+    bound to the worker it was granted on, whoever asked for it; its asker (a front door
+    on another host) holds it only while it is pending, to withdraw it. Any other lease
+    by the client or gateway token (or admin) that asked for it."""
+    if CLUSTER_MODEL in record.request.metadata:
+        if GatewayRegistry.holds_lease(who, record.worker):
+            return True
+        return record.owner == who.id and (who.is_admin or record.state is LeaseState.PENDING)
+    return record.owner == who.id and who.role in ("admin", "client", "gateway")
+
+
+def _on_worker(constraints: Constraints, worker: str | None) -> bool:
+    """Whether every GPU a request of ``constraints`` may be granted is on ``worker``."""
+    if worker is None:
+        return False
+    if constraints.worker is not None:
+        return constraints.worker == worker
+    if constraints.gpu_ids:
+        return all(gpu.worker == worker for gpu in constraints.gpu_ids)
+    return constraints.workers == (worker,)
 
 
 def _as_worker(who: Principal, name: str) -> None:
@@ -147,9 +172,12 @@ async def create_lease(body: s.LeaseCreate, request: Request) -> FiniteJSONRespo
     statuses (a held lease, revoking included: 201; a lease granted then ended: 409
     ``lease_ended``), with the header ``Idempotent-Replayed: true``."""
     ctl, who = context(request)
-    if who.role not in ("admin", "client"):
-        raise Forbidden(f"a {who.role} token may not ask for leases")
-    submitted = ctl.leases.submit(who.id, body.to_request(ctl.leases.new_id()))
+    if who.role not in ("admin", "client", "gateway"):
+        raise refuse(who, "ask for leases")
+    asked = body.to_request(ctl.leases.new_id())
+    if who.role == "gateway" and not _on_worker(asked.constraints, who.worker):
+        raise refuse(who, f"ask for a lease beyond worker {who.worker} (set constraints.worker)")
+    submitted = ctl.leases.submit(who.id, asked)
     record = submitted.record
     if record.state.is_final:
         response = _not_granted(record)
@@ -206,10 +234,7 @@ async def get_lease(
     long-polls it (and ``ttl_s`` after), and a grant its holder reads is taken up."""
     ctl, who = context(request)
     record = ctl.leases.get(lease_id)
-    registry: GatewayRegistry = request.app.state.gateways
-    mine = record.owner == who.id or registry.holds_lease(
-        who, record.request.metadata, record.worker
-    )
+    mine = holds(who, record)
     if wait > 0:
         long_polls: Slots = request.app.state.long_polls
         with long_polls.hold(who.id), ctl.leases.watching(lease_id):
@@ -472,14 +497,20 @@ async def report_gateway(
     name: GatewayName, body: s.GatewayReportIn, request: Request
 ) -> FiniteJSONResponse:
     """Every ``report_s`` seconds and soon after a change; a gateway not reported for
-    ``ttl_s`` is stale. An admin or a client token; the first reporter's token owns the
-    name while its report is live (403 for another token but an admin's)."""
+    ``ttl_s`` is stale. An admin, or a gateway token naming its own worker; the first
+    reporter's token owns the name, live or stale (403 for another token but an
+    admin's)."""
     ctl, who, registry = _gateways(request)
     leader_only(ctl)
-    if who.role not in ("admin", "client"):
-        raise Forbidden(f"a {who.role} token may not report a gateway")
+    as_gateway(who, "report a gateway")
     name = validate_worker_name(name, "name")
     worker = None if body.worker is None else validate_worker_name(body.worker, "worker")
+    if who.role == "gateway" and worker != who.worker:
+        raise refuse(
+            who,
+            f"report a gateway beside {f'worker {worker}' if worker else 'no worker'} "
+            f"([gateway] worker = {who.worker!r})",
+        )
     models = [m.model_dump(exclude_none=True) for m in body.models]
     routes = [dict(route) for route in body.routes]
     report = Report(url=body.url, host=body.host, worker=worker, models=models, routes=routes)
@@ -502,6 +533,7 @@ async def gateway_commands(
     with none when the wait ends. Its reporter's token or an admin."""
     ctl, who, registry = _gateways(request)
     leader_only(ctl)
+    as_gateway(who, "take a gateway's commands")
     name = validate_worker_name(name, "name")
     long_polls: Slots = request.app.state.long_polls
     with long_polls.hold(who.id):
@@ -555,10 +587,15 @@ async def command_gateway(
     return FiniteJSONResponse({"gateway": name, **command.as_dict()}, status_code=202)
 
 
-@router.delete("/gateways/{name}", response_model=s.GatewayGoneOut, summary="A gateway's goodbye")
+@router.delete(
+    "/gateways/{name}",
+    response_model=s.GatewayGoneOut,
+    summary="A gateway's goodbye, or an admin forgets it (its name is free again)",
+)
 async def forget_gateway(name: GatewayName, request: Request) -> FiniteJSONResponse:
-    """At a clean stop: it leaves the list now, not once stale. Its reporter's token or
-    an admin."""
+    """At a clean stop, by its own token: it leaves the list now, not once stale, and
+    its name stays its token's. By an admin: the report and the name are forgotten, for
+    a gateway given a new token (``gpu-arbiter gateways forget NAME``)."""
     ctl, who, registry = _gateways(request)
     leader_only(ctl)
     name = validate_worker_name(name, "name")
