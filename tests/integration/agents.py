@@ -66,9 +66,24 @@ def free_port() -> int:
         return port
 
 
+def token_file(path: Path, token: str) -> Path:
+    """``token`` in a file of mode 0600 at ``path``, as an agent or a gateway takes it
+    (``--token-file``): a secret is never written on a command line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(token + "\n")
+    return path
+
+
 def env_for(runtime: Path) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(SRC), "GPU_ARBITER_RUNTIME_DIR": str(runtime)}
-    for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_CONFIG"):
+    for name in (
+        "GPU_ARBITER_URL",
+        "GPU_ARBITER_TOKEN",
+        "GPU_ARBITER_TOKEN_FILE",
+        "GPU_ARBITER_CONFIG",
+    ):
         env.pop(name, None)
     return env
 
@@ -79,8 +94,10 @@ class AgentProcess(ManagedProcess):
     ) -> None:
         self.name = name
         self.runtime = runtime
+        self.token_file = token_file(runtime / f"agent-{name}.token", token)
         self.command = [sys.executable, "-m", "gpu_arbiter", "agent", "--controller", url]
-        self.command += ["--token", token, "--name", name, "--simulate", spec]
+        self.command += ["--token-file", str(self.token_file), "--name", name]
+        self.command += ["--simulate", spec]
         self.command += ["--heartbeat-s", "0.5", "--grace-s", "0.5", *extra]
         self.log = runtime / f"agent-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None

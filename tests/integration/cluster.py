@@ -1,6 +1,8 @@
 """Several hosts on one machine for the cluster tests: each host an agent with its own
 worker name, simulated GPUs and runtime directory, and its own gateway listening on its
-own loopback address (127.0.0.2, 127.0.0.3, ...), all reporting to one real controller."""
+own loopback address (127.0.0.2, 127.0.0.3, ...), all reporting to one real controller.
+Each host's agent holds a worker token and its gateway a gateway token, both bound to
+its worker and given in a file of mode 0600, as a deployment gives them."""
 
 from __future__ import annotations
 
@@ -20,9 +22,17 @@ class HostGateway(GatewayProcess):
     """A gateway on ``address`` named ``name`` beside worker ``worker``."""
 
     def __init__(
-        self, url: str, token: str, runtime: Path, models: str, address: str, name: str
+        self,
+        url: str,
+        token: str,
+        runtime: Path,
+        models: str,
+        address: str,
+        name: str,
+        worker: str | None = None,
     ) -> None:
-        head = f'[gateway]\nhost = "{address}"\nname = "{name}"\n\n'
+        head = f'[gateway]\nhost = "{address}"\nname = "{name}"\n'
+        head += "\n" if worker is None else f'worker = "{worker}"\n\n'
         super().__init__(url, token, runtime, head + models)
         self.address = address
         self.name = name
@@ -57,8 +67,9 @@ class HostGateway(GatewayProcess):
 
 
 class Host:
-    """One host: its agent (worker ``box-N``) and its gateway (``gw-N`` on 127.0.0.N),
-    both given ``controllers`` (comma-separated URLs; default: ``server``'s)."""
+    """One host: its agent (worker ``box-N``, a worker token) and its gateway (``gw-N``
+    on 127.0.0.N, a gateway token of ``box-N``), both given ``controllers``
+    (comma-separated URLs; default: ``server``'s)."""
 
     def __init__(
         self,
@@ -73,11 +84,18 @@ class Host:
         self.number = number
         self.worker = f"box-{number}"
         self.runtime = root / f"host-{number}"
-        token = server.admin_token
         urls = controllers or server.url
-        self.agent = AgentProcess(urls, token, self.worker, self.runtime, spec)
+        self.agent = AgentProcess(
+            urls, server.token("worker", self.worker), self.worker, self.runtime, spec
+        )
         self.gateway = HostGateway(
-            urls, token, self.runtime, models, f"127.0.0.{number}", f"gw-{number}"
+            urls,
+            server.token("gateway", self.worker),
+            self.runtime,
+            models,
+            f"127.0.0.{number}",
+            f"gw-{number}",
+            self.worker,
         )
 
     def start(self, admin: httpx.Client) -> Host:

@@ -196,6 +196,8 @@ class Server(ManagedProcess):
     def token(self, role: str, worker: str | None = None) -> str:
         command = [sys.executable, "-m", "gpu_arbiter", "token", "create", "--role", role]
         command += ["--state-dir", str(self.state_dir)]
+        if "--store" in self.args:  # a shared database: the token goes there
+            command += ["--store", self.args[self.args.index("--store") + 1]]
         if worker is not None:
             command += ["--worker", worker]
         env = {**os.environ, "PYTHONPATH": str(SRC)}

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .agents import env_for
+from .agents import env_for, token_file
 from .conftest import ManagedProcess, wait_for
 
 MODEL_SERVER = Path(__file__).with_name("model_server.py")
@@ -52,8 +52,10 @@ class GatewayProcess(ManagedProcess):
         self.log_from = 0  # where the log of the last start begins
         self.config = runtime / "models.toml"
         self.models = models
+        self.token_file = token_file(runtime / "gateway.token", token)
         self.command = [sys.executable, "-m", "gpu_arbiter", "gateway", "--config"]
-        self.command += [str(self.config), "--port", "0", "--controller", url, "--token", token]
+        self.command += [str(self.config), "--port", "0", "--controller", url]
+        self.command += ["--token-file", str(self.token_file)]
         self.command += ["--state-dir", str(runtime / "state")]  # its lock, servers and logs
         self.log = runtime / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None

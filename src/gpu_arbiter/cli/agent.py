@@ -18,6 +18,7 @@ from ..agent.probes import FakeProbe, Probe, detect
 from ..core import InvalidInput, validate_worker_name
 from ..logs import LOG_FORMATS, LOG_LEVELS, setup_logging
 from ..logs import say as notice
+from ..paths import read_token_file
 
 ENV = "GPU_ARBITER_"
 
@@ -34,6 +35,20 @@ def worker_name(name: str | None) -> str:
         return validate_worker_name(given, "--name")
     except InvalidInput as error:
         raise typer.BadParameter(f"{error}; pass --name") from error
+
+
+def _token(token: str | None, token_file: Path | None) -> str | None:
+    """``--token``, or the token in ``--token-file`` (mode 0600: a secret is never
+    written on a command line); a clear error for both, or for a file that is missing,
+    empty or readable by others."""
+    if token_file is None:
+        return token
+    if token is not None:
+        raise typer.BadParameter("give --token-file or --token, not both", param_hint="--token")
+    try:
+        return read_token_file(token_file)
+    except InvalidInput as error:
+        raise typer.BadParameter(error.reason, param_hint="--token-file") from None
 
 
 async def open_agent_probe(name: str, simulate: str | None, say: bool = True) -> Probe:
@@ -77,7 +92,13 @@ def agent(
     controller: Annotated[
         str | None, _opt("URL", "Controller URL(s), comma-separated.", "--controller")
     ] = None,
-    token: Annotated[str | None, _opt("TOKEN", "A worker (or admin) token.")] = None,
+    token: Annotated[
+        str | None, _opt("TOKEN", "A worker (or admin) token (better: --token-file).")
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        _opt("TOKEN_FILE", "The file of its worker token (mode 0600).", "--token-file"),
+    ] = None,
     name: Annotated[str | None, _opt(None, "Worker name (default: the host name).")] = None,
     simulate: Annotated[
         str | None, _opt(None, "Simulated GPUs instead of probing, e.g. 2x24G:sm_86.")
@@ -111,6 +132,7 @@ def agent(
         raise typer.BadParameter(
             f"must be one of {', '.join(LOG_LEVELS)}", param_hint="--log-level"
         )
+    token = _token(token, token_file)
     redactor = setup_logging(log_format, log_level)
     redactor.hide(token)
     worker = worker_name(name)

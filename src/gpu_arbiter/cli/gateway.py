@@ -27,7 +27,7 @@ from ..gateway.serve import estimates, run_gateway
 from ..gateway.servers.estimate import Estimate
 from ..gateway.servers.process import GatewayRefused
 from ..logs import say, setup_logging
-from ..paths import STATE_DIR_ENV, default_state_dir
+from ..paths import STATE_DIR_ENV, default_state_dir, read_token_file
 from .access import credentials
 
 EXIT_CONFIG = 2
@@ -199,7 +199,20 @@ def gateway(
     controller: Annotated[
         str | None, _opt("Controller URL(s), comma-separated.", envvar="GPU_ARBITER_URL")
     ] = None,
-    token: Annotated[str | None, _opt("Bearer token.", envvar="GPU_ARBITER_TOKEN")] = None,
+    token: Annotated[
+        str | None,
+        _opt(
+            "Bearer token (better: --token-file; a command line is no secret).",
+            envvar="GPU_ARBITER_TOKEN",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        _opt(
+            "The file of its gateway token (mode 0600; default: [gateway] token_file).",
+            envvar="GPU_ARBITER_TOKEN_FILE",
+        ),
+    ] = None,
     log_level: Annotated[str, _opt("debug, info, warning or error.")] = "info",
     state_dir: Annotated[
         Path | None,
@@ -224,7 +237,10 @@ def gateway(
         changes["worker"] = worker
     settings = _replace(settings, changes)
     checked_exposure(settings, config)
-    token = _token(controller or settings.controller, token)
+    if token is not None and token_file is not None:
+        typer.echo("gpu-arbiter gateway: give --token-file or --token, not both", err=True)
+        raise typer.Exit(EXIT_CONFIG)
+    token = _token(controller or settings.controller, token, token_file, settings.token_file)
     setup_logging("text", log_level)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -238,10 +254,19 @@ def gateway(
         raise typer.Exit(EXIT_CANNOT_LISTEN) from None
 
 
-def _token(controller: str | None, token: str | None) -> str | None:
-    """The token given, else this machine's admin token for a controller on this machine,
-    as every command finds it; exit 2 for a malformed controller URL."""
+def _token(
+    controller: str | None, token: str | None, given: Path | None, configured: Path | None
+) -> str | None:
+    """The token given (``--token``), else the one in the file ``given``
+    (``--token-file``) or ``configured`` (``[gateway] token_file``), of mode 0600, else
+    this machine's admin token for a controller on this machine, as every command finds
+    it; exit 2 for a malformed controller URL or a token file that is missing, empty or
+    readable by others."""
     try:
+        if token is None and given is not None:
+            return read_token_file(given, "--token-file")
+        if token is None and configured is not None:
+            return read_token_file(configured, "gateway.token_file")
         return credentials(controller, token).token
     except ArbiterError as error:
         typer.echo(f"gpu-arbiter gateway: {error}", err=True)

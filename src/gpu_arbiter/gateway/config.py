@@ -7,6 +7,7 @@
     port = 8080
     worker = "box-1"               # default: the one agent on this host
     name = "box-1-8080"            # as the controller lists it (default: host-port)
+    token_file = "gateway.token"   # its gateway token (mode 0600; relative: to this file)
     api_keys = ["..."]             # Authorization: Bearer KEY (required beyond loopback)
     api_key_file = "keys.txt"      # one key a line, # comments (relative: to this file)
     allowed_hosts = ["gpu.example"]  # Host names besides loopback names and addresses
@@ -140,7 +141,7 @@ _ROUTING_KEYS = frozenset({"prefix_affinity", "prefix_chars"})
 _LIVENESS_KEYS = frozenset({"peer_check", "peer_timeout", "peer_cut"})
 _TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
 _GATEWAY_KEYS = (
-    frozenset({"host", "port", "worker", "controller", "name", *_TLS_KEYS})
+    frozenset({"host", "port", "worker", "controller", "name", "token_file", *_TLS_KEYS})
     | _PORT_KEYS
     | _ROUTING_KEYS
     | _LIVENESS_KEYS
@@ -157,6 +158,7 @@ class GatewayConfig:
     worker: str | None = None
     name: str | None = None  # to the controller; None: this host's name and the port
     controller: str | None = None
+    token_file: Path | None = None  # the controller token's file (read at the start)
     keys: tuple[ApiKey, ...] = ()  # none: no auth (loopback only)
     allowed_hosts: tuple[str, ...] = ()
     max_connections: int = 1000
@@ -192,7 +194,8 @@ def load_config(path: str | Path) -> GatewayConfig:
 
 
 def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayConfig:
-    """``base``: the directory a relative ``api_key_file`` is in (the config file's)."""
+    """``base``: the directory a relative ``api_key_file`` or ``token_file`` is in (the
+    config file's)."""
     unknown = sorted(set(data) - {"gateway", "models"})
     if unknown:
         raise InvalidInput(unknown[0], "unknown section; known: gateway, models")
@@ -219,6 +222,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         worker=_optional_text(gateway.get("worker"), "gateway.worker"),
         name=_gateway_name(gateway.get("name")),
         controller=_optional_text(gateway.get("controller"), "gateway.controller"),
+        token_file=_token_file(gateway.get("token_file"), base or Path()),
         affinity=_affinity(gateway),
         liveness=_liveness(gateway),
         tls=_tls(gateway, base or Path()),
@@ -246,6 +250,12 @@ def _tls(gateway: Mapping[str, Any], base: Path) -> ServerTls | None:
     )  # fmt: skip
     server_context(tls)
     return tls
+
+
+def _token_file(value: Any, base: Path) -> Path | None:
+    """``token_file``: the path of the gateway's controller token (relative: to the
+    config file's directory); read, and its mode checked, when the gateway starts."""
+    return None if value is None else base / _text(value, "gateway.token_file")
 
 
 def _affinity(gateway: Mapping[str, Any]) -> Affinity | None:
