@@ -54,15 +54,22 @@ def test_a_request_without_a_peer_credential_carries_its_keys_priority() -> None
     assert request.key is KEYS[1] and request.priority is None  # the model's
 
 
-def test_a_peer_with_the_clusters_credential_gives_the_priority_its_front_door_found() -> None:
-    access = Access(KEYS, "127.0.0.1", ())
-    headers = {"X-Arbiter-Peer": "secret", "X-Arbiter-Priority": "700"}
+def test_a_peer_gives_its_front_doors_priority_capped_at_the_highest_key_here() -> None:
+    access = Access((*KEYS, ApiKey("ui", "chat-key-0123456789", priority=700)), "x", ())
+    assert access.max_priority == 700
+    headers = {"X-Arbiter-Peer": "secret", "X-Arbiter-Priority": "300"}
     request = _request(headers, access, {"secret"})
-    assert request.peer is True and request.priority == 700
+    assert request.peer is True and request.priority == 300
+    headers["X-Arbiter-Priority"] = "1000"  # above every key here: capped
+    assert _request(headers, access, {"secret"}).priority == 700
     headers["X-Arbiter-Priority"] = "1001"  # beyond the scale: the model's
     assert _request(headers, access, {"secret"}).priority is None
     request = _request(headers | {"X-Arbiter-Peer": "forged"}, access, {"secret"})
     assert request.peer is False and request.priority is None
+    for keys in ((), (KEYS[1],)):  # no key here gives a priority: a peer's gives none
+        assert Access(keys, "x", ()).max_priority is None
+        headers["X-Arbiter-Priority"] = "1000"
+        assert _request(headers, Access(keys, "x", ()), {"secret"}).priority is None
 
 
 def test_without_keys_no_priority_comes_from_a_bearer_header() -> None:

@@ -33,7 +33,13 @@ def _gateway(name: str, model: str, state: str, routable: bool = True) -> dict[s
     }  # fmt: skip
 
 
-async def _call(app: GatewayApp, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
+async def _call(
+    app: GatewayApp,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    more: tuple[tuple[bytes, bytes], ...] = (),
+) -> tuple[int, Any]:
     sent: list[Message] = []
     given = False
 
@@ -49,10 +55,11 @@ async def _call(app: GatewayApp, method: str, path: str, body: bytes = b"") -> t
         sent.append(message)
 
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    headers += more
     await app({"type": "http", "method": method, "path": path, "headers": headers}, receive, send)
     [head] = [m for m in sent if m["type"] == "http.response.start"]
     text = b"".join(m.get("body", b"") for m in sent)
-    return head["status"], json.loads(text)
+    return head["status"], json.loads(text) if text.startswith(b"{") else text
 
 
 def _front_door() -> tuple[GatewayApp, Cluster]:
@@ -133,3 +140,31 @@ async def test_a_named_copy_not_to_be_had_says_which_gateway_and_why(
     )
     assert found == status
     assert answer["error"]["message"].startswith(says), answer
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/metrics"),
+        ("GET", "/admin/routes"),
+        ("POST", "/admin/models/chat/pin"),
+        ("POST", "/admin/models/chat/unpin"),
+        ("POST", "/admin/models/chat/unload"),
+        ("GET", "/v1/models"),
+    ],
+)
+async def test_the_peer_credential_opens_no_route_but_a_models(method: str, path: str) -> None:
+    """With API keys here and none sent, the cluster's peer credential is refused (403)
+    everywhere but a relayed model request; a wrong one is 401 as ever."""
+    from gpu_arbiter.gateway.requests.access import Access, ApiKey
+
+    app, _ = _front_door()
+    app.access = Access((ApiKey("ui", "ui-key-0123456789", "admin"),), "127.0.0.1", ())
+    peer = ((b"x-arbiter-peer", b"k"),)
+    status, answer = await _call(app, method, path, b"{}", peer)
+    assert status == 403, answer
+    assert "relayed model requests only" in answer["error"]["message"]
+    status, _ = await _call(app, method, path, b"{}", ((b"x-arbiter-peer", b"forged"),))
+    assert status == 401
+    status, answer = await _call(app, "POST", "/v1/chat/completions", b'{"model": "chat"}', peer)
+    assert status == 404 and answer["error"]["code"] == "model_not_found"  # served: no copy here

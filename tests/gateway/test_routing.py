@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_arbiter.gateway.cluster.cluster import DOWN_S, Cluster
+from gpu_arbiter.gateway.cluster.cluster import DOWN_S, PEER_OVERLAP_S, Cluster
 from gpu_arbiter.gateway.cluster.routing import Kind, route
 from gpu_arbiter.gateway.profile import Candidate as Host
 
@@ -211,14 +211,22 @@ def test_a_draining_peer_leaves_routing_and_a_view_without_a_peer_forgets_it() -
     assert not cluster.knows("chat")
 
 
-def test_the_previous_peer_credential_is_still_trusted_after_a_new_one_came() -> None:
-    cluster = _cluster(_Clock())
+def test_the_previous_peer_credential_is_trusted_only_for_its_overlap_after_a_new_one() -> None:
+    clock = _Clock()
+    cluster = _cluster(clock)
     cluster.apply(_view(key="first"))
-    cluster.apply(_view(key="second"))
-    assert cluster.trusts("second") and cluster.trusts("first")
+    clock.t += 1000.0  # one leader for long: its credential stays good
+    assert cluster.trusts("first")
+    cluster.apply(_view(key="second"))  # a new leader's
+    assert cluster.trusts("second") and cluster.trusts("first")  # relays in flight
     assert not cluster.trusts("") and not cluster.trusts("third")
+    clock.t += PEER_OVERLAP_S - 0.1
+    cluster.apply(_view(key="second"))  # a new view of the same leader: no new overlap
+    assert cluster.trusts("first")
+    clock.t += 0.1
+    assert not cluster.trusts("first") and cluster.trusts("second")
     cluster.apply(_view(key="third"))
-    assert not cluster.trusts("first")
+    assert not cluster.trusts("first") and cluster.trusts("second")
 
 
 def test_requests_forwarded_to_a_peer_count_against_it_before_its_next_report() -> None:

@@ -8,7 +8,8 @@ the gateway's life. Each request is then routed here without asking the controll
 (``routing.py``: warm, then coming, then a load). The view also carries the credential
 the controller issued for gateways to show each other (``x-arbiter-peer``): a request
 forwarded by a peer is trusted with it, and only with it (the previous credential is
-still accepted after a new leader issued another, until the view changes again).
+still accepted for :data:`PEER_OVERLAP_S` after a new leader's view brought another,
+for the relays then in flight, and refused after).
 
 A cold load for the cluster (:meth:`Cluster.load`) is asked once per model by this
 gateway however many requests wait for it (and once for the whole cluster: the
@@ -83,6 +84,10 @@ ROUTES_KEPT = 200
 """The routing decisions kept for ``GET /admin/routes`` (the newest; the report carries
 the last :data:`ROUTES_REPORTED`)."""
 ROUTES_REPORTED = 20
+PEER_OVERLAP_S = 10.0
+"""How long the previous peer credential is still accepted once a view brought a new
+one (a new leader's): the relays sent with it just before go through; after, a
+credential of a controller that no longer leads opens nothing here."""
 PEER_KEEP = 64
 """Idle connections kept to each peer gateway."""
 _READY = ("warm", "busy")
@@ -163,6 +168,7 @@ class Cluster:
         self.loads: dict[str, Mapping[str, Any]] = {}  # model -> its load queued, as the view shows
         self.keys: list[str] = []  # the peer credentials accepted, newest first
         self.key = ""
+        self._previous_until = 0.0  # the previous credential is accepted until then
         self.signature = ""
         self.seen = asyncio.Event()  # a view came once
         self.forwarding: Counter[tuple[str, str]] = Counter()  # (gateway, model) in flight
@@ -252,6 +258,7 @@ class Cluster:
         if key and key != self.key:
             self.keys = [key, *([self.key] if self.key else [])]
             self.key = key
+            self._previous_until = self.clock.now() + PEER_OVERLAP_S
         found: dict[str, Peer] = {}
         for gateway in view.get("gateways") or ():
             name = str(gateway.get("name"))
@@ -307,8 +314,11 @@ class Cluster:
         return f"worker {self.worker} is {self.own_state}"
 
     def trusts(self, key: str) -> bool:
-        """Whether ``key`` is a credential this controller issued to its gateways."""
-        return any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys)
+        """Whether ``key`` is the credential the controller issued to its gateways (or
+        the previous one, for :data:`PEER_OVERLAP_S` after the new one came)."""
+        overlap = self.clock.now() < self._previous_until
+        accepted = self.keys if overlap else self.keys[:1]
+        return any([hmac.compare_digest(key.encode(), k.encode()) for k in accepted])
 
     # ------------------------------------------------------------------ routing
 

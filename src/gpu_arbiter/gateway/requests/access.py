@@ -16,6 +16,14 @@ error shape):
    ``admin``: else 403 ``permission_denied``. Without keys (loopback only) it is open
    like the rest.
 
+A request another gateway relays carries the cluster's peer credential
+(``x-arbiter-peer``, ``requests/request.py``) instead of a key: it opens the relayed
+model requests only (the OpenAI routes and ``/models/...``), never ``/metrics``,
+``/admin/...`` or the listing (403 ``permission_denied``: :data:`PEER_ONLY`). The
+priority a peer names (``x-arbiter-priority``: what its front door's key gave its
+caller) is capped at :attr:`Access.max_priority`, the highest any key of this gateway
+gives: a peer never raises a request above what a caller here could ask.
+
 The rules are :mod:`gpu_arbiter.web.guards`' (the controller's). A key is compared by
 its SHA-256 digest with :func:`hmac.compare_digest` against every configured key,
 whatever matched first: the time taken says nothing about a key, not even its length.
@@ -33,7 +41,15 @@ from ...core import InvalidInput
 from ...paths import is_loopback
 from ...web.guards import host_names, refusal
 
-__all__ = ["ADMIN_PREFIX", "ROLES", "Access", "ApiKey", "Denial", "check_exposure"]
+__all__ = [
+    "ADMIN_PREFIX",
+    "PEER_ONLY",
+    "ROLES",
+    "Access",
+    "ApiKey",
+    "Denial",
+    "check_exposure",
+]
 
 OPEN_PATHS = frozenset({"/healthz"})
 """Answered without a key: a load balancer's health check has none."""
@@ -69,6 +85,15 @@ class Denial:
     message: str
 
 
+PEER_ONLY = Denial(
+    403,
+    "permission_denied",
+    "the x-arbiter-peer credential opens relayed model requests only; this route needs "
+    "an API key of [gateway] api_keys",
+)
+"""A peer's credential on any route but a model's."""
+
+
 class Access:
     """The three checks above, for one gateway."""
 
@@ -77,6 +102,10 @@ class Access:
         besides loopback names and addresses (the configured host, ``allowed_hosts``)."""
         self._keys = tuple((key.digest, key) for key in keys)
         self.hosts = host_names(bound, names)
+        given = [key.priority for key in keys if key.priority is not None]
+        self.max_priority: int | None = max(given, default=None)
+        """The highest priority a key here gives (None: none gives one, every caller
+        has the model's): the most a peer's ``x-arbiter-priority`` is believed."""
 
     @property
     def auth(self) -> bool:

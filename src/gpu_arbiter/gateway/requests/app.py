@@ -95,7 +95,7 @@ from ..base.scopes import CancelScope
 from ..cluster.cluster import Cluster
 from ..servers.model import ModelServer, Refused
 from ..servers.states import most_advanced
-from .access import ADMIN_PREFIX, Access
+from .access import ADMIN_PREFIX, PEER_ONLY, Access
 from .answers import (
     STOPPING,
     Receive,
@@ -207,7 +207,10 @@ class GatewayApp:
             await send_error(request.send, 401, message, "invalid_peer")
             return
         headers = request.headers
-        denial = None if request.peer else self.access.check(request.method, request.path, headers)
+        if request.peer:  # relayed by a peer: a model's route only (access.py)
+            denial = None if to_a_model else PEER_ONLY
+        else:
+            denial = self.access.check(request.method, request.path, headers)
         if denial is not None:
             await send_error(request.send, denial.status, denial.message, denial.code)
         elif declared_length(request.headers) > self.max_body_bytes:

@@ -20,8 +20,9 @@ __all__ = ["PEER", "Outbound", "Request", "chain", "declared_length"]
 
 PEER = b"x-arbiter-peer"
 """The credential a forwarding gateway shows (issued by the controller:
-``cluster/cluster.py``); with it, ``x-arbiter-priority`` and ``x-arbiter-lease`` are
-believed."""
+``cluster/cluster.py``); with it, on a model's route only, ``x-arbiter-lease`` is
+believed, and ``x-arbiter-priority`` up to the highest priority a key of this gateway
+gives (:attr:`Access.max_priority`)."""
 
 
 @dataclass(slots=True)
@@ -78,6 +79,8 @@ class Request:
         if peer:
             given = headers.get(b"x-arbiter-priority", "")
             priority = int(given) if given.isdigit() and int(given) <= 1000 else None
+            cap = access.max_priority
+            priority = None if priority is None or cap is None else min(priority, cap)
         else:
             priority = None if key is None else key.priority
         method, path = scope["method"], scope["path"]
