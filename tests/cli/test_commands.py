@@ -85,7 +85,8 @@ def test_help_lists_every_command() -> None:
     assert done.returncode == 0, done.stderr
     listing = done.stdout.split("\nCommands:\n", 1)[1]
     listed = [line.split()[0] for line in listing.splitlines() if line.startswith("  ")]
-    every = SINGLE_COMMANDS | set(ops.COMMANDS) | set(models.MODEL_COMMANDS) | {"token", "tls"}
+    every = SINGLE_COMMANDS | set(ops.COMMANDS) | set(models.MODEL_COMMANDS)
+    every |= {"token", "gateways", "tls"}
     assert sorted(listed) == sorted(every)
 
 

@@ -42,6 +42,7 @@ DEFINED_IN: dict[str, tuple[str, str]] = {
     "logs": ("logs", "logs"),
     **{name: ("ops", "COMMANDS") for name in _OPERATORS},
     **{name: ("models", "MODEL_COMMANDS") for name in _MODELS},
+    "gateways": ("models", "gateways_app"),
     "top": ("top", "top"),
     "token": ("serve", "token_app"),
     "tls": ("tls", "tls_app"),

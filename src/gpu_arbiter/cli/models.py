@@ -11,6 +11,10 @@ line naming it; the others are still shown. Given no gateway, the controller is 
 /v1/queue``, is shown ``queued`` with why), and a change is queued there for each live
 gateway that has the model (``POST /v1/gateways/NAME/models/MODEL/VERB``).
 
+``gateways forget NAME`` (an admin's): the controller forgets a gateway and frees its
+name (``DELETE /v1/gateways/NAME``), for a gateway given a new token: a name belongs to
+the token that first reported it, even once it stopped reporting.
+
 Exit codes: 0 done; 1 ``models``: no gateway answered with its models; a change: a
 gateway was not reached or refused it, or none knows the model; 2 bad arguments.
 """
@@ -36,7 +40,7 @@ from ..gateway.servers.lease import Lease
 from ..gateway.servers.states import most_advanced
 from .ops import EXIT_API_ERROR, Controller, Token, call_controller, option, stdout_console
 
-__all__ = ["MODEL_COMMANDS", "models_view"]
+__all__ = ["MODEL_COMMANDS", "gateways_app", "models_view"]
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 LIST_TIMEOUT_S = 10.0
@@ -415,3 +419,18 @@ MODEL_COMMANDS: dict[str, Callable[..., None]] = {
     "pin": pin,
     "unpin": unpin,
 }
+
+
+gateways_app = typer.Typer(help="The gateways that report to the controller.", no_args_is_help=True)
+
+
+@gateways_app.command("forget")
+def gateways_forget(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The gateway's name.")],
+    controller: Controller = None,
+    token: Token = None,
+) -> None:
+    """Forget a gateway and free its name (an admin's): a gateway given a new token may
+    then report under it. A gateway still running reports again under its old token."""
+    call_controller(controller, token, lambda client: client.forget_gateway(name))
+    print(f"gateway {name} forgotten: its name is free")
