@@ -20,7 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from .conftest import SRC, Server
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-UNITS = ("gpu-arbiter-controller.service", "gpu-arbiter-agent.service")
+UNITS = (
+    "gpu-arbiter-controller.service",
+    "gpu-arbiter-agent.service",
+    "gpu-arbiter-gateway.service",
+)
 
 #  PromQL words that are not metric names (functions are found by their "(").
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool"}
@@ -127,7 +131,9 @@ def test_unit_runs_a_real_command(name: str, unit: configparser.ConfigParser) ->
     service = unit["Service"]
     argv = shlex.split(service["ExecStart"])
     assert Path(argv[0]).name == "gpu-arbiter", argv
-    subcommand = "serve" if "controller" in name else "agent"
+    subcommand = {"controller": "serve", "agent": "agent", "gateway": "gateway"}[
+        name.removeprefix("gpu-arbiter-").removesuffix(".service")
+    ]
     assert argv[1] == subcommand
     options = [a.split("=", 1)[0] for a in argv[2:] if a.startswith("--")]
     assert options, argv
@@ -155,8 +161,12 @@ def test_units_hardening_keeps_nvml_for_the_agent() -> None:
         assert service["ProtectSystem"] == "strict"
 
 
-def test_agent_token_comes_from_its_environment_file() -> None:
-    """The unit names the variable the agent reads its token from, and that variable exists."""
-    text = (DEPLOY / "gpu-arbiter-agent.service").read_text()
-    assert "GPU_ARBITER_TOKEN=" in text
-    assert "GPU_ARBITER_TOKEN" in help_text("agent")
+@pytest.mark.parametrize("command", ["agent", "gateway"])
+def test_the_token_comes_from_a_file_the_unit_names(command: str) -> None:
+    """The unit names the file of the token (never the token), by a variable the command
+    reads, and no token stands in an environment file's example."""
+    text = (DEPLOY / f"gpu-arbiter-{command}.service").read_text()
+    named = f"\nEnvironment=GPU_ARBITER_TOKEN_FILE=/etc/gpu-arbiter/{command}.token\n"
+    assert named in text
+    assert "GPU_ARBITER_TOKEN_FILE" in help_text(command)
+    assert "GPU_ARBITER_TOKEN=" not in text
