@@ -175,7 +175,7 @@ async def cluster_view(
 
 
 def _view(ctl: Controller, registry: GatewayRegistry, askers: LoadAskers) -> dict[str, Any]:
-    gateways = [_gateway(ctl, name, report) for name, report in registry.live()]
+    gateways = [_gateway(ctl, n, report, silent_s) for n, report, silent_s in registry.known()]
     loads = _queued(ctl, askers)
     signed = json.dumps(
         [[_signed(g) for g in gateways], [(q["model"], q["lease"]) for q in loads]],
@@ -205,20 +205,28 @@ def _queued(ctl: Controller, askers: LoadAskers) -> list[dict[str, Any]]:
     return found
 
 
-def _gateway(ctl: Controller, name: str, report: Report) -> dict[str, Any]:
+def _gateway(
+    ctl: Controller, name: str, report: Report, silent_s: float | None = None
+) -> dict[str, Any]:
+    """One gateway as the front doors route among them; a stale one (``silent_s`` since
+    its last report) stays in the view, not routable, until it is forgotten: the front
+    doors still know its models are declared there (a model whose only host is lost is
+    then a 503 naming it, not a model only the door declares, nor an unknown one)."""
     worker_state = None
     if report.worker is not None:
         try:
             worker_state = str(ctl.workers.get(report.worker).status)
         except NotFound:
             worker_state = "unknown"
-    routable = worker_state == str(WorkerStatus.ONLINE)
+    routable = worker_state == str(WorkerStatus.ONLINE) and silent_s is None
     return {
         "name": name,
         "url": report.url,
         "worker": report.worker,
         "worker_state": worker_state,
         "routable": routable,
+        "stale": silent_s is not None,
+        "reported_at": round(time.time() - (silent_s or 0.0), 3),
         "models": [_model(m) for m in report.models],
     }
 
@@ -245,7 +253,8 @@ def _signed(gateway: Mapping[str, Any]) -> dict[str, Any]:
         }
         for m in gateway["models"]
     ]
-    return {**{k: v for k, v in gateway.items() if k != "models"}, "models": models}
+    moving = ("models", "reported_at")
+    return {**{k: v for k, v in gateway.items() if k not in moving}, "models": models}
 
 
 # ---------------------------------------------------------------- loads

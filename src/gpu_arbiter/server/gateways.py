@@ -224,6 +224,16 @@ class GatewayRegistry:
         now = self._clock()
         return [(n, g.report) for n, g in sorted(self._gateways.items()) if not self._stale(g, now)]
 
+    def known(self) -> list[tuple[str, Report, float | None]]:
+        """Every gateway this controller knows, live or stale (until it is forgotten), by
+        name: (name, report, seconds since its last report if it is stale, else None)."""
+        self._prune()
+        now = self._clock()
+        return [
+            (n, g.report, self._ago(g) if self._stale(g, now) else None)
+            for n, g in sorted(self._gateways.items())
+        ]
+
     def declaring(self, model: str) -> list[tuple[str, Report, float | None]]:
         """Every gateway this controller knows (live or stale) that declares ``model`` by
         name or alias: (name, report, seconds since its last report if it is stale, else

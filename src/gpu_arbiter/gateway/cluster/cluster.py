@@ -585,7 +585,7 @@ class Cluster:
         here = self.models.get(self.routes.get(name, ""))
         count = 0 if here is None else sum(1 for r in here.replicas if r.live and r.ending is None)
         for peer in self.peers.values():
-            model = peer.model(name)
+            model = peer.model(name) if peer.routable else None  # a lost host's: not here
             replicas = [] if model is None else model.get("replicas") or []
             count += sum(
                 1 for r in replicas if isinstance(r, Mapping) and r.get("state") in _READY + _COMING
@@ -775,6 +775,10 @@ def _peer(gateway: Mapping[str, Any], old: Peer | None, tls: ssl.SSLContext | No
     name, state = str(gateway.get("name")), gateway.get("worker_state")
     routable = bool(gateway.get("routable"))
     why = "" if routable else f"worker {gateway.get('worker')} is {state}"
+    reported = gateway.get("reported_at")
+    if gateway.get("stale") and isinstance(reported, int | float) and state in ("online", None):
+        when = time.strftime("%H:%M:%S", time.localtime(reported))
+        why = f"its gateway has not reported since {when}"
     worker_state = None if state is None else str(state)
     figures = {
         model_id: _peer_host(name, model, routable, why, worker_state)
