@@ -447,8 +447,12 @@ def test_a_host_killed_mid_load_and_mid_stream_ends_each_request_naming_it(
 
     asked = [pool.submit(ask, body) for body in bodies]
     wait_for(lambda: len(records(cluster.record, "chat")) > started, what="chat's next load")
-    (loading,) = [x for x in cluster_leases(cluster.admin, "chat") if x["state"] != "released"]
-    lost = int(loading["worker"].removeprefix("box-"))
+    loading = wait_for(
+        lambda: [x["worker"] for x in model_leases(cluster.admin, "chat") if x["worker"]],
+        what="the lease of chat's next load",
+    )
+    assert len(set(loading)) == 1, loading
+    lost = int(loading[0].removeprefix("box-"))
     other = 7 - lost
     hosts[lost].kill()
     for record in records(cluster.record, "chat")[started:]:

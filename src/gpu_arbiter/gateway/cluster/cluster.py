@@ -70,6 +70,9 @@ DOWN_S = 5.0
 """A peer that refused a connection is left out of routing this long (or until the
 controller's view shows it again after a change)."""
 DOWN_WHY = "refused a connection just now"
+RELEARN_S = 1.0
+"""A credential not known here: the view is asked for again at most this often."""
+RELEARN_WAIT_S = 3.0
 UNRESPONSIVE = "the gateway does not answer its liveness check"
 """The reason a relay to a silent peer was cut (``liveness.py``)."""
 RETIRING = ("draining", "drained")
@@ -169,6 +172,8 @@ class Cluster:
         self.keys: list[str] = []  # the peer credentials accepted, newest first
         self.key = ""
         self._previous_until = 0.0  # the previous credential is accepted until then
+        self._relearning: asyncio.Future[None] | None = None  # the view asked again now
+        self._relearned_at = 0.0
         self.signature = ""
         self.seen = asyncio.Event()  # a view came once
         self.forwarding: Counter[tuple[str, str]] = Counter()  # (gateway, model) in flight
@@ -319,6 +324,29 @@ class Cluster:
         overlap = self.clock.now() < self._previous_until
         accepted = self.keys if overlap else self.keys[:1]
         return any([hmac.compare_digest(key.encode(), k.encode()) for k in accepted])
+
+    async def learned(self, key: str) -> bool:
+        """Whether ``key``, not a credential known here, is one once the view has been
+        asked for again at once: a peer that has a new leader's view relays with its new
+        credential before this gateway's long-poll brings it. The view is asked at most
+        once every :data:`RELEARN_S` however many such requests come, each waiting at
+        most :data:`RELEARN_WAIT_S` for it."""
+        now = self.clock.now()
+        if self._relearning is None or (
+            self._relearning.done() and now - self._relearned_at >= RELEARN_S
+        ):
+            self._relearned_at = now
+            self._relearning = self._task(self._relearn())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._relearning), RELEARN_WAIT_S)
+        return self.trusts(key)
+
+    async def _relearn(self) -> None:
+        path = f"/v1/gateways/{self.name}/cluster"
+        view = await self.client.request(
+            "GET", path, params={"after": "", "wait": 0}, timeout_s=RELEARN_WAIT_S
+        )
+        self.apply(view)
 
     # ------------------------------------------------------------------ routing
 

@@ -121,7 +121,7 @@ from .bodies import (
 )
 from .front_door import front_door
 from .relay import Forwards, to_replica
-from .request import Outbound, Request, chain, declared_length
+from .request import PEER, Outbound, Request, chain, declared_length
 from .waits import Wait, acquire
 
 __all__ = ["ADMIN_VERBS", "STOPPING", "GatewayApp"]
@@ -190,11 +190,21 @@ class GatewayApp:
         self._quiet.clear()
         try:
             with contextlib.suppress(ClientGone):
-                await self._http(Request.build(scope, receive, send, self.access, self._trusts))
+                request = Request.build(scope, receive, send, self.access, self._trusts)
+                if await self._relearned(request):
+                    request = Request.build(scope, receive, send, self.access, self._trusts)
+                await self._http(request)
         finally:
             self._running -= 1
             if not self._running:
                 self._quiet.set()
+
+    async def _relearned(self, request: Request) -> bool:
+        """A peer's credential not known here that is once the view is asked for again
+        (a peer may have a new leader's view before this gateway does)."""
+        if request.peer is not False or self.cluster is None:
+            return False
+        return await self.cluster.learned(request.headers.get(PEER, ""))
 
     def _trusts(self, credential: str) -> bool:
         return self.cluster is not None and self.cluster.trusts(credential)
