@@ -237,3 +237,26 @@ def test_liveness_errors_name_the_field(gateway: dict[str, Any], field: str, rea
     with pytest.raises(InvalidInput, match=reason) as raised:
         parse_config({"gateway": gateway, "models": MODELS})
     assert raised.value.field == field
+
+
+def test_the_url_other_gateways_reach_it_by() -> None:
+    assert parse_config({"models": MODELS}).url is None
+    found = parse_config({"gateway": {"url": "http://box-1.example:8080/"}, "models": MODELS})
+    assert found.url == "http://box-1.example:8080"
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("box-1:8080", "not http"),
+        ("ftp://box-1", "not http"),
+        ("http://box-1:99999", "no valid port"),
+        ("http://box-1:8080/v1", "not http"),
+        ("https://box-1:8080", "must be http without tls_cert"),
+        (8080, "non-empty string"),
+    ],
+)
+def test_a_bad_url_is_refused_naming_the_field(url: object, reason: str) -> None:
+    with pytest.raises(InvalidInput, match=reason) as raised:
+        parse_config({"gateway": {"url": url}, "models": MODELS})
+    assert raised.value.field == "gateway.url"

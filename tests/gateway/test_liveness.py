@@ -56,7 +56,7 @@ class Peers:
         return task
 
     def told(self, what: str) -> Any:
-        return lambda name: self.events.append((self.clock.now() - 1000.0, what, name))
+        return lambda name, *_: self.events.append((self.clock.now() - 1000.0, what, name))
 
     def liveness(self, settings: LivenessSettings | None = None) -> Liveness:
         return Liveness(

@@ -7,6 +7,8 @@
     port = 8080
     worker = "box-1"               # default: the one agent on this host
     name = "box-1-8080"            # as the controller lists it (default: host-port)
+    url = "https://box-1.example:8080"  # how the other gateways reach it (default: its
+                                   # address, or this host's name on every interface)
     token_file = "gateway.token"   # its gateway token (mode 0600; relative: to this file)
     api_keys = ["..."]             # Authorization: Bearer KEY (required beyond loopback)
     api_key_file = "keys.txt"      # one key a line, # comments (relative: to this file)
@@ -75,6 +77,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds, validate_worker_name
 from ..tls import ServerTls, server_context
@@ -141,7 +144,7 @@ _ROUTING_KEYS = frozenset({"prefix_affinity", "prefix_chars"})
 _LIVENESS_KEYS = frozenset({"peer_check", "peer_timeout", "peer_cut"})
 _TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
 _GATEWAY_KEYS = (
-    frozenset({"host", "port", "worker", "controller", "name", "token_file", *_TLS_KEYS})
+    frozenset({"host", "port", "worker", "controller", "name", "url", "token_file", *_TLS_KEYS})
     | _PORT_KEYS
     | _ROUTING_KEYS
     | _LIVENESS_KEYS
@@ -157,6 +160,7 @@ class GatewayConfig:
     port: int = 8080
     worker: str | None = None
     name: str | None = None  # to the controller; None: this host's name and the port
+    url: str | None = None  # how the other gateways reach it; None: where it listens
     controller: str | None = None
     token_file: Path | None = None  # the controller token's file (read at the start)
     keys: tuple[ApiKey, ...] = ()  # none: no auth (loopback only)
@@ -222,6 +226,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         worker=_optional_text(gateway.get("worker"), "gateway.worker"),
         name=_gateway_name(gateway.get("name")),
         controller=_optional_text(gateway.get("controller"), "gateway.controller"),
+        url=_advertised(gateway.get("url"), "tls_cert" in gateway),
         token_file=_token_file(gateway.get("token_file"), base or Path()),
         affinity=_affinity(gateway),
         liveness=_liveness(gateway),
@@ -675,6 +680,26 @@ def _text(value: Any, where: str) -> str:
 def _gateway_name(value: Any) -> str | None:
     """``[gateway] name``: a worker name (the controller lists the gateway by it)."""
     return None if value is None else validate_worker_name(value, "gateway.name")
+
+
+def _advertised(value: Any, tls: bool) -> str | None:
+    """``[gateway] url``: how the other gateways reach this one (its host name as its
+    certificate names it, behind NAT or a load balancer): ``http(s)://HOST[:PORT]``,
+    https exactly when it serves TLS."""
+    if value is None:
+        return None
+    url = _text(value, "gateway.url").rstrip("/")
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        raise InvalidInput("gateway.url", f"{url!r} has no valid port") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path:
+        raise InvalidInput("gateway.url", f"{url!r} is not http(s)://HOST[:PORT]")
+    if (parts.scheme == "https") != tls:
+        need = "https with tls_cert" if tls else "http without tls_cert (or set tls_cert)"
+        raise InvalidInput("gateway.url", f"{url!r}: must be {need}")
+    return url
 
 
 def _optional_text(value: Any, where: str) -> str | None:

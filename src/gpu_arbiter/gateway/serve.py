@@ -194,8 +194,9 @@ async def _serve(
             client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock,
             affinity=config.affinity, liveness=config.liveness, peer_tls=_peer_tls(config),
         )  # fmt: skip
+        url = config.url or listen_url(host, port, scheme)  # how the other gateways reach it
         reporter = Reporter(
-            client, name=name, url=listen_url(host, port, scheme), host=socket.gethostname(),
+            client, name=name, url=url, host=socket.gethostname(),
             worker=worker, models=models, administer=app.administer, adopt=app.adopt,
             routes=lambda: app.cluster.routed if app.cluster is not None else (),
         )  # fmt: skip

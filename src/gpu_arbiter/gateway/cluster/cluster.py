@@ -178,6 +178,7 @@ class Cluster:
         self.seen = asyncio.Event()  # a view came once
         self.forwarding: Counter[tuple[str, str]] = Counter()  # (gateway, model) in flight
         self._down: dict[str, float] = {}  # peer -> left out of routing until
+        self._down_why: dict[str, str] = {}  # peer -> why, in words
         self._loads: dict[str, _Load] = {}
         self._adopting: dict[str, asyncio.Future[None]] = {}
         self._withdrawing: dict[str, asyncio.Future[None]] = {}  # model -> telling it
@@ -438,15 +439,18 @@ class Cluster:
         """Why this front door itself leaves peer ``name`` out of routing now ('' when
         it does not): it refused a connection just now, or it is silent."""
         if self._down and self._down.get(name, 0.0) > now:
-            return DOWN_WHY
+            return self._down_why.get(name, DOWN_WHY)
         return self.liveness.why(name)
 
-    def peer_down(self, name: str) -> None:
-        """A peer refused a connection: left out of routing for :data:`DOWN_S`."""
+    def peer_down(self, name: str, cause: str = "") -> None:
+        """A peer could not be connected to (``cause``: what the connection said; a
+        refused TLS certificate is said so): left out of routing for :data:`DOWN_S`."""
         self._down[name] = self.clock.now() + DOWN_S
+        tls = "TLS" in cause
+        self._down_why[name] = f"{cause} just now" if tls else DOWN_WHY
         log.warning(
-            "gateway %s: peer %s refused a connection; routing around it",
-            self.name, self.host_name(name),
+            "gateway %s: peer %s %s; routing around it",
+            self.name, self.host_name(name), cause if tls else "refused a connection",
         )  # fmt: skip
 
     async def _ping(self, name: str) -> None:

@@ -78,7 +78,7 @@ class Liveness:
         clock: Clock,
         ping: Ping,
         *,
-        refused: Callable[[str], None],
+        refused: Callable[[str, str], None],
         silent: Callable[[str], None],
         cut: Callable[[str], None],
         answers: Callable[[str], None],
@@ -126,10 +126,10 @@ class Liveness:
             watch.asked_at = self.clock.now()
         try:
             won = await first(self._ping(name), self.clock.sleep(self.settings.timeout_s))
-        except NotConnected:
+        except NotConnected as error:
             watch.asked_at = None  # dead, not silent: refused is its own state
             self._clear(name, watch)
-            self._refused(name)
+            self._refused(name, str(error))
             return
         except (UpstreamError, OSError, httptools.HttpParserError):
             won = 1  # no answer: as silent as none

@@ -392,7 +392,7 @@ async def _peer_failed(
     peer is left out of routing a while), or failed before answering (502: the request
     is never sent again)."""
     if isinstance(error, NotConnected):
-        cluster.peer_down(gateway)
+        cluster.peer_down(gateway, str(error))
         return None
     message = (
         f"gateway {cluster.host_name(gateway)} failed before answering for {model}: {error}; "
