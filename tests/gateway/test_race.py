@@ -1,14 +1,17 @@
 """The race helpers (``base/race.py``), on the virtual clock: the first wait to end wins,
 the others are cancelled and over before the race returns, the winner's error is
-raised, and a task that lives as long as a block is waited for at its end."""
+raised, and a task that lives as long as a block is waited for at its end (one started
+only once the block waits: none for a block that never does)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
-from gpu_arbiter.gateway.base.race import first, running, sleep_or, within
+from gpu_arbiter.gateway.base.race import first, running, running_if_waiting, sleep_or, within
 
 from .fakes import FakeClock, settle
 
@@ -135,3 +138,48 @@ async def test_a_running_tasks_error_is_raised_at_the_blocks_end() -> None:
     with pytest.raises(RuntimeError, match="a bug in the watcher"):
         async with running(broken()):
             await settle()
+
+
+async def test_a_block_that_never_waits_starts_no_task() -> None:
+    made: list[str] = []
+    async with running_if_waiting(watcher_of(made)):
+        pass
+    await settle()
+    assert made == []
+
+
+async def test_a_block_that_waits_runs_the_task_until_its_end() -> None:
+    clock = FakeClock()
+    ended: list[str] = []
+
+    async def watcher() -> None:
+        ended.append("started")
+        try:
+            await clock.sleep(100.0)
+        finally:
+            ended.append("watcher")
+
+    async with running_if_waiting(watcher):
+        await settle()
+        assert ended == ["started"]
+    assert ended == ["started", "watcher"]
+
+
+async def test_a_task_started_once_the_block_waited_raises_its_error_at_the_end() -> None:
+    async def broken() -> None:
+        raise RuntimeError("a bug in the watcher")
+
+    with pytest.raises(RuntimeError, match="a bug in the watcher"):
+        async with running_if_waiting(broken):
+            await settle()
+
+
+def watcher_of(made: list[str]) -> Callable[[], Coroutine[Any, Any, None]]:
+    async def watcher() -> None:
+        made.append("ran")
+
+    def work() -> Coroutine[Any, Any, None]:
+        made.append("made")
+        return watcher()
+
+    return work

@@ -14,7 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpu_arbiter.gateway.requests.relay import Exchange, pass_on
-from gpu_arbiter.gateway.requests.renamed import HELD_MAX, LINE_MAX, Events, renamed
+from gpu_arbiter.gateway.requests.renamed import (
+    HELD_MAX,
+    LINE_MAX,
+    Events,
+    named_already,
+    renamed,
+)
 
 GGUF = "/work/models/tiny-chat.gguf"
 _scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
@@ -57,6 +63,29 @@ def test_an_object_without_a_top_level_model_string_is_left_alone(
 )  # fmt: skip
 def test_what_is_not_one_json_object_passes(body: bytes) -> None:
     assert renamed(body, "chat") is None
+
+
+@given(_objects, st.sampled_from(["chat", "chat@gw-4", GGUF, "ü", 'a"b']), st.booleans())
+def test_an_answer_that_names_the_model_as_asked_already_passes_as_it_came(
+    found: dict[str, Any], name: str, compact: bool
+) -> None:
+    separators = (",", ":") if compact else (", ", ": ")
+    for value in ({**found, "model": name}, {**found, "usage": {"model": name}}, [name]):
+        body = json.dumps(value, separators=separators, ensure_ascii=False).encode()
+        if named_already(body, name):  # renaming gives the same bytes, or nothing
+            assert renamed(body, name) in (body, None)
+    body = json.dumps({"model": name, "n": 1}, separators=separators, ensure_ascii=False)
+    assert named_already(body.encode(), name)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"model": "chat", "usage": {"model": "chat"}}', b'{"model": "chatty"}',
+     b'{"mod\\u0065l": "x", "u": {"model": "chat"}}', b'{"model": "gw"}', b'{"model"}',
+     b'{"n": 1}'],
+)  # fmt: skip
+def test_what_may_need_a_rename_is_parsed(body: bytes) -> None:
+    assert not named_already(body, "chat")
 
 
 def test_the_last_model_key_is_the_one_renamed_as_json_reads_it() -> None:

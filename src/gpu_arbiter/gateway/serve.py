@@ -56,7 +56,7 @@ from ..web.connections import (
 )
 from .base.clock import LoopClock
 from .base.metrics import GatewayMetrics
-from .cluster.cluster import Cluster
+from .cluster.cluster import ROUTES_REPORTED, Cluster
 from .cluster.report import Reporter, default_name, listen_url
 from .config import GatewayConfig
 from .requests.access import Access, ApiKey, check_exposure
@@ -198,7 +198,7 @@ async def _serve(
         reporter = Reporter(
             client, name=name, url=url, host=socket.gethostname(),
             worker=worker, models=models, administer=app.administer, adopt=app.adopt,
-            routes=lambda: app.cluster.routed if app.cluster is not None else (),
+            routes=lambda: () if app.cluster is None else app.cluster.last_routed(ROUTES_REPORTED),
         )  # fmt: skip
         for model in models.values():
             model.cluster = app.cluster

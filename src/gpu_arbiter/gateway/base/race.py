@@ -8,16 +8,19 @@ is waited for before the function that started it returns, whoever won.
 - :func:`within`: an event waited for at most some seconds (the loop's clock).
 - :func:`running`: a task that lives as long as a block (a client's disconnect
   watched while a request is relayed): started on entry, cancelled and waited for on
-  the way out; its error, if any, is raised there."""
+  the way out; its error, if any, is raised there.
+- :func:`running_if_waiting`: the same, started only once the block gives the loop a
+  turn (a request that waits for a replica): a block that never waits starts no task,
+  and costs no turn of the loop to end."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
-__all__ = ["first", "running", "sleep_or", "within"]
+__all__ = ["first", "running", "running_if_waiting", "sleep_or", "within"]
 
 
 async def first(*waits: Awaitable[Any]) -> int:
@@ -65,11 +68,36 @@ async def running(work: Coroutine[Any, Any, Any]) -> AsyncIterator[asyncio.Task[
     try:
         yield task
     finally:
-        task.cancel()
-        await asyncio.wait([task])
-        error = None if task.cancelled() else task.exception()
-        if error is not None:
-            raise error
+        await _ended(task)
+
+
+@contextlib.asynccontextmanager
+async def running_if_waiting(work: Callable[[], Coroutine[Any, Any, Any]]) -> AsyncIterator[None]:
+    """``work()`` as a task from the block's first wait (the loop's first turn after
+    entering it) to its end, then as :func:`running`; none when the block ends without
+    waiting (``work`` is not called)."""
+    task: asyncio.Task[Any] | None = None
+
+    def start() -> None:
+        nonlocal task
+        task = asyncio.ensure_future(work())
+
+    handle = asyncio.get_running_loop().call_soon(start)
+    try:
+        yield
+    finally:
+        handle.cancel()
+        if task is not None:
+            await _ended(task)
+
+
+async def _ended(task: asyncio.Task[Any]) -> None:
+    """``task`` cancelled (if not over) and waited for; its own error raised."""
+    task.cancel()
+    await asyncio.wait([task])
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        raise error
 
 
 async def _quietly(wait: Awaitable[Any]) -> None:

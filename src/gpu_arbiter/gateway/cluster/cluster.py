@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 import ssl
 import time
@@ -147,6 +148,21 @@ class _Load:
         return not self.task.done() or self.task.exception() is None
 
 
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    """A routing decision as made (:meth:`Cluster.record`): its JSON, the diagnosis
+    with it, is built only when read."""
+
+    at: float
+    model: str
+    route: Route
+
+    def as_json(self) -> dict[str, Any]:
+        done = self.route
+        return {"at": round(self.at, 3), "model": self.model, "outcome": str(done.kind),
+                "to": done.gateway, "why": done.why, "diagnosis": done.diagnosis()}  # fmt: skip
+
+
 class Cluster:
     def __init__(
         self,
@@ -184,7 +200,7 @@ class Cluster:
         self._withdrawing: dict[str, asyncio.Future[None]] = {}  # model -> telling it
         self._group: asyncio.TaskGroup | None = None  # owns the loads and adoptions
         self._changed = asyncio.Event()
-        self.routed: deque[dict[str, Any]] = deque(maxlen=ROUTES_KEPT)
+        self._routed: deque[dict[str, Any] | _Recorded] = deque(maxlen=ROUTES_KEPT)
         self.own_state: str | None = None  # this host's worker, as the view shows it
         self._retiring: asyncio.Future[None] | None = None
         self.affinity = affinity  # prefix affinity (None: off)
@@ -199,11 +215,21 @@ class Cluster:
 
     def record(self, model: str, decided: Route) -> None:
         """A routing decision, as the operator reads it (``GET /admin/routes``, the
-        gateway's report, the dashboard)."""
-        self.routed.append(
-            {"at": round(time.time(), 3), "model": model, "outcome": str(decided.kind),
-             "to": decided.gateway, "why": decided.why, "diagnosis": decided.diagnosis()}
-        )  # fmt: skip
+        gateway's report, the dashboard: :attr:`routed`). Kept as it is; its JSON is
+        built only when read."""
+        self._routed.append(_Recorded(time.time(), model, decided))
+
+    @property
+    def routed(self) -> list[dict[str, Any]]:
+        """The routing decisions kept (the last :data:`ROUTES_KEPT`), oldest first, as
+        JSON."""
+        return self.last_routed(ROUTES_KEPT)
+
+    def last_routed(self, count: int) -> list[dict[str, Any]]:
+        """The last ``count`` routing decisions kept, oldest first, as JSON."""
+        kept = self._routed
+        last = itertools.islice(kept, max(0, len(kept) - count), None)
+        return [r.as_json() if isinstance(r, _Recorded) else r for r in last]
 
     # ------------------------------------------------------------------ the view
 
@@ -728,7 +754,7 @@ class Cluster:
         log.info("route: %s", why)
         peer = self.peer_on(lease.worker or "")
         to = self.name if lease.worker == self.worker else (peer.name if peer else None)
-        self.routed.append(
+        self._routed.append(
             {"at": round(time.time(), 3), "model": model, "outcome": "placed", "to": to,
              "why": why}
         )  # fmt: skip

@@ -35,7 +35,7 @@ from ..servers.replica import Replica
 from .access import Access
 from .answers import STOPPING, Headers, Receive, Send, send_error, send_final_error
 from .bodies import TooLarge
-from .renamed import HELD_MAX, Events, renamed
+from .renamed import HELD_MAX, Events, named_already, renamed
 from .request import PEER, Request
 
 __all__ = [
@@ -257,7 +257,7 @@ async def pass_on(
     try:
         if rename is not None and ok and _holdable(answer.headers):
             held = await _read_all(answer)
-            body = renamed(held, rename)
+            body = None if named_already(held, rename) else renamed(held, rename)
             if body is not None:
                 held = body
                 kept = [(k, v) for k, v in kept if k.lower() != b"content-length"]

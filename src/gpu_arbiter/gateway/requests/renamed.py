@@ -5,6 +5,8 @@ or ``MODEL@GATEWAY``, as the request's body named it.
 
     a JSON answer     held whole when it says its length (at most :data:`HELD_MAX`
                       bytes): :func:`renamed`; its ``Content-Length`` is the new one
+                      (one that names the model as asked already passes as it came:
+                      :func:`named_already`)
     an event stream   renamed event by event as it comes (:class:`Events`): only the
                       bytes of a line not yet ended are held back, never sent twice
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["HELD_MAX", "Events", "model_span", "renamed"]
+__all__ = ["HELD_MAX", "Events", "model_span", "named_already", "renamed"]
 
 HELD_MAX = 1 << 20
 """The largest JSON answer held to be renamed; a larger one passes unchanged."""
@@ -28,6 +30,7 @@ LINE_MAX = 1 << 20
 """The longest event line held back until it ends; a longer one passes unchanged."""
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"[ \t\n\r]*")
+_SPACED_COLON = re.compile(rb"[ \t\n\r]*:[ \t\n\r]*")
 
 
 def model_span(text: str) -> tuple[int, int] | None:
@@ -80,6 +83,22 @@ def renamed(body: bytes, name: str) -> bytes | None:
     if span is None:
         return None
     return (text[: span[0]] + json.dumps(name, ensure_ascii=False) + text[span[1] :]).encode()
+
+
+def named_already(body: bytes, name: str) -> bool:
+    """Whether ``body`` is to pass as it came, told by a bytes search, nothing parsed
+    (a model server that names the model as its caller did: no answer is rewritten):
+    its one ``"model"`` is followed by ``name`` as JSON writes it, and it has no ``\\u``
+    escape (the only other way to write a key ``model``). That ``"model"`` is then the
+    top-level key's, naming ``name`` already (:func:`renamed` gives the same bytes), or
+    there is no top-level ``model`` (or no JSON object: :func:`renamed` gives None)."""
+    at = body.find(b'"model"')
+    if at < 0 or body.find(b'"model"', at + 7) >= 0 or b"\\u" in body:
+        return False
+    colon = _SPACED_COLON.match(body, at + 7)
+    if colon is None:
+        return False
+    return body.startswith(json.dumps(name, ensure_ascii=False).encode(), colon.end())
 
 
 class Events:
@@ -136,5 +155,6 @@ class Events:
         cr = b"\r" if value.endswith(b"\r") else b""
         if not value.startswith(b"{"):
             return line
-        done = renamed(value[: len(value) - len(cr)], self.name)
+        value = value[: len(value) - len(cr)]
+        done = None if named_already(value, self.name) else renamed(value, self.name)
         return line if done is None else b"data:" + lead + done + cr

@@ -8,11 +8,11 @@ when that gives way: ``cluster/queued.py``), anew as its reason moves."""
 from __future__ import annotations
 
 import asyncio
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, Protocol
 
 from ..base.clock import Clock
-from ..base.race import first, running
+from ..base.race import first, running_if_waiting
 from ..base.scopes import CancelScope
 from ..cluster.cluster import Cluster
 from ..servers.model import ModelServer, Refused
@@ -76,14 +76,12 @@ async def acquire(
 
 def watching(request: Request, cancel: CancelScope) -> AbstractAsyncContextManager[Any]:
     """While a request waits: its client's disconnect cancels ``cancel``, when its body
-    is held whole (a streamed body not read yet is the client's to send)."""
+    is held whole (a streamed body not read yet is the client's to send). Watched from
+    its first wait: a request that takes a free slot at once starts no watcher."""
     if request.body.body_read is not None:
-        return running(_nothing())
-    return running(watch_disconnect(request.receive, cancel, Exchange(), None))
-
-
-async def _nothing() -> None:
-    pass
+        return nullcontext()
+    receive = request.receive
+    return running_if_waiting(lambda: watch_disconnect(receive, cancel, Exchange(), None))
 
 
 class Wait:
