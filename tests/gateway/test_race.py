@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from gpu_arbiter.gateway.base.clock import LoopClock
 from gpu_arbiter.gateway.base.race import first, running, running_if_waiting, sleep_or, within
 
 from .fakes import FakeClock, settle
@@ -106,6 +107,20 @@ async def test_sleep_or_leaves_a_callers_task_its_own_result_or_error() -> None:
     event.set()
     assert await sleeping is True
     assert task.cancelled()
+
+
+async def test_the_loops_own_sleep_is_cut_short_by_the_event_with_no_task_started() -> None:
+    event = asyncio.Event()
+    tasks = len(asyncio.all_tasks())
+    sleeping = asyncio.ensure_future(sleep_or(LoopClock().sleep(10.0), event))
+    await settle()
+    assert len(asyncio.all_tasks()) == tasks + 1  # the sleep_or itself, nothing of its own
+    event.set()
+    assert await sleeping is True
+    began = asyncio.get_running_loop().time()
+    assert await sleep_or(LoopClock().sleep(0.01), asyncio.Event()) is False
+    assert asyncio.get_running_loop().time() - began >= 0.01
+    await LoopClock().sleep(0.0)  # awaited, it sleeps
 
 
 async def test_within_waits_at_most_its_seconds() -> None:

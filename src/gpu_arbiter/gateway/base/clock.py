@@ -6,9 +6,10 @@ from here too)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Protocol
 
-from .race import sleep_or
+from .race import Sleep, sleep_or
 
 __all__ = ["Clock", "LoopClock", "sleep_or"]
 
@@ -18,7 +19,7 @@ class Clock(Protocol):
         """Monotonic seconds."""
         ...
 
-    async def sleep(self, seconds: float) -> None: ...
+    def sleep(self, seconds: float) -> Awaitable[None]: ...
 
 
 class LoopClock:
@@ -27,5 +28,7 @@ class LoopClock:
     def now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
+    def sleep(self, seconds: float) -> Sleep:
+        """``seconds`` of sleep (a :class:`.race.Sleep`: :func:`sleep_or` starts no task
+        for it)."""
+        return Sleep(seconds)

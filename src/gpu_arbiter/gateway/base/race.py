@@ -4,7 +4,8 @@ is waited for before the function that started it returns, whoever won.
 - :func:`first`: runs several waits, returns which ended first; the others are
   cancelled and over before it returns. The winner's error is raised.
 - :func:`sleep_or`: a clock's sleep that an event cuts short (every waiting loop of
-  the gateway sleeps so: on a virtual clock in tests, the loop's own in service).
+  the gateway sleeps so: on a virtual clock in tests, the loop's own in service, a
+  :class:`Sleep`: then a timeout over the event's wait, no race of tasks).
 - :func:`within`: an event waited for at most some seconds (the loop's clock).
 - :func:`running`: a task that lives as long as a block (a client's disconnect
   watched while a request is relayed): started on entry, cancelled and waited for on
@@ -17,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
-__all__ = ["first", "running", "running_if_waiting", "sleep_or", "within"]
+__all__ = ["Sleep", "first", "running", "running_if_waiting", "sleep_or", "within"]
 
 
 async def first(*waits: Awaitable[Any]) -> int:
@@ -50,6 +51,11 @@ async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
         if asyncio.iscoroutine(sleeping):
             sleeping.close()
         return True
+    if isinstance(sleeping, Sleep):  # the loop's own: the event waited for under a timeout
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, sleeping.seconds)):
+                await event.wait()
+        return event.is_set()
     await first(_quietly(sleeping), event.wait())
     return event.is_set()
 
@@ -57,7 +63,22 @@ async def sleep_or(sleeping: Awaitable[Any], event: asyncio.Event) -> bool:
 async def within(event: asyncio.Event, seconds: float) -> bool:
     """Waits for ``event`` at most ``seconds`` of the event loop's clock; whether it is
     set then."""
-    return await sleep_or(asyncio.sleep(max(0.0, seconds)), event)
+    return await sleep_or(Sleep(seconds), event)
+
+
+class Sleep:
+    """A sleep of ``seconds`` on the event loop's clock (``clock.LoopClock.sleep``), as a
+    value: awaited, it sleeps; given to :func:`sleep_or`, no task is started (a replica's
+    keep-warm loop sleeps so twice per request): the event is waited for in the
+    caller's own task, under a timeout."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.sleep(self.seconds).__await__()
 
 
 @contextlib.asynccontextmanager
