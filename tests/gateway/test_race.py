@@ -198,3 +198,14 @@ def watcher_of(made: list[str]) -> Callable[[], Coroutine[Any, Any, None]]:
         return watcher()
 
     return work
+
+
+async def test_a_task_due_some_time_into_the_block_starts_only_if_the_block_lasts() -> None:
+    made: list[str] = []
+    async with running_if_waiting(watcher_of(made), after_s=0.05):
+        await asyncio.sleep(0)  # the block waits, but ends before the time
+    await asyncio.sleep(0.06)
+    assert made == []
+    async with running_if_waiting(watcher_of(made), after_s=0.01):
+        await asyncio.sleep(0.03)
+    assert made == ["made", "ran"]

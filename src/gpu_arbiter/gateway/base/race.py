@@ -11,14 +11,16 @@ is waited for before the function that started it returns, whoever won.
   watched while a request is relayed): started on entry, cancelled and waited for on
   the way out; its error, if any, is raised there.
 - :func:`running_if_waiting`: the same, started only once the block gives the loop a
-  turn (a request that waits for a replica): a block that never waits starts no task,
-  and costs no turn of the loop to end."""
+  turn (a request that waits for a replica), or some time into it (a relay whose
+  answer takes that long): a block over before starts no task, and costs no turn of
+  the loop to end."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 __all__ = ["Sleep", "first", "running", "running_if_waiting", "sleep_or", "within"]
@@ -92,24 +94,42 @@ async def running(work: Coroutine[Any, Any, Any]) -> AsyncIterator[asyncio.Task[
         await _ended(task)
 
 
-@contextlib.asynccontextmanager
-async def running_if_waiting(work: Callable[[], Coroutine[Any, Any, Any]]) -> AsyncIterator[None]:
-    """``work()`` as a task from the block's first wait (the loop's first turn after
-    entering it) to its end, then as :func:`running`; none when the block ends without
-    waiting (``work`` is not called)."""
-    task: asyncio.Task[Any] | None = None
+def running_if_waiting(
+    work: Callable[[], Coroutine[Any, Any, Any]], after_s: float = 0.0
+) -> AbstractAsyncContextManager[None]:
+    """``work()`` as a task from the loop's first turn ``after_s`` seconds into the
+    block (0: its first wait) to the block's end, then as :func:`running`; none when
+    the block ends before (``work`` is not called)."""
+    return _Deferred(work, after_s)
 
-    def start() -> None:
-        nonlocal task
-        task = asyncio.ensure_future(work())
 
-    handle = asyncio.get_running_loop().call_soon(start)
-    try:
-        yield
-    finally:
-        handle.cancel()
-        if task is not None:
-            await _ended(task)
+class _Deferred:
+    """:func:`running_if_waiting`'s block: a timer that starts the task, cancelled at
+    the end if it has not fired."""
+
+    __slots__ = ("_after_s", "_handle", "_task", "_work")
+
+    def __init__(self, work: Callable[[], Coroutine[Any, Any, Any]], after_s: float) -> None:
+        self._work = work
+        self._after_s = after_s
+        self._handle: asyncio.Handle | None = None
+        self._task: asyncio.Task[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._after_s > 0:
+            self._handle = loop.call_later(self._after_s, self._start)
+        else:
+            self._handle = loop.call_soon(self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._work())
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        if self._task is not None:
+            await _ended(self._task)
 
 
 async def _ended(task: asyncio.Task[Any]) -> None:

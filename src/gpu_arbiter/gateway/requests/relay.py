@@ -1,8 +1,9 @@
 """A request relayed, to a replica of this gateway (:func:`to_replica`) or to a peer
 gateway (:func:`to_peer`), both one :func:`exchange`: the request goes to the upstream
 as it comes and its answer back as it comes, in a cancel scope that the client's
-disconnect (watched for the length of the exchange), a replica's cut at the end of its
-grace or the gateway's stop cancel. What is said when it ends short is each one's own:
+disconnect (watched from :data:`WATCH_AFTER_S` into the exchange on), a replica's cut
+at the end of its grace or the gateway's stop cancel. What is said when it ends short
+is each one's own:
 
     to a replica  cut before its answer: 503 naming why the replica stopped; an event
                   stream cut short: its final error event, 503 (a stop: the ending's
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 import httptools
 
-from ..base.race import running, within
+from ..base.race import running_if_waiting, within
 from ..base.scopes import CancelScope
 from ..base.upstream import NotConnected, Upstream, UpstreamError
 from ..cluster.cluster import UNRESPONSIVE, Cluster
@@ -71,6 +72,10 @@ _HOP_TO_PEER = _HOP | _PEER_HEADERS
 _HOP_TO_OUR_SERVER = _HOP | {b"authorization"}  # with keys, the key is ours
 CUT_FORWARDS_S = 1.0
 """At the stop, after the grace: how long the relays cut then may take to say so."""
+WATCH_AFTER_S = 0.02
+"""A relay watches its client's disconnect from this long into the exchange on: an
+answer that came sooner cost no watcher (a task, and the loop's turns to end it), and
+a client gone before then is seen then."""
 Failed = Callable[[Send, UpstreamError], Awaitable[int | None]]
 """What a relay says when its upstream fails before answering: the status sent, or None
 when nothing of the request left (it may go elsewhere)."""
@@ -141,13 +146,17 @@ async def exchange(
     rename: str | None = None,
 ) -> Exchange:
     """Relays ``request`` (its headers: ``headers``) to ``upstream`` inside ``cancel``,
-    the client's disconnect watched meanwhile, and its answer back with ``extra``
+    the client's disconnect watched meanwhile (from :data:`WATCH_AFTER_S` on), and its
+    answer back with ``extra``
     headers added (and its ``model`` renamed ``rename``, if given: ``renamed.py``). A
     streamed body over the limit before any answer is a 413."""
     outbound = request.body
     done = Exchange()
-    watcher = watch_disconnect(request.receive, cancel, done, outbound.body_read)
-    async with running(watcher):
+    receive, read = request.receive, outbound.body_read
+    watcher = running_if_waiting(
+        lambda: watch_disconnect(receive, cancel, done, read), WATCH_AFTER_S
+    )
+    async with watcher:
         try:
             async with cancel:
                 try:
