@@ -13,8 +13,8 @@ call, so each includes the timer's own cost, about 0.1 us):
   decision; this gateway declares none of the models (every host is a peer);
 - ``decide alias``: the same, asked by an alias;
 - ``decide+record``: ``decide`` and the decision kept for ``GET /admin/routes``
-  (``Cluster.record``: with the profile, its diagnosis as JSON too), as ``app.py`` does
-  for each request.
+  (``Cluster.record``: the decision as it is, its JSON and diagnosis built only when
+  read), as ``app.py`` does for each request.
 
 Each tree runs in a process of its own (``PYTHONPATH=<tree>/src``), the two alternating
 round by round so that the machine's noise falls on both; the other tree is a ``git

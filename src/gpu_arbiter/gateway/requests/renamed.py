@@ -19,6 +19,7 @@ end with a lone ``\\r`` passes unchanged."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -98,7 +99,13 @@ def named_already(body: bytes, name: str) -> bool:
     colon = _SPACED_COLON.match(body, at + 7)
     if colon is None:
         return False
-    return body.startswith(json.dumps(name, ensure_ascii=False).encode(), colon.end())
+    return body.startswith(_as_json(name), colon.end())
+
+
+@functools.lru_cache(maxsize=256)
+def _as_json(name: str) -> bytes:
+    """``name`` as :func:`renamed` writes it (the names asked for are few: kept)."""
+    return json.dumps(name, ensure_ascii=False).encode()
 
 
 class Events:
