@@ -29,7 +29,8 @@ model needs, under ``max_body_bytes`` each and ``max_buffered_bytes`` in all
 
 Responses stream through as they come (server-sent events, chunked bodies): each
 chunk the model server sends is passed on at once. A client that disconnects
-cancels the request to the model server (its connection is closed). An answer to a
+cancels the request to the model server (its connection is closed), seen from
+``relay.WATCH_AFTER_S`` into the relay on. An answer to a
 JSON body names the model as the body did (the model's name, an alias, or
 ``MODEL@GATEWAY`` as sent), not as the model server calls itself (llama.cpp's server:
 its GGUF file's path): its top-level ``model``, in a JSON answer and in each event of a
