@@ -310,13 +310,11 @@ def cluster(
         procs.stop()
 
 
-def start_cluster(
-    procs: Processes, work: Path, args: argparse.Namespace
-) -> tuple[dict[str, tuple[str, int]], Path]:
-    py = sys.executable
+def start_controller(procs: Processes, work: Path) -> tuple[str, str, httpx.Client]:
+    """A controller on a memory store: its URL, its admin token, an admin client."""
     server = procs.start(
-        [py, "-m", "gpu_arbiter", "serve", "--port", "0", "--state-dir", str(work / "s"),
-         "--store", "memory"],
+        [sys.executable, "-m", "gpu_arbiter", "serve", "--port", "0", "--state-dir",
+         str(work / "s"), "--store", "memory"],
         work / "server.log",
     )  # fmt: skip
     url = "http://127.0.0.1:" + wait_log(
@@ -324,6 +322,14 @@ def start_cluster(
     )
     token = (work / "s" / "admin.token").read_text().strip()
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    return url, token, admin
+
+
+def start_cluster(
+    procs: Processes, work: Path, args: argparse.Namespace
+) -> tuple[dict[str, tuple[str, int]], Path]:
+    py = sys.executable
+    url, token, admin = start_controller(procs, work)
     record = work / "record"
     record.mkdir()
     models = model_table("chat", record, "8G", 6000, 0.0)

@@ -47,6 +47,7 @@ from bench_frontdoor import (
     _state,
     model_table,
     sees_each_other,
+    start_controller,
     wait_log,
     wait_until,
 )
@@ -70,16 +71,7 @@ class Host:
 
 def start_cluster(procs: Processes, work: Path) -> tuple[dict[int, Host], Path]:
     py = sys.executable
-    server = procs.start(
-        [py, "-m", "gpu_arbiter", "serve", "--port", "0", "--state-dir", str(work / "s"),
-         "--store", "memory"],
-        work / "server.log",
-    )  # fmt: skip
-    url = "http://127.0.0.1:" + wait_log(
-        work / "server.log", r"Uvicorn running on http://127\.0\.0\.1:(\d+)", server
-    )
-    token = (work / "s" / "admin.token").read_text().strip()
-    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    url, token, admin = start_controller(procs, work)
     record = work / "record"
     record.mkdir()
     models = model_table("chat", record, "8G", 6000, 0.2)
