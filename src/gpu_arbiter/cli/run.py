@@ -28,6 +28,7 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ class Runner:
         self.client = client
         self.lease: Json = {}
         self.revoked: str | None = None  # why the lease was taken back or lost
-        self.child: asyncio.subprocess.Process | None = None
+        self.child: Child | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._signals: list[int] = []
         self._worker = ""
@@ -176,9 +177,7 @@ class Runner:
         env["GPU_ARBITER_LEASE"] = str(lease["id"])
         env["GPU_ARBITER_FENCING_TOKEN"] = str(lease["token"])
         try:
-            self.child = await asyncio.create_subprocess_exec(
-                *self.options.command, env=env, process_group=0
-            )
+            self.child = Child.start(self.options.command, env)
         except FileNotFoundError:
             say(f"command not found: {self.options.command[0]}")
             await self._release()
@@ -238,7 +237,7 @@ class Runner:
             await asyncio.sleep(max(0.2, ttl_s / 3))
             try:
                 self.lease = await self.client.renew(self.lease["id"])
-            except ControllerUnreachable:
+            except (ControllerUnreachable, httpx.HTTPError):
                 continue  # the lease is not lost until the controller says so
             except ApiError as error:
                 if error.status in (404, 409):
@@ -381,6 +380,62 @@ class Runner:
                 await asyncio.sleep(1.0)
             except ApiError:
                 return
+
+
+class Child:
+    """The command: a process in a group of its own, whose exit the event loop sees
+    through a pidfd (read once it exits, then reaped here), not through asyncio's child
+    watcher: under load, that watcher's thread once reaped a command that exited at once
+    and its exit never reached ``wait()``, leaving ``run`` waiting with its lease lapsed.
+    Where pidfds do not exist (Linux before 5.3), the exit is polled every 50 ms."""
+
+    POLL_S = 0.05
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self._exited = asyncio.Event()
+        self._fd: int | None = None
+        self._poller: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            self._fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self._poller = loop.create_task(self._poll())
+        else:
+            loop.add_reader(self._fd, self._check)
+        self._check()
+
+    @classmethod
+    def start(cls, command: list[str], env: dict[str, str]) -> Child:
+        """Starts ``command`` in a group of its own (FileNotFoundError, PermissionError
+        as ``exec`` raises them)."""
+        return cls(subprocess.Popen(command, env=env, process_group=0))
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def _check(self) -> None:
+        if self._exited.is_set() or self.popen.poll() is None:
+            return
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        self._exited.set()
+
+    async def _poll(self) -> None:
+        while not self._exited.is_set():
+            await asyncio.sleep(self.POLL_S)
+            self._check()
+
+    async def wait(self) -> int:
+        """The exit status (negative: the signal that ended it), once it exited."""
+        await self._exited.wait()
+        code = self.popen.returncode
+        assert code is not None
+        return code
 
 
 def _killpg(pgid: int, signum: int) -> None:
