@@ -137,6 +137,6 @@ def test_run_keeps_its_request_alive_while_it_waits_longer_than_its_ttl(
         if proc.poll() is None:
             proc.kill()
         _, stderr = proc.communicate(timeout=30)
-    print(stderr.decode(errors="replace"))
+        print(stderr.decode(errors="replace"))
     done = lease(admin, asked["id"])
     assert (done["state"], done["end_reason"]) == ("released", "released")

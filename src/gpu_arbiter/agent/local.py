@@ -176,13 +176,15 @@ async def agent_request(worker: str, request: Json, timeout_s: float = 5.0) -> J
     """Asks the local agent of ``worker``; None when no agent of that name runs here."""
     path = socket_path(worker)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: 3.11's may swallow a cancel
+            reader, writer = await asyncio.open_unix_connection(str(path))
     except (OSError, TimeoutError):
         return None
     try:
         writer.write(json.dumps(request).encode() + b"\n")
         await writer.drain()
-        line = await asyncio.wait_for(reader.readline(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            line = await reader.readline()
         answer = json.loads(line) if line else None
         return answer if isinstance(answer, dict) else None
     except (OSError, TimeoutError, ValueError):

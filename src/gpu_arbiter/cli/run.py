@@ -77,6 +77,10 @@ class RunOptions:
     grace_s: float = 10.0
 
 
+HELPERS_END_S = 5.0
+"""Once the command ended: how long its renewal, watch and readiness tasks may take to end."""
+
+
 def say(text: str) -> None:
     print(f"gpu-arbiter run: {text}", file=sys.stderr, flush=True)
 
@@ -214,7 +218,9 @@ class Runner:
         finally:
             for task in helpers:
                 task.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+            # bounded: a helper that lost its cancellation (asyncio.wait_for in 3.11 can
+            # swallow one) once kept run waiting here, its command long gone
+            await asyncio.wait(helpers, timeout=HELPERS_END_S)
             if self._stopping is not None:
                 await self._stopping
         return 128 - returncode if returncode < 0 else returncode
@@ -287,7 +293,8 @@ class Runner:
         if not by_agent:
             _killpg(pgid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(self.child.wait(), grace_s + (AGENT_MARGIN_S if by_agent else 0))
+            async with asyncio.timeout(grace_s + (AGENT_MARGIN_S if by_agent else 0)):
+                await self.child.wait()
         except TimeoutError:
             say(f"the command ignored SIGTERM for {grace_s:g}s: SIGKILL")
             _killpg(pgid, signal.SIGKILL)
@@ -317,7 +324,8 @@ class Runner:
             await asyncio.sleep(options.ready_after_s)
         else:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._loaded(worker), options.ready_timeout_s)
+                async with asyncio.timeout(options.ready_timeout_s):
+                    await self._loaded(worker)
         backoff = 0.5
         while True:
             try:
