@@ -174,6 +174,19 @@ async def test_unload_cancels_a_queued_replica_and_refuses_its_waiting_request(
     assert stops(world, "unloaded") == 0
 
 
+async def test_an_unload_for_a_drain_says_so_to_the_request_it_refuses(world: World) -> None:
+    world.leases.grant = False
+    request = world.start()
+    await world.clock.advance(1)
+    await world.model.unload("for the drain: gateway gw-3's worker box-3 is draining")
+    with pytest.raises(Refused) as refused:
+        await request
+    assert refused.value.status == 503
+    assert refused.value.reason == (
+        "model chat was unloaded for the drain: gateway gw-3's worker box-3 is draining"
+    )
+
+
 async def test_unloading_a_cold_model_stops_nothing(world: World) -> None:
     answer = await world.model.unload()
     assert (answer["stopped"], answer["cancelled"], answer["state"]) == (0, 0, "cold")

@@ -332,7 +332,7 @@ class Cluster:
                 if live and not any(r.in_flight for r in live):
                     log.info("gateway %s: %s: nothing in flight, ended for the drain",
                              self.name, model.name)  # fmt: skip
-                    await model.unload()
+                    await model.unload(f"for the drain: gateway {self.name}'s {self.own_why}")
             await sleep_or(self.clock.sleep(RETIRE_CHECK_S), self._changed)
 
     @property

@@ -125,6 +125,7 @@ class ModelServer:
         self.pinned = config.pinned
         self.last_used: float | None = None  # when a request last took a slot
         self._unloads = 0
+        self._unloaded_why = "by an operator"
         self._changed = asyncio.Event()
         self._numbers = 0
 
@@ -192,7 +193,7 @@ class ModelServer:
                 if self.failures > failures_before and not self._live():
                     raise Refused(502, f"model {self.name}: {self.failure}")
                 if self._unloads > unloads_before:
-                    raise Refused(503, f"model {self.name} was unloaded by an operator", 1.0)
+                    raise Refused(503, f"model {self.name} was unloaded {self._unloaded_why}", 1.0)
                 self._refuse_while_backing_off()
                 self._wake_or_start()
                 changed = self._changed
@@ -481,14 +482,16 @@ class ModelServer:
             replica.pin_changed()
         self.notify()
 
-    async def unload(self) -> dict[str, Any]:
+    async def unload(self, why: str = "by an operator") -> dict[str, Any]:
         """Stops every replica now (a queued one is cancelled; the requests in flight
-        get the grace) and refuses the requests waiting for one; returns once they have
-        ended (their leases released), or after two graces and margins if not."""
+        get the grace) and refuses the requests waiting for one, saying ``why`` (words
+        after 'unloaded': an operator's, or a drain's); returns once they have ended
+        (their leases released), or after two graces and margins if not."""
         live = self._live()
         for replica in live:
-            replica.unload()
+            replica.unload(why)
         self._unloads += 1
+        self._unloaded_why = why
         self.notify()
         cancelled = sum(
             1 for r in live if r.ending is not None and r.ending.kind is EndKind.CANCELLED

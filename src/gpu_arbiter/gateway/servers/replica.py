@@ -221,13 +221,11 @@ class Replica:
     def shutdown(self) -> None:
         self.stop(Ending(EndKind.SHUTDOWN, "the gateway is stopping"))
 
-    def unload(self) -> None:
-        """An operator's unload: a queued one is cancelled, the others stop as for a
-        revocation (the requests in flight get the grace)."""
-        if self.state is ReplicaState.QUEUED:
-            self.stop(Ending(EndKind.CANCELLED, "unloaded by an operator"))
-        else:
-            self.stop(Ending(EndKind.UNLOADED, "unloaded by an operator"))
+    def unload(self, why: str = "by an operator") -> None:
+        """An unload (an operator's, or a drain's: ``why``): a queued one is cancelled,
+        the others stop as for a revocation (the requests in flight get the grace)."""
+        kind = EndKind.CANCELLED if self.state is ReplicaState.QUEUED else EndKind.UNLOADED
+        self.stop(Ending(kind, f"unloaded {why}"))
 
     def pin_changed(self) -> None:
         """The model was pinned or unpinned: the keep-warm task looks again, its timers
