@@ -17,6 +17,7 @@ from gpu_arbiter.core import Constraints, Gpu, GpuId, Lease, LeaseState, Request
 from gpu_arbiter.store import (
     Batch,
     Event,
+    GatewayNameRecord,
     LeaseRecord,
     MemoryStore,
     OperationRecord,
@@ -284,6 +285,66 @@ def test_merged_batches_store_what_the_batches_in_order_store(store: Store) -> N
     assert store.load() == one_by_one.load()
     assert store.lease("l-1") == ended
     assert [e.kind for e in store.events_after(0, 10)] == ["a", "b"]
+
+
+def test_gateway_names_are_taken_and_forgotten(store: Store) -> None:
+    """A name's owner is written when taken, replaced when another token takes it, and
+    deleted when forgotten; a batch may forget one name and take another."""
+    first = GatewayNameRecord("gw-x", "gateway-a", "box-1", 10.0)
+    other = GatewayNameRecord("gw-y", "admin", None, 11.0)
+    store.commit(Batch(gateway_names={"gw-x": first, "gw-y": other}))
+    assert store.load().gateway_names == (first, other)
+
+    taken_again = GatewayNameRecord("gw-x", "gateway-b", "box-2", 20.0)
+    store.commit(Batch(gateway_names={"gw-x": taken_again}))
+    store.commit(Batch(gateway_names={"gw-y": None, "gw-z": None}))  # gw-z: held by none
+    assert store.load().gateway_names == (taken_again,)
+
+
+def test_merged_batches_take_and_forget_gateway_names_in_order(store: Store) -> None:
+    taken = GatewayNameRecord("gw-x", "gateway-a", "box-1", 1.0)
+    again = GatewayNameRecord("gw-x", "gateway-b", "box-1", 3.0)
+    batches = [
+        Batch(gateway_names={"gw-x": taken, "gw-y": replace(taken, name="gw-y")}),
+        Batch(gateway_names={"gw-x": None}),
+        Batch(gateway_names={"gw-y": None}),
+        Batch(gateway_names={"gw-x": again}),
+    ]
+    merged = Batch()
+    for batch in batches:
+        merged.merge(batch)
+    store.commit(merged)
+    assert store.load().gateway_names == (again,)
+
+
+def test_sqlite_gateway_names_survive_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = SqliteStore(path)
+    held = GatewayNameRecord("gw-x", "gateway-a", "box-1", 10.0)
+    first.commit(Batch(gateway_names={"gw-x": held}))
+    first.close()
+    second = SqliteStore(path)
+    try:
+        assert second.load().gateway_names == (held,)
+    finally:
+        second.close()
+
+
+def test_sqlite_database_without_the_gateway_names_table_gains_it(tmp_path: Path) -> None:
+    """A database of a version before gateway names were stored opens, and takes them."""
+    path = tmp_path / "state.db"
+    SqliteStore(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE gateway_names")
+    db.close()
+    store = SqliteStore(path)
+    try:
+        assert store.load().gateway_names == ()
+        held = GatewayNameRecord("gw-x", "gateway-a", None, 1.0)
+        store.commit(Batch(gateway_names={"gw-x": held}))
+        assert store.load().gateway_names == (held,)
+    finally:
+        store.close()
 
 
 class _Blocking(dict[str, LeaseRecord]):

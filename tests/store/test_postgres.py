@@ -22,6 +22,7 @@ from gpu_arbiter.store import (
     Batch,
     Event,
     Fenced,
+    GatewayNameRecord,
     Leader,
     LeaseRecord,
     OperationRecord,
@@ -79,6 +80,7 @@ def _tables(dsn: str) -> dict[str, list[tuple[object, ...]]]:
         "events": "SELECT seq, doc FROM events ORDER BY seq",
         "meta": "SELECT key, value FROM meta ORDER BY key",
         "operations": "SELECT id, running, doc FROM operations ORDER BY id",
+        "gateway_names": "SELECT name, owner, worker, taken_at FROM gateway_names ORDER BY name",
     }
     return {name: [tuple(row) for row in admin_sql(dsn, sql)] for name, sql in tables.items()}
 
@@ -197,6 +199,7 @@ def test_a_deposed_leader_writes_nothing_of_a_batch_touching_every_table(
             workers={"box-1": _worker("box-1"), "box-2": _worker("box-2")},
             events=[Event(1, 1.0, "lease.created", "l-1")],
             meta={"next_token": 1},
+            gateway_names={"gw-1": GatewayNameRecord("gw-1", "gateway-a", "box-1", 1.0)},
         )
     )
     admin_sql(postgres_dsn, "UPDATE leadership SET expires_at = now() WHERE id = 1")
@@ -211,6 +214,10 @@ def test_a_deposed_leader_writes_nothing_of_a_batch_touching_every_table(
         events=[Event(2, 2.0, "lease.created", "l-2")],
         meta={"next_token": 99, "paused": 1},
         operations={operation.id: operation},
+        gateway_names={
+            "gw-1": None,
+            "gw-2": GatewayNameRecord("gw-2", "gateway-b", "box-3", 2.0),
+        },
     )
     with pytest.raises(Fenced, match=r"epoch 1 is over"):
         first.commit(stale)

@@ -17,6 +17,7 @@ from .memory import MemoryStore
 from .records import (
     Batch,
     Event,
+    GatewayNameRecord,
     LeaseRecord,
     OperationRecord,
     OperationStep,
@@ -50,6 +51,7 @@ __all__ = [
     "Batch",
     "Event",
     "Fenced",
+    "GatewayNameRecord",
     "Leader",
     "LeaseRecord",
     "MemoryStore",

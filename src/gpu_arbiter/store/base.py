@@ -2,9 +2,9 @@
 
 A store keeps what was acknowledged: worker records, lease records (live and
 final), counters (``next_token``, ``next_seq``, ``paused``), the bounded event
-history and the token digests. :meth:`Store.commit` writes one :class:`Batch` in
-one transaction: when it returns, the change is durable; when it raises, none
-of it was written.
+history, the token digests, and which token holds each gateway name.
+:meth:`Store.commit` writes one :class:`Batch` in one transaction: when it returns, the
+change is durable; when it raises, none of it was written.
 
 Errors::
 
@@ -32,7 +32,8 @@ class Fenced(StoreError):
 
 class Store(Protocol):
     def load(self) -> Snapshot:
-        """Workers, live leases (pending and held) and counters, as last committed."""
+        """Workers, live leases (pending and held), counters, running operations and
+        gateway names, as last committed."""
         ...
 
     def commit(self, batch: Batch) -> None:

@@ -7,6 +7,7 @@ import bisect
 from .records import (
     Batch,
     Event,
+    GatewayNameRecord,
     LeaseRecord,
     OperationRecord,
     Snapshot,
@@ -27,6 +28,7 @@ class MemoryStore:
         self._meta: dict[str, int] = {}
         self._tokens: dict[str, TokenRecord] = {}
         self._operations: dict[str, OperationRecord] = {}
+        self._names: dict[str, GatewayNameRecord] = {}
 
     def load(self) -> Snapshot:
         live = tuple(r for r in self._leases.values() if not r.state.is_final)
@@ -36,6 +38,7 @@ class MemoryStore:
             meta=dict(self._meta),
             last_event_seq=self._events[-1].seq if self._events else 0,
             operations=tuple(op for op in self._operations.values() if op.running),
+            gateway_names=tuple(record for _, record in sorted(self._names.items())),
         )
 
     def commit(self, batch: Batch) -> None:
@@ -51,6 +54,11 @@ class MemoryStore:
             del self._events[: len(self._events) - self._event_history]
         self._meta.update(batch.meta)
         self._operations.update(batch.operations)
+        for name, named in batch.gateway_names.items():
+            if named is None:
+                self._names.pop(name, None)
+            else:
+                self._names[name] = named
 
     def operation(self, operation_id: str) -> OperationRecord | None:
         return self._operations.get(operation_id)

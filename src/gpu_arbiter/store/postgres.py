@@ -58,7 +58,15 @@ from .codec import (
     worker_from_doc,
     worker_to_doc,
 )
-from .records import Batch, Event, LeaseRecord, OperationRecord, Snapshot, TokenRecord
+from .records import (
+    Batch,
+    Event,
+    GatewayNameRecord,
+    LeaseRecord,
+    OperationRecord,
+    Snapshot,
+    TokenRecord,
+)
 
 __all__ = ["MIGRATIONS", "Leader", "PostgresStore"]
 
@@ -105,6 +113,16 @@ MIGRATIONS: tuple[str, ...] = (
     # controller older than the format refuses the database rather than fail on a lease.
     """
     COMMENT ON TABLE leases IS 'documents: gpu-arbiter document format 1';
+    """,
+    # 3: which token holds each gateway name, so that a restarted or new leader still
+    # refuses a name to another token.
+    """
+    CREATE TABLE gateway_names (
+        name TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        worker TEXT,
+        taken_at DOUBLE PRECISION NOT NULL
+    );
     """,
 )
 """The schema, one SQL script per version (version ``i + 1`` is ``MIGRATIONS[i]``).
@@ -161,6 +179,15 @@ WITH fence AS (
     SELECT * FROM unnest($16::text[], $17::boolean[], $18::text[])
     WHERE EXISTS (SELECT 1 FROM fence)
     ON CONFLICT (id) DO UPDATE SET running = excluded.running, doc = excluded.doc
+), delete_names AS (
+    DELETE FROM gateway_names
+    WHERE name = ANY($19::text[]) AND EXISTS (SELECT 1 FROM fence)
+), put_names AS (
+    INSERT INTO gateway_names (name, owner, worker, taken_at)
+    SELECT * FROM unnest($20::text[], $21::text[], $22::text[], $23::float8[])
+    WHERE EXISTS (SELECT 1 FROM fence)
+    ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, worker = excluded.worker,
+        taken_at = excluded.taken_at
 )
 SELECT commits FROM fence
 """
@@ -172,7 +199,8 @@ worker both removed and written in one batch is not deleted but written (what th
 SQLite store's delete-then-upsert leaves). ``$13``: trim the events up to this seq
 (NULL: not this time, and the test of it, on a parameter alone, is planned as a one-time
 filter, so the table is not scanned); the trim does not see the events the same
-statement inserts."""
+statement inserts. A gateway name is either deleted (``$19``) or written, never both in
+one batch."""
 
 _COMMIT_GRACE_S = 2.0
 """How much longer than ``timeout_s`` a commit waits for the database's own answer."""
@@ -477,12 +505,16 @@ class PostgresStore:
             meta = await conn.fetch("SELECT key, value FROM meta")
             last = await conn.fetchval("SELECT COALESCE(MAX(seq), 0) FROM events")
             operations = await conn.fetch("SELECT doc FROM operations WHERE running ORDER BY id")
+            names = await conn.fetch(
+                "SELECT name, owner, worker, taken_at FROM gateway_names ORDER BY name"
+            )
         return Snapshot(
             workers=tuple(worker_from_doc(json.loads(doc)) for (doc,) in workers),
             leases=tuple(lease_from_doc(json.loads(doc)) for (doc,) in leases),
             meta={key: int(value) for key, value in meta},
             last_event_seq=int(last),
             operations=tuple(operation_from_doc(json.loads(doc)) for (doc,) in operations),
+            gateway_names=tuple(GatewayNameRecord(*row) for row in names),
         )
 
     async def _commit(self, batch: Batch) -> None:
@@ -528,6 +560,7 @@ class PostgresStore:
         """The parameters of :data:`_COMMIT` for ``batch`` (a column is an array)."""
         leases = list(batch.leases.values())
         operations = list(batch.operations.values())
+        names = [r for r in batch.gateway_names.values() if r is not None]
         trim_to = None
         if batch.events:
             self._event_commits += 1
@@ -552,6 +585,11 @@ class PostgresStore:
             [op.id for op in operations],
             [op.running for op in operations],
             [dumps(operation_to_doc(op)) for op in operations],
+            [name for name, record in batch.gateway_names.items() if record is None],
+            [r.name for r in names],
+            [r.owner for r in names],
+            [r.worker for r in names],
+            [r.taken_at for r in names],
         )
 
     async def _try_lead(

@@ -1,4 +1,5 @@
-"""What the controller persists: lease records, worker records, events, tokens.
+"""What the controller persists: lease records, worker records, events, tokens, and
+which token holds each gateway name.
 
 Each record is a frozen value; :mod:`.codec` turns them into JSON documents and
 back, so every store keeps exactly the same thing.
@@ -15,6 +16,7 @@ from ..core import Gpu, Lease, LeaseState, Request, WorkerStatus
 __all__ = [
     "Batch",
     "Event",
+    "GatewayNameRecord",
     "LeaseRecord",
     "OperationRecord",
     "OperationStep",
@@ -147,6 +149,18 @@ class TokenRecord:
     created_at: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class GatewayNameRecord:
+    """A gateway name and the token (its id) that holds it: the first that reported it,
+    until an admin forgets the name or the token is revoked. ``worker``: the worker its
+    gateway reported beside when it took the name."""
+
+    name: str
+    owner: str
+    worker: str | None = None
+    taken_at: float = 0.0
+
+
 @dataclass(slots=True)
 class Batch:
     """Everything one change writes, committed in one transaction."""
@@ -157,6 +171,8 @@ class Batch:
     events: list[Event] = field(default_factory=list)
     meta: dict[str, int] = field(default_factory=dict)
     operations: dict[str, OperationRecord] = field(default_factory=dict)
+    gateway_names: dict[str, GatewayNameRecord | None] = field(default_factory=dict)
+    """A name taken (its record), or forgotten (None)."""
 
     def __bool__(self) -> bool:
         return bool(
@@ -166,6 +182,7 @@ class Batch:
             or self.events
             or self.meta
             or self.operations
+            or self.gateway_names
         )
 
     def merge(self, later: Batch) -> None:
@@ -180,6 +197,7 @@ class Batch:
         self.events.extend(later.events)
         self.meta.update(later.meta)
         self.operations.update(later.operations)
+        self.gateway_names.update(later.gateway_names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,3 +209,4 @@ class Snapshot:
     meta: Mapping[str, int] = field(default_factory=dict)
     last_event_seq: int = 0
     operations: tuple[OperationRecord, ...] = ()  # the running ones
+    gateway_names: tuple[GatewayNameRecord, ...] = ()  # by name

@@ -51,7 +51,15 @@ from .codec import (
     worker_from_doc,
     worker_to_doc,
 )
-from .records import Batch, Event, LeaseRecord, OperationRecord, Snapshot, TokenRecord
+from .records import (
+    Batch,
+    Event,
+    GatewayNameRecord,
+    LeaseRecord,
+    OperationRecord,
+    Snapshot,
+    TokenRecord,
+)
 
 __all__ = ["SqliteStore"]
 
@@ -98,7 +106,15 @@ CREATE TABLE IF NOT EXISTS operations (
     running INTEGER NOT NULL,
     doc TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS gateway_names (
+    name TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    worker TEXT,
+    taken_at DOUBLE PRECISION NOT NULL
+);
 """
+"""Each table is made if it is missing, so a database of an older version gains the ones
+added since (``gateway_names``) at its first open by this one."""
 
 _UPSERT_LEASE = (
     "INSERT INTO leases (id, state, final, owner, idempotency_key, doc) VALUES (?, ?, ?, ?, ?, ?) "
@@ -112,6 +128,11 @@ _UPSERT_WORKER = (
 _UPSERT_OPERATION = (
     "INSERT INTO operations (id, running, doc) VALUES (?, ?, ?) "
     "ON CONFLICT (id) DO UPDATE SET running = excluded.running, doc = excluded.doc"
+)
+_UPSERT_NAME = (
+    "INSERT INTO gateway_names (name, owner, worker, taken_at) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, worker = excluded.worker, "
+    "taken_at = excluded.taken_at"
 )
 _UPSERT_META = (
     "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = "
@@ -202,6 +223,12 @@ class SqliteStore:
                 operation_from_doc(json.loads(doc))
                 for (doc,) in db.execute("SELECT doc FROM operations WHERE running = 1")
             )
+            names = tuple(
+                GatewayNameRecord(*row)
+                for row in db.execute(
+                    "SELECT name, owner, worker, taken_at FROM gateway_names ORDER BY name"
+                )
+            )
         except sqlite3.Error as error:
             raise StoreError(f"cannot load {self.path}: {error}") from error
         return Snapshot(
@@ -210,6 +237,7 @@ class SqliteStore:
             meta=meta,
             last_event_seq=int(last),
             operations=operations,
+            gateway_names=names,
         )
 
     def commit(self, batch: Batch) -> None:
@@ -275,6 +303,16 @@ class SqliteStore:
                     (op.id, int(op.running), dumps(operation_to_doc(op)))
                     for op in batch.operations.values()
                 ],
+            )
+        if batch.gateway_names:
+            named = batch.gateway_names.items()
+            db.executemany(
+                "DELETE FROM gateway_names WHERE name = ?",
+                [(name,) for name, record in named if record is None],
+            )
+            db.executemany(
+                _UPSERT_NAME,
+                [(r.name, r.owner, r.worker, r.taken_at) for _, r in named if r is not None],
             )
 
     def operation(self, operation_id: str) -> OperationRecord | None:
