@@ -8,6 +8,8 @@ import asyncio
 from gpu_arbiter.server.auth import Principal
 from gpu_arbiter.server.gateways import ADOPT_AGAIN_S, GatewayRegistry, Report
 
+from .support import HeldNames
+
 WHO = Principal("gateway-2", "gateway", "box-2")
 
 
@@ -26,7 +28,7 @@ def _report(*leases: str) -> Report:
 
 def test_a_lease_loading_beside_a_gateway_is_handed_to_it_until_its_report_shows_it() -> None:
     clock = _Clock()
-    registry = GatewayRegistry(clock=clock)
+    registry = GatewayRegistry(HeldNames(), clock=clock)
     loading = {"box-2": [("chat", "lease-1")]}
     registry.adoptable = lambda worker: loading.get(worker, [])
     assert registry.report("gw-2", WHO, _report()) == []  # new: nothing handed yet
@@ -46,7 +48,7 @@ def test_a_lease_loading_beside_a_gateway_is_handed_to_it_until_its_report_shows
 
 def test_a_long_poll_for_commands_ends_with_the_lease_to_adopt() -> None:
     async def main() -> None:
-        registry = GatewayRegistry()
+        registry = GatewayRegistry(HeldNames())
         loading: list[tuple[str, str]] = []
         registry.adoptable = lambda worker: loading if worker == "box-2" else []
         registry.report("gw-2", WHO, _report())

@@ -14,6 +14,8 @@ from gpu_arbiter.core import Conflict, NotFound
 from gpu_arbiter.server.auth import Forbidden, Principal
 from gpu_arbiter.server.gateways import GatewayRegistry, Report
 
+from .support import HeldNames
+
 ADMIN = Principal("admin", "admin")
 ALICE = Principal("gateway-alice", "gateway", "box")
 BOB = Principal("gateway-bob", "gateway", "box")
@@ -39,7 +41,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def registry(clock: FakeClock) -> GatewayRegistry:
-    return GatewayRegistry(clock=clock, ttl_s=15.0, forget_s=600.0)
+    return GatewayRegistry(HeldNames(), clock=clock, ttl_s=15.0, forget_s=600.0)
 
 
 def test_the_first_reporter_owns_the_name_live_or_stale_until_an_admin_forgets_it(
@@ -76,7 +78,7 @@ def test_the_first_reporter_owns_the_name_live_or_stale_until_an_admin_forgets_i
 def test_names_held_are_bounded_stale_or_not(clock: FakeClock) -> None:
     from gpu_arbiter.controller import TooManyRequests
 
-    registry = GatewayRegistry(clock=clock, ttl_s=15.0, forget_s=1.0, max_gateways=1)
+    registry = GatewayRegistry(HeldNames(), clock=clock, ttl_s=15.0, forget_s=1.0, max_gateways=1)
     registry.report("box-8080", ALICE, report("chat"))
     clock.now += 100.0  # its report forgotten, its name held
     with pytest.raises(TooManyRequests, match="max_gateways"):
@@ -134,7 +136,7 @@ def test_an_unknown_gateway_or_model_is_not_found_and_queues_nothing(
 
 
 def test_commands_are_bounded_per_gateway(clock: FakeClock) -> None:
-    registry = GatewayRegistry(clock=clock, max_commands=2)
+    registry = GatewayRegistry(HeldNames(), clock=clock, max_commands=2)
     registry.report("box-8080", ALICE, report("chat"))
     registry.queue("box-8080", "chat", "pin")
     registry.queue("box-8080", "chat", "unpin")

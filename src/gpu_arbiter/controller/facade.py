@@ -8,6 +8,8 @@ that owns what it asks for::
     controller.workers   register, heartbeat, drain, cancel_drain, remove, get, all,
                          leases_on, gpu_figures, last_seen            (:mod:`.workers`)
     controller.updates   start, get, running, for_agent, report       (:mod:`.updates`)
+    controller.names     get, take, forget: which token holds each gateway name
+                                                                      (:mod:`.names`)
     controller.events    after, wait_after, wait_lease, wake_streams, last_seq
                                                                       (:mod:`.events`)
     controller.changes   commit_in_groups, failures, settled, flush, wait_times,
@@ -34,6 +36,7 @@ from ..store import Store
 from .change import Changes, Gate
 from .events import Events
 from .leases import Leases
+from .names import GatewayNames
 from .roles import Roles
 from .timer import Timer
 from .updates import Updates
@@ -78,6 +81,7 @@ class Controller:
         self.workers = workers = Workers(changes, leases, self.limits, heartbeat_timeout_s)
         self.updates = updates = Updates(changes, store, leases, workers)
         workers.listen(updates)
+        self.names = names = GatewayNames(changes)
         deadlines = [changes.next_deadline, workers.next_deadline, updates.next_deadline]
         self._timer = timer = Timer(changes, deadlines)
         self._roles = Roles(
@@ -87,6 +91,7 @@ class Controller:
             leases=leases,
             workers=workers,
             updates=updates,
+            names=names,
             timer=timer,
             simulated=simulated,
         )
@@ -97,6 +102,7 @@ class Controller:
             leases,  # absorb: records what the core decided; encode: the leases touched
             workers,  # sweep: silent workers go offline; encode: the workers touched
             updates,  # sweep: late updates fail; encode: the operations touched
+            names,  # encode: the gateway names taken or forgotten
             events,  # encode: numbers the change's events, last; stored: wakes waiters, streams
             timer,  # committed: the alarm follows the deadlines
             self._roles,  # recover: any failure reloads what the store holds

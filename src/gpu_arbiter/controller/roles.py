@@ -28,6 +28,7 @@ from ..store import Fenced, Snapshot, StoreError
 from .change import Change, Changes, Participant
 from .events import Events
 from .leases import Leases
+from .names import GatewayNames
 from .timer import Timer
 from .updates import Updates
 from .values import RELOAD_RETRY_MAX_S
@@ -48,6 +49,7 @@ class Roles(Participant):
         leases: Leases,
         workers: Workers,
         updates: Updates,
+        names: GatewayNames,
         timer: Timer,
         simulated: Sequence[Gpu],
     ) -> None:
@@ -58,6 +60,7 @@ class Roles(Participant):
         self._leases = leases
         self._workers = workers
         self._updates = updates
+        self._names = names
         self._timer = timer
         self._simulated = tuple(simulated)
         self._reload_retry: asyncio.TimerHandle | None = None
@@ -115,8 +118,9 @@ class Roles(Participant):
         self._gate.started = False
 
     def _rebuild(self, snapshot: Snapshot) -> None:
-        """Replaces the in-memory state by ``snapshot``'s workers and counters (leases
-        are restored by the caller, which decides whether that is a change)."""
+        """Replaces the in-memory state by ``snapshot``'s workers, counters, operations
+        and gateway names (leases are restored by the caller, which decides whether that
+        is a change)."""
         now = self._changes.clock()
         meta = dict(snapshot.meta)
         scheduler = Scheduler(
@@ -133,6 +137,7 @@ class Roles(Participant):
         if meta.get("paused"):
             scheduler.pause()
         self._updates.restore(snapshot.operations)
+        self._names.restore(snapshot.gateway_names)
         for worker in snapshot.workers:
             self._workers.restore(worker, now)
 

@@ -99,7 +99,9 @@ def create_app(
     app.state.auth = auth
     app.state.history = kept
     app.state.admin_token_file = admin_token_file
-    app.state.gateways = GatewayRegistry()  # in memory, like the workers' live figures
+    # The reports in memory, like the workers' live figures; who holds each name, stored.
+    app.state.gateways = GatewayRegistry(controller.names)
+    app.state.gateways.token_exists = auth.exists  # a revoked token's names are free
     app.state.gateways.adoptable = functools.partial(adoptable, controller)
     app.state.load_askers = LoadAskers()  # who asked for each cluster load
     bounds = client_limits or ClientLimits()

@@ -175,6 +175,14 @@ class Authenticator:
             raise Unauthorized("unknown token")
         return Principal(record.id, record.role, record.worker)
 
+    def exists(self, token_id: str) -> bool:
+        """Whether the token ``token_id`` is still known (not revoked). A store that
+        cannot answer counts it as known: nothing is freed on a guess."""
+        try:
+            return any(record.id == token_id for record in self.store.tokens())
+        except StoreError:
+            return True
+
     def _record(self, digest: str) -> TokenRecord | None:
         """The token's record, from the cache while it is fresh, else from the store
         (tokens are created and revoked by the CLI, in other processes). A store that

@@ -5,8 +5,9 @@ A gateway connects out to the controller, as an agent does (the controller never
 connects to a URL a client gave it): it reports its models (``PUT
 /v1/gateways/{name}``) every :data:`REPORT_S` seconds and soon after a change, and
 long-polls the commands an admin queued for it (unload, pin, unpin a model). The
-registry is held in memory only, like a worker's live probe figures: a restarted
-controller learns its gateways again from their next reports, and a standby has none.
+reports are held in memory only, like a worker's live probe figures: a restarted
+controller learns its gateways again from their next reports, and a standby has none
+(who holds each name is stored: see below).
 
 A gateway's life here::
 
@@ -23,10 +24,14 @@ A name belongs to the token (its id) that first reported it, live or stale: anot
 token but an admin's is refused, so a gateway that stopped reporting keeps its name
 until its own token reports again. The owner's goodbye (``DELETE``) forgets the report
 but keeps the name for it; an admin's forgets both (``gpu-arbiter gateways forget``),
-so that a gateway given a new token may take its name again. Names are held in memory
-like the reports: a restarted controller gives each name to the first gateway token
-that reports it. Commands are handed over once: in the answer to the next report or to
-a long-poll, whichever comes first.
+so that a gateway given a new token may take its name again. Unlike the reports, the
+names are stored (:class:`Names`, the controller's ``controller.names``): a restarted
+controller, or a standby that takes over, refuses a name to another token as the one
+before did. A name whose token was revoked is free: the next token that reports it
+takes it (the revoked token can never report again, and its id is never issued again,
+so keeping the name would only make the operator forget it by hand). Commands are
+handed over once: in the answer to the next report or to a long-poll, whichever comes
+first.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..controller import TooManyRequests
 from ..core import Conflict, NotFound
+from ..store import GatewayNameRecord
 from .auth import Forbidden, Principal, refuse
 
 __all__ = [
@@ -53,6 +59,7 @@ __all__ = [
     "VERBS",
     "Command",
     "GatewayRegistry",
+    "Names",
     "Report",
     "as_gateway",
 ]
@@ -75,6 +82,21 @@ Adoptable = Callable[[str], list[tuple[str, str]]]
 """worker -> the cluster's leases granted there and not taken up: (model, lease id)."""
 CLUSTER_MODEL = "cluster_model"
 """The metadata key of a lease asked for the cluster (``cluster.py``): its model."""
+
+
+class Names(Protocol):
+    """Which token holds each gateway name, kept where it outlives this process (the
+    controller's :class:`~..controller.names.GatewayNames`). ``take`` and ``forget`` are
+    stored before anyone is told; each raises when the controller cannot store it (and
+    then holds what it held before)."""
+
+    def get(self, name: str) -> GatewayNameRecord | None: ...
+
+    def __len__(self) -> int: ...
+
+    def take(self, name: str, owner: str, worker: str | None) -> GatewayNameRecord: ...
+
+    def forget(self, name: str) -> GatewayNameRecord: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +129,6 @@ class Report:
 @dataclass(slots=True)
 class _Gateway:
     name: str
-    owner: str
     report: Report
     reported_at: float
     commands: list[Command] = field(default_factory=list)
@@ -116,10 +137,12 @@ class _Gateway:
 
 
 class GatewayRegistry:
-    """The gateways, by name. ``clock``: monotonic seconds (a fake one in tests)."""
+    """The gateways, by name, and who holds each name (``names``). ``clock``: monotonic
+    seconds (a fake one in tests)."""
 
     def __init__(
         self,
+        names: Names,
         *,
         clock: Callable[[], float] = time.monotonic,
         peer_key: str | None = None,
@@ -134,7 +157,10 @@ class GatewayRegistry:
         self.max_gateways = max_gateways
         self.max_commands = max_commands
         self._gateways: dict[str, _Gateway] = {}
-        self._owners: dict[str, str] = {}  # name -> the id of the token that holds it
+        self._names = names
+        self.token_exists: Callable[[str], bool] = lambda token_id: True
+        """Whether a token (its id) is still known: a name whose token was revoked is
+        free (set by the server; tests keep every token)."""
         self.adoptable: Adoptable = lambda worker: []
         """The cluster's leases a gateway's worker should adopt (set by the server)."""
         self.peer_key = peer_key or secrets.token_urlsafe(32)
@@ -147,31 +173,50 @@ class GatewayRegistry:
 
     def report(self, name: str, who: Principal, report: Report) -> list[Command]:
         """Stores ``report`` as the gateway's latest; returns the commands queued for it
-        (handed over: they are not queued any more). Raises :class:`Forbidden` when
-        another token owns the name (its report live or stale)."""
+        (handed over: they are not queued any more). A name nobody holds (or whose token
+        was revoked) is taken by ``who`` first, stored. Raises :class:`Forbidden` when
+        another token holds the name (its report live, stale or gone)."""
         self._prune()
-        owner = self._owners.get(name)
-        if owner is not None and owner != who.id and not who.is_admin:
-            raise self._taken(name, who, "report as")
+        held = self._holder(name, who, "report as")
         found = self._gateways.get(name)
         now = self._clock()
-        if found is not None:
+        if held is not None and found is not None:
             if found.report != report or self._stale(found, now):
                 self._moved_now()
             found.report, found.reported_at = report, now
             return self._hand_over(found)
-        if owner is None and len(self._owners) >= self.max_gateways:
+        if held is None:
+            self._take(name, who, report)
+        if found is not None:  # the report of a token that no longer holds the name
+            found.queued.set()
+        self._gateways[name] = _Gateway(name, report, now)
+        self._moved_now()
+        return []
+
+    def _holder(self, name: str, who: Principal, doing: str) -> GatewayNameRecord | None:
+        """Who holds ``name``, unless it is free (nobody, or a revoked token). Raises
+        :class:`Forbidden` when another token than ``who`` holds it (an admin may)."""
+        held = self._names.get(name)
+        if held is None or held.owner == who.id or who.is_admin:
+            return held
+        if self.token_exists(held.owner):
+            raise self._taken(name, held.owner, who, doing)
+        return None
+
+    def _take(self, name: str, who: Principal, report: Report) -> None:
+        """``who`` takes ``name``, stored before the report is (a failure changes
+        nothing). Raises :class:`TooManyRequests` when :attr:`max_gateways` names are
+        held already (taking a revoked token's name holds none more)."""
+        names = self._names
+        if names.get(name) is None and len(names) >= self.max_gateways:
             raise TooManyRequests(
-                f"{len(self._owners)} gateway names are held already (max_gateways is "
+                f"{len(names)} gateway names are held already (max_gateways is "
                 f"{self.max_gateways}); retry later, or forget one",
                 limit="max_gateways",
                 value=self.max_gateways,
-                current=len(self._owners),
+                current=len(names),
             )
-        owner = self._owners.setdefault(name, who.id)
-        self._gateways[name] = _Gateway(name, owner, report, now)
-        self._moved_now()
-        return []
+        names.take(name, who.id, report.worker)
 
     async def commands(self, name: str, who: Principal, wait_s: float) -> list[Command]:
         """The commands queued for the gateway, handed over: at once when there are
@@ -190,17 +235,18 @@ class GatewayRegistry:
 
     def forget(self, name: str, who: Principal) -> None:
         """The gateway's goodbye at a clean stop (its report is forgotten now, its name
-        kept for its token), or an admin's forgetting of it (the name is free again).
-        Raises :class:`NotFound` for a name nobody holds."""
+        kept for its token), or an admin's forgetting of it (the name is free again,
+        stored before the report is dropped). Raises :class:`NotFound` for a name nobody
+        holds."""
         self._prune()
-        owner = self._owners.get(name)
-        if owner is None:
+        held = self._names.get(name)
+        if held is None and (name not in self._gateways or not who.is_admin):
             raise NotFound(f"no gateway {name!r} reports to this controller", gateway=name)
-        if owner != who.id and not who.is_admin:
-            raise self._taken(name, who, "forget")
+        if held is not None and held.owner != who.id and not who.is_admin:
+            raise self._taken(name, held.owner, who, "forget")
+        if who.is_admin and held is not None:
+            self._names.forget(name)
         found = self._gateways.pop(name, None)
-        if who.is_admin:
-            del self._owners[name]
         if found is not None:
             found.queued.set()  # a long-poll of it ends now, empty
             self._moved_now()
@@ -328,19 +374,22 @@ class GatewayRegistry:
     def _owned(self, name: str, who: Principal, doing: str) -> _Gateway:
         self._prune()
         found = self._gateways.get(name)
-        if found is None:
+        held = self._names.get(name)
+        if found is None or (held is None and not who.is_admin):
             raise NotFound(f"no gateway {name!r} reports to this controller", gateway=name)
-        if not who.is_admin and who.id != found.owner:
-            raise self._taken(name, who, doing)
+        if held is not None and not who.is_admin and who.id != held.owner:
+            raise self._taken(name, held.owner, who, doing)
         return found
 
     @staticmethod
-    def _taken(name: str, who: Principal, doing: str) -> Forbidden:
+    def _taken(name: str, owner: str, who: Principal, doing: str) -> Forbidden:
         return Forbidden(
-            f"gateway {name} belongs to another token: only the token that first reported "
-            f"it, or an admin, may {doing} it (you are {who.described()}; an admin frees "
-            f"the name with `gpu-arbiter gateways forget {name}`)",
-            owner_rule="a name belongs to the token that first reported it, live or stale",
+            f"gateway {name} belongs to another token ({owner}): only the token that first "
+            f"reported it, or an admin, may {doing} it (you are {who.described()}; an admin "
+            f"frees the name with `gpu-arbiter gateways forget {name}`)",
+            owner=owner,
+            owner_rule="a name belongs to the token that first reported it, live or stale, "
+            "until an admin forgets it or the token is revoked",
         )
 
     def _hand_over(self, found: _Gateway) -> list[Command]:
