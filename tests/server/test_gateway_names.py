@@ -125,3 +125,20 @@ async def test_a_name_that_cannot_be_stored_is_not_taken_and_a_failed_forget_fre
     store.fail = False
     with pytest.raises(Forbidden):
         registry.report("gw-x", ALICE, report("box-1"))
+
+
+async def test_a_standby_that_takes_over_refuses_the_name_to_another_token() -> None:
+    store, clock = FailingStore(), Clock()
+    leader = Controller(store, clock=clock)
+    leader.start()
+    GatewayRegistry(leader.names).report("gw-x", ALICE, report("box-1"))
+    standby = Controller(store, clock=clock)
+    standby.mirror("http://leader:7070")
+    assert standby.names.get("gw-x") is not None  # its copy, read-only
+
+    leader.demote(None)
+    standby.start()  # the take-over loads what the leader stored
+    registry = GatewayRegistry(standby.names)
+    with pytest.raises(Forbidden, match="gateway-alice"):
+        registry.report("gw-x", BOB, report("box-2"))
+    registry.report("gw-x", ALICE, report("box-1"))
