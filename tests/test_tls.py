@@ -171,3 +171,44 @@ async def test_a_listener_asking_for_client_certificates_says_so(ca: Path) -> No
             with pytest.raises(ControllerUnreachable) as refused:
                 await client.status()
         assert "client certificate" in str(refused.value)
+
+
+async def test_a_gateways_listener_closes_a_client_that_never_completes_its_handshake(
+    ca: Path,
+) -> None:
+    """The gateway's uvicorn server with TLS gives a handshake its bound (0.3 s here, its
+    header timeout in a gateway); the test waits for the close, not for a time, at most
+    30 s (asyncio's own default bound is 60 s)."""
+    import socket
+
+    import uvicorn
+
+    from gpu_arbiter.gateway.serve import _Server
+
+    async def app(scope: dict[str, object], receive: object, send: object) -> None:
+        return None
+
+    tls = _tls(ca)
+    context = server_context(tls)
+    config = uvicorn.Config(
+        app, lifespan="off", log_config=None, ssl_context_factory=lambda c, d: context
+    )
+    server = _Server(config, Reloader(context, tls), handshake_timeout_s=0.3)
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    sock.listen()
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:
+                await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection(HOST, sock.getsockname()[1])
+        try:
+            async with asyncio.timeout(30):
+                assert await reader.read() == b""  # closed by the server, nothing sent
+        finally:
+            writer.close()
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()

@@ -8,6 +8,12 @@ own agents, gateways and operators, each of which holds a host certificate: a to
 stolen off the cluster is then not enough to reach it); a gateway only checks one a
 client presents (a peer relaying to it), since the SDKs that call it have none.
 
+A client that opens a connection and never completes its handshake (sends nothing, or
+half a ClientHello) is closed after a bound (:func:`handshake_bound`: the listener's
+``header_timeout_s``, 10 s by default), not after asyncio's default of 60 s: until its
+handshake is done the connection is not HTTP yet, so the header timeout cannot close it,
+yet it holds one of the listener's connections.
+
 Certificates are reloaded without a restart (:class:`Reloader`): every ``RELOAD_S`` the
 files are looked at, and once they changed they are loaded into the listener's very
 context. The handshakes after it present the new certificate; connections already open
@@ -31,9 +37,10 @@ import logging
 import os
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from .core import InvalidInput
 from .paths import is_loopback
@@ -45,6 +52,7 @@ __all__ = [
     "Reloader",
     "ServerTls",
     "client_context",
+    "handshake_bound",
     "refusal",
     "server_context",
     "warn_if_plain",
@@ -185,6 +193,28 @@ class Reloader:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.contextmanager
+def handshake_bound(timeout_s: float) -> Iterator[None]:
+    """While the body runs, the TLS listeners the running loop creates give a client
+    ``timeout_s`` to complete its handshake, else the connection is closed (asyncio's
+    default is 60 s). Wrap uvicorn's ``Server.startup`` in it: uvicorn (0.55) creates its
+    listeners there with ``loop.create_server(..., ssl=context)`` and has no setting for
+    the bound, so the loop's ``create_server`` is given it for that while."""
+    loop = asyncio.get_running_loop()
+    create = loop.create_server
+
+    async def bounded(*args: Any, **kwargs: Any) -> asyncio.Server:
+        if kwargs.get("ssl") is not None:
+            kwargs.setdefault("ssl_handshake_timeout", timeout_s)
+        return await create(*args, **kwargs)
+
+    loop.create_server = bounded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del loop.create_server  # the loop's own method again
 
 
 def warn_if_plain(what: str, host: str, tls: ServerTls | None, flags: str) -> None:

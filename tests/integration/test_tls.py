@@ -188,6 +188,48 @@ def test_serve_over_mutual_tls_to_the_cli_the_client_and_an_agent(
         server.end()
 
 
+def _client_hello() -> bytes:
+    """The first flight of a TLS client (its ClientHello), made in memory."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname="ctl")
+    with pytest.raises(ssl.SSLWantReadError):
+        hello.do_handshake()
+    return outgoing.read()
+
+
+def _closed_by_the_server(sock: socket.socket) -> bool:
+    """Reads until the server closes the connection: True once it did (an end, or a
+    reset), False if it was still open after the test's own generous limit (30 s: well
+    below asyncio's own default handshake bound of 60 s)."""
+    sock.settimeout(30.0)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_client_that_never_completes_its_handshake_is_closed(tmp_path: Path, pki: Path) -> None:
+    """The handshake has the header timeout (0.5 s here); the test waits for the close,
+    not for a time."""
+    server = _start(tmp_path, pki, "--header-timeout-s", "0.5")
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        hello = _client_hello()
+        assert len(hello) > 100
+        for sent in (b"", hello[: len(hello) // 2]):  # nothing, then half a ClientHello
+            with socket.create_connection((HOST, port), timeout=30) as sock:
+                sock.sendall(sent)
+                assert _closed_by_the_server(sock), f"still open after sending {len(sent)} B"
+        with server.https() as client:  # a whole handshake is served as before
+            assert client.get("/healthz").status_code == 200
+    finally:
+        server.stop()
+
+
 def _served_serial(url: str, ca: Path) -> int:
     host, port = url.removeprefix("https://").rsplit(":", 1)
     context = ssl.create_default_context(cafile=ca)

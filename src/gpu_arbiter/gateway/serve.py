@@ -45,7 +45,14 @@ from ..agent.local import local_workers
 from ..client import ApiError, ArbiterClient, ControllerUnreachable
 from ..core import InvalidInput
 from ..logs import Redactor, say
-from ..tls import CA_ENV, Reloader, client_context, server_context, warn_if_plain
+from ..tls import (
+    CA_ENV,
+    Reloader,
+    client_context,
+    handshake_bound,
+    server_context,
+    warn_if_plain,
+)
 from ..web.connections import (
     HeadLimits,
     Listener,
@@ -100,11 +107,15 @@ def _estimate(model: ModelConfig) -> Estimate:
 
 class _Server(uvicorn.Server):
     """uvicorn without signal handlers of its own: whoever runs the gateway stops it;
-    with TLS, its certificate files reloaded while it serves when they change."""
+    with TLS, its certificate files reloaded while it serves when they change, and a
+    client given ``handshake_timeout_s`` to complete its handshake."""
 
-    def __init__(self, config: uvicorn.Config, tls: Reloader | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, tls: Reloader | None, handshake_timeout_s: float
+    ) -> None:
         super().__init__(config)
         self.tls = tls
+        self.handshake_timeout_s = handshake_timeout_s
 
     @contextlib.contextmanager
     def capture_signals(self) -> Any:
@@ -116,6 +127,13 @@ class _Server(uvicorn.Server):
             return
         async with self.tls.watching():
             await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.tls is None:
+            await super().startup(sockets)
+            return
+        with handshake_bound(self.handshake_timeout_s):
+            await super().startup(sockets)
 
 
 async def run_gateway(
@@ -181,7 +199,7 @@ async def _serve(
         _hide(config.keys)
         tls = None if config.tls is None else Reloader(server_context(config.tls), config.tls)
         warn_if_plain("the gateway", config.host, config.tls, "tls_cert and tls_key in [gateway]")
-        server = _Server(_uvicorn_config(app, config, tls), tls)
+        server = _Server(_uvicorn_config(app, config, tls), tls, config.header_timeout_s)
         sock.cap = server.config.limit_concurrency or sock.cap
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]

@@ -46,7 +46,7 @@ from ..controller import Controller, Limits
 from ..core import InvalidInput
 from ..logs import say, setup_logging
 from ..store import MemoryStore, SqliteStore, Store, is_postgres_url
-from ..tls import Reloader, server_context, warn_if_plain
+from ..tls import Reloader, handshake_bound, server_context, warn_if_plain
 from ..web.connections import HeadLimits, Listener, bound, bounded_http, raise_open_files_limit
 from .app import create_app
 from .auth import Authenticator, ensure_admin_token
@@ -253,7 +253,12 @@ def _serve_on(
         history=History(sample_s=config.history_sample_s),
         admin_token_file=token_file,
     )
-    server = _Server(app.state.event_feed.close, _uvicorn_config(app, config, tls), tls)
+    server = _Server(
+        app.state.event_feed.close,
+        _uvicorn_config(app, config, tls),
+        tls,
+        handshake_timeout_s=config.header_timeout_s,
+    )
     sock.cap = server.config.limit_concurrency or sock.cap
     companions = [] if companion is None else [companion]
     if shared is not None:
@@ -268,12 +273,19 @@ class _Server(uvicorn.Server):
     """uvicorn on the socket bound before the store was opened: it says where it listens
     once it does, as uvicorn does when it binds the socket itself; when it stops, it ends
     the event streams first, so that their clients see the end at once rather than the
-    cut of the graceful timeout."""
+    cut of the graceful timeout. With TLS, a client has ``handshake_timeout_s`` to
+    complete its handshake (``tls.handshake_bound``)."""
 
     def __init__(
-        self, end_streams: Callable[[], None], config: uvicorn.Config, tls: Reloader | None
+        self,
+        end_streams: Callable[[], None],
+        config: uvicorn.Config,
+        tls: Reloader | None,
+        *,
+        handshake_timeout_s: float,
     ) -> None:
         super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
         self.end_streams = end_streams
         self.own_signals = True  # False: whoever runs it handles SIGINT and SIGTERM
         self.tls = tls
@@ -303,7 +315,11 @@ class _Server(uvicorn.Server):
                 signal.signal(signum, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        if self.tls is None:
+            await super().startup(sockets)
+        else:
+            with handshake_bound(self.handshake_timeout_s):
+                await super().startup(sockets)
         if self.started and sockets:
             host, port = sockets[0].getsockname()[:2]
             where = f"[{host}]" if ":" in host else host
