@@ -117,6 +117,87 @@ async def test_a_changed_certificate_serves_the_next_handshakes(ca: Path) -> Non
         assert reloader.reloads == 1
 
 
+async def _telling_client_serial(context: ssl.SSLContext) -> AsyncIterator[int]:
+    """A TLS server on HOST that requires a client certificate and answers each request
+    with the serial number of the one the client presented, then closes the connection
+    (so that every request is a new connection and handshake); yields its port."""
+    from cryptography import x509
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            body = str(x509.load_der_x509_certificate(der).serial_number).encode()
+            head = f"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, HOST, 0, ssl=context)
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
+async def test_a_long_lived_client_presents_its_renewed_certificate_on_new_connections(
+    ca: Path,
+) -> None:
+    """A client certificate renewed on disk is presented from the next connection on, by
+    the very client that was built before (an agent's, a gateway's), over the async and
+    the sync transports of httpx; a new cert beside the old key is not loaded (the old
+    pair goes on), and nothing is loaded while the files stay as they are."""
+    import httpx
+
+    context = client_context(ca=ca / "ca.pem", cert=ca / "cli.pem", key=ca / "cli-key.pem")
+    assert context is not None
+    reloader = context.reloader  # type: ignore[attr-defined]
+    reloader.every_s = 0.0  # looked at before every connection (RELOAD_S otherwise)
+    old = _serial(ca / "cli.pem")
+    async for port in _telling_client_serial(server_context(_tls(ca, client_ca=True))):
+        url = f"https://{HOST}:{port}/"
+        async with httpx.AsyncClient(verify=context) as client:
+
+            async def presented(url: str = url) -> int:
+                return int((await client.get(url)).text)
+
+            def presented_sync(url: str = url) -> int:
+                with httpx.Client(verify=context) as sync:
+                    return int(sync.get(url).text)
+
+            assert await presented() == old
+            assert await presented() == old
+            assert reloader.reloads == 0  # the files did not change
+
+            key = (ca / "cli-key.pem").read_bytes()
+            create_cert(ca, "cli", dns=("client",))
+            (ca / "cli-key.pem").write_bytes(key)  # the new cert, the old key: not loaded
+            assert await presented() == old
+            assert reloader.reloads == 0
+
+            create_cert(ca, "cli", dns=("client",))  # renewed: cert and key
+            new = _serial(ca / "cli.pem")
+            assert new != old
+            assert await presented() == new
+            assert await asyncio.to_thread(presented_sync) == new
+            assert reloader.reloads == 1
+
+
+async def test_a_client_looks_at_its_certificate_files_at_most_every_reload_s(ca: Path) -> None:
+    context = client_context(ca=ca / "ca.pem", cert=ca / "cli.pem", key=ca / "cli-key.pem")
+    assert context is not None
+    reloader = context.reloader  # type: ignore[attr-defined]
+    looked: list[bool] = []
+    check = reloader.check
+    reloader.check = lambda: looked.append(True) or check()
+    reloader.every_s = 3600.0
+    for _ in range(3):
+        context.wrap_bio(ssl.MemoryBIO(), ssl.MemoryBIO(), server_hostname=HOST)
+    assert looked == [True]  # the first connection looked, the next two did not
+    assert client_context(ca=ca / "ca.pem").reloader is None  # type: ignore[union-attr]
+
+
 def _another_ca(tmp_path: Path) -> Path:
     other = tmp_path / "other"
     create_ca(other)

@@ -25,8 +25,12 @@ one); to stop trusting one, restart.
 A client (:class:`~.client.ArbiterClient`: the CLI, ``run``, the agent, the gateway's
 link to the controller) verifies an https controller against ``GPU_ARBITER_CA`` (else
 the system's CAs) and, for mutual TLS, presents ``GPU_ARBITER_CLIENT_CERT`` and
-``GPU_ARBITER_CLIENT_KEY`` (:func:`client_context`). A certificate it refuses is said in
-words (:func:`refusal`): not signed by the CA, expired, for another name.
+``GPU_ARBITER_CLIENT_KEY`` (:func:`client_context`). A long-lived client (an agent, a
+gateway) reloads its certificate and key the same way, without a restart: before a new
+connection's handshake, at most every ``RELOAD_S``, the files are looked at and, once
+they changed (and match), loaded into its context; connections already open keep the
+old pair. A certificate it refuses is said in words (:func:`refusal`): not signed by the
+CA, expired, for another name.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import logging
 import os
 import ssl
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +55,7 @@ __all__ = [
     "CA_ENV",
     "CLIENT_CERT_ENV",
     "CLIENT_KEY_ENV",
+    "ClientContext",
     "Reloader",
     "ServerTls",
     "client_context",
@@ -64,7 +71,8 @@ CA_ENV = "GPU_ARBITER_CA"
 CLIENT_CERT_ENV = "GPU_ARBITER_CLIENT_CERT"
 CLIENT_KEY_ENV = "GPU_ARBITER_CLIENT_KEY"
 RELOAD_S = 2.0
-"""How often a listener looks whether its certificate files changed."""
+"""How often a listener, or a client about to connect, looks whether its certificate
+files changed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,18 +244,23 @@ def client_context(
     env: Mapping[str, str] | None = None,
 ) -> ssl.SSLContext | None:
     """The context a client verifies servers with: trusting ``ca`` (else the
-    system's CAs), presenting ``cert`` and ``key`` (mutual TLS); each not given is read
-    from ``env`` (the environment: ``GPU_ARBITER_CA``, ``GPU_ARBITER_CLIENT_CERT``,
-    ``GPU_ARBITER_CLIENT_KEY``). None when nothing is set: httpx's own defaults.
-    :class:`InvalidInput` naming the variable of a file that cannot be read."""
+    system's CAs), presenting ``cert`` and ``key`` (mutual TLS), reloaded when they change
+    (:class:`ClientContext`); each not given is read from ``env`` (the environment:
+    ``GPU_ARBITER_CA``, ``GPU_ARBITER_CLIENT_CERT``, ``GPU_ARBITER_CLIENT_KEY``). None when
+    nothing is set: httpx's own defaults. :class:`InvalidInput` naming the variable of a
+    file that cannot be read."""
     env = os.environ if env is None else env
     ca = ca or env.get(CA_ENV) or None
     cert = cert or env.get(CLIENT_CERT_ENV) or None
     key = key or env.get(CLIENT_KEY_ENV) or None
     if ca is None and cert is None and key is None:
         return None
+    context = ClientContext(ssl.PROTOCOL_TLS_CLIENT)  # as ssl.create_default_context
     try:
-        context = ssl.create_default_context(cafile=ca)
+        if ca is None:
+            context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+        else:
+            context.load_verify_locations(cafile=ca)
     except (ssl.SSLError, OSError) as error:
         why = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise InvalidInput(CA_ENV, f"{ca}: {why}") from None
@@ -256,7 +269,37 @@ def client_context(
     if cert is not None:
         tls = ServerTls(Path(cert), Path(key or cert), fields=(CLIENT_CERT_ENV, CLIENT_KEY_ENV, ""))
         _load_pair(context, tls)
+        context.reloader = Reloader(context, tls)
     return context
+
+
+class ClientContext(ssl.SSLContext):
+    """A client's context whose certificate and key (``reloader``'s files) are loaded
+    again once they changed: looked at before a new connection's handshake (every wrap
+    of a socket or a memory BIO, as httpx's transports do), at most every
+    ``reloader.every_s``."""
+
+    reloader: Reloader | None = None
+    _looked_at = -float("inf")
+    _looking = threading.Lock()  # httpx's sync client may connect on several threads
+
+    def reload_if_changed(self) -> None:
+        reloader = self.reloader
+        now = time.monotonic()
+        if reloader is None or now - self._looked_at < reloader.every_s:
+            return
+        with self._looking:
+            if now - self._looked_at >= reloader.every_s:
+                self._looked_at = now
+                reloader.check()
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
+        self.reload_if_changed()
+        return super().wrap_socket(*args, **kwargs)
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        self.reload_if_changed()
+        return super().wrap_bio(*args, **kwargs)
 
 
 def refusal(error: BaseException, closed_unanswered: bool = False) -> str | None:
