@@ -342,3 +342,28 @@ def test_an_agent_and_a_run_wrapper_follow_the_new_leader(
     finally:
         run.kill()
         agent.stop()
+
+
+def test_a_standby_that_takes_over_refuses_a_gateway_name_to_another_token(
+    controllers: Controllers,
+) -> None:
+    first = controllers.start("a")
+    leader_of(first)
+    second = controllers.start("b")
+    wait_for(lambda: role(second) == "standby", 20, "the second to stand by")
+    token_a, token_b = first.token("gateway", "box-1"), first.token("gateway", "box-2")
+    report = {"url": "http://box.internal:8080", "host": "box"}
+    with first.client(token_a) as a:
+        assert a.put("/v1/gateways/gw-x", json={**report, "worker": "box-1"}).status_code == 200
+    first.kill9()
+    assert leader_of(second) is second
+
+    with second.client(token_b) as b:
+        refused = b.put("/v1/gateways/gw-x", json={**report, "worker": "box-2"})
+        assert refused.status_code == 403, refused.text
+        owner = refused.json()["error"]["details"]["owner"]
+        assert owner.startswith("gateway-") and owner in refused.json()["error"]["message"]
+    with second.client(token=first.admin_token) as admin:
+        assert admin.delete("/v1/gateways/gw-x").status_code == 200
+    with second.client(token_b) as b:
+        assert b.put("/v1/gateways/gw-x", json={**report, "worker": "box-2"}).status_code == 200
