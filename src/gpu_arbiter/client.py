@@ -138,7 +138,8 @@ class ArbiterClient:
     ) -> None:
         """``tls``: how an https controller is verified (and this client presents itself,
         for mutual TLS); by default from ``GPU_ARBITER_CA``, ``GPU_ARBITER_CLIENT_CERT`` and
-        ``GPU_ARBITER_CLIENT_KEY`` (:func:`~.tls.client_context`), else the system's CAs."""
+        ``GPU_ARBITER_CLIENT_KEY`` (:func:`~.tls.client_context`: a renewed certificate and
+        key are loaded again before a new connection), else the system's CAs."""
         self.urls = parse_urls(urls)
         self._current = 0
         token = token if token is not None else os.environ.get("GPU_ARBITER_TOKEN")
