@@ -118,7 +118,7 @@ def test_new_prefixes_spread_over_equal_replicas_by_rendezvous() -> None:
 
 def _view(*gateways: tuple[str, int]) -> dict[str, Any]:
     return {
-        "signature": "s", "peer_key": "k",
+        "signature": "s",
         "gateways": [
             {"name": name, "url": f"http://127.0.0.2:80{name[-1]}", "worker": f"box-{name[-1]}",
              "worker_state": "online", "routable": True,

@@ -15,12 +15,14 @@ from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.cluster.cluster import Cluster
 from gpu_arbiter.gateway.cluster.report import Reporter
 from gpu_arbiter.gateway.requests.app import GatewayApp
+from gpu_arbiter.peer_identity import Identity, Relayed
 
 from .fakes import FakeClock
 from .test_report import FakeController
 
 pytestmark = pytest.mark.timeout(20)
 Message = dict[str, Any]
+GW_2 = Identity("gw-2")
 
 
 def _gateway(name: str, model: str, state: str, routable: bool = True) -> dict[str, Any]:
@@ -68,8 +70,9 @@ def _front_door() -> tuple[GatewayApp, Cluster]:
     app.name = "gw-1"
     app.cluster = cluster
     cluster.apply(
-        {"signature": "s", "peer_key": "k",
-         "gateways": [_gateway("gw-2", "chat", "warm", routable=False),
+        {"signature": "s",
+         "gateways": [_gateway("gw-2", "chat", "warm", routable=False)
+                      | {"public_key": GW_2.public_key},
                       _gateway("gw-3", "other", "busy"), _gateway("gw-4", "other", "warm")]}
     )  # fmt: skip
     return app, cluster
@@ -153,18 +156,32 @@ async def test_a_named_copy_not_to_be_had_says_which_gateway_and_why(
         ("GET", "/v1/models"),
     ],
 )
-async def test_the_peer_credential_opens_no_route_but_a_models(method: str, path: str) -> None:
-    """With API keys here and none sent, the cluster's peer credential is refused (403)
-    everywhere but a relayed model request; a wrong one is 401 as ever."""
+async def test_a_peers_word_opens_no_route_but_a_models(method: str, path: str) -> None:
+    """With API keys here and none sent, a peer's verified header is refused (403
+    ``permission_denied``) everywhere but a relayed model request; one signed with
+    another key is refused (403 ``invalid_peer``, saying why). The serving gateway's
+    route records name the relay's sender, verified."""
     from gpu_arbiter.gateway.requests.access import Access, ApiKey
 
     app, _ = _front_door()
-    app.access = Access((ApiKey("ui", "ui-key-0123456789", "admin"),), "127.0.0.1", ())
-    peer = ((b"x-arbiter-peer", b"k"),)
-    status, answer = await _call(app, method, path, b"{}", peer)
+    admin = "ui-key-0123456789"
+    app.access = Access((ApiKey("ui", admin, "admin"),), "127.0.0.1", ())
+
+    def signed(by: Identity, method: str, path: str) -> tuple[tuple[bytes, bytes], ...]:
+        return ((b"x-arbiter-peer", by.sign("gw-1", Relayed(method, path.encode())).encode()),)
+
+    status, answer = await _call(app, method, path, b"{}", signed(GW_2, method, path))
     assert status == 403, answer
     assert "relayed model requests only" in answer["error"]["message"]
-    status, _ = await _call(app, method, path, b"{}", ((b"x-arbiter-peer", b"forged"),))
-    assert status == 401
-    status, answer = await _call(app, "POST", "/v1/chat/completions", b'{"model": "chat"}', peer)
+    status, answer = await _call(app, method, path, b"{}", signed(Identity("gw-2"), method, path))
+    assert status == 403 and answer["error"]["code"] == "invalid_peer", answer
+    assert "does not verify with gateway gw-2's public key" in answer["error"]["message"]
+    chat = "/v1/chat/completions"
+    status, answer = await _call(
+        app, "POST", chat, b'{"model": "chat"}', signed(GW_2, "POST", chat)
+    )
     assert status == 404 and answer["error"]["code"] == "model_not_found"  # served: no copy here
+    bearer = ((b"authorization", f"Bearer {admin}".encode()),)
+    status, shown = await _call(app, "GET", "/admin/routes", b"", bearer)
+    relayed = shown["routes"][0]
+    assert (relayed["outcome"], relayed["from"], relayed["verified"]) == ("relayed", "gw-2", True)

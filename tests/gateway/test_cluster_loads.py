@@ -46,7 +46,7 @@ def _view(priority: int) -> dict[str, Any]:
     """gw-2 on box-2 declares ``chat`` at ``priority``, with no replica: a cold load."""
     chat = {"id": "chat", "aliases": [], "max_parallel": 2, "in_flight": 0,
             "priority": priority, "replicas": []}  # fmt: skip
-    return {"signature": "s", "peer_key": "k", "gateways": [
+    return {"signature": "s", "gateways": [
         {"name": "gw-2", "url": "http://127.0.0.2:8082", "worker": "box-2",
          "worker_state": "online", "routable": True, "models": [chat]},
     ]}  # fmt: skip
@@ -127,7 +127,7 @@ async def test_a_host_that_refuses_a_connection_is_named_in_the_callers_error() 
     app.name, app.cluster = "gw-1", cluster
     chat = {"id": "chat", "aliases": [], "max_parallel": 2, "in_flight": 0,
             "replicas": [{"state": "warm", "in_flight": 0}]}  # fmt: skip
-    cluster.apply({"signature": "s", "peer_key": "k", "gateways": [
+    cluster.apply({"signature": "s", "gateways": [
         {"name": "gw-3", "url": "http://127.0.0.1:1", "worker": "box-3",
          "worker_state": "online", "routable": True, "models": [chat]},
     ]})  # fmt: skip

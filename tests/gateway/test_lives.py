@@ -129,7 +129,7 @@ async def test_a_load_names_the_peers_that_refused_a_connection_just_now() -> No
 
 
 def _own(state: str) -> dict[str, Any]:
-    return {"signature": state, "peer_key": "k", "gateways": [
+    return {"signature": state, "gateways": [
         {"name": "gw-1", "url": "http://127.0.0.1:1", "worker": "box", "worker_state": state,
          "routable": state == "online", "models": []},
     ]}  # fmt: skip

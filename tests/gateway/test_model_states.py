@@ -138,7 +138,7 @@ def _front_door(world: World, *peers: dict[str, Any]) -> GatewayApp:
         name="gw-1", worker="box-1", models={"chat": world.model},
         routes={"chat": "chat", "gpt": "chat"}, clock=world.clock,
     )  # fmt: skip
-    cluster.apply({"signature": "s", "peer_key": "k", "gateways": list(peers)})
+    cluster.apply({"signature": "s", "gateways": list(peers)})
     return _app(world, cluster)
 
 

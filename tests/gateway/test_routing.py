@@ -8,9 +8,10 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_arbiter.gateway.cluster.cluster import DOWN_S, PEER_OVERLAP_S, Cluster
+from gpu_arbiter.gateway.cluster.cluster import DOWN_S, GONE_KEEP_S, Cluster
 from gpu_arbiter.gateway.cluster.routing import Kind, route
 from gpu_arbiter.gateway.profile import Candidate as Host
+from gpu_arbiter.peer_identity import Identity, Relayed
 
 
 def test_a_ready_replica_with_a_free_slot_and_the_fewest_in_flight_wins() -> None:
@@ -173,8 +174,8 @@ class _Clock:
         self.t += seconds
 
 
-def _view(*gateways: dict[str, Any], key: str = "k1") -> dict[str, Any]:
-    return {"signature": "s", "peer_key": key, "gateways": list(gateways)}
+def _view(*gateways: dict[str, Any]) -> dict[str, Any]:
+    return {"signature": "s", "gateways": list(gateways)}
 
 
 def _gateway(name: str, state: str = "warm", routable: bool = True) -> dict[str, Any]:
@@ -211,22 +212,38 @@ def test_a_draining_peer_leaves_routing_and_a_view_without_a_peer_forgets_it() -
     assert not cluster.knows("chat")
 
 
-def test_the_previous_peer_credential_is_trusted_only_for_its_overlap_after_a_new_one() -> None:
+def test_a_peers_key_is_dropped_when_replaced_and_kept_a_while_when_its_gateway_left() -> None:
+    """A key replaced by another in the view (the peer restarted) is refused from that
+    view on; a gateway gone from the view (a new leader it has not reported to yet) keeps
+    its key for GONE_KEEP_S, then it is refused too."""
     clock = _Clock()
-    cluster = _cluster(clock)
-    cluster.apply(_view(key="first"))
-    clock.t += 1000.0  # one leader for long: its credential stays good
-    assert cluster.trusts("first")
-    cluster.apply(_view(key="second"))  # a new leader's
-    assert cluster.trusts("second") and cluster.trusts("first")  # relays in flight
-    assert not cluster.trusts("") and not cluster.trusts("third")
-    clock.t += PEER_OVERLAP_S - 0.1
-    cluster.apply(_view(key="second"))  # a new view of the same leader: no new overlap
-    assert cluster.trusts("first")
+    cluster = Cluster(
+        None,  # type: ignore[arg-type]
+        name="gw-1", worker="box-1", models={}, routes={}, clock=clock, wall=lambda: clock.t,
+    )  # fmt: skip
+    first, second = Identity("gw-2", wall=lambda: clock.t), Identity("gw-2", wall=lambda: clock.t)
+    relayed = Relayed("POST", b"/v1/chat/completions")
+
+    def from_(identity: Identity) -> str | None:
+        verdict = cluster.verify(identity.sign("gw-1", relayed), relayed)
+        return verdict if isinstance(verdict, str) else None
+
+    cluster.apply(_view(_gateway("gw-2") | {"public_key": first.public_key}))
+    clock.t += 1000.0  # one key for long: still good
+    assert from_(first) == "gw-2" and from_(second) is None
+    cluster.apply(_view(_gateway("gw-2") | {"public_key": second.public_key}))  # restarted
+    assert from_(first) is None and from_(second) == "gw-2"
+    cluster.apply(_view())  # a new leader's first view: gw-2 has not reported to it yet
+    clock.t += GONE_KEEP_S - 0.1
+    assert from_(second) == "gw-2" and from_(first) is None
+    cluster.apply(_view())
+    assert from_(second) == "gw-2"  # a view that still lacks it does not extend its time
     clock.t += 0.1
-    assert not cluster.trusts("first") and cluster.trusts("second")
-    cluster.apply(_view(key="third"))
-    assert not cluster.trusts("first") and cluster.trusts("second")
+    assert from_(second) is None
+    cluster.apply(_view(_gateway("gw-2") | {"public_key": second.public_key}))  # reported
+    assert from_(second) == "gw-2"
+    cluster.apply(_view(_gateway("gw-2")))  # it reports no key now: its old one is refused
+    assert from_(second) is None
 
 
 def test_requests_forwarded_to_a_peer_count_against_it_before_its_next_report() -> None:

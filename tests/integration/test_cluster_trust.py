@@ -1,22 +1,23 @@
 """A cluster that trusts no one: real controller, agents and gateways, each host's agent
 with a worker token and its gateway with a gateway token of its worker (token files),
-and an attacker who holds a plain client token, another host's gateway token, or the
-peer credential. Each attack is refused and changes nothing: the gateway list, the
-lease held, the name still its gateway's, the priority asked."""
+and an attacker who holds a plain client token, another host's gateway token, or a
+relay's signed header. Each attack is refused and changes nothing: the gateway list,
+the lease held, the name and key still its gateway's, the priority asked."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from gpu_arbiter.gateway.cluster.cluster import PEER_OVERLAP_S
+from gpu_arbiter.peer_identity import Identity, Relayed
 
 from .agents import free_port
-from .cluster import cluster_leases, model_leases, served_by
+from .cluster import cluster_leases, model_leases, routable, served_by
 from .conftest import Server, wait_for
 from .gateways import chat, model_entry
 from .test_cluster import Cluster
@@ -111,62 +112,138 @@ def test_a_client_token_joins_no_cluster_holds_no_lease_and_takes_no_name(
     )
 
 
-def test_the_peer_credential_opens_relays_only_capped_and_dies_with_its_leader(
+def _routes(admin: httpx.Client, gateway: str) -> list[dict[str, Any]]:
+    found = next(g for g in admin.get("/v1/gateways").json() if g["name"] == gateway)
+    return list(found["routes"])
+
+
+def test_a_peers_word_proves_its_sender_opens_relays_only_and_is_taken_once(
     cluster: Cluster,
 ) -> None:
-    cluster.host(2, "1x4G:sm_86", _models(cluster))
+    """gw-2's gateway token (the real gateway's own, from its token file) in an
+    attacker's hands: it may report a gateway of its own beside box-2 (gw-9, its own key),
+    whose signed relays gw-3 takes, for model requests only, at a priority capped by
+    gw-3's keys, and records as gw-9's, verified. It cannot speak as another host's
+    gateway: gw-3's name (and key) is gw-3's token's, and a relay signed as gw-2 with any
+    key but the one the real gw-2 reported is refused. A signed header that leaked is
+    refused when sent again, to another gateway, or with another path; a key replaced
+    (its gateway restarted) is refused once the serving gateway's view shows the new
+    one. The real gateways' own relays go on through a new leader."""
+    door = cluster.host(2, "1x4G:sm_86", _models(cluster))
     serving = cluster.host(3, "1x24G:sm_86", _models(cluster, SERVING_KEY))
     cluster.settled("chat")
-    old_key = cluster.admin.get("/v1/gateways/gw-3/cluster").json()["peer_key"]
     url = serving.gateway.url
+    stolen = door.gateway.token_file.read_text().strip()
+    own = Identity("gw-9")
+    attacker = cluster.server.client(stolen)
+
+    def report(name: str, identity: Identity) -> httpx.Response:
+        body = {"url": "http://127.0.0.66:9", "worker": "box-2", "public_key": identity.public_key}
+        return attacker.put(f"/v1/gateways/{name}", json=body)
 
     def as_peer(
-        key: str, method: str, path: str, body: object, priority: int | None = None
-    ) -> httpx.Response:
-        headers = {"x-arbiter-peer": key, "x-arbiter-via": "gw-2"}
+        signer: Identity,
+        method: str,
+        path: str,
+        body: object,
+        priority: int | None = None,
+    ) -> tuple[httpx.Response, dict[str, str]]:
+        given = "" if priority is None else str(priority)
+        headers = {"x-arbiter-peer": signer.sign("gw-3", Relayed(method, path.encode(), given))}
         if priority is not None:
-            headers["x-arbiter-priority"] = str(priority)
-        return httpx.request(method, url + path, headers=headers, json=body, timeout=60)
+            headers["x-arbiter-priority"] = given
+        answer = httpx.request(method, url + path, headers=headers, json=body, timeout=60)
+        return answer, headers
 
-    # 4. the credential and no API key: nothing but a relayed model request
-    for method, path in (
-        ("GET", "/metrics"),
-        ("GET", "/admin/routes"),
-        ("POST", "/admin/models/chat/pin"),
-        ("POST", "/admin/models/chat/unpin"),
-        ("POST", "/admin/models/chat/unload"),
-    ):
-        refused = as_peer(old_key, method, path, {})
-        assert refused.status_code == 403, (path, refused.text)
-        assert "relayed model requests only" in refused.json()["error"]["message"]
-    assert serving.gateway.model_state("chat")["pinned"] is False
-    served = as_peer(old_key, "POST", "/v1/chat/completions", chat("chat"), priority=1000)
-    assert served.status_code == 200 and served_by(served) == "gw-3/chat", served.text
-    (lease,) = model_leases(cluster.admin, "chat")
-    assert lease["priority"] == 800  # capped at the highest key of gw-3 (interactive)
+    def code(signer: Identity) -> str:
+        """gw-3's error code for ``GET /metrics`` signed by ``signer``: permission_denied
+        when its relay is taken (a peer's word opens no metrics), else invalid_peer."""
+        return str(as_peer(signer, "GET", "/metrics", {})[0].json()["error"]["code"])
 
-    # 5. a new leader's credential: the old one dies within PEER_OVERLAP_S of its view
+    def refused(answer: httpx.Response, *words: str) -> None:
+        assert answer.status_code == 403, answer.text
+        assert answer.json()["error"]["code"] == "invalid_peer", answer.text
+        for word in words:
+            assert word in answer.json()["error"]["message"], answer.text
+
+    try:
+        # 4. its own gateway: taken, for a relayed model request only, priority capped
+        assert report("gw-9", own).status_code == 200
+        wait_for(lambda: code(own) == "permission_denied", 20, "gw-9's key in gw-3's view")
+        for method, path in (
+            ("GET", "/metrics"),
+            ("GET", "/admin/routes"),
+            ("GET", "/v1/models"),
+            ("POST", "/admin/models/chat/pin"),
+            ("POST", "/admin/models/chat/unpin"),
+            ("POST", "/admin/models/chat/unload"),
+        ):
+            answer, _ = as_peer(own, method, path, {})
+            assert answer.status_code == 403, (path, answer.text)
+            assert "relayed model requests only" in answer.json()["error"]["message"]
+        assert serving.gateway.model_state("chat")["pinned"] is False
+        served, _ = as_peer(own, "POST", "/v1/chat/completions", chat("chat"), priority=1000)
+        assert served.status_code == 200 and served_by(served) == "gw-3/chat", served.text
+        (lease,) = model_leases(cluster.admin, "chat")
+        assert lease["priority"] == 800  # capped at the highest key of gw-3 (interactive)
+        wait_for(
+            lambda: any(r.get("from") == "gw-9" and r.get("verified") is True
+                        for r in _routes(cluster.admin, "gw-3")),
+            20, "gw-3's report naming gw-9's relay, verified",
+        )  # fmt: skip
+
+        # 5. not another's: its name, its key, its signature
+        taken = report("gw-3", own)
+        assert taken.status_code == 403 and "belongs to another token" in taken.text
+        theirs = {g["name"]: g["public_key"] for g in _view(cluster)["gateways"]}
+        assert theirs["gw-9"] == own.public_key
+        assert own.public_key not in (theirs["gw-2"], theirs["gw-3"]) and theirs["gw-3"]
+        forged = Identity("gw-2")  # signs as gw-2, with a key that is not gw-2's
+        answer, _ = as_peer(forged, "POST", "/v1/chat/completions", chat("chat"))
+        refused(answer, "does not verify with gateway gw-2's public key")
+        answer, _ = as_peer(Identity("gw-7"), "POST", "/v1/chat/completions", chat("chat"))
+        refused(answer, "gw-7 is not in this gateway's view")
+
+        # 6. a leaked header: taken once, for one gateway and one request
+        path = "/v1/chat/completions"
+        first, leaked = as_peer(own, "POST", path, chat("nothing"))
+        assert first.json()["error"]["code"] == "model_not_found", first.text  # taken
+        again = httpx.post(url + path, headers=leaked, json=chat("chat"), timeout=30)
+        refused(again, "replay")
+        elsewhere = httpx.post(
+            door.gateway.url + path, headers=leaked, json=chat("chat"), timeout=30
+        )
+        refused(elsewhere, "signed for gateway gw-3, not for this one (gw-2)")
+        other = {"x-arbiter-peer": own.sign("gw-3", Relayed("POST", b"/v1/embeddings"))}
+        moved = httpx.post(url + path, headers=other, json=chat("chat"), timeout=30)
+        refused(moved, "altered")
+        # 7. a key replaced: the old one refused once gw-3's view shows the new one
+        renewed = Identity("gw-9")
+        assert report("gw-9", renewed).status_code == 200
+        reported_at = time.monotonic()
+        wait_for(lambda: code(own) == "invalid_peer", 20, "gw-9's old key refused")
+        print(f"a replaced key refused {time.monotonic() - reported_at:.2f}s after its report")
+        assert code(renewed) == "permission_denied"
+        assert cluster.admin.delete("/v1/gateways/gw-9").status_code == 200
+    finally:
+        attacker.close()
+
+    # 8. a new leader: the real gateways report their keys again, and relay on
     cluster.server.kill9()
     cluster.server.start()
     admin = cluster.server.client()
     try:
-        new_key = wait_for(
-            lambda: admin.get("/v1/gateways/gw-3/cluster").json().get("peer_key"),
-            40,
-            "gw-3 reporting to the new leader",
-        )
-        seen_at = time.monotonic()
-        assert new_key != old_key
-
-        def refused_old() -> bool:
-            answer = as_peer(old_key, "POST", "/v1/chat/completions", chat("nothing"))
-            return answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_peer"
-
-        wait_for(refused_old, PEER_OVERLAP_S + 20, "the old credential refused")
-        took_s = time.monotonic() - seen_at
-        print(f"the old peer credential refused {took_s:.1f}s after the new leader's view")
-        assert took_s < PEER_OVERLAP_S + 15  # its view comes within a few seconds
-        fresh = as_peer(new_key, "POST", "/v1/chat/completions", chat("nothing"))
-        assert fresh.status_code == 404 and fresh.json()["error"]["code"] == "model_not_found"
+        wait_for(lambda: len(_view(cluster, admin)["gateways"]) == 2, 40, "both reporting again")
+        wait_for(lambda: routable(admin, cluster.hosts, "chat"), 40, "every host routable")
+        with door.gateway.client() as client:
+            again = client.post("/v1/chat/completions", json=chat("chat"))
+        assert again.status_code == 200 and served_by(again) == "gw-3/chat", again.text
     finally:
         admin.close()
+
+
+def _view(cluster: Cluster, admin: httpx.Client | None = None) -> dict[str, Any]:
+    answer = (admin or cluster.admin).get("/v1/gateways/gw-3/cluster")
+    assert answer.status_code == 200, answer.text
+    found: dict[str, Any] = answer.json()
+    return found

@@ -14,6 +14,7 @@ import pytest
 
 from gpu_arbiter.controller import Controller
 from gpu_arbiter.core import Constraints
+from gpu_arbiter.peer_identity import Identity
 from gpu_arbiter.server.app import create_app
 from gpu_arbiter.server.auth import Authenticator, create_token
 from gpu_arbiter.server.routes import _on_worker
@@ -109,6 +110,42 @@ async def test_a_gateway_token_reports_beside_its_own_worker_and_keeps_its_name(
     forgotten = await cluster.http.delete("/v1/gateways/gw-3", headers=cluster.as_("admin"))
     assert forgotten.status_code == 200
     assert (await cluster.report("gw-3b", "gw-3", "box-3")).status_code == 200
+
+
+async def test_a_gateways_public_key_is_its_names_and_shown_in_the_cluster_view(
+    cluster: Cluster,
+) -> None:
+    """The key a gateway reports is bound to its name (its token's): the view shows it to
+    the other gateways, a new one changes the view's signature (their long-polls answer),
+    another token cannot replace it, and a key that is not one is refused (422 naming
+    ``public_key``) and changes nothing."""
+    http = cluster.http
+    first, second = Identity("gw-3").public_key, Identity("gw-3").public_key
+    assert (await cluster.report("gw-3", "gw-3", "box-3", public_key=first)).status_code == 200
+    assert (await cluster.report("gw-2", "gw-2", "box-2")).status_code == 200  # none: allowed
+
+    async def view() -> dict[str, Any]:
+        answer = await http.get("/v1/gateways/gw-2/cluster", headers=cluster.as_("gw-2"))
+        assert answer.status_code == 200, answer.text
+        found: dict[str, Any] = answer.json()
+        assert "peer_key" not in found  # no credential is shared any more
+        return found
+
+    before = await view()
+    assert {g["name"]: g["public_key"] for g in before["gateways"]} == {"gw-2": None, "gw-3": first}
+    for bad in ("", "x" * 42, "+" * 43, first[:-2], first + "AA", 7, "a" * 65):
+        refused = await cluster.report("gw-3", "gw-3", "box-3", public_key=bad)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["message"].startswith("public_key: "), refused.text
+    taken = await cluster.report("gw-3b", "gw-3", "box-3", public_key=second)
+    _refused(taken, "belongs to another token")
+    still = await view()
+    assert still["signature"] == before["signature"]
+    assert {g["name"]: g["public_key"] for g in still["gateways"]} == {"gw-2": None, "gw-3": first}
+    assert (await cluster.report("gw-3", "gw-3", "box-3", public_key=second)).status_code == 200
+    after = await view()
+    assert {g["name"]: g["public_key"] for g in after["gateways"]}["gw-3"] == second
+    assert after["signature"] != before["signature"]
 
 
 async def test_a_gateway_token_asks_leases_on_its_own_worker_only(cluster: Cluster) -> None:

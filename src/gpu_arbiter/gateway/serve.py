@@ -217,6 +217,7 @@ async def _serve(
             client, name=name, url=url, host=socket.gethostname(),
             worker=worker, models=models, administer=app.administer, adopt=app.adopt,
             routes=lambda: () if app.cluster is None else app.cluster.last_routed(ROUTES_REPORTED),
+            public_key=app.cluster.identity.public_key,
         )  # fmt: skip
         for model in models.values():
             model.cluster = app.cluster

@@ -1,9 +1,9 @@
 """The cluster's front doors: what a gateway needs to serve a request on any host.
 
-    GET  /v1/gateways/{name}/cluster   every live gateway, its worker's state and its
-                                       models' routing figures, the cluster's loads
-                                       still queued, and the credential gateways show
-                                       each other; a long-poll
+    GET  /v1/gateways/{name}/cluster   every live gateway, its worker's state, its
+                                       public key (that its relays are checked with)
+                                       and its models' routing figures, the cluster's
+                                       loads still queued; a long-poll
     POST /v1/gateways/{name}/loads     a model's cold load, for the whole cluster
     DELETE /v1/gateways/{name}/loads   a front door waits no more for a model's load
 
@@ -171,7 +171,7 @@ async def cluster_view(
             if view["signature"] != after or left <= 0:
                 break
             await registry.moved(min(left, RECHECK_S))
-    return FiniteJSONResponse({**view, "peer_key": registry.peer_key})
+    return FiniteJSONResponse(view)
 
 
 def _view(ctl: Controller, registry: GatewayRegistry, askers: LoadAskers) -> dict[str, Any]:
@@ -227,6 +227,7 @@ def _gateway(
         "routable": routable,
         "stale": silent_s is not None,
         "reported_at": round(time.time() - (silent_s or 0.0), 3),
+        "public_key": report.public_key,
         "models": [_model(m) for m in report.models],
     }
 

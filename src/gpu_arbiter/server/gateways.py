@@ -22,16 +22,19 @@ token is refused (:func:`as_gateway`).
 
 A name belongs to the token (its id) that first reported it, live or stale: another
 token but an admin's is refused, so a gateway that stopped reporting keeps its name
-until its own token reports again. The owner's goodbye (``DELETE``) forgets the report
-but keeps the name for it; an admin's forgets both (``gpu-arbiter gateways forget``),
-so that a gateway given a new token may take its name again. Unlike the reports, the
-names are stored (:class:`Names`, the controller's ``controller.names``): a restarted
-controller, or a standby that takes over, refuses a name to another token as the one
-before did. A name whose token was revoked is free: the next token that reports it
-takes it (the revoked token can never report again, and its id is never issued again,
-so keeping the name would only make the operator forget it by hand). Commands are
-handed over once: in the answer to the next report or to a long-poll, whichever comes
-first.
+until its own token reports again. So does the public key a gateway reports with its
+name (``peer_identity.py``): only the name's token sets it, and the cluster view shows
+it to the other gateways, which check the requests it relays with it (a new key, from a
+restarted gateway, changes the view: every gateway's long-poll has it within a second).
+The owner's goodbye (``DELETE``) forgets the report but keeps the name for it; an
+admin's forgets both (``gpu-arbiter gateways forget``), so that a gateway given a new
+token may take its name again. Unlike the reports, the names are stored (:class:`Names`,
+the controller's ``controller.names``): a restarted controller, or a standby that takes
+over, refuses a name to another token as the one before did. A name whose token was
+revoked is free: the next token that reports it takes it (the revoked token can never
+report again, and its id is never issued again, so keeping the name would only make the
+operator forget it by hand). Commands are handed over once: in the answer to the next
+report or to a long-poll, whichever comes first.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Report:
     worker: str | None
     models: Sequence[Mapping[str, Any]]
     routes: Sequence[Mapping[str, Any]] = ()  # its last routing decisions, as a front door
+    public_key: str | None = None  # its Ed25519 key, that its peers check its relays with
 
 
 @dataclass(slots=True)
@@ -145,7 +149,6 @@ class GatewayRegistry:
         names: Names,
         *,
         clock: Callable[[], float] = time.monotonic,
-        peer_key: str | None = None,
         ttl_s: float = TTL_S,
         forget_s: float = FORGET_S,
         max_gateways: int = MAX_GATEWAYS,
@@ -163,10 +166,6 @@ class GatewayRegistry:
         free (set by the server; tests keep every token)."""
         self.adoptable: Adoptable = lambda worker: []
         """The cluster's leases a gateway's worker should adopt (set by the server)."""
-        self.peer_key = peer_key or secrets.token_urlsafe(32)
-        """The credential gateways show each other when one forwards a request to
-        another (``x-arbiter-peer``): issued by this controller, handed to each gateway
-        that reports (never written in a config); a new leader issues a new one."""
         self._moved = asyncio.Event()  # a gateway came, left, or its report changed
 
     # ------------------------------------------------------------------ the gateway's side

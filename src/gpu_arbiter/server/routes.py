@@ -513,7 +513,10 @@ async def report_gateway(
         )
     models = [m.model_dump(exclude_none=True) for m in body.models]
     routes = [dict(route) for route in body.routes]
-    report = Report(url=body.url, host=body.host, worker=worker, models=models, routes=routes)
+    report = Report(
+        url=body.url, host=body.host, worker=worker, models=models, routes=routes,
+        public_key=body.public_key,
+    )  # fmt: skip
     commands = registry.report(name, who, report)
     answer = {"name": name, "ttl_s": registry.ttl_s, "report_s": REPORT_S}
     return FiniteJSONResponse({**answer, "commands": [c.as_dict() for c in commands]})

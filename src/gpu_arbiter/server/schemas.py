@@ -46,6 +46,7 @@ from ..core import (
     json_value_problem,
     priority_name,
 )
+from ..peer_identity import decode_key
 from ..store import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
 
 # ---------------------------------------------------------------- strict JSON bodies
@@ -393,11 +394,23 @@ class GatewayModelIn(_In):
     replicas: Annotated[list[SmallObject], Field(max_length=64)] = Field(default_factory=list)
 
 
+def _public_key(text: str) -> str:
+    try:
+        decode_key(text)
+    except InvalidInput as error:
+        raise PydanticCustomError("public_key", error.reason) from None
+    return text
+
+
 class GatewayReportIn(_In):
     """A gateway's report of itself: where it listens, its host, the worker it runs
-    beside (when it knows one), and every model it serves."""
+    beside (when it knows one), every model it serves, and its public key (Ed25519, 32
+    raw bytes in base64url: its peers check the requests it relays with it)."""
 
     url: Annotated[Text, AfterValidator(_http_url)] = ""
+    public_key: Annotated[StrictStr, Field(max_length=64), AfterValidator(_public_key)] | None = (
+        None
+    )
     host: Text = ""
     worker: Short | None = None
     models: Annotated[list[GatewayModelIn], Field(max_length=256)] = Field(default_factory=list)

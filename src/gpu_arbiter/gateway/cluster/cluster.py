@@ -5,11 +5,16 @@ The view comes from ``GET /v1/gateways/{name}/cluster`` (``server/cluster.py``),
 long-poll answered when it changes (a gateway came, left or turned stale, a worker began
 draining or went offline, a model's state moved): :meth:`Cluster.follow` keeps it, for
 the gateway's life. Each request is then routed here without asking the controller
-(``routing.py``: warm, then coming, then a load). The view also carries the credential
-the controller issued for gateways to show each other (``x-arbiter-peer``): a request
-forwarded by a peer is trusted with it, and only with it (the previous credential is
-still accepted for :data:`PEER_OVERLAP_S` after a new leader's view brought another,
-for the relays then in flight, and refused after).
+(``routing.py``: warm, then coming, then a load). The view also shows each gateway's
+public key: this gateway signs every request it relays with its own key, for the peer it
+goes to (:meth:`Cluster.sign`), and takes a relayed request as a peer's only when its
+signature verifies with the sender's key as this view shows it (:meth:`Cluster.verify`,
+``peer_identity.py``). A sender or key not in the view makes this gateway ask for its
+view again at once (:meth:`Cluster.relearn`, at most once every :data:`RELEARN_S`): a
+peer that just started, or reported a new key, is known then. A key the view no longer
+shows is refused from that view on: replaced by another key (the gateway restarted), at
+once; its gateway gone from the view (forgotten, or a new leader it has not reported to
+yet), :data:`GONE_KEEP_S` after.
 
 A cold load for the cluster (:meth:`Cluster.load`) is asked once per model by this
 gateway however many requests wait for it (and once for the whole cluster: the
@@ -35,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 import ssl
@@ -46,7 +50,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from ...client import ApiError, ArbiterClient, ControllerUnreachable
+from ...peer_identity import Identity, Keys, Refusal, Relayed, Verifier, decode_key
 from ..base.clock import Clock
 from ..base.race import sleep_or
 from ..base.scopes import CancelScope
@@ -72,7 +79,7 @@ DOWN_S = 5.0
 controller's view shows it again after a change)."""
 DOWN_WHY = "refused a connection just now"
 RELEARN_S = 1.0
-"""A credential not known here: the view is asked for again at most this often."""
+"""A peer's sender or key not known here: the view is asked for again at most this often."""
 RELEARN_WAIT_S = 3.0
 UNRESPONSIVE = "the gateway does not answer its liveness check"
 """The reason a relay to a silent peer was cut (``liveness.py``)."""
@@ -88,10 +95,10 @@ ROUTES_KEPT = 200
 """The routing decisions kept for ``GET /admin/routes`` (the newest; the report carries
 the last :data:`ROUTES_REPORTED`)."""
 ROUTES_REPORTED = 20
-PEER_OVERLAP_S = 10.0
-"""How long the previous peer credential is still accepted once a view brought a new
-one (a new leader's): the relays sent with it just before go through; after, a
-credential of a controller that no longer leads opens nothing here."""
+GONE_KEEP_S = 10.0
+"""A peer's key is still taken this long after a view no longer shows its gateway at
+all (a new leader it has not reported to yet: it reports within 5 s); a key replaced by
+another in the view is refused at once."""
 PEER_KEEP = 64
 """Idle connections kept to each peer gateway."""
 _READY = ("warm", "busy")
@@ -176,7 +183,10 @@ class Cluster:
         affinity: Affinity | None = None,
         liveness: LivenessSettings | None = None,
         peer_tls: ssl.SSLContext | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        """``wall``: the wall clock (the time a relay is signed at and checked against;
+        a fake one in tests)."""
         self.client = client
         self.name = name
         self.worker = worker
@@ -185,9 +195,10 @@ class Cluster:
         self.clock = clock
         self.peers: dict[str, Peer] = {}
         self.loads: dict[str, Mapping[str, Any]] = {}  # model -> its load queued, as the view shows
-        self.keys: list[str] = []  # the peer credentials accepted, newest first
-        self.key = ""
-        self._previous_until = 0.0  # the previous credential is accepted until then
+        self.identity = Identity(name, wall=wall)  # this gateway's key pair, in memory only
+        self.verifier = Verifier(name, wall=wall)
+        self.keys: dict[str, Ed25519PublicKey | None] = {}  # each peer's, as the view shows
+        self._gone_keys: dict[str, tuple[Ed25519PublicKey, float]] = {}  # left it: until
         self._relearning: asyncio.Future[None] | None = None  # the view asked again now
         self._relearned_at = 0.0
         self.signature = ""
@@ -286,11 +297,7 @@ class Cluster:
     def apply(self, view: Mapping[str, Any]) -> None:
         """Takes a view of the cluster (``GET /v1/gateways/{name}/cluster``)."""
         self.signature = str(view.get("signature") or "")
-        key = str(view.get("peer_key") or "")
-        if key and key != self.key:
-            self.keys = [key, *([self.key] if self.key else [])]
-            self.key = key
-            self._previous_until = self.clock.now() + PEER_OVERLAP_S
+        self._keys(view.get("gateways") or ())
         found: dict[str, Peer] = {}
         for gateway in view.get("gateways") or ():
             name = str(gateway.get("name"))
@@ -345,19 +352,46 @@ class Cluster:
             return ""
         return f"worker {self.worker} is {self.own_state}"
 
-    def trusts(self, key: str) -> bool:
-        """Whether ``key`` is the credential the controller issued to its gateways (or
-        the previous one, for :data:`PEER_OVERLAP_S` after the new one came)."""
-        overlap = self.clock.now() < self._previous_until
-        accepted = self.keys if overlap else self.keys[:1]
-        return any([hmac.compare_digest(key.encode(), k.encode()) for k in accepted])
+    # ------------------------------------------------------------------ the peers' keys
 
-    async def learned(self, key: str) -> bool:
-        """Whether ``key``, not a credential known here, is one once the view has been
-        asked for again at once: a peer that has a new leader's view relays with its new
-        credential before this gateway's long-poll brings it. The view is asked at most
-        once every :data:`RELEARN_S` however many such requests come, each waiting at
-        most :data:`RELEARN_WAIT_S` for it."""
+    def _keys(self, gateways: Any) -> None:
+        """Each peer's public key as a new view shows it. A key the view no longer shows
+        because its gateway left the view is kept :data:`GONE_KEEP_S` more; one replaced
+        by another key, or by none, is dropped now."""
+        now = self.clock.now()
+        keys: dict[str, Ed25519PublicKey | None] = {}
+        for gateway in gateways:
+            name = str(gateway.get("name"))
+            if name != self.name:
+                keys[name] = _public_key(name, gateway.get("public_key"))
+        for name, key in self.keys.items():
+            if name not in keys and key is not None:
+                self._gone_keys[name] = (key, now + GONE_KEEP_S)
+        self._gone_keys = {
+            n: (k, until) for n, (k, until) in self._gone_keys.items()
+            if n not in keys and until > now
+        }  # fmt: skip
+        self.keys = keys
+
+    def _known_keys(self) -> Keys:
+        now = self.clock.now()
+        gone = {n: k for n, (k, until) in self._gone_keys.items() if until > now}
+        return {**gone, **self.keys}
+
+    def sign(self, to: str, relayed: Relayed) -> str:
+        """The ``x-arbiter-peer`` header of a request this gateway relays to peer ``to``."""
+        return self.identity.sign(to, relayed)
+
+    def verify(self, header: str, relayed: Relayed) -> str | Refusal:
+        """The peer that sent ``relayed`` with ``header`` (its signature verified with its
+        key as the view shows it), or why it is not taken (``peer_identity.py``)."""
+        return self.verifier.verify(header, relayed, self._known_keys())
+
+    async def relearn(self) -> None:
+        """Asks for the view again at once (a peer's sender or key is not known here: a
+        gateway that just started, or restarted with a new key, relays before this
+        gateway's long-poll brings it). At most once every :data:`RELEARN_S` however
+        many such requests come, each waiting at most :data:`RELEARN_WAIT_S` for it."""
         now = self.clock.now()
         if self._relearning is None or (
             self._relearning.done() and now - self._relearned_at >= RELEARN_S
@@ -366,7 +400,16 @@ class Cluster:
             self._relearning = self._task(self._relearn())
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self._relearning), RELEARN_WAIT_S)
-        return self.trusts(key)
+
+    def relayed_in(self, model: str, sender: str) -> None:
+        """A request a peer relayed here, its sender proven by its signature: recorded
+        beside this front door's own decisions (``GET /admin/routes``), for the audit."""
+        why = f"{model}: relayed by {sender} (its signature verified)"
+        log.debug("route: %s", why)
+        self._routed.append(
+            {"at": round(time.time(), 3), "model": model, "outcome": "relayed", "from": sender,
+             "verified": True, "to": self.name, "why": why}
+        )  # fmt: skip
 
     async def _relearn(self) -> None:
         path = f"/v1/gateways/{self.name}/cluster"
@@ -802,6 +845,18 @@ def _unknown_here(error: ApiError, gateway: str) -> bool:
     """Whether the controller refused because ``gateway`` has not reported to it (yet):
     a new leader knows the gateways only from their next reports."""
     return error.status in (404, 409) and error.details.get("gateway") == gateway
+
+
+def _public_key(name: str, text: object) -> Ed25519PublicKey | None:
+    """A peer's public key as the view shows it (the controller checked it); None when it
+    shows none, or one that is not a key."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return decode_key(text)
+    except ValueError:
+        log.warning("gateway %s: its public key in the view is not one: its relays refused", name)
+        return None
 
 
 def _peer(gateway: Mapping[str, Any], old: Peer | None, tls: ssl.SSLContext | None) -> Peer:

@@ -4,8 +4,9 @@ The controller never connects to a gateway (no URL a client gave it is ever fetc
 the gateway connects out, as the agents do. Three loops, for the gateway's life:
 
 - report: ``PUT /v1/gateways/{name}`` with every model as ``GET /v1/models`` describes
-  it, at start, every ``report_s`` (5 s; the controller shows a gateway stale after
-  15 s without one), and ``debounce_s`` (0.25 s) after a model's state changed;
+  it and the gateway's public key (its peers check its relays with it), at start,
+  every ``report_s`` (5 s; the controller shows a gateway stale after 15 s without
+  one), and ``debounce_s`` (0.25 s) after a model's state changed;
 - watch: waits on the models' changes (``ModelServer.changed``) and asks for that early
   report when what the operator sees moved (a state, a pin, a lease), not when only a
   request count did: a busy gateway does not report four times a second;
@@ -145,6 +146,7 @@ class Reporter:
         administer: Administer,
         adopt: Adopt | None = None,
         routes: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
+        public_key: str | None = None,
         report_s: float = REPORT_S,
         debounce_s: float = DEBOUNCE_S,
         backoff_s: float = BACKOFF_FIRST_S,
@@ -158,6 +160,7 @@ class Reporter:
         self.administer = administer
         self.adopt = adopt
         self.routes = routes  # the front door's last routing decisions
+        self.public_key = public_key  # this gateway's (``peer_identity.Identity``)
         self.report_s = report_s
         self.debounce_s = debounce_s
         self.backoff_s = backoff_s
@@ -206,6 +209,8 @@ class Reporter:
             "models": [model_report(m) for m in self.models.values()],
             "routes": [_reported(r) for r in list(self.routes())[-ROUTES_REPORTED:]],
         }
+        if self.public_key is not None:
+            body["public_key"] = self.public_key
         try:
             answer = await self.client.report_gateway(self.name, body)
         except ControllerUnreachable as error:

@@ -16,9 +16,9 @@ error shape):
    ``admin``: else 403 ``permission_denied``. Without keys (loopback only) it is open
    like the rest.
 
-A request another gateway relays carries the cluster's peer credential
-(``x-arbiter-peer``, ``requests/request.py``) instead of a key: it opens the relayed
-model requests only (the OpenAI routes and ``/models/...``), never ``/metrics``,
+A request another gateway relays carries that gateway's signed header
+(``x-arbiter-peer``, ``peer_identity.py``) instead of a key; verified, it opens the
+relayed model requests only (the OpenAI routes and ``/models/...``), never ``/metrics``,
 ``/admin/...`` or the listing (403 ``permission_denied``: :data:`PEER_ONLY`). The
 priority a peer names (``x-arbiter-priority``: what its front door's key gave its
 caller) is capped at :attr:`Access.max_priority`, the highest any key of this gateway
@@ -88,10 +88,10 @@ class Denial:
 PEER_ONLY = Denial(
     403,
     "permission_denied",
-    "the x-arbiter-peer credential opens relayed model requests only; this route needs "
+    "a peer's x-arbiter-peer opens relayed model requests only; this route needs "
     "an API key of [gateway] api_keys",
 )
-"""A peer's credential on any route but a model's."""
+"""A peer's verified header on any route but a model's."""
 
 
 class Access:

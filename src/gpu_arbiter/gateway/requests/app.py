@@ -40,7 +40,12 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
 
     400 no_model                the body names no model (not JSON, no ``model`` field)
     401 invalid_api_key         no key, or not one of ``[gateway] api_keys``
-    403 permission_denied       a user key on an ``/admin/`` route
+    403 permission_denied       a user key on an ``/admin/`` route; a peer's header on
+                                any route but a model's
+    403 invalid_peer            a peer's ``x-arbiter-peer`` not taken, saying why (not
+                                for this gateway, out of its time window, a sender or
+                                key this gateway's view does not show even when asked
+                                again, a signature that does not verify, a replay)
     404 model_not_found         an unknown model (naming the known ones)
     404 not_found               no such route
     413 too_large               a body over ``max_body_bytes``
@@ -90,6 +95,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ...peer_identity import Refusal, Relayed
 from ..base.metrics import GatewayMetrics
 from ..base.race import within
 from ..base.scopes import CancelScope
@@ -122,7 +128,7 @@ from .bodies import (
 )
 from .front_door import front_door
 from .relay import Forwards, to_replica
-from .request import PEER, Outbound, Request, chain, declared_length
+from .request import LEASE, Outbound, Request, chain, declared_length
 from .waits import Wait, acquire
 
 __all__ = ["ADMIN_VERBS", "STOPPING", "GatewayApp"]
@@ -191,9 +197,9 @@ class GatewayApp:
         self._quiet.clear()
         try:
             with contextlib.suppress(ClientGone):
-                request = Request.build(scope, receive, send, self.access, self._trusts)
+                request = Request.build(scope, receive, send, self.access, self._verify)
                 if await self._relearned(request):
-                    request = Request.build(scope, receive, send, self.access, self._trusts)
+                    request = Request.build(scope, receive, send, self.access, self._verify)
                 await self._http(request)
         finally:
             self._running -= 1
@@ -201,21 +207,28 @@ class GatewayApp:
                 self._quiet.set()
 
     async def _relearned(self, request: Request) -> bool:
-        """A peer's credential not known here that is once the view is asked for again
-        (a peer may have a new leader's view before this gateway does)."""
-        if request.peer is not False or self.cluster is None:
+        """Whether the view was asked for again because a peer's header named a sender or
+        key not known here (a peer that just started or restarted may relay before this
+        gateway's view shows it): the request is then verified again, once."""
+        refused = request.peer_refused
+        if refused is None or not refused.ask_again or self.cluster is None:
             return False
-        return await self.cluster.learned(request.headers.get(PEER, ""))
+        await self.cluster.relearn()
+        return True
 
-    def _trusts(self, credential: str) -> bool:
-        return self.cluster is not None and self.cluster.trusts(credential)
+    def _verify(self, signed: str, relayed: Relayed) -> str | Refusal:
+        if self.cluster is None:
+            return Refusal("this gateway is in no cluster: it takes no relayed request")
+        return self.cluster.verify(signed, relayed)
 
     async def _http(self, request: Request) -> None:
         """The checks every route shares, in order, then the route's handler."""
         handler, to_a_model = _route_of(request.method, request.path)
-        if request.peer is False:
-            message = "the x-arbiter-peer credential is not this cluster's"
-            await send_error(request.send, 401, message, "invalid_peer")
+        if request.peer_refused is not None:
+            why = request.peer_refused.why
+            log.info("a relayed %s %s refused: %s", request.method, request.path[:200], why)
+            message = f"x-arbiter-peer refused: {why}"
+            await send_error(request.send, 403, message, "invalid_peer")
             return
         headers = request.headers
         if request.peer:  # relayed by a peer: a model's route only (access.py)
@@ -388,10 +401,11 @@ class GatewayApp:
         else through the front door when there is a cluster, then here if it says so."""
         request.model = name
         if self.cluster is not None and request.peer:
+            self.cluster.relayed_in(name, request.peer)
             model, at, host = name.rpartition("@")
             if at and host == self.name:  # MODEL@GATEWAY, named at a front door: this copy
                 name = model
-            lease_id = request.headers.get(b"x-arbiter-lease")
+            lease_id = request.headers.get(LEASE)
             found = self.routes.get(name)
             if lease_id and found is not None:
                 await self.cluster.adopt(self.models[found], lease_id)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import httptools
 
+from ...peer_identity import Relayed
 from ..base.race import running_if_waiting, within
 from ..base.scopes import CancelScope
 from ..base.upstream import NotConnected, Upstream, UpstreamError
@@ -37,7 +38,7 @@ from .access import Access
 from .answers import STOPPING, Headers, Receive, Send, send_error, send_final_error
 from .bodies import TooLarge
 from .renamed import HELD_MAX, Events, named_already, renamed
-from .request import PEER, Request
+from .request import LEASE, PEER, PRIORITY, Request
 
 __all__ = [
     "CUT_FORWARDS_S",
@@ -65,11 +66,12 @@ _HOP = frozenset(
     }
 )
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
-_PEER_HEADERS = frozenset(
-    {PEER, b"x-arbiter-priority", b"x-arbiter-lease", b"x-arbiter-via", b"authorization"}
-)
-_HOP_TO_PEER = _HOP | _PEER_HEADERS
-_HOP_TO_OUR_SERVER = _HOP | {b"authorization"}  # with keys, the key is ours
+_PEER_HEADERS = frozenset({PEER, PRIORITY, LEASE, b"x-arbiter-via"})
+"""What a peer's word says: never passed on as it came (to a peer, this gateway's own
+are sent; to a model server, none: a signed header is nobody else's to read)."""
+_HOP_TO_PEER = _HOP | _PEER_HEADERS | {b"authorization"}
+_HOP_TO_OUR_SERVER = _HOP | _PEER_HEADERS | {b"authorization"}  # with keys, the key is ours
+_HOP_TO_OPEN_SERVER = _HOP | _PEER_HEADERS
 CUT_FORWARDS_S = 1.0
 """At the stop, after the grace: how long the relays cut then may take to say so."""
 WATCH_AFTER_S = 0.02
@@ -183,7 +185,7 @@ async def to_replica(
     status sent (0 when the client went away). The answer to a JSON request names the
     model as the request did (``renamed.py``): at the gateway that serves it, so that
     every front door passes it on as it is."""
-    drop = _HOP_TO_OUR_SERVER if app.access.auth else _HOP
+    drop = _HOP_TO_OUR_SERVER if app.access.auth else _HOP_TO_OPEN_SERVER
     headers = [(k, v) for k, v in request.raw_headers if k.lower() not in drop]
     cancel = CancelScope()  # by the replica's cut, or by the client's disconnect
     replica.relays.add(cancel)
@@ -223,11 +225,13 @@ async def to_peer(
     if peer is None:
         return None
     headers = [(k, v) for k, v in request.raw_headers if k.lower() not in _HOP_TO_PEER]
-    headers += [(PEER, cluster.key.encode()), (b"x-arbiter-via", app.name.encode())]
-    if request.priority is not None:
-        headers.append((b"x-arbiter-priority", str(request.priority).encode()))
+    priority = "" if request.priority is None else str(request.priority)
+    relayed = Relayed(request.method, request.body.target, priority, lease_id or "")
+    headers.append((PEER, cluster.sign(gateway, relayed).encode()))
+    if priority:
+        headers.append((PRIORITY, priority.encode()))
     if lease_id is not None:
-        headers.append((b"x-arbiter-lease", lease_id.encode()))
+        headers.append((LEASE, lease_id.encode()))
     failed = functools.partial(_peer_failed, cluster, gateway, model)
     cancel, key = CancelScope(), (gateway, model)
     cluster.forwarding[key] += 1
