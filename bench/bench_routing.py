@@ -121,7 +121,7 @@ def view(rng: random.Random) -> dict[str, Any]:
                 "models": models,
             }
         )
-    return {"signature": "bench", "peer_key": "bench-key", "gateways": gateways}
+    return {"signature": "bench", "gateways": gateways}
 
 
 def timed(decide: Callable[[str], Any], names: Sequence[str], passes: int) -> list[float]:
