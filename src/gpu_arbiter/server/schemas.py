@@ -604,7 +604,9 @@ class GatewayOut(_Out):
     routes: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Its last routing decisions as a front door (newest last): model, "
-        "outcome (local, peer, load, none), to (a gateway), why, at (Unix time)",
+        "outcome (local, peer, load, none, placed; relayed: a request another front door "
+        "relayed here, with from, its sender, and verified), to (a gateway), why, at "
+        "(Unix time)",
     )
 
 
