@@ -1,6 +1,6 @@
 """The cluster front door's extra hop and its cold burst:
-``python bench/bench_frontdoor.py [--against [REV]] [--seconds 3] [--runs 3] [--burst 200]
-[--load-s 0.2]``.
+``python bench/bench_frontdoor.py [--against [REV] | --tls] [--seconds 3] [--runs 3]
+[--burst 200] [--load-s 0.2]``.
 
 A controller (memory store) and two hosts on this machine, each an agent with its own
 worker name, simulated GPU and runtime directory and a gateway on its own loopback
@@ -12,7 +12,7 @@ gw-3 on 127.0.0.3. Both gateways declare model ``chat`` (tests/integration/model
    connection sending ``POST /v1/completions`` one after the other), in turn within
    each run: (a) direct to gw-3, the gateway beside the replica; (b) via gw-2, the
    front door that forwards to gw-3. Every answer of (b) must carry ``x-served-by:
-   gw-3/chat``. Prints the medians over ``--runs`` of p50, p99 and requests/s of each,
+   gw-3/chat``. Prints the medians over ``--runs`` of p50, p90, p99 and requests/s of each,
    and of what the front door adds in each run; the goal: at most 0.5 ms added at p50
    with one caller.
 2. **The cold burst.** Both gateways also declare fresh models (``cold-N``, 1 GiB,
@@ -37,6 +37,24 @@ tree, the ratio this tree / REV of what the front door adds (p50 and p99), and w
 this tree meets the goal. The cold burst then runs on this tree only, in a cluster of
 its own.
 
+With ``--tls`` the extra hop is measured with every part over TLS against the same
+without, in one run: two clusters of this tree run side by side, one plain, one whose
+controller listens over mutual TLS (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``;
+its agents and gateways show their host's certificate: ``GPU_ARBITER_CA``,
+``GPU_ARBITER_CLIENT_CERT``, ``GPU_ARBITER_CLIENT_KEY``) and whose gateways listen over
+HTTPS (``tls_cert``, ``tls_key``, ``tls_client_ca`` in ``[gateway]``) and relay to each
+other over mutual TLS; the CA and certificates are made as ``gpu-arbiter tls`` makes
+them. The callers talk HTTPS to both gateways, verifying the cluster's CA, with no
+certificate of their own (an SDK's way). The ``--runs`` rounds measure each cluster in
+turn (TLS first in even rounds, plain first in odd ones), both paths with 1 and 16
+callers. During each turn via gw-2, the connections open to gw-3 (``ss``) are looked at
+a quarter into the turn and at its end: every one of the first must still be open at
+the end (the front door's kept-alive connections reused, not one per request), else
+the bench stops. Prints both clusters' medians as above, then TLS's cost per hop: in
+each round, what the front door adds with TLS less what it adds without (p50, p90,
+p99), the medians of those, the ratio of the added p50s, and the goal: at most
++0.3 ms at p50 with one caller. No cold burst.
+
 Every process is stopped at the end of each cluster's turn (SIGTERM, then a wait;
 SIGKILL after 30 s), also on errors. Everything shares this machine's cores: the
 figures include the contention of the callers, both gateways, the agents, the
@@ -52,6 +70,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -63,14 +82,19 @@ from typing import Any
 
 import httpx
 
+from gpu_arbiter.certs import create_ca, create_cert
+from gpu_arbiter.tls import CA_ENV, CLIENT_CERT_ENV, CLIENT_KEY_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_SERVER = ROOT / "tests" / "integration" / "model_server.py"
 CALLERS = (1, 16)
 GOAL_ADDED_P50_MS = 0.5
 GOAL_BURST_RATIO = 1.2
+GOAL_TLS_P50_MS = 0.3
+TLS_ENV = (CA_ENV, CLIENT_CERT_ENV, CLIENT_KEY_ENV)
 BEFORE = "94a2739"  # the last commit before the gateway's packages and request path
 
-Figures = tuple[float, float, float]  # p50 ms, p99 ms, requests/s
+Figures = tuple[float, float, float, float]  # p50 ms, p90 ms, p99 ms, requests/s
 Run = dict[int, tuple[Figures, Figures]]  # callers: (direct, via the front door)
 
 
@@ -91,8 +115,12 @@ class Conn:
         self.body = b""
 
     @classmethod
-    async def open(cls, address: tuple[str, int], model: str) -> Conn:
-        return cls(*await asyncio.open_connection(*address), model)
+    async def open(
+        cls, address: tuple[str, int], model: str, tls: ssl.SSLContext | None = None
+    ) -> Conn:
+        """A connection to ``address``; over TLS with ``tls`` (the gateway's certificate
+        verified for its address)."""
+        return cls(*await asyncio.open_connection(*address, ssl=tls), model)
 
     async def call(self) -> int:
         self.writer.write(self.head)
@@ -116,11 +144,18 @@ class Conn:
 
 
 async def measure(
-    address: tuple[str, int], callers: int, seconds: float, served_by: str
-) -> tuple[float, float, float]:
-    """(p50 ms, p99 ms, requests/s) of ``callers`` connections to ``address`` for
-    ``seconds``; every answer a 200 served by ``served_by``."""
-    conns = [await Conn.open(address, "chat") for _ in range(callers)]
+    address: tuple[str, int],
+    callers: int,
+    seconds: float,
+    served_by: str,
+    tls: ssl.SSLContext | None = None,
+    kept: Kept | None = None,
+) -> Figures:
+    """(p50 ms, p90 ms, p99 ms, requests/s) of ``callers`` connections to ``address``
+    (over TLS with ``tls``) for ``seconds``; every answer a 200 served by ``served_by``.
+    With ``kept``, the connections it looks at are looked at a quarter into the time (those
+    the pool found idle too long are new by then) and at its end."""
+    conns = [await Conn.open(address, "chat", tls) for _ in range(callers)]
     for conn in conns:  # warm each connection
         assert await conn.call() == 200
     latencies: list[float] = []
@@ -134,16 +169,53 @@ async def measure(
             if status != 200 or conn.served_by != served_by:
                 raise SystemExit(f"{address}: {status}, served by {conn.served_by!r}")
 
+    async def look() -> None:
+        if kept is not None:
+            await asyncio.sleep(seconds / 4)
+            kept.first = await asyncio.to_thread(kept.open_now)
+
     began = time.perf_counter()
     try:
-        await asyncio.gather(*(loop(conn) for conn in conns))
+        await asyncio.gather(look(), *(loop(conn) for conn in conns))
+        elapsed = time.perf_counter() - began
+        if kept is not None:
+            kept.last = await asyncio.to_thread(kept.open_now)
     finally:
         for conn in conns:
             conn.close()
-    elapsed = time.perf_counter() - began
     latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-    return statistics.median(latencies) * 1e3, p99 * 1e3, len(latencies) / elapsed
+    p90, p99 = (latencies[min(len(latencies) - 1, int(len(latencies) * q))] for q in (0.9, 0.99))
+    return statistics.median(latencies) * 1e3, p90 * 1e3, p99 * 1e3, len(latencies) / elapsed
+
+
+class Kept:
+    """The connections open to a gateway (``ss``: those whose far end is its address and
+    port, this machine's every process; while the bench calls only the front door, the
+    front door's), looked at twice: which of the first look's lasted to the second (a
+    connection per request, or one closed after each few, would not)."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+        self.first: set[str] = set()
+        self.last: set[str] = set()
+
+    def open_now(self) -> set[str]:
+        done = subprocess.run(
+            ["ss", "-tnH", "state", "established", "dst", f"{self.address[0]}:{self.address[1]}"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return {line.split()[2] for line in done.stdout.splitlines() if line.strip()}
+
+    def __str__(self) -> str:
+        lasted = len(self.first & self.last)
+        return (
+            f"{len(self.first)} open a quarter in, {len(self.last)} at the end, "
+            f"{lasted} of the first throughout"
+        )
+
+    @property
+    def all_lasted(self) -> bool:
+        return bool(self.first) and self.first <= self.last
 
 
 class Processes:
@@ -154,10 +226,19 @@ class Processes:
         self.work, self.src = work, src
         self.started: list[subprocess.Popen[bytes]] = []
 
-    def start(self, command: list[str], log: Path, runtime: Path | None = None) -> Any:
+    def start(
+        self,
+        command: list[str],
+        log: Path,
+        runtime: Path | None = None,
+        tls: dict[str, str] | None = None,
+    ) -> Any:
+        """Starts ``command``; ``tls``: the ``GPU_ARBITER_CA`` and client certificate
+        variables its client of the controller uses."""
         env = {**os.environ, "PYTHONPATH": str(self.src)}
-        for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_CONFIG"):
+        for name in ("GPU_ARBITER_URL", "GPU_ARBITER_TOKEN", "GPU_ARBITER_CONFIG", *TLS_ENV):
             env.pop(name, None)
+        env.update(tls or {})
         if runtime is not None:
             runtime.mkdir(parents=True, exist_ok=True)
             env["GPU_ARBITER_RUNTIME_DIR"] = str(runtime)
@@ -211,10 +292,14 @@ def records(directory: Path, name: str) -> int:
     return len(list(directory.glob(f"{name}-*.json")))
 
 
-def sees_each_other(gateways: dict[str, tuple[str, int]], model: str) -> bool:
+def sees_each_other(
+    gateways: dict[str, tuple[str, int]], model: str, tls: ssl.SSLContext | None = None
+) -> bool:
+    scheme = "http" if tls is None else "https"
     for address in gateways.values():
+        url = f"{scheme}://{address[0]}:{address[1]}/v1/models"
         try:
-            entries = httpx.get(f"http://{address[0]}:{address[1]}/v1/models").json()["data"]
+            entries = httpx.get(url, verify=tls or True).json()["data"]
         except (httpx.HTTPError, ValueError, KeyError):
             return False
         entry = next((e for e in entries if e["id"] == model), None)
@@ -236,9 +321,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="medians over this many runs")
     parser.add_argument("--burst", type=int, default=200, help="callers of the cold burst")
     parser.add_argument("--load-s", type=float, default=0.2, help="a cold server's load")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="the hop with every part over TLS against without, rounds in turn (no cold burst)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpu-arbiter-bench-frontdoor-"))
-    if args.against is None:
+    if args.tls:
+        if args.against is not None:
+            parser.error("--tls and --against: one at a time")
+        report_tls(tls_against_plain(work, args))
+    elif args.against is None:
         with cluster(work, ROOT / "src", args) as (gateways, record):
             asyncio.run(warm(gateways))
             report({"this": [asyncio.run(hop(gateways, args.seconds)) for _ in range(args.runs)]})
@@ -299,37 +393,74 @@ def worktree(rev: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def cluster(
-    work: Path, src: Path, args: argparse.Namespace
+    work: Path, src: Path, args: argparse.Namespace, pki: Path | None = None
 ) -> Iterator[tuple[dict[str, tuple[str, int]], Path]]:
-    """The controller and both hosts of the tree at ``src``, stopped on the way out."""
+    """The controller and both hosts of the tree at ``src`` (every part over TLS with
+    ``pki``: :func:`make_pki`), stopped on the way out."""
     work.mkdir(parents=True, exist_ok=True)
     procs = Processes(work, src)
     try:
-        yield start_cluster(procs, work, args)
+        yield start_cluster(procs, work, args, pki)
     finally:
         procs.stop()
 
 
-def start_controller(procs: Processes, work: Path) -> tuple[str, str, httpx.Client]:
-    """A controller on a memory store: its URL, its admin token, an admin client."""
-    server = procs.start(
-        [sys.executable, "-m", "gpu_arbiter", "serve", "--port", "0", "--state-dir",
-         str(work / "s"), "--store", "memory"],
-        work / "server.log",
-    )  # fmt: skip
-    url = "http://127.0.0.1:" + wait_log(
-        work / "server.log", r"Uvicorn running on http://127\.0\.0\.1:(\d+)", server
+def make_pki(pki: Path) -> Path:
+    """The cluster's CA and certificates, as ``gpu-arbiter tls ca`` and ``tls cert`` make
+    them: the controller's (ctl, 127.0.0.1), each gateway's (gw-2, gw-3, on its own
+    address: also its host's client certificate) and the bench's (a client's)."""
+    create_ca(pki)
+    create_cert(pki, "ctl", ips=("127.0.0.1",))
+    for number in (2, 3):
+        create_cert(pki, f"gw-{number}", ips=(f"127.0.0.{number}",))
+    create_cert(pki, "bench", dns=("bench",))
+    return pki
+
+
+def client_env(pki: Path, name: str) -> dict[str, str]:
+    """The variables a part of host ``name`` reaches the controller with over mutual TLS."""
+    files = ("ca.pem", f"{name}.pem", f"{name}-key.pem")
+    return {variable: str(pki / file) for variable, file in zip(TLS_ENV, files, strict=True)}
+
+
+def trusting(pki: Path, name: str | None = None) -> ssl.SSLContext:
+    """A client's context that verifies against the cluster's CA; with ``name``, showing
+    its certificate."""
+    context = ssl.create_default_context(cafile=pki / "ca.pem")
+    if name is not None:
+        context.load_cert_chain(pki / f"{name}.pem", pki / f"{name}-key.pem")
+    return context
+
+
+def start_controller(
+    procs: Processes, work: Path, pki: Path | None = None
+) -> tuple[str, str, httpx.Client]:
+    """A controller on a memory store (over mutual TLS with ``pki``): its URL, its admin
+    token, an admin client."""
+    command = [sys.executable, "-m", "gpu_arbiter", "serve", "--port", "0", "--state-dir",
+               str(work / "s"), "--store", "memory"]  # fmt: skip
+    scheme, verify = "http", None
+    if pki is not None:
+        command += ["--tls-cert", str(pki / "ctl.pem"), "--tls-key", str(pki / "ctl-key.pem"),
+                    "--tls-client-ca", str(pki / "ca.pem")]  # fmt: skip
+        scheme, verify = "https", trusting(pki, "bench")
+    server = procs.start(command, work / "server.log")
+    url = f"{scheme}://127.0.0.1:" + wait_log(
+        work / "server.log", rf"Uvicorn running on {scheme}://127\.0\.0\.1:(\d+)", server
     )
     token = (work / "s" / "admin.token").read_text().strip()
-    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    admin = httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30,
+        verify=verify or True,
+    )  # fmt: skip
     return url, token, admin
 
 
 def start_cluster(
-    procs: Processes, work: Path, args: argparse.Namespace
+    procs: Processes, work: Path, args: argparse.Namespace, pki: Path | None = None
 ) -> tuple[dict[str, tuple[str, int]], Path]:
     py = sys.executable
-    url, token, admin = start_controller(procs, work)
+    url, token, admin = start_controller(procs, work, pki)
     record = work / "record"
     record.mkdir()
     models = model_table("chat", record, "8G", 6000, 0.0)
@@ -337,27 +468,36 @@ def start_cluster(
         for kind in ("single", "burst"):
             models += model_table(f"cold-{kind}-{n}", record, "1G", 500, args.load_s)
     gateways: dict[str, tuple[str, int]] = {}
+    scheme = "http" if pki is None else "https"
     for number, spec in ((2, "1x4G:sm_86"), (3, "1x24G:sm_86")):
         runtime, worker, address = work / f"host-{number}", f"box-{number}", f"127.0.0.{number}"
+        name = f"gw-{number}"
+        tls = None if pki is None else client_env(pki, name)  # the host's certificate
         procs.start(
             [py, "-m", "gpu_arbiter", "agent", "--controller", url, "--token", token, "--name",
              worker, "--simulate", spec, "--heartbeat-s", "0.5", "--grace-s", "0.5"],
-            work / f"agent-{number}.log", runtime,
+            work / f"agent-{number}.log", runtime, tls,
         )  # fmt: skip
         wait_until(lambda w=worker: _state(admin, w) == "online", f"{worker} online")
-        head = f'[gateway]\nhost = "{address}"\nname = "gw-{number}"\n\n'
-        (runtime / "models.toml").write_text(head + models)
+        head = f'[gateway]\nhost = "{address}"\nname = "{name}"\n'
+        if pki is not None:  # its listener, and its relays to the other (mutual TLS)
+            head += (
+                f'tls_cert = "{pki / f"{name}.pem"}"\ntls_key = "{pki / f"{name}-key.pem"}"\n'
+                f'tls_client_ca = "{pki / "ca.pem"}"\n'
+            )
+        (runtime / "models.toml").write_text(head + "\n" + models)
         log = work / f"gateway-{number}.log"
         gateway = procs.start(
             [py, "-m", "gpu_arbiter", "gateway", "--config", str(runtime / "models.toml"),
              "--port", "0", "--controller", url, "--token", token, "--log-level", "warning",
              "--state-dir", str(runtime / "state")],
-            log, runtime,
+            log, runtime, tls,
         )  # fmt: skip
-        port = wait_log(log, rf"gateway on http://{re.escape(address)}:(\d+)", gateway)
-        gateways[f"gw-{number}"] = (address, int(port))
+        port = wait_log(log, rf"gateway on {scheme}://{re.escape(address)}:(\d+)", gateway)
+        gateways[name] = (address, int(port))
     admin.close()
-    wait_until(lambda: sees_each_other(gateways, "chat"), "each gateway to see the other")
+    verify = None if pki is None else trusting(pki)
+    wait_until(lambda: sees_each_other(gateways, "chat", verify), "each gateway to see the other")
     return gateways, record
 
 
@@ -366,47 +506,61 @@ def _state(admin: httpx.Client, worker: str) -> str | None:
     return str(answer.json()["state"]) if answer.status_code == 200 else None
 
 
-async def warm(gateways: dict[str, tuple[str, int]]) -> None:
+async def warm(gateways: dict[str, tuple[str, int]], tls: ssl.SSLContext | None = None) -> None:
     """One request at gw-2: the cluster's load of ``chat`` on gw-3's host."""
-    conn = await Conn.open(gateways["gw-2"], "chat")
+    conn = await Conn.open(gateways["gw-2"], "chat", tls)
     if await conn.call() != 200:
         raise SystemExit(f"chat did not load: {conn.body.decode(errors='replace')}")
     conn.close()
     print(f"chat warm, served by {conn.served_by}", file=sys.stderr)
 
 
-async def hop(gateways: dict[str, tuple[str, int]], seconds: float) -> Run:
-    """One run: with each number of callers, direct to gw-3, then via gw-2."""
+async def hop(
+    gateways: dict[str, tuple[str, int]],
+    seconds: float,
+    tls: ssl.SSLContext | None = None,
+    kept: dict[int, Kept] | None = None,
+) -> Run:
+    """One run: with each number of callers, direct to gw-3, then via gw-2 (over TLS with
+    ``tls``); with ``kept``, the front door's connections to gw-3 during each via (by the
+    number of callers)."""
     found: Run = {}
     for callers in CALLERS:
-        direct = await measure(gateways["gw-3"], callers, seconds, "gw-3/chat")
-        via = await measure(gateways["gw-2"], callers, seconds, "gw-3/chat")
+        direct = await measure(gateways["gw-3"], callers, seconds, "gw-3/chat", tls)
+        looked = None
+        if kept is not None:
+            looked = kept[callers] = Kept(gateways["gw-3"])
+        via = await measure(gateways["gw-2"], callers, seconds, "gw-3/chat", tls, looked)
         found[callers] = (direct, via)
     return found
 
 
 def added(direct: Figures, via: Figures) -> Figures:
-    """What the front door adds: p50 and p99 in ms, and the ratio of requests/s."""
-    return via[0] - direct[0], via[1] - direct[1], via[2] / direct[2]
+    """What the front door adds: p50, p90 and p99 in ms, and the ratio of requests/s."""
+    return via[0] - direct[0], via[1] - direct[1], via[2] - direct[2], via[3] / direct[3]
 
 
-def report(found: dict[str, list[Run]]) -> None:
-    """Per tree, the medians over its runs of each path's figures and of what the front
-    door adds in each run; with two trees, the ratio of the added p50 and p99."""
+def report(found: dict[str, list[Run]], label: str = "tree") -> dict[str, dict[int, Figures]]:
+    """Per tree (``label``: what each of ``found`` is), the medians over its runs of each
+    path's figures and of what the front door adds in each run; with two trees, the
+    ratio of the added p50 and p99. Returns those medians of what it adds."""
     runs = len(next(iter(found.values())))
-    print(f"{'tree':>8} {'callers':>7} {'path':>12} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}"
-          f"   (medians of {runs} runs)")  # fmt: skip
+    print(f"{label:>8} {'callers':>7} {'path':>12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
+          f" {'req/s':>8}   (medians of {runs} runs)")  # fmt: skip
     adds: dict[str, dict[int, Figures]] = {}
     for name, rows in found.items():
         adds[name] = {}
         for callers in CALLERS:
             pairs = [run[callers] for run in rows]
-            d50, d99, drps = _medians([d for d, _ in pairs])
-            v50, v99, vrps = _medians([v for _, v in pairs])
-            a50, a99, ratio = adds[name][callers] = _medians([added(d, v) for d, v in pairs])
-            print(f"{name:>8} {callers:>7} {'direct gw-3':>12} {d50:8.2f} {d99:8.2f} {drps:8.0f}")
-            print(f"{name:>8} {callers:>7} {'via gw-2':>12} {v50:8.2f} {v99:8.2f} {vrps:8.0f}")
-            print(f"{name:>8} {callers:>7} {'added':>12} {a50:8.2f} {a99:8.2f} {ratio:7.2f}x")
+            d50, d90, d99, drps = _medians([d for d, _ in pairs])
+            v50, v90, v99, vrps = _medians([v for _, v in pairs])
+            a50, a90, a99, ratio = adds[name][callers] = _medians([added(*p) for p in pairs])
+            print(f"{name:>8} {callers:>7} {'direct gw-3':>12} {d50:8.2f} {d90:8.2f} {d99:8.2f}"
+                  f" {drps:8.0f}")  # fmt: skip
+            print(f"{name:>8} {callers:>7} {'via gw-2':>12} {v50:8.2f} {v90:8.2f} {v99:8.2f}"
+                  f" {vrps:8.0f}")  # fmt: skip
+            print(f"{name:>8} {callers:>7} {'added':>12} {a50:8.2f} {a90:8.2f} {a99:8.2f}"
+                  f" {ratio:7.2f}x")  # fmt: skip
     for name, rows in found.items():
         each = ", ".join(f"{added(*run[1])[0]:.2f}" for run in rows)
         print(f"{name:>8} added p50 with one caller, run by run: {each} ms")
@@ -414,7 +568,7 @@ def report(found: dict[str, list[Run]]) -> None:
     if len(names) == 2:
         this, other = names
         for callers in CALLERS:
-            (m50, m99, _), (t50, t99, _) = adds[this][callers], adds[other][callers]
+            (m50, _, m99, _), (t50, _, t99, _) = adds[this][callers], adds[other][callers]
             print(
                 f"added, {callers} caller(s), {this} / {other}: p50 {m50:.2f} / {t50:.2f} ms"
                 f" = {_ratio(m50, t50)}, p99 {m99:.2f} / {t99:.2f} ms = {_ratio(m99, t99)}"
@@ -424,6 +578,67 @@ def report(found: dict[str, list[Run]]) -> None:
     print(
         f"goal ({names[0]}): at most {GOAL_ADDED_P50_MS} ms added at p50 with one caller: "
         f"{a50:.2f} ms, {verdict}"
+    )
+    return adds
+
+
+def tls_against_plain(work: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
+    """The hop in a cluster all over TLS and in one all plain, both running, ``--runs``
+    rounds of each in turn (TLS first in even rounds, plain first in odd ones); each
+    round's front door connections to gw-3 checked kept throughout its via turns."""
+    pki = make_pki(work / "pki")
+    caller = trusting(pki)  # an SDK's: the cluster's CA, no certificate of its own
+    found: dict[str, list[Run]] = {"tls": [], "plain": []}
+    contexts = {"tls": caller, "plain": None}
+    with (
+        cluster(work / "tls", ROOT / "src", args, pki) as (secure, _),
+        cluster(work / "plain", ROOT / "src", args) as (plain, _),
+    ):
+        clusters = {"tls": secure, "plain": plain}
+        for name, gateways in clusters.items():
+            asyncio.run(warm(gateways, contexts[name]))
+        for n in range(args.runs):
+            order = list(clusters) if n % 2 == 0 else list(clusters)[::-1]
+            for name in order:
+                kept: dict[int, Kept] = {}
+                found[name].append(
+                    asyncio.run(hop(clusters[name], args.seconds, contexts[name], kept))
+                )
+                for callers, looked in kept.items():
+                    print(f"round {n + 1} {name}, {callers} caller(s): gw-2's connections to "
+                          f"gw-3 during the via turn: {looked}", file=sys.stderr)  # fmt: skip
+                    if not looked.all_lasted:
+                        raise SystemExit(f"{name}: the front door's connections were not kept")
+            print(f"round {n + 1}/{args.runs} done", file=sys.stderr)
+    return found
+
+
+def report_tls(found: dict[str, list[Run]]) -> None:
+    """:func:`report` of both, then what TLS adds to the hop: round by round, the TLS
+    cluster's added time less the plain one's (p50, p90, p99), their medians, and the
+    goal at p50 with one caller."""
+    adds = report(found, "cluster")
+    for callers in CALLERS:
+        cost = [
+            tuple(
+                t - p
+                for t, p in zip(added(*tls[callers])[:3], added(*plain[callers])[:3], strict=True)
+            )
+            for tls, plain in zip(found["tls"], found["plain"], strict=True)
+        ]
+        c50, c90, c99 = (statistics.median(column) for column in zip(*cost, strict=True))
+        each = ", ".join(f"{c[0]:.2f}" for c in cost)
+        (t50, _, _, _), (p50, _, _, _) = adds["tls"][callers], adds["plain"][callers]
+        print(
+            f"TLS's cost per hop, {callers} caller(s) (added with TLS less added without, "
+            f"median of the rounds): p50 {c50:+.2f} ms, p90 {c90:+.2f} ms, p99 {c99:+.2f} ms; "
+            f"added p50 tls / plain {_ratio(t50, p50)}; p50 round by round: {each} ms"
+        )
+        if callers == 1:
+            verdict = "met" if c50 <= GOAL_TLS_P50_MS else "NOT met"
+            tls_cost = f"{c50:+.2f} ms, {verdict}"
+    print(
+        f"goal: TLS adds at most +{GOAL_TLS_P50_MS} ms at p50 per hop with one caller: {tls_cost}"
     )
 
 
@@ -483,8 +698,8 @@ async def _timed(conn: Conn, began: float) -> tuple[int, float]:
 
 
 def _medians(rows: list[Figures]) -> Figures:
-    p50, p99, rps = (statistics.median(column) for column in zip(*rows, strict=True))
-    return p50, p99, rps
+    p50, p90, p99, rps = (statistics.median(column) for column in zip(*rows, strict=True))
+    return p50, p90, p99, rps
 
 
 if __name__ == "__main__":
