@@ -183,9 +183,71 @@ async def measure(
     finally:
         for conn in conns:
             conn.close()
-    latencies.sort()
+    return figures(latencies, elapsed)
+
+
+def figures(latencies: list[float], elapsed: float) -> Figures:
+    """p50, p90 and p99 in ms of ``latencies`` (s), and their count per ``elapsed`` s."""
+    latencies = sorted(latencies)
     p90, p99 = (latencies[min(len(latencies) - 1, int(len(latencies) * q))] for q in (0.9, 0.99))
     return statistics.median(latencies) * 1e3, p90 * 1e3, p99 * 1e3, len(latencies) / elapsed
+
+
+async def interleaved(
+    clusters: dict[str, dict[str, tuple[str, int]]],
+    contexts: dict[str, ssl.SSLContext | None],
+    seconds: float,
+    kept: dict[str, Kept],
+    cpu: dict[str, list[float]],
+) -> dict[str, tuple[Figures, Figures]]:
+    """One caller's hop in each cluster, its requests interleaved for ``seconds``: one
+    keep-alive connection per cluster and path (direct to gw-3, via gw-2), a request on
+    each in turn (the order reversed every other turn), so that whatever else runs on
+    this machine meanwhile falls on all of them alike. Per cluster: (direct, via), their
+    requests/s as one caller's (1 / the mean latency). ``kept``: per cluster, gw-3's
+    connections looked at a quarter in and at the end. Appended to ``cpu``, per cluster:
+    the front door's (gw-2's) CPU time per request relayed, in µs (its threads' time
+    on a CPU, ``/proc/PID/task/*/schedstat``: what other processes take does not count,
+    unlike in a latency)."""
+    doors = {name: listener_pid(gateways["gw-2"]) for name, gateways in clusters.items()}
+    paths = [(name, path) for name in clusters for path in ("gw-3", "gw-2")]
+    conns = {
+        (name, path): await Conn.open(clusters[name][path], "chat", contexts[name])
+        for name, path in paths
+    }
+    latencies: dict[tuple[str, str], list[float]] = {key: [] for key in paths}
+    try:
+        for conn in conns.values():  # warm each connection
+            assert await conn.call() == 200
+        began = time.perf_counter()
+        quarter, end = began + seconds / 4, began + seconds
+        turn = 0
+        used = {name: cpu_ns(pid) for name, pid in doors.items()}
+        while (now := time.perf_counter()) < end:
+            if quarter and now >= quarter:
+                for looked in kept.values():
+                    looked.first = looked.open_now()
+                quarter = 0.0
+            for key in paths if turn % 2 == 0 else paths[::-1]:
+                conn = conns[key]
+                start = time.perf_counter()
+                status = await conn.call()
+                latencies[key].append(time.perf_counter() - start)
+                if status != 200 or conn.served_by != "gw-3/chat":
+                    raise SystemExit(f"{key}: {status}, served by {conn.served_by!r}")
+            turn += 1
+        for name, pid in doors.items():
+            relayed = len(latencies[(name, "gw-2")])
+            cpu.setdefault(name, []).append((cpu_ns(pid) - used[name]) / relayed / 1e3)
+        for looked in kept.values():
+            looked.last = looked.open_now()
+    finally:
+        for conn in conns.values():
+            conn.close()
+    one: dict[tuple[str, str], Figures] = {
+        key: figures(each, sum(each)) for key, each in latencies.items()
+    }
+    return {name: (one[(name, "gw-3")], one[(name, "gw-2")]) for name in clusters}
 
 
 class Kept:
@@ -216,6 +278,25 @@ class Kept:
     @property
     def all_lasted(self) -> bool:
         return bool(self.first) and self.first <= self.last
+
+
+def listener_pid(address: tuple[str, int]) -> int:
+    """The process that listens on ``address`` (``ss``)."""
+    done = subprocess.run(
+        ["ss", "-tlnpH", "src", f"{address[0]}:{address[1]}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    found = re.search(r"pid=(\d+)", done.stdout)
+    if found is None:
+        raise SystemExit(f"no process listens on {address}")
+    return int(found.group(1))
+
+
+def cpu_ns(pid: int) -> int:
+    """The nanoseconds process ``pid``'s threads have run on a CPU."""
+    return sum(
+        int(stat.read_text().split()[0]) for stat in Path(f"/proc/{pid}/task").glob("*/schedstat")
+    )
 
 
 class Processes:
@@ -331,7 +412,7 @@ def main() -> None:
     if args.tls:
         if args.against is not None:
             parser.error("--tls and --against: one at a time")
-        report_tls(tls_against_plain(work, args))
+        report_tls(*tls_against_plain(work, args))
     elif args.against is None:
         with cluster(work, ROOT / "src", args) as (gateways, record):
             asyncio.run(warm(gateways))
@@ -520,12 +601,13 @@ async def hop(
     seconds: float,
     tls: ssl.SSLContext | None = None,
     kept: dict[int, Kept] | None = None,
+    numbers: tuple[int, ...] = CALLERS,
 ) -> Run:
-    """One run: with each number of callers, direct to gw-3, then via gw-2 (over TLS with
-    ``tls``); with ``kept``, the front door's connections to gw-3 during each via (by the
-    number of callers)."""
+    """One run: with each number of callers (of ``numbers``), direct to gw-3, then via
+    gw-2 (over TLS with ``tls``); with ``kept``, the front door's connections to gw-3
+    during each via (by the number of callers)."""
     found: Run = {}
-    for callers in CALLERS:
+    for callers in numbers:
         direct = await measure(gateways["gw-3"], callers, seconds, "gw-3/chat", tls)
         looked = None
         if kept is not None:
@@ -582,13 +664,18 @@ def report(found: dict[str, list[Run]], label: str = "tree") -> dict[str, dict[i
     return adds
 
 
-def tls_against_plain(work: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
+def tls_against_plain(
+    work: Path, args: argparse.Namespace
+) -> tuple[dict[str, list[Run]], dict[str, list[float]]]:
     """The hop in a cluster all over TLS and in one all plain, both running, ``--runs``
-    rounds of each in turn (TLS first in even rounds, plain first in odd ones); each
-    round's front door connections to gw-3 checked kept throughout its via turns."""
+    rounds: in each, one caller's requests to both interleaved (:func:`interleaved`),
+    then 16 callers' turns at each (TLS first in even rounds, plain first in odd ones);
+    the front door's connections to gw-3 checked kept throughout each. Returns the
+    runs, and each cluster's front door CPU µs per request relayed, round by round."""
     pki = make_pki(work / "pki")
     caller = trusting(pki)  # an SDK's: the cluster's CA, no certificate of its own
     found: dict[str, list[Run]] = {"tls": [], "plain": []}
+    cpu: dict[str, list[float]] = {}
     contexts = {"tls": caller, "plain": None}
     with (
         cluster(work / "tls", ROOT / "src", args, pki) as (secure, _),
@@ -598,26 +685,42 @@ def tls_against_plain(work: Path, args: argparse.Namespace) -> dict[str, list[Ru
         for name, gateways in clusters.items():
             asyncio.run(warm(gateways, contexts[name]))
         for n in range(args.runs):
+            kept = {name: Kept(gateways["gw-3"]) for name, gateways in clusters.items()}
+            one = asyncio.run(interleaved(clusters, contexts, args.seconds, kept, cpu))
+            for name, looked in kept.items():
+                _check_kept(f"round {n + 1} {name}, 1 caller (interleaved)", looked)
             order = list(clusters) if n % 2 == 0 else list(clusters)[::-1]
             for name in order:
-                kept: dict[int, Kept] = {}
-                found[name].append(
-                    asyncio.run(hop(clusters[name], args.seconds, contexts[name], kept))
+                several: dict[int, Kept] = {}
+                run = asyncio.run(
+                    hop(clusters[name], args.seconds, contexts[name], several, CALLERS[1:])
                 )
-                for callers, looked in kept.items():
-                    print(f"round {n + 1} {name}, {callers} caller(s): gw-2's connections to "
-                          f"gw-3 during the via turn: {looked}", file=sys.stderr)  # fmt: skip
-                    if not looked.all_lasted:
-                        raise SystemExit(f"{name}: the front door's connections were not kept")
+                for callers, looked in several.items():
+                    _check_kept(f"round {n + 1} {name}, {callers} callers", looked)
+                found[name].append({1: one[name], **run})
             print(f"round {n + 1}/{args.runs} done", file=sys.stderr)
-    return found
+    return found, cpu
 
 
-def report_tls(found: dict[str, list[Run]]) -> None:
+def _check_kept(turn: str, looked: Kept) -> None:
+    print(f"{turn}: the connections open to gw-3: {looked}", file=sys.stderr)
+    if not looked.all_lasted:
+        raise SystemExit(f"{turn}: the connections to gw-3 were not kept")
+
+
+def report_tls(found: dict[str, list[Run]], cpu: dict[str, list[float]]) -> None:
     """:func:`report` of both, then what TLS adds to the hop: round by round, the TLS
     cluster's added time less the plain one's (p50, p90, p99), their medians, and the
-    goal at p50 with one caller."""
+    goal at p50 with one caller; the front door's CPU per request relayed, with one
+    caller."""
     adds = report(found, "cluster")
+    tls_us, plain_us = (statistics.median(cpu[name]) for name in ("tls", "plain"))
+    each = ", ".join(f"{t - p:+.0f}" for t, p in zip(cpu["tls"], cpu["plain"], strict=True))
+    print(
+        f"the front door's CPU per request relayed, 1 caller (median of the rounds): tls "
+        f"{tls_us:.0f} µs, plain {plain_us:.0f} µs, {tls_us - plain_us:+.0f} µs; round by "
+        f"round: {each} µs"
+    )
     for callers in CALLERS:
         cost = [
             tuple(
