@@ -134,6 +134,7 @@ BLOCKS = [block for path in DOCUMENTS for block in runnable_blocks(path)]
 def test_the_documents_are_there() -> None:
     names = {_name(path) for path in DOCUMENTS}
     assert {"README.md", "bench/README.md", "deploy/README.md"} <= names
+    assert BLOCKS, f"no block is marked {MARKER}"
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=_name)
