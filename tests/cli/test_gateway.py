@@ -67,8 +67,8 @@ def test_check_exits_2_naming_each_command_whose_program_is_not_found(tmp_path: 
 
 
 def test_check_looks_past_env_to_the_program_it_runs(tmp_path: Path) -> None:
-    """The README's Ollama example, ``env NAME=VALUE program ...``: the program env runs
-    is checked, past env's options and words, on the PATH env would search."""
+    """The Ollama example of docs/gateway.md, ``env NAME=VALUE program ...``: the program
+    env runs is checked, past env's options and words, on the PATH env would search."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     env = shutil.which("env")

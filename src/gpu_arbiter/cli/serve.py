@@ -153,7 +153,7 @@ def serve(
         ),
     ] = None,
     config: Annotated[
-        Path | None, _opt("CONFIG", "TOML config file (see the README).", exists=True)
+        Path | None, _opt("CONFIG", "TOML config file (see docs/one-machine.md).", exists=True)
     ] = None,
     tls_cert: Annotated[
         Path | None,

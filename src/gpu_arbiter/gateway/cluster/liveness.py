@@ -20,9 +20,9 @@ one its relays use), one ask at a time. What the asks say:
   final error event, and is never sent elsewhere (its body has left). Until then a
   short stall (a loaded machine, a long pause of its collector) costs no request.
 
-The figures are the ``[gateway]`` table's ``peer_check_s``, ``peer_timeout_s`` and
-``peer_cut_s`` (``config.py``): a shorter timeout sees a freeze sooner and takes a
-stall for one more often; the README's "A small cluster" says how to tune them.
+The figures are the ``[gateway]`` table's ``peer_check``, ``peer_timeout`` and
+``peer_cut`` (``config.py``): a shorter timeout sees a freeze sooner and takes a
+stall for one more often; "A frozen host" in docs/cluster.md says how to tune them.
 """
 
 from __future__ import annotations
