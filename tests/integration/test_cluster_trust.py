@@ -233,7 +233,14 @@ def test_a_peers_word_proves_its_sender_opens_relays_only_and_is_taken_once(
     cluster.server.start()
     admin = cluster.server.client()
     try:
-        wait_for(lambda: len(_view(cluster, admin)["gateways"]) == 2, 40, "both reporting again")
+        wait_for(
+            lambda: (
+                (view := admin.get("/v1/gateways/gw-3/cluster")).status_code == 200
+                and len(view.json()["gateways"]) == 2
+            ),
+            40,
+            "both reporting again (gw-3's view is a 404 until gw-3 reported)",
+        )
         wait_for(lambda: routable(admin, cluster.hosts, "chat"), 40, "every host routable")
         with door.gateway.client() as client:
             again = client.post("/v1/chat/completions", json=chat("chat"))
