@@ -69,8 +69,18 @@ class Cluster:
         command = [str(self.bin_dir / program), *args]
         if self.as_root:
             command = ["runuser", "-u", "postgres", "--", *command]
+        # The server belongs to the session, not to the test that happened to ask for it
+        # first: without the test's mark (tests/integration/conftest.py), the end of that
+        # test does not kill it.
+        env = {k: v for k, v in os.environ.items() if k != "GPU_ARBITER_TEST_MARK"}
         done = subprocess.run(
-            command, cwd=self.base, capture_output=True, text=True, timeout=120, check=False
+            command,
+            cwd=self.base,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=env,
         )
         if done.returncode != 0:
             log = self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
