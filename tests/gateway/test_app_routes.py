@@ -15,7 +15,7 @@ from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.cluster.cluster import Cluster
 from gpu_arbiter.gateway.cluster.report import Reporter
 from gpu_arbiter.gateway.requests.app import GatewayApp
-from gpu_arbiter.peer_identity import Identity, Relayed
+from gpu_arbiter.peer_identity import Identity, Relayed, decode_key
 
 from .fakes import FakeClock
 from .test_report import FakeController
@@ -163,19 +163,22 @@ async def test_a_peers_word_opens_no_route_but_a_models(method: str, path: str) 
     route records name the relay's sender, verified."""
     from gpu_arbiter.gateway.requests.access import Access, ApiKey
 
-    app, _ = _front_door()
+    app, cluster = _front_door()
     admin = "ui-key-0123456789"
     app.access = Access((ApiKey("ui", admin, "admin"),), "127.0.0.1", ())
 
     def signed(by: Identity, method: str, path: str) -> tuple[tuple[bytes, bytes], ...]:
-        return ((b"x-arbiter-peer", by.sign("gw-1", Relayed(method, path.encode())).encode()),)
+        gw1 = decode_key(cluster.identity.public_key)
+        header = by.sign("gw-1", gw1, Relayed(method, path.encode()))
+        return ((b"x-arbiter-peer", header.encode()),)
 
     status, answer = await _call(app, method, path, b"{}", signed(GW_2, method, path))
     assert status == 403, answer
     assert "relayed model requests only" in answer["error"]["message"]
     status, answer = await _call(app, method, path, b"{}", signed(Identity("gw-2"), method, path))
     assert status == 403 and answer["error"]["code"] == "invalid_peer", answer
-    assert "does not verify with gateway gw-2's public key" in answer["error"]["message"]
+    message = answer["error"]["message"]
+    assert "does not verify with the key this gateway shares with gateway gw-2's" in message
     chat = "/v1/chat/completions"
     status, answer = await _call(
         app, "POST", chat, b'{"model": "chat"}', signed(GW_2, "POST", chat)

@@ -17,6 +17,7 @@ from gpu_arbiter.gateway.requests.access import Access, ApiKey
 from gpu_arbiter.gateway.requests.app import GatewayApp
 from gpu_arbiter.gateway.requests.front_door import load_priority
 from gpu_arbiter.gateway.servers.model import Refused
+from gpu_arbiter.peer_identity import Identity
 
 from .fakes import FakeClock, settle
 
@@ -129,7 +130,8 @@ async def test_a_host_that_refuses_a_connection_is_named_in_the_callers_error() 
             "replicas": [{"state": "warm", "in_flight": 0}]}  # fmt: skip
     cluster.apply({"signature": "s", "gateways": [
         {"name": "gw-3", "url": "http://127.0.0.1:1", "worker": "box-3",
-         "worker_state": "online", "routable": True, "models": [chat]},
+         "worker_state": "online", "routable": True, "models": [chat],
+         "public_key": Identity("gw-3").public_key},
     ]})  # fmt: skip
     status, answer = await _call(app, "ui-key-0123456789", b'{"model": "chat"}')
     assert status == 503

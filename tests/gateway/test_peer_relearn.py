@@ -15,7 +15,7 @@ from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.cluster.cluster import Cluster
 from gpu_arbiter.gateway.requests.access import Access
 from gpu_arbiter.gateway.requests.app import GatewayApp
-from gpu_arbiter.peer_identity import Identity, Relayed
+from gpu_arbiter.peer_identity import Identity, Relayed, decode_key
 
 from .fakes import FakeClock
 
@@ -50,7 +50,9 @@ async def _listing(app: GatewayApp, by: Identity) -> str:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    signed = by.sign("gw-3", Relayed("GET", b"/metrics"))
+    assert app.cluster is not None
+    gw3 = decode_key(app.cluster.identity.public_key)
+    signed = by.sign("gw-3", gw3, Relayed("GET", b"/metrics"))
     headers = [(b"x-arbiter-peer", signed.encode())]
     await app(
         {"type": "http", "method": "GET", "path": "/metrics", "headers": headers}, receive, send

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gpu_arbiter.gateway.cluster.cluster import DOWN_S, GONE_KEEP_S, Cluster
 from gpu_arbiter.gateway.cluster.routing import Kind, route
 from gpu_arbiter.gateway.profile import Candidate as Host
-from gpu_arbiter.peer_identity import Identity, Relayed
+from gpu_arbiter.peer_identity import Identity, Relayed, decode_key
 
 
 def test_a_ready_replica_with_a_free_slot_and_the_fewest_in_flight_wins() -> None:
@@ -225,7 +225,8 @@ def test_a_peers_key_is_dropped_when_replaced_and_kept_a_while_when_its_gateway_
     relayed = Relayed("POST", b"/v1/chat/completions")
 
     def from_(identity: Identity) -> str | None:
-        verdict = cluster.verify(identity.sign("gw-1", relayed), relayed)
+        gw1 = decode_key(cluster.identity.public_key)
+        verdict = cluster.verify(identity.sign("gw-1", gw1, relayed), relayed)
         return verdict if isinstance(verdict, str) else None
 
     cluster.apply(_view(_gateway("gw-2") | {"public_key": first.public_key}))

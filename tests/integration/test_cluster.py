@@ -135,6 +135,11 @@ def test_a_cold_model_loads_where_it_fits_and_the_warm_copy_serves_every_front_d
         again = client.post("/v1/chat/completions", json=chat("chat"))
         assert again.status_code == 200, again.text
         assert served_by(again) == "gw-3/chat"
+        bearer = {"Authorization": "Bearer any"}  # a body of no type: not a browser's
+        echo = client.post("/models/chat/some/path?x=1", content=b"raw", headers=bearer)
+        assert echo.status_code == 200, echo.text  # the prefix route, relayed whole
+        assert served_by(echo) == "gw-3/chat"
+        assert echo.json() == {"path": "/some/path", "query": "x=1", "body": "raw"}
     with large.gateway.client() as client:
         local = client.post("/v1/chat/completions", json=chat("chat"))
         assert served_by(local) == "gw-3/chat"
@@ -144,11 +149,12 @@ def test_a_cold_model_loads_where_it_fits_and_the_warm_copy_serves_every_front_d
     assert lease["constraints"]["workers"] == ["box-2", "box-3"]
     with small.gateway.client() as client:
         routes = client.get("/admin/routes").json()["routes"]
-    assert [r["outcome"] for r in routes[:3]] == ["peer", "placed", "load"]  # newest first
-    assert routes[0]["to"] == "gw-3"  # warm there, or its load still on the way in the view
-    assert routes[1]["to"] == "gw-3"
-    assert "cold load of 8.0 GiB on box-3:0, 16.0 GiB left there; box-2 has" in routes[1]["why"]
-    assert "a load for the cluster (gw-2, gw-3)" in routes[2]["why"]
+    outcomes = [r["outcome"] for r in routes[:4]]
+    assert outcomes == ["peer", "peer", "placed", "load"]  # newest first (the echo, the chat)
+    assert routes[0]["to"] == routes[1]["to"] == "gw-3"  # warm there, or its load on the way
+    assert routes[2]["to"] == "gw-3"
+    assert "cold load of 8.0 GiB on box-3:0, 16.0 GiB left there; box-2 has" in routes[2]["why"]
+    assert "a load for the cluster (gw-2, gw-3)" in routes[3]["why"]
 
     def reported() -> list[dict[str, object]]:
         gateways = cluster.admin.get("/v1/gateways").json()

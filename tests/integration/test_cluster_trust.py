@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gpu_arbiter.peer_identity import Identity, Relayed
+from gpu_arbiter.peer_identity import Identity, PublicKey, Relayed, decode_key
 
 from .agents import free_port
 from .cluster import cluster_leases, model_leases, routable, served_by
@@ -141,6 +141,12 @@ def test_a_peers_word_proves_its_sender_opens_relays_only_and_is_taken_once(
         body = {"url": "http://127.0.0.66:9", "worker": "box-2", "public_key": identity.public_key}
         return attacker.put(f"/v1/gateways/{name}", json=body)
 
+    def gw3_key() -> PublicKey:
+        """gw-3's public key as the view shows it (a relay is made with the key its
+        sender shares with it)."""
+        found = {g["name"]: g["public_key"] for g in _view(cluster)["gateways"]}
+        return decode_key(found["gw-3"])
+
     def as_peer(
         signer: Identity,
         method: str,
@@ -149,7 +155,8 @@ def test_a_peers_word_proves_its_sender_opens_relays_only_and_is_taken_once(
         priority: int | None = None,
     ) -> tuple[httpx.Response, dict[str, str]]:
         given = "" if priority is None else str(priority)
-        headers = {"x-arbiter-peer": signer.sign("gw-3", Relayed(method, path.encode(), given))}
+        relayed = Relayed(method, path.encode(), given)
+        headers = {"x-arbiter-peer": signer.sign("gw-3", gw3_key(), relayed)}
         if priority is not None:
             headers["x-arbiter-priority"] = given
         answer = httpx.request(method, url + path, headers=headers, json=body, timeout=60)
@@ -200,7 +207,7 @@ def test_a_peers_word_proves_its_sender_opens_relays_only_and_is_taken_once(
         assert own.public_key not in (theirs["gw-2"], theirs["gw-3"]) and theirs["gw-3"]
         forged = Identity("gw-2")  # signs as gw-2, with a key that is not gw-2's
         answer, _ = as_peer(forged, "POST", "/v1/chat/completions", chat("chat"))
-        refused(answer, "does not verify with gateway gw-2's public key")
+        refused(answer, "does not verify with the key this gateway shares with gateway gw-2's")
         answer, _ = as_peer(Identity("gw-7"), "POST", "/v1/chat/completions", chat("chat"))
         refused(answer, "gw-7 is not in this gateway's view")
 
@@ -213,8 +220,8 @@ def test_a_peers_word_proves_its_sender_opens_relays_only_and_is_taken_once(
         elsewhere = httpx.post(
             door.gateway.url + path, headers=leaked, json=chat("chat"), timeout=30
         )
-        refused(elsewhere, "signed for gateway gw-3, not for this one (gw-2)")
-        other = {"x-arbiter-peer": own.sign("gw-3", Relayed("POST", b"/v1/embeddings"))}
+        refused(elsewhere, "made for gateway gw-3, not for this one (gw-2)")
+        other = {"x-arbiter-peer": own.sign("gw-3", gw3_key(), Relayed("POST", b"/v1/embeddings"))}
         moved = httpx.post(url + path, headers=other, json=chat("chat"), timeout=30)
         refused(moved, "altered")
         # 7. a key replaced: the old one refused once gw-3's view shows the new one

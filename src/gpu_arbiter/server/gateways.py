@@ -127,7 +127,7 @@ class Report:
     worker: str | None
     models: Sequence[Mapping[str, Any]]
     routes: Sequence[Mapping[str, Any]] = ()  # its last routing decisions, as a front door
-    public_key: str | None = None  # its Ed25519 key, that its peers check its relays with
+    public_key: str | None = None  # its X25519 key, that its peers check its relays with
 
 
 @dataclass(slots=True)

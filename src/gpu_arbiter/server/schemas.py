@@ -404,7 +404,7 @@ def _public_key(text: str) -> str:
 
 class GatewayReportIn(_In):
     """A gateway's report of itself: where it listens, its host, the worker it runs
-    beside (when it knows one), every model it serves, and its public key (Ed25519, 32
+    beside (when it knows one), every model it serves, and its public key (X25519, 32
     raw bytes in base64url: its peers check the requests it relays with it)."""
 
     url: Annotated[Text, AfterValidator(_http_url)] = ""

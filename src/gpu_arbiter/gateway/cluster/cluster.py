@@ -6,15 +6,16 @@ long-poll answered when it changes (a gateway came, left or turned stale, a work
 draining or went offline, a model's state moved): :meth:`Cluster.follow` keeps it, for
 the gateway's life. Each request is then routed here without asking the controller
 (``routing.py``: warm, then coming, then a load). The view also shows each gateway's
-public key: this gateway signs every request it relays with its own key, for the peer it
-goes to (:meth:`Cluster.sign`), and takes a relayed request as a peer's only when its
-signature verifies with the sender's key as this view shows it (:meth:`Cluster.verify`,
-``peer_identity.py``). A sender or key not in the view makes this gateway ask for its
-view again at once (:meth:`Cluster.relearn`, at most once every :data:`RELEARN_S`): a
-peer that just started, or reported a new key, is known then. A key the view no longer
-shows is refused from that view on: replaced by another key (the gateway restarted), at
-once; its gateway gone from the view (forgotten, or a new leader it has not reported to
-yet), :data:`GONE_KEEP_S` after.
+public key: this gateway authenticates every request it relays with the key it shares
+with the peer it goes to (made from its own private key and the peer's public one:
+:meth:`Cluster.sign`), and takes a relayed request as a peer's only when its MAC
+verifies with the key it shares with the sender's key as this view shows it
+(:meth:`Cluster.verify`, ``peer_identity.py``). A sender or key not in the view makes
+this gateway ask for its view again at once (:meth:`Cluster.relearn`, at most once every
+:data:`RELEARN_S`): a peer that just started, or reported a new key, is known then. A
+key the view no longer shows is refused from that view on: replaced by another key (the
+gateway restarted), at once; its gateway gone from the view (forgotten, or a new leader
+it has not reported to yet), :data:`GONE_KEEP_S` after.
 
 A cold load for the cluster (:meth:`Cluster.load`) is asked once per model by this
 gateway however many requests wait for it (and once for the whole cluster: the
@@ -50,10 +51,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
 from ...client import ApiError, ArbiterClient, ControllerUnreachable
-from ...peer_identity import Identity, Keys, Refusal, Relayed, Verifier, decode_key
+from ...peer_identity import Identity, Keys, PublicKey, Refusal, Relayed, Verifier, decode_key
 from ..base.clock import Clock
 from ..base.race import sleep_or
 from ..base.scopes import CancelScope
@@ -196,9 +195,9 @@ class Cluster:
         self.peers: dict[str, Peer] = {}
         self.loads: dict[str, Mapping[str, Any]] = {}  # model -> its load queued, as the view shows
         self.identity = Identity(name, wall=wall)  # this gateway's key pair, in memory only
-        self.verifier = Verifier(name, wall=wall)
-        self.keys: dict[str, Ed25519PublicKey | None] = {}  # each peer's, as the view shows
-        self._gone_keys: dict[str, tuple[Ed25519PublicKey, float]] = {}  # left it: until
+        self.verifier = Verifier(self.identity)
+        self.keys: dict[str, PublicKey | None] = {}  # each peer's, as the view shows
+        self._gone_keys: dict[str, tuple[PublicKey, float]] = {}  # left it: until
         self._relearning: asyncio.Future[None] | None = None  # the view asked again now
         self._relearned_at = 0.0
         self.signature = ""
@@ -359,7 +358,7 @@ class Cluster:
         because its gateway left the view is kept :data:`GONE_KEEP_S` more; one replaced
         by another key, or by none, is dropped now."""
         now = self.clock.now()
-        keys: dict[str, Ed25519PublicKey | None] = {}
+        keys: dict[str, PublicKey | None] = {}
         for gateway in gateways:
             name = str(gateway.get("name"))
             if name != self.name:
@@ -378,12 +377,14 @@ class Cluster:
         gone = {n: k for n, (k, until) in self._gone_keys.items() if until > now}
         return {**gone, **self.keys}
 
-    def sign(self, to: str, relayed: Relayed) -> str:
-        """The ``x-arbiter-peer`` header of a request this gateway relays to peer ``to``."""
-        return self.identity.sign(to, relayed)
+    def sign(self, to: str, relayed: Relayed) -> str | None:
+        """The ``x-arbiter-peer`` header of a request this gateway relays to peer ``to``;
+        None when the view shows no key of ``to`` (a header needs the key the two share)."""
+        key = self.keys.get(to)
+        return None if key is None else self.identity.sign(to, key, relayed)
 
     def verify(self, header: str, relayed: Relayed) -> str | Refusal:
-        """The peer that sent ``relayed`` with ``header`` (its signature verified with its
+        """The peer that sent ``relayed`` with ``header`` (its MAC verified with its
         key as the view shows it), or why it is not taken (``peer_identity.py``)."""
         return self.verifier.verify(header, relayed, self._known_keys())
 
@@ -402,9 +403,9 @@ class Cluster:
             await asyncio.wait_for(asyncio.shield(self._relearning), RELEARN_WAIT_S)
 
     def relayed_in(self, model: str, sender: str) -> None:
-        """A request a peer relayed here, its sender proven by its signature: recorded
+        """A request a peer relayed here, its sender proven by its MAC: recorded
         beside this front door's own decisions (``GET /admin/routes``), for the audit."""
-        why = f"{model}: relayed by {sender} (its signature verified)"
+        why = f"{model}: relayed by {sender} (its MAC verified)"
         log.debug("route: %s", why)
         self._routed.append(
             {"at": round(time.time(), 3), "model": model, "outcome": "relayed", "from": sender,
@@ -511,15 +512,16 @@ class Cluster:
             return self._down_why.get(name, DOWN_WHY)
         return self.liveness.why(name)
 
-    def peer_down(self, name: str, cause: str = "") -> None:
+    def peer_down(self, name: str, cause: str = "", *, said: bool = False) -> None:
         """A peer could not be connected to (``cause``: what the connection said; a
-        refused TLS certificate is said so): left out of routing for :data:`DOWN_S`."""
+        refused TLS certificate is said so), or no request can be made for it (``said``:
+        ``cause`` says why in words): left out of routing for :data:`DOWN_S`."""
         self._down[name] = self.clock.now() + DOWN_S
-        tls = "TLS" in cause
-        self._down_why[name] = f"{cause} just now" if tls else DOWN_WHY
+        own_words = said or "TLS" in cause
+        self._down_why[name] = f"{cause} just now" if own_words else DOWN_WHY
         log.warning(
             "gateway %s: peer %s %s; routing around it",
-            self.name, self.host_name(name), cause if tls else "refused a connection",
+            self.name, self.host_name(name), cause if own_words else "refused a connection",
         )  # fmt: skip
 
     async def _ping(self, name: str) -> None:
@@ -847,7 +849,7 @@ def _unknown_here(error: ApiError, gateway: str) -> bool:
     return error.status in (404, 409) and error.details.get("gateway") == gateway
 
 
-def _public_key(name: str, text: object) -> Ed25519PublicKey | None:
+def _public_key(name: str, text: object) -> PublicKey | None:
     """A peer's public key as the view shows it (the controller checked it); None when it
     shows none, or one that is not a key."""
     if not isinstance(text, str) or not text:

@@ -16,7 +16,7 @@ error shape):
    ``admin``: else 403 ``permission_denied``. Without keys (loopback only) it is open
    like the rest.
 
-A request another gateway relays carries that gateway's signed header
+A request another gateway relays carries that gateway's authenticated header
 (``x-arbiter-peer``, ``peer_identity.py``) instead of a key; verified, it opens the
 relayed model requests only (the OpenAI routes and ``/models/...``), never ``/metrics``,
 ``/admin/...`` or the listing (403 ``permission_denied``: :data:`PEER_ONLY`). The

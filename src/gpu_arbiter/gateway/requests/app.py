@@ -45,7 +45,7 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
     403 invalid_peer            a peer's ``x-arbiter-peer`` not taken, saying why (not
                                 for this gateway, out of its time window, a sender or
                                 key this gateway's view does not show even when asked
-                                again, a signature that does not verify, a replay)
+                                again, a MAC that does not verify, a replay)
     404 model_not_found         an unknown model (naming the known ones)
     404 not_found               no such route
     413 too_large               a body over ``max_body_bytes``
@@ -59,6 +59,9 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
                                 model's ``grace``, or the gateway is stopping (a request
                                 that comes or still waits for a replica then)
     503 overloaded              the bodies held in memory are at ``max_buffered_bytes``
+    503 peer_view_behind        a peer's ``x-arbiter-peer`` made for this gateway's
+                                previous key (it restarted; the sender's view has not
+                                shown the new one yet): Retry-After 1
 
 A 503 carries ``Retry-After``. An event stream already relayed when its replica stops
 (or its server cuts it short) ends with a final ``data: {"error": {...}}`` event in
@@ -225,10 +228,14 @@ class GatewayApp:
         """The checks every route shares, in order, then the route's handler."""
         handler, to_a_model = _route_of(request.method, request.path)
         if request.peer_refused is not None:
-            why = request.peer_refused.why
+            refused = request.peer_refused
+            why = refused.why
             log.info("a relayed %s %s refused: %s", request.method, request.path[:200], why)
             message = f"x-arbiter-peer refused: {why}"
-            await send_error(request.send, 403, message, "invalid_peer")
+            if refused.status == 503:  # made for this gateway's previous key: retry
+                await send_error(request.send, 503, message, "peer_view_behind", 1.0)
+            else:
+                await send_error(request.send, 403, message, "invalid_peer")
             return
         headers = request.headers
         if request.peer:  # relayed by a peer: a model's route only (access.py)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -39,6 +40,8 @@ from .answers import STOPPING, Headers, Receive, Send, send_error, send_final_er
 from .bodies import TooLarge
 from .renamed import HELD_MAX, Events, named_already, renamed
 from .request import LEASE, PEER, PRIORITY, Request
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CUT_FORWARDS_S",
@@ -68,7 +71,7 @@ _HOP = frozenset(
 _HOP_OUT = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 _PEER_HEADERS = frozenset({PEER, PRIORITY, LEASE, b"x-arbiter-via"})
 """What a peer's word says: never passed on as it came (to a peer, this gateway's own
-are sent; to a model server, none: a signed header is nobody else's to read)."""
+are sent; to a model server, none: a peer's header is nobody else's to read)."""
 _HOP_TO_PEER = _HOP | _PEER_HEADERS | {b"authorization"}
 _HOP_TO_OUR_SERVER = _HOP | _PEER_HEADERS | {b"authorization"}  # with keys, the key is ours
 _HOP_TO_OPEN_SERVER = _HOP | _PEER_HEADERS
@@ -146,12 +149,15 @@ async def exchange(
     failed: Failed,
     too_large: Callable[[Send], Awaitable[None]],
     rename: str | None = None,
+    target: bytes | None = None,
 ) -> Exchange:
     """Relays ``request`` (its headers: ``headers``) to ``upstream`` inside ``cancel``,
     the client's disconnect watched meanwhile (from :data:`WATCH_AFTER_S` on), and its
     answer back with ``extra``
     headers added (and its ``model`` renamed ``rename``, if given: ``renamed.py``). A
-    streamed body over the limit before any answer is a 413."""
+    streamed body over the limit before any answer is a 413. ``target``: the request
+    target sent (None: the model server's, ``request.body.target``; a peer gets the one
+    the caller sent, ``/models/{name}/...`` whole)."""
     outbound = request.body
     done = Exchange()
     receive, read = request.receive, outbound.body_read
@@ -163,7 +169,11 @@ async def exchange(
             async with cancel:
                 try:
                     answer = await upstream.request(
-                        request.method, outbound.target, headers, outbound.body, outbound.length
+                        request.method,
+                        outbound.target if target is None else target,
+                        headers,
+                        outbound.body,
+                        outbound.length,
                     )
                 except UpstreamError as error:
                     status = await failed(send, error)
@@ -226,8 +236,15 @@ async def to_peer(
         return None
     headers = [(k, v) for k, v in request.raw_headers if k.lower() not in _HOP_TO_PEER]
     priority = "" if request.priority is None else str(request.priority)
-    relayed = Relayed(request.method, request.body.target, priority, lease_id or "")
-    headers.append((PEER, cluster.sign(gateway, relayed).encode()))
+    # the target as the caller sent it: a model server's (request.body.target) lacks the
+    # /models/{name} of a prefix route, which the peer needs to find the model
+    target = request.target(request.raw_path())
+    relayed = Relayed(request.method, target, priority, lease_id or "")
+    signed = cluster.sign(gateway, relayed)
+    if signed is None:  # the view shows no key of it: no header can be made for it
+        cluster.peer_down(gateway, "showed no public key in the view", said=True)
+        return None
+    headers.append((PEER, signed.encode()))
     if priority:
         headers.append((PRIORITY, priority.encode()))
     if lease_id is not None:
@@ -239,7 +256,15 @@ async def to_peer(
     try:
         with cluster.relaying(gateway, cancel):
             done = await exchange(
-                request, send, peer.upstream, headers, [], cancel, failed, app.too_large
+                request,
+                send,
+                peer.upstream,
+                headers,
+                [],
+                cancel,
+                failed,
+                app.too_large,
+                target=target,
             )
     finally:
         cluster.forwarding[key] -= 1
