@@ -24,6 +24,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import FlakyStrategyDefinition
 from schemathesis.checks import positive_data_acceptance
 
 from .conftest import Server
@@ -76,7 +77,14 @@ def test_every_operation_answers_as_documented(contract_server: Server) -> None:
         operation = result.ok()
         operations += 1
         try:
-            check_operation(operation, tokens)
+            try:
+                check_operation(operation, tokens)
+            except FlakyStrategyDefinition:
+                # Hypothesis' own bookkeeping, not an answer: a case that drew less than
+                # the same case before (a call that failed on the way, on a loaded
+                # machine, before a check drew its data). Checked once more; a real
+                # failure fails again, and is reported then.
+                check_operation(operation, tokens)
         except (Exception, BaseExceptionGroup) as error:  # each one's first failure, in one report
             failures.append(f"{operation.method.upper()} {operation.path}: {error}")
     assert operations > 20
