@@ -24,7 +24,6 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.errors import FlakyStrategyDefinition
 from schemathesis.checks import positive_data_acceptance
 
 from .conftest import Server
@@ -67,6 +66,11 @@ def check_operation(operation: schemathesis.APIOperation, tokens: tuple[str, ...
     calls()
 
 
+# Its calls take 45-65 s on two quiet cores and 115-140 s with two CPU hogs beside it:
+# over the suite's 120 s bound, whose interruption inside a case Hypothesis then reports
+# as a flaky test ("failed on the first call but not on a subsequent one", "inconsistent
+# data generation") instead of the time it took.
+@pytest.mark.timeout(900)
 def test_every_operation_answers_as_documented(contract_server: Server) -> None:
     schema = schemathesis.openapi.from_url(contract_server.url + "/openapi.json")
     schema.config.update(base_url=contract_server.url)
@@ -77,14 +81,7 @@ def test_every_operation_answers_as_documented(contract_server: Server) -> None:
         operation = result.ok()
         operations += 1
         try:
-            try:
-                check_operation(operation, tokens)
-            except FlakyStrategyDefinition:
-                # Hypothesis' own bookkeeping, not an answer: a case that drew less than
-                # the same case before (a call that failed on the way, on a loaded
-                # machine, before a check drew its data). Checked once more; a real
-                # failure fails again, and is reported then.
-                check_operation(operation, tokens)
+            check_operation(operation, tokens)
         except (Exception, BaseExceptionGroup) as error:  # each one's first failure, in one report
             failures.append(f"{operation.method.upper()} {operation.path}: {error}")
     assert operations > 20
