@@ -350,3 +350,28 @@ async def test_a_load_asked_again_is_left_when_its_last_waiter_goes() -> None:
         assert controller.calls == ["POST"] * 2 + ["DELETE"]  # withdrawn, asked no more
     finally:
         await _end(life)
+
+
+async def test_a_load_granted_on_a_host_not_yet_in_the_view_waits_for_its_report() -> None:
+    """A new leader knows the gateways only from their next reports: the host a load was
+    granted on is waited for until a view shows its gateway, or for the bound only."""
+    clock = FakeClock()
+    cluster = Cluster(
+        None,  # type: ignore[arg-type]
+        name="gw-1", worker="box-1", models={}, routes={}, clock=clock,
+    )  # fmt: skip
+    cluster.apply({"signature": "s0", "gateways": []})
+    waiting = asyncio.ensure_future(cluster.peer_on_within("box-3", 10.0))
+    await clock.advance(3.0)
+    assert not waiting.done()
+    cluster.apply({"signature": "s1", "gateways": [
+        {"name": "gw-3", "url": "http://127.0.0.3:1", "worker": "box-3",
+         "worker_state": "online", "routable": True, "models": []},
+    ]})  # fmt: skip
+    found = await asyncio.wait_for(waiting, 5)
+    assert found is not None and found.name == "gw-3"
+    never = asyncio.ensure_future(cluster.peer_on_within("box-9", 10.0))
+    await clock.advance(9.9)
+    assert not never.done()
+    await clock.advance(0.2)
+    assert await asyncio.wait_for(never, 5) is None

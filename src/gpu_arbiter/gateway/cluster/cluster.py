@@ -579,6 +579,19 @@ class Cluster:
     async def changed(self) -> None:
         await self._changed.wait()
 
+    async def peer_on_within(self, worker: str, wait_s: float) -> Peer | None:
+        """The peer beside ``worker``, waiting up to ``wait_s`` for a view that shows it:
+        a new leader knows the gateways only from their next reports (within
+        ``report_s``, 5 s), so a load it granted may name a host whose gateway has not
+        reported to it yet."""
+        deadline = self.clock.now() + wait_s
+        while (peer := self.peer_on(worker)) is None:
+            left = deadline - self.clock.now()
+            if left <= 0:
+                return None
+            await sleep_or(self.clock.sleep(left), self._changed)
+        return peer
+
     # ------------------------------------------------------------------ loads
 
     async def load(self, model: str, priority: int) -> Lease:

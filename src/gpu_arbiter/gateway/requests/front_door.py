@@ -30,6 +30,10 @@ __all__ = ["FrontDoorApp", "front_door", "load_priority"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 
+REPORTED_WAIT_S = 10.0
+"""How long a load granted on a host whose gateway this view does not show yet waits for
+it (a new leader learns the gateways from their next reports, every 5 s), before a 503."""
+
 
 class FrontDoorApp(Relaying, Protocol):
     """What the front door reads of the gateway (``app.GatewayApp``)."""
@@ -78,7 +82,8 @@ async def front_door(app: FrontDoorApp, request: Request, name: str) -> bool | N
             if lease.worker == cluster.worker and model_id in app.models:
                 await cluster.adopt(app.models[model_id], lease.id)
                 return head_sent
-            lease_id, gateway = lease.id, _gateway_on(cluster, lease)
+            peer = await cluster.peer_on_within(str(lease.worker), REPORTED_WAIT_S)
+            lease_id, gateway = lease.id, None if peer is None else peer.name
             where = f"its host {lease.worker}"
         else:
             log.debug("route: %s", decision.why)
@@ -129,12 +134,6 @@ def load_priority(model: int, caller: int | None) -> int:
     gateway (``ModelServer.lease_priority``): a batch key never lowers it, so never makes
     it preemptible."""
     return model if caller is None else max(model, caller)
-
-
-def _gateway_on(cluster: Cluster, lease: Lease) -> str | None:
-    """The gateway beside the worker a lease was granted on, if known here."""
-    peer = cluster.peer_on(str(lease.worker))
-    return None if peer is None else peer.name
 
 
 def _named(cluster: Cluster, model: str, host: str) -> Route:
