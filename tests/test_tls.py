@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -52,6 +52,15 @@ async def _answering(context: ssl.SSLContext) -> AsyncIterator[int]:
         finally:
             writer.close()
 
+    async for port in _serving(answer, context):
+        yield port
+
+
+async def _serving(
+    answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    context: ssl.SSLContext,
+) -> AsyncIterator[int]:
+    """A TLS server on HOST whose connections ``answer`` handles; yields its port."""
     server = await asyncio.start_server(answer, HOST, 0, ssl=context)
     async with server:
         yield server.sockets[0].getsockname()[1]
@@ -136,9 +145,8 @@ async def _telling_client_serial(context: ssl.SSLContext) -> AsyncIterator[int]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(answer, HOST, 0, ssl=context)
-    async with server:
-        yield server.sockets[0].getsockname()[1]
+    async for port in _serving(answer, context):
+        yield port
 
 
 async def test_a_long_lived_client_presents_its_renewed_certificate_on_new_connections(
