@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import ssl
@@ -868,10 +869,17 @@ def _public_key(name: str, text: object) -> PublicKey | None:
     if not isinstance(text, str) or not text:
         return None
     try:
-        return decode_key(text)
+        return _decoded(text)
     except ValueError:
         log.warning("gateway %s: its public key in the view is not one: its relays refused", name)
         return None
+
+
+@functools.lru_cache(maxsize=256)
+def _decoded(text: str) -> PublicKey:
+    """:func:`decode_key`, once per key text: every view brings every peer's key again,
+    and a decode tries an exchange with it (keys are immutable; a refusal is not kept)."""
+    return decode_key(text)
 
 
 def _peer(gateway: Mapping[str, Any], old: Peer | None, tls: ssl.SSLContext | None) -> Peer:
