@@ -89,7 +89,7 @@ from .servers.config import ModelConfig
 from .servers.engines import ENGINE_NAMES, can_sleep, detect_engine, engine_named
 from .servers.estimate import gpus_of
 
-__all__ = ["GatewayConfig", "load_config", "parse_config"]
+__all__ = ["GatewayConfig", "load_config", "parse_config", "parse_models"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", re.ASCII)
 _MODEL_KEYS = frozenset(
@@ -208,14 +208,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
     models_table = _table(data.get("models"), "models")
     if not models_table:
         raise InvalidInput("models", "no model: add a [models.NAME] table with a command")
-    models: dict[str, ModelConfig] = {}
-    for name, spec in models_table.items():
-        for model in _entry(name, spec):
-            if model.name in models:
-                where = _where(model)
-                raise InvalidInput(where, f"{model.name!r} already names a model")
-            models[model.name] = model
-    _check_names(models)
+    models = parse_models(models_table)
     port = gateway.get("port", 8080)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidInput("gateway.port", f"{port!r} is not a port 0..65535")
@@ -233,6 +226,26 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         tls=_tls(gateway, base or Path()),
         **_port_settings(gateway, base or Path()),
     )
+
+
+def parse_models(
+    table: Mapping[str, Any], *, also: frozenset[str] = frozenset()
+) -> dict[str, ModelConfig]:
+    """The ``[models.NAME]`` tables (``table``: the ``models`` table), each checked, by
+    name: a table is one model, or one per Ollama model its ``ollama_models`` lists. A
+    name or alias routes to one model only. ``also``: keys a table may have beside a
+    model's own, which are not the model's (a catalogue's placement keys: its caller
+    reads them). The one parser of model tables: a gateway's ``models.toml`` and the
+    cluster's catalogue (``catalogue.py``) both use it."""
+    models: dict[str, ModelConfig] = {}
+    for name, spec in table.items():
+        for model in _entry(name, spec, also):
+            if model.name in models:
+                where = _where(model)
+                raise InvalidInput(where, f"{model.name!r} already names a model")
+            models[model.name] = model
+    _check_names(models)
+    return models
 
 
 def _tls(gateway: Mapping[str, Any], base: Path) -> ServerTls | None:
@@ -410,10 +423,10 @@ def _hosts(value: Any, where: str) -> tuple[str, ...]:
     return tuple(h.strip() for h in value)
 
 
-def _entry(name: str, spec: Any) -> list[ModelConfig]:
+def _entry(name: str, spec: Any, also: frozenset[str]) -> list[ModelConfig]:
     """The models of one ``[models.NAME]`` table: itself, or the Ollama models its
     ``ollama serve`` holds (``ollama_models``)."""
-    model = _model(name, spec)
+    model = _model(name, spec, also)
     table = spec.get("ollama_models") if isinstance(spec, dict) else None
     where = f"models.{name}.ollama_models"
     if model.engine != "ollama":
@@ -452,12 +465,12 @@ def _where(model: ModelConfig) -> str:
     return f'models.{model.ollama_serve}.ollama_models."{model.name}"'
 
 
-def _model(name: str, spec: Any) -> ModelConfig:
+def _model(name: str, spec: Any, also: frozenset[str]) -> ModelConfig:
     where = f"models.{name}"
     if not _NAME.fullmatch(name):
         raise InvalidInput(where, "a model name is letters, digits and . _ : - (64 at most)")
     spec = _table(spec, where)
-    _known(spec, _MODEL_KEYS, where)
+    _known(spec, _MODEL_KEYS | also, where)
     if "command" not in spec:
         raise InvalidInput(f"{where}.command", "missing: the command that starts the server")
     values: dict[str, Any] = {"name": name, "command": _command(spec["command"], where)}
