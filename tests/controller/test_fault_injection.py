@@ -93,6 +93,7 @@ def _tick(seconds: float) -> Step:
 SCENARIO: list[tuple[str, Step]] = [
     ("register box-1", lambda c, clock, ids: c.workers.register("box-1", _gpus("box-1"))),
     ("register box-2", lambda c, clock, ids: c.workers.register("box-2", _gpus("box-2"))),
+    ("apply the catalogue", lambda c, clock, ids: c.catalogue.apply("# 1\n", "c.toml", "admin")),
     ("ask a", _ask("a", 20)),
     ("ask b", _ask("b", 20, priority="batch")),
     ("ask c", _ask("c", 20, priority="batch")),
@@ -120,6 +121,7 @@ SCENARIO: list[tuple[str, Step]] = [
     ("ask h", _ask("h", 8)),
     ("ask i (on exact GPUs)", _ask("i", 8, gpu_ids=("box-2:1",))),
     ("shrink d (loading)", _shrink("d", 1)),
+    ("apply it again, changed", lambda c, clock, ids: c.catalogue.apply("# 2\n", "c", "admin")),
 ]
 
 
@@ -167,6 +169,7 @@ async def _check(
     }
     assert snapshot.meta.get("next_token") == c.scheduler.next_token
     assert c.events.last_seq == snapshot.last_event_seq
+    assert c.catalogue.history() == list(reversed(snapshot.catalogue))
     if c.events.last_seq:
         assert c.events.after(c.events.last_seq - 1)[-1].seq == c.events.last_seq
     # ... and no acknowledgement is lost
@@ -180,6 +183,7 @@ async def _check(
     fresh.start()
     assert _leases(fresh) == _leases(c)
     assert [w.name for w in fresh.workers.all()] == [w.name for w in c.workers.all()]
+    assert fresh.catalogue.history() == c.catalogue.history()
     fresh.close()
 
 
@@ -236,6 +240,7 @@ async def test_the_scenario_runs_clean_and_touches_every_kind_of_change() -> Non
         "lease.expired",
         "lease.shrunk",
         "worker.offline",
+        "catalogue.applied",
     ):
         assert kind in kinds
     shrunk = [e.data for e in store.events_after(0, 10_000) if e.kind == "lease.shrunk"]

@@ -18,7 +18,16 @@ from gpu_arbiter.store import MemoryStore
 
 from .support import Clock, request
 
-NAMES = ("Leases", "Workers", "Updates", "GatewayNames", "Events", "Timer", "Roles")
+NAMES = (
+    "Leases",
+    "Workers",
+    "Updates",
+    "GatewayNames",
+    "CatalogueRevisions",
+    "Events",
+    "Timer",
+    "Roles",
+)
 HOOKS = ("sweep", "absorb", "encode", "stored", "committed")  # in the order a change runs them
 BEFORE_THE_COMMIT = ("sweep", "absorb", "encode")
 
@@ -100,11 +109,12 @@ async def test_the_participants_are_declared_once_in_the_order_of_a_change() -> 
     controller, _ = started()
     participants = controller.changes.participants
     assert tuple(map(named, participants)) == NAMES
-    assert participants[:5] == (
+    assert participants[:6] == (
         controller.leases,
         controller.workers,
         controller.updates,
         controller.names,
+        controller.catalogue,
         controller.events,
     )
     assert all(isinstance(p, Participant) for p in participants)

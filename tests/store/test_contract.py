@@ -16,6 +16,7 @@ import pytest
 from gpu_arbiter.core import Constraints, Gpu, GpuId, Lease, LeaseState, Request, WorkerStatus
 from gpu_arbiter.store import (
     Batch,
+    CatalogueRevision,
     Event,
     GatewayNameRecord,
     LeaseRecord,
@@ -25,6 +26,7 @@ from gpu_arbiter.store import (
     PostgresStore,
     SqliteStore,
     Store,
+    StoreError,
     TokenRecord,
     WorkerRecord,
 )
@@ -345,6 +347,55 @@ def test_sqlite_database_without_the_gateway_names_table_gains_it(tmp_path: Path
         assert store.load().gateway_names == (held,)
     finally:
         store.close()
+
+
+def _revision(number: int, text: str = "[models.a]\n") -> CatalogueRevision:
+    return CatalogueRevision(number, text, f"{number:064x}", 100.0 + number, "admin", "c.toml")
+
+
+def test_catalogue_revisions_round_trip_oldest_first(store: Store) -> None:
+    first, second = _revision(1), _revision(2, "# é, and a long one\n" + "x" * 100_000)
+    store.commit(Batch(catalogue=[first]))
+    store.commit(Batch(catalogue=[second], meta={"n": 1}))
+    assert store.load().catalogue == (first, second)
+
+
+def test_a_catalogue_revision_is_written_once_and_a_batch_rewriting_one_writes_nothing(
+    store: Store,
+) -> None:
+    store.commit(Batch(catalogue=[_revision(1)]))
+    again = Batch(catalogue=[_revision(1, "other")], meta={"n": 7}, events=[Event(1, 1.0, "x")])
+    with pytest.raises(StoreError):
+        store.commit(again)
+    snapshot = store.load()
+    assert snapshot.catalogue == (_revision(1),)
+    assert "n" not in snapshot.meta and snapshot.last_event_seq == 0
+
+
+def test_merged_batches_keep_the_catalogues_revisions_in_order(store: Store) -> None:
+    merged = Batch()
+    for batch in (Batch(catalogue=[_revision(1)]), Batch(), Batch(catalogue=[_revision(2)])):
+        merged.merge(batch)
+    store.commit(merged)
+    assert [r.revision for r in store.load().catalogue] == [1, 2]
+
+
+def test_sqlite_catalogue_survives_reopening_and_an_older_database_gains_its_table(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    SqliteStore(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE catalogue")  # as a database of a version before catalogues
+    db.close()
+    first = SqliteStore(path)
+    first.commit(Batch(catalogue=[_revision(1), _revision(2)]))
+    first.close()
+    second = SqliteStore(path)
+    try:
+        assert second.load().catalogue == (_revision(1), _revision(2))
+    finally:
+        second.close()
 
 
 class _Blocking(dict[str, LeaseRecord]):

@@ -58,6 +58,8 @@ comment says what it owns and what it may call; none reaches into another's stat
   how a cycle's decisions are recorded;
 - :mod:`.workers` — register, heartbeat, the offline sweep, drain, cancel-drain, remove;
 - :mod:`.updates` — update operations, driving drains through the workers' own calls;
+- :mod:`.names` — which token holds each gateway name; :mod:`.catalogue` — the
+  cluster's catalogue, as numbered revisions;
 - :mod:`.events` — the event history, the lease waiters and the stream fan-out;
 - :mod:`.timer` — the one timer; :mod:`.roles` — leader, standby, mirror, and the
   reload after a failure;

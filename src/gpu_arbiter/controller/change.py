@@ -12,7 +12,7 @@ set in ``facade.py``); each hook runs for every participant, in that order::
     decide      the core decides (Scheduler.decide)
     absorb      what it decided is recorded in the change (leases, events)
     encode      each writes its slice of the Batch (leases, workers, operations, gateway
-                names, events)
+                names, catalogue revisions, events)
     commit      the store commits the batch
     stored      then, and only then, the stored batch is announced (waiters, streams)
     committed   last: the timer follows the deadlines
@@ -62,7 +62,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import ArbiterError, Decisions, Scheduler
-from ..store import Batch, GatewayNameRecord, LeaseRecord, OperationRecord, Store
+from ..store import (
+    Batch,
+    CatalogueRevision,
+    GatewayNameRecord,
+    LeaseRecord,
+    OperationRecord,
+    Store,
+)
 from .values import (
     GRANT_LATENCY_BOUNDS_S,
     WAIT_BOUNDS_S,
@@ -86,6 +93,7 @@ class Change:
     events: list[tuple[str, str | None, str | None, dict[str, Any]]] = field(default_factory=list)
     operations: dict[str, OperationRecord] = field(default_factory=dict)
     names: dict[str, GatewayNameRecord | None] = field(default_factory=dict)  # None: forgotten
+    catalogue: list[CatalogueRevision] = field(default_factory=list)  # revisions applied
     started: float = field(default_factory=time.perf_counter)
     grants: int = 0
     waited_s: list[float] = field(default_factory=list)  # of each grant, once stored

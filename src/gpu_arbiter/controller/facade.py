@@ -10,6 +10,8 @@ that owns what it asks for::
     controller.updates   start, get, running, for_agent, report       (:mod:`.updates`)
     controller.names     get, take, forget: which token holds each gateway name
                                                                       (:mod:`.names`)
+    controller.catalogue current, revision, history, apply, wait_after: the cluster's
+                         catalogue, as numbered revisions             (:mod:`.catalogue`)
     controller.events    after, wait_after, wait_lease, wake_streams, last_seq
                                                                       (:mod:`.events`)
     controller.changes   commit_in_groups, failures, settled, flush, wait_times,
@@ -33,6 +35,7 @@ from typing import Any
 
 from ..core import Gpu, Policy, Scheduler
 from ..store import Store
+from .catalogue import CatalogueRevisions
 from .change import Changes, Gate
 from .events import Events
 from .leases import Leases
@@ -82,6 +85,7 @@ class Controller:
         self.updates = updates = Updates(changes, store, leases, workers)
         workers.listen(updates)
         self.names = names = GatewayNames(changes)
+        self.catalogue = catalogue = CatalogueRevisions(changes)
         deadlines = [changes.next_deadline, workers.next_deadline, updates.next_deadline]
         self._timer = timer = Timer(changes, deadlines)
         self._roles = Roles(
@@ -92,6 +96,7 @@ class Controller:
             workers=workers,
             updates=updates,
             names=names,
+            catalogue=catalogue,
             timer=timer,
             simulated=simulated,
         )
@@ -103,6 +108,7 @@ class Controller:
             workers,  # sweep: silent workers go offline; encode: the workers touched
             updates,  # sweep: late updates fail; encode: the operations touched
             names,  # encode: the gateway names taken or forgotten
+            catalogue,  # encode: the catalogue's new revision; stored: wakes its readers
             events,  # encode: numbers the change's events, last; stored: wakes waiters, streams
             timer,  # committed: the alarm follows the deadlines
             self._roles,  # recover: any failure reloads what the store holds

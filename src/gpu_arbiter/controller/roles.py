@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from ..core import Gpu, Policy, Scheduler
 from ..store import Fenced, Snapshot, StoreError
+from .catalogue import CatalogueRevisions
 from .change import Change, Changes, Participant
 from .events import Events
 from .leases import Leases
@@ -50,6 +51,7 @@ class Roles(Participant):
         workers: Workers,
         updates: Updates,
         names: GatewayNames,
+        catalogue: CatalogueRevisions,
         timer: Timer,
         simulated: Sequence[Gpu],
     ) -> None:
@@ -61,6 +63,7 @@ class Roles(Participant):
         self._workers = workers
         self._updates = updates
         self._names = names
+        self._catalogue = catalogue
         self._timer = timer
         self._simulated = tuple(simulated)
         self._reload_retry: asyncio.TimerHandle | None = None
@@ -118,9 +121,9 @@ class Roles(Participant):
         self._gate.started = False
 
     def _rebuild(self, snapshot: Snapshot) -> None:
-        """Replaces the in-memory state by ``snapshot``'s workers, counters, operations
-        and gateway names (leases are restored by the caller, which decides whether that
-        is a change)."""
+        """Replaces the in-memory state by ``snapshot``'s workers, counters, operations,
+        gateway names and catalogue revisions (leases are restored by the caller, which
+        decides whether that is a change)."""
         now = self._changes.clock()
         meta = dict(snapshot.meta)
         scheduler = Scheduler(
@@ -138,6 +141,7 @@ class Roles(Participant):
             scheduler.pause()
         self._updates.restore(snapshot.operations)
         self._names.restore(snapshot.gateway_names)
+        self._catalogue.restore(snapshot.catalogue)
         for worker in snapshot.workers:
             self._workers.restore(worker, now)
 

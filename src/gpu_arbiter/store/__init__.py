@@ -16,6 +16,7 @@ from .base import Fenced, Store, StoreError
 from .memory import MemoryStore
 from .records import (
     Batch,
+    CatalogueRevision,
     Event,
     GatewayNameRecord,
     LeaseRecord,
@@ -49,6 +50,7 @@ def is_postgres_url(text: str) -> bool:
 __all__ = [
     "MIGRATIONS",
     "Batch",
+    "CatalogueRevision",
     "Event",
     "Fenced",
     "GatewayNameRecord",

@@ -2,7 +2,8 @@
 
 A store keeps what was acknowledged: worker records, lease records (live and
 final), counters (``next_token``, ``next_seq``, ``paused``), the bounded event
-history, the token digests, and which token holds each gateway name.
+history, the token digests, which token holds each gateway name, and every revision of
+the cluster's catalogue.
 :meth:`Store.commit` writes one :class:`Batch` in one transaction: when it returns, the
 change is durable; when it raises, none of it was written.
 
@@ -32,8 +33,8 @@ class Fenced(StoreError):
 
 class Store(Protocol):
     def load(self) -> Snapshot:
-        """Workers, live leases (pending and held), counters, running operations and
-        gateway names, as last committed."""
+        """Workers, live leases (pending and held), counters, running operations, gateway
+        names and the catalogue's revisions, as last committed."""
         ...
 
     def commit(self, batch: Batch) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import bisect
 
+from .base import StoreError
 from .records import (
     Batch,
+    CatalogueRevision,
     Event,
     GatewayNameRecord,
     LeaseRecord,
@@ -29,6 +31,7 @@ class MemoryStore:
         self._tokens: dict[str, TokenRecord] = {}
         self._operations: dict[str, OperationRecord] = {}
         self._names: dict[str, GatewayNameRecord] = {}
+        self._catalogue: list[CatalogueRevision] = []
 
     def load(self) -> Snapshot:
         live = tuple(r for r in self._leases.values() if not r.state.is_final)
@@ -39,9 +42,12 @@ class MemoryStore:
             last_event_seq=self._events[-1].seq if self._events else 0,
             operations=tuple(op for op in self._operations.values() if op.running),
             gateway_names=tuple(record for _, record in sorted(self._names.items())),
+            catalogue=tuple(self._catalogue),
         )
 
     def commit(self, batch: Batch) -> None:
+        if batch.catalogue:  # checked before anything is written: all or nothing
+            self._check_new(batch.catalogue)
         for name in batch.removed_workers:
             self._workers.pop(name, None)
         self._workers.update(batch.workers)
@@ -59,6 +65,15 @@ class MemoryStore:
                 self._names.pop(name, None)
             else:
                 self._names[name] = named
+        self._catalogue.extend(batch.catalogue)
+
+    def _check_new(self, revisions: list[CatalogueRevision]) -> None:
+        """A revision is written once (a unique key, as the databases' primary key)."""
+        stored = {r.revision for r in self._catalogue}
+        for revision in revisions:
+            if revision.revision in stored:
+                raise StoreError(f"catalogue revision {revision.revision} is stored already")
+            stored.add(revision.revision)
 
     def operation(self, operation_id: str) -> OperationRecord | None:
         return self._operations.get(operation_id)

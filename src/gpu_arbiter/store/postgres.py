@@ -60,6 +60,7 @@ from .codec import (
 )
 from .records import (
     Batch,
+    CatalogueRevision,
     Event,
     GatewayNameRecord,
     LeaseRecord,
@@ -122,6 +123,18 @@ MIGRATIONS: tuple[str, ...] = (
         owner TEXT NOT NULL,
         worker TEXT,
         taken_at DOUBLE PRECISION NOT NULL
+    );
+    """,
+    # 4: every revision of the cluster's catalogue, so that a new leader serves the
+    # catalogue the old one stored.
+    """
+    CREATE TABLE catalogue (
+        revision BIGINT PRIMARY KEY,
+        sha256 TEXT NOT NULL,
+        applied_at DOUBLE PRECISION NOT NULL,
+        applied_by TEXT NOT NULL,
+        file TEXT NOT NULL,
+        text TEXT NOT NULL
     );
     """,
 )
@@ -188,6 +201,11 @@ WITH fence AS (
     WHERE EXISTS (SELECT 1 FROM fence)
     ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, worker = excluded.worker,
         taken_at = excluded.taken_at
+), put_catalogue AS (
+    INSERT INTO catalogue (revision, sha256, applied_at, applied_by, file, text)
+    SELECT * FROM unnest($24::bigint[], $25::text[], $26::float8[], $27::text[], $28::text[],
+        $29::text[])
+    WHERE EXISTS (SELECT 1 FROM fence)
 )
 SELECT commits FROM fence
 """
@@ -200,7 +218,8 @@ SQLite store's delete-then-upsert leaves). ``$13``: trim the events up to this s
 (NULL: not this time, and the test of it, on a parameter alone, is planned as a one-time
 filter, so the table is not scanned); the trim does not see the events the same
 statement inserts. A gateway name is either deleted (``$19``) or written, never both in
-one batch."""
+one batch. A catalogue revision is only ever inserted: one already stored fails the
+whole statement (its primary key), and nothing of it is written."""
 
 _COMMIT_GRACE_S = 2.0
 """How much longer than ``timeout_s`` a commit waits for the database's own answer."""
@@ -508,6 +527,10 @@ class PostgresStore:
             names = await conn.fetch(
                 "SELECT name, owner, worker, taken_at FROM gateway_names ORDER BY name"
             )
+            catalogue = await conn.fetch(
+                "SELECT revision, text, sha256, applied_at, applied_by, file FROM catalogue "
+                "ORDER BY revision"
+            )
         return Snapshot(
             workers=tuple(worker_from_doc(json.loads(doc)) for (doc,) in workers),
             leases=tuple(lease_from_doc(json.loads(doc)) for (doc,) in leases),
@@ -515,6 +538,7 @@ class PostgresStore:
             last_event_seq=int(last),
             operations=tuple(operation_from_doc(json.loads(doc)) for (doc,) in operations),
             gateway_names=tuple(GatewayNameRecord(*row) for row in names),
+            catalogue=tuple(CatalogueRevision(*row) for row in catalogue),
         )
 
     async def _commit(self, batch: Batch) -> None:
@@ -590,6 +614,12 @@ class PostgresStore:
             [r.owner for r in names],
             [r.worker for r in names],
             [r.taken_at for r in names],
+            [r.revision for r in batch.catalogue],
+            [r.sha256 for r in batch.catalogue],
+            [r.applied_at for r in batch.catalogue],
+            [r.applied_by for r in batch.catalogue],
+            [r.file for r in batch.catalogue],
+            [r.text for r in batch.catalogue],
         )
 
     async def _try_lead(

@@ -1,5 +1,5 @@
-"""What the controller persists: lease records, worker records, events, tokens, and
-which token holds each gateway name.
+"""What the controller persists: lease records, worker records, events, tokens, which
+token holds each gateway name, and the revisions of the cluster's catalogue.
 
 Each record is a frozen value; :mod:`.codec` turns them into JSON documents and
 back, so every store keeps exactly the same thing.
@@ -15,6 +15,7 @@ from ..core import Gpu, Lease, LeaseState, Request, WorkerStatus
 
 __all__ = [
     "Batch",
+    "CatalogueRevision",
     "Event",
     "GatewayNameRecord",
     "LeaseRecord",
@@ -161,6 +162,21 @@ class GatewayNameRecord:
     taken_at: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class CatalogueRevision:
+    """One revision of the cluster's catalogue: its number (1, 2, ... in the order they
+    were applied), its text as applied (from ``file``, as the applier named it), the
+    SHA-256 of the text (hex), when and by whom (a token id) it was applied. Every
+    revision is kept: they are small, and an operator reads or compares old ones."""
+
+    revision: int
+    text: str
+    sha256: str
+    applied_at: float
+    applied_by: str
+    file: str = ""
+
+
 @dataclass(slots=True)
 class Batch:
     """Everything one change writes, committed in one transaction."""
@@ -173,6 +189,8 @@ class Batch:
     operations: dict[str, OperationRecord] = field(default_factory=dict)
     gateway_names: dict[str, GatewayNameRecord | None] = field(default_factory=dict)
     """A name taken (its record), or forgotten (None)."""
+    catalogue: list[CatalogueRevision] = field(default_factory=list)
+    """New revisions of the catalogue, oldest first (a revision is never rewritten)."""
 
     def __bool__(self) -> bool:
         return bool(
@@ -183,6 +201,7 @@ class Batch:
             or self.meta
             or self.operations
             or self.gateway_names
+            or self.catalogue
         )
 
     def merge(self, later: Batch) -> None:
@@ -198,6 +217,7 @@ class Batch:
         self.meta.update(later.meta)
         self.operations.update(later.operations)
         self.gateway_names.update(later.gateway_names)
+        self.catalogue.extend(later.catalogue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,3 +230,4 @@ class Snapshot:
     last_event_seq: int = 0
     operations: tuple[OperationRecord, ...] = ()  # the running ones
     gateway_names: tuple[GatewayNameRecord, ...] = ()  # by name
+    catalogue: tuple[CatalogueRevision, ...] = ()  # every revision, oldest first

@@ -53,6 +53,7 @@ from .codec import (
 )
 from .records import (
     Batch,
+    CatalogueRevision,
     Event,
     GatewayNameRecord,
     LeaseRecord,
@@ -112,9 +113,17 @@ CREATE TABLE IF NOT EXISTS gateway_names (
     worker TEXT,
     taken_at DOUBLE PRECISION NOT NULL
 );
+CREATE TABLE IF NOT EXISTS catalogue (
+    revision BIGINT PRIMARY KEY,
+    sha256 TEXT NOT NULL,
+    applied_at DOUBLE PRECISION NOT NULL,
+    applied_by TEXT NOT NULL,
+    file TEXT NOT NULL,
+    text TEXT NOT NULL
+);
 """
 """Each table is made if it is missing, so a database of an older version gains the ones
-added since (``gateway_names``) at its first open by this one."""
+added since (``gateway_names``, ``catalogue``) at its first open by this one."""
 
 _UPSERT_LEASE = (
     "INSERT INTO leases (id, state, final, owner, idempotency_key, doc) VALUES (?, ?, ?, ?, ?, ?) "
@@ -133,6 +142,15 @@ _UPSERT_NAME = (
     "INSERT INTO gateway_names (name, owner, worker, taken_at) VALUES (?, ?, ?, ?) "
     "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, worker = excluded.worker, "
     "taken_at = excluded.taken_at"
+)
+_INSERT_REVISION = (
+    "INSERT INTO catalogue (revision, sha256, applied_at, applied_by, file, text) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+"""A revision is written once: one already stored is an error (the primary key), and
+the transaction writes nothing."""
+_SELECT_REVISIONS = (
+    "SELECT revision, text, sha256, applied_at, applied_by, file FROM catalogue ORDER BY revision"
 )
 _UPSERT_META = (
     "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = "
@@ -229,6 +247,7 @@ class SqliteStore:
                     "SELECT name, owner, worker, taken_at FROM gateway_names ORDER BY name"
                 )
             )
+            catalogue = tuple(CatalogueRevision(*row) for row in db.execute(_SELECT_REVISIONS))
         except sqlite3.Error as error:
             raise StoreError(f"cannot load {self.path}: {error}") from error
         return Snapshot(
@@ -238,6 +257,7 @@ class SqliteStore:
             last_event_seq=int(last),
             operations=operations,
             gateway_names=names,
+            catalogue=catalogue,
         )
 
     def commit(self, batch: Batch) -> None:
@@ -313,6 +333,14 @@ class SqliteStore:
             db.executemany(
                 _UPSERT_NAME,
                 [(r.name, r.owner, r.worker, r.taken_at) for _, r in named if r is not None],
+            )
+        if batch.catalogue:
+            db.executemany(
+                _INSERT_REVISION,
+                [
+                    (r.revision, r.sha256, r.applied_at, r.applied_by, r.file, r.text)
+                    for r in batch.catalogue
+                ],
             )
 
     def operation(self, operation_id: str) -> OperationRecord | None:
