@@ -362,6 +362,48 @@ class ArbiterClient:
         the gateway, which takes it at once (202)."""
         return await self._post(f"/v1/gateways/{name}/models/{quote(model, safe='')}/{verb}")
 
+    # ------------------------------------------------------------------ the catalogue
+
+    async def apply_catalogue(self, text: str, file: str = "catalogue.toml") -> Json:
+        """PUT /v1/catalogue (an admin's): the catalogue's text, read from ``file`` (its
+        errors name it). The answer's ``outcome``: ``applied`` (a new ``revision``) or
+        ``unchanged``; a refused catalogue raises :class:`ApiError` (422) whose
+        ``details`` name the ``file``, ``line`` and ``field``."""
+        result: Json = await self.request(
+            "PUT", "/v1/catalogue", json_body={"text": text, "file": file}
+        )
+        return result
+
+    async def catalogue(self) -> Json | None:
+        """GET /v1/catalogue: the current revision (``revision``, ``text``, ``sha256``,
+        ``applied_at``, ``applied_by``, ``models``); None while none was ever applied."""
+        return await self.catalogue_after(0, 0.0)
+
+    async def catalogue_after(self, revision: int, wait_s: float) -> Json | None:
+        """GET /v1/catalogue?after=&wait=: the current revision as soon as it is above
+        ``revision``, or as it is once ``wait_s`` (at most 60) has passed; None while
+        none was ever applied."""
+        params = {"after": revision or None, "wait": wait_s or None}
+        try:
+            result: Json = await self.request(
+                "GET", "/v1/catalogue", params=params, timeout_s=wait_s + 10.0
+            )
+        except ApiError as error:
+            if error.status == 404 and error.code == "not_found":
+                return None
+            raise
+        return result
+
+    async def catalogue_history(self) -> list[Json]:
+        """GET /v1/catalogue/history: every revision, newest first, without its text."""
+        result: list[Json] = await self.request("GET", "/v1/catalogue/history")
+        return result
+
+    async def catalogue_revision(self, revision: int) -> Json:
+        """GET /v1/catalogue/revisions/{n}: one revision, with its text."""
+        result: Json = await self.request("GET", f"/v1/catalogue/revisions/{int(revision)}")
+        return result
+
     # ------------------------------------------------------------------ arbiter
 
     async def pause(self) -> Json:

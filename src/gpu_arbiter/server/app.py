@@ -18,6 +18,8 @@ from .. import __version__
 from ..controller import Controller
 from ..store import SqliteStore
 from .auth import Authenticator
+from .catalogue import BODY_BYTES, CatalogueReader
+from .catalogue import router as catalogue_router
 from .cluster import LoadAskers, adoptable
 from .cluster import router as cluster_router
 from .durable import DurableAnswers
@@ -104,6 +106,7 @@ def create_app(
     app.state.gateways.token_exists = auth.exists  # a revoked token's names are free
     app.state.gateways.adoptable = functools.partial(adoptable, controller)
     app.state.load_askers = LoadAskers()  # who asked for each cluster load
+    app.state.catalogue_reader = CatalogueReader()  # the current catalogue's models, read once
     bounds = client_limits or ClientLimits()
     app.state.event_feed = EventFeed(controller)
     app.state.streams = Slots("streams", bounds.max_streams_per_token, bounds.max_streams)
@@ -113,6 +116,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(cluster_router)
+    app.include_router(catalogue_router)
 
     @app.get("/healthz", summary="The process is up")
     async def healthz() -> FiniteJSONResponse:
@@ -159,7 +163,8 @@ def create_app(
 
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
     app.add_middleware(DurableAnswers, controller=controller)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    larger = {"/v1/catalogue": max(max_body_bytes, BODY_BYTES)}  # a catalogue's text
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, larger=larger)
     app.add_middleware(TokenFirst, auth=auth)  # 401 before a body is read or validated
     app.add_middleware(RequestGuard, hosts=allowed_hosts, auth=auth.enabled)  # the outermost
     return app

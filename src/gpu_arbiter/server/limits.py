@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -92,20 +92,25 @@ def _too_large(limit: int) -> bytes:
 
 class BodyLimit:
     """ASGI middleware: a declared ``Content-Length`` over the limit is refused at once; a
-    body without one is read up to the limit and refused past it."""
+    body without one is read up to the limit and refused past it. ``larger``: the limit
+    of the paths whose bodies may be larger (a catalogue's text), by path."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, larger: Mapping[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = dict(larger or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        limit = self.larger.get(scope["path"], self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
-            if not declared.isdigit() or int(declared) > self.max_bytes:
-                await self._refuse(send)
+            if not declared.isdigit() or int(declared) > limit:
+                await self._refuse(send, limit)
                 return
             await self.app(scope, receive, send)
             return
@@ -117,8 +122,8 @@ class BodyLimit:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(send)
+            if size > limit:
+                await self._refuse(send, limit)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -135,8 +140,8 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        body = _too_large(self.max_bytes)
+    async def _refuse(self, send: Send, limit: int) -> None:
+        body = _too_large(limit)
         await send(
             {
                 "type": "http.response.start",

@@ -47,7 +47,14 @@ from ..core import (
     priority_name,
 )
 from ..peer_identity import decode_key
-from ..store import Event, LeaseRecord, OperationRecord, OperationStep, WorkerRecord
+from ..store import (
+    CatalogueRevision,
+    Event,
+    LeaseRecord,
+    OperationRecord,
+    OperationStep,
+    WorkerRecord,
+)
 
 # ---------------------------------------------------------------- strict JSON bodies
 
@@ -417,6 +424,31 @@ class GatewayReportIn(_In):
     routes: Annotated[list[SmallObject], Field(max_length=50)] = Field(default_factory=list)
 
 
+CATALOGUE_TEXT_BYTES = 1 << 20
+"""A catalogue's text, at most (UTF-8)."""
+
+
+def _catalogue_size(text: str) -> str:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > CATALOGUE_TEXT_BYTES:
+        raise PydanticCustomError(
+            "too_large",
+            "is {size} bytes; a catalogue is at most {limit} bytes",
+            {"size": size, "limit": CATALOGUE_TEXT_BYTES},
+        )
+    return text
+
+
+class CatalogueIn(_In):
+    """A catalogue's text (TOML: ``[models.NAME]`` tables), and the name of the file it
+    was read from (its errors name it)."""
+
+    text: Annotated[
+        StrictStr, Field(max_length=CATALOGUE_TEXT_BYTES), AfterValidator(_catalogue_size)
+    ]
+    file: Annotated[StrictStr, Field(min_length=1, max_length=256), NoControl] = "catalogue.toml"
+
+
 # ---------------------------------------------------------------- outputs (documentation)
 
 
@@ -615,6 +647,37 @@ class GatewayGoneOut(_Out):
     forgotten: bool
 
 
+class CatalogueRevisionOut(_Out):
+    """One revision of the cluster's catalogue: numbered 1, 2, ... in the order applied;
+    ``applied_by``: the id of the token that applied it; ``text`` where asked for."""
+
+    revision: int
+    sha256: str
+    applied_at: float
+    applied_by: str
+    file: str
+    size_bytes: int
+    text: str | None = None
+
+
+class CatalogueOut(CatalogueRevisionOut):
+    """The current revision, with its text and its models as the catalogue declares
+    them (by name: command, vram, gpus, where it may run: hosts, labels, vendor,
+    gpu_model, gpu_arch, min_compute_capability)."""
+
+    models: dict[str, dict[str, Any]] | None = Field(
+        description="null only where this controller cannot read the text (``problem``)"
+    )
+    problem: str | None = None
+
+
+class CatalogueAppliedOut(CatalogueRevisionOut):
+    """``outcome``: ``applied`` (a new revision, 201) or ``unchanged`` (the text is the
+    current revision's: no new one, 200)."""
+
+    outcome: Literal["applied", "unchanged"]
+
+
 # ---------------------------------------------------------------- records -> JSON
 
 
@@ -787,6 +850,21 @@ def drain_out(outcome: DrainOutcome) -> dict[str, Any]:
         "already_finished": outcome.already_finished,
         "leases_left": outcome.leases_left,
     }
+
+
+def catalogue_revision_out(revision: CatalogueRevision, *, text: bool) -> dict[str, Any]:
+    """A catalogue revision as the API shows it (:class:`CatalogueRevisionOut`)."""
+    out: dict[str, Any] = {
+        "revision": revision.revision,
+        "sha256": revision.sha256,
+        "applied_at": revision.applied_at,
+        "applied_by": revision.applied_by,
+        "file": revision.file,
+        "size_bytes": len(revision.text.encode()),
+    }
+    if text:
+        out["text"] = revision.text
+    return out
 
 
 def event_out(event: Event) -> dict[str, Any]:
