@@ -86,7 +86,7 @@ def test_help_lists_every_command() -> None:
     listing = done.stdout.split("\nCommands:\n", 1)[1]
     listed = [line.split()[0] for line in listing.splitlines() if line.startswith("  ")]
     every = SINGLE_COMMANDS | set(ops.COMMANDS) | set(models.MODEL_COMMANDS)
-    every |= {"token", "gateways", "tls"}
+    every |= {"token", "gateways", "tls", "catalogue"}
     assert sorted(listed) == sorted(every)
 
 

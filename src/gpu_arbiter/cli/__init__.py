@@ -43,6 +43,7 @@ DEFINED_IN: dict[str, tuple[str, str]] = {
     **{name: ("ops", "COMMANDS") for name in _OPERATORS},
     **{name: ("models", "MODEL_COMMANDS") for name in _MODELS},
     "gateways": ("models", "gateways_app"),
+    "catalogue": ("catalogue", "catalogue_app"),
     "top": ("top", "top"),
     "token": ("serve", "token_app"),
     "tls": ("tls", "tls_app"),
