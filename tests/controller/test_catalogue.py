@@ -10,7 +10,7 @@ import hashlib
 import pytest
 
 from gpu_arbiter.controller import Controller, NotLeader, ServiceUnavailable
-from gpu_arbiter.store import MemoryStore, StoreError
+from gpu_arbiter.store import MemoryStore, PostgresStore, StoreError
 
 from .support import Clock, FailingStore
 
@@ -127,3 +127,28 @@ async def test_a_standbys_reader_is_answered_when_its_copy_gains_a_revision() ->
     standby.mirror("http://leader:7070")  # what the standby's follower does
     found = await asyncio.wait_for(waiting, 5.0)
     assert found is not None and found.revision == 1
+
+
+async def test_on_a_shared_postgresql_store_a_standby_has_it_and_the_next_leader_goes_on(
+    postgres_dsn: str,
+) -> None:
+    first_store, second_store = PostgresStore(postgres_dsn), PostgresStore(postgres_dsn)
+    try:
+        assert first_store.try_lead("first", None, ttl_s=60) is not None
+        leader = Controller(first_store, clock=Clock())
+        leader.start()
+        applied, _ = leader.catalogue.apply(TEXT, "c.toml", "admin")
+        standby = Controller(second_store, clock=Clock())
+        standby.mirror()
+        assert standby.catalogue.current == applied
+        leader.close()
+        first_store.step_down()
+        assert second_store.try_lead("second", None, ttl_s=60) is not None
+        standby.start()  # the take-over
+        assert standby.catalogue.history() == [applied]
+        second, new = standby.catalogue.apply(TEXT + "# 2\n", "c.toml", "admin")
+        assert new and second.revision == 2
+        assert [r.revision for r in first_store.load().catalogue] == [1, 2]
+    finally:
+        first_store.close()
+        second_store.close()

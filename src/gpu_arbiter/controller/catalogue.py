@@ -50,10 +50,9 @@ class CatalogueRevisions(Participant):
         return self._revisions[-1] if self._revisions else None
 
     def revision(self, number: int) -> CatalogueRevision | None:
-        if 1 <= number <= len(self._revisions):
-            found = self._revisions[number - 1]
-            if found.revision == number:
-                return found
+        """Revision ``number`` (numbered 1, 2, ...: found at its place, else looked for)."""
+        if 1 <= number <= len(self._revisions) and self._revisions[number - 1].revision == number:
+            return self._revisions[number - 1]
         return next((r for r in self._revisions if r.revision == number), None)
 
     def history(self) -> list[CatalogueRevision]:
