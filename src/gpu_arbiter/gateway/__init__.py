@@ -26,7 +26,10 @@ checks it):
   request bodies (``bodies.py``).
 
 Beside them, the gateway as a whole: ``config.py`` reads ``models.toml`` and
-``serve.py`` builds the parts and runs them.
+``serve.py`` builds the parts and runs them; ``catalogue.py`` reads the cluster's
+catalogue (the models declared once, at the controller, with the same model tables) and
+cuts one worker's share of it, and ``follower.py`` follows the controller's revisions
+of it.
 """
 
 from .config import GatewayConfig, load_config, parse_config
