@@ -95,6 +95,8 @@ def test_an_empty_catalogue_has_no_models() -> None:
                      "models.chat.hosts", "names box-1 twice", id="host-twice"),
         pytest.param(GOOD.replace('["box-1", "box-3"]', '"box-1"'), 5, "models.chat.hosts",
                      "must be a list", id="hosts-not-a-list"),
+        pytest.param(GOOD.replace('["box-1", "box-3"]', "[]"), 5, "models.chat.hosts",
+                     "names no worker", id="hosts-empty"),
         pytest.param(GOOD.replace('"8.0"', '"eight"'), 13,
                      "models.qwen2.5.min_compute_capability", "is not MAJOR.MINOR",
                      id="bad-capability"),

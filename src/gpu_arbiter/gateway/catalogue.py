@@ -162,8 +162,10 @@ def _placement(name: str, spec: Mapping[str, Any]) -> tuple[tuple[str, ...], Con
 
 def _hosts(value: Any, where: str) -> tuple[str, ...]:
     """A non-empty list of worker names, each once."""
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list):
         raise InvalidInput(where, 'must be a list of worker names, such as ["box-1"]')
+    if not value:
+        raise InvalidInput(where, "names no worker: leave hosts out for any worker")
     if len(value) > MAX_HOSTS:
         raise InvalidInput(where, f"names more than {MAX_HOSTS} workers")
     names = [validate_worker_name(host, where) for host in value]
