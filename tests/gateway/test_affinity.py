@@ -159,7 +159,9 @@ def test_the_front_door_sends_a_conversation_where_it_went_while_it_has_room() -
 
 
 def _replica(number: int, in_flight: int) -> Any:
-    return SimpleNamespace(number=number, accepting=True, state="busy", in_flight=in_flight)
+    return SimpleNamespace(
+        number=number, accepting=True, state="busy", in_flight=in_flight, generation=0
+    )
 
 
 async def test_inside_a_host_a_conversation_keeps_its_replica_while_it_has_a_free_slot() -> None:

@@ -69,8 +69,13 @@ def test_a_name_routes_to_one_model_only() -> None:
     models = {"a": {"command": COMMAND}, "b": {"command": COMMAND, "aliases": ["a"]}}
     with pytest.raises(InvalidInput, match="'a' already names a"):
         parse_config({"models": models})
-    with pytest.raises(InvalidInput, match="no model"):
-        parse_config({"models": {}})
+
+
+def test_a_gateway_table_alone_is_a_gateway_of_no_model_yet() -> None:
+    """Its models come from the cluster's catalogue (``live.py``)."""
+    assert parse_config({"gateway": {"port": 9001}}).models == {}
+    assert parse_config({"models": {}}).models == {}
+    assert parse_config({}).port == 8080
 
 
 def test_the_ports_bounds_keys_and_host_names(tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ async def test_a_served_replica_went_only_through_allowed_moves(world: World) ->
 def test_an_ending_kind_is_its_word() -> None:
     assert [str(kind) for kind in EndKind] == [
         "keep_alive", "reclaimed", "preempted", "revoked", "failed", "cancelled", "shutdown",
-        "unloaded", "dropped",
+        "unloaded", "dropped", "retired",
     ]  # fmt: skip
     assert f"{EndKind.KEEP_ALIVE}" == "keep_alive" and EndKind.FAILED == "failed"
     assert not EndKind.FAILED.graced and EndKind.PREEMPTED.graced
@@ -111,7 +111,7 @@ def test_each_ending_says_what_the_requests_it_cuts_off_get() -> None:
     graced = {kind for kind in EndKind if kind.graced}
     assert graced == {
         EndKind.PREEMPTED, EndKind.RECLAIMED, EndKind.REVOKED, EndKind.SHUTDOWN,
-        EndKind.UNLOADED,
+        EndKind.UNLOADED, EndKind.RETIRED,
     }  # fmt: skip
     stopped = {kind for kind in EndKind if kind.status == 503}
     assert stopped == graced | {EndKind.KEEP_ALIVE}

@@ -4,17 +4,19 @@ Exit codes: 0 after a clean stop (SIGINT/SIGTERM); 2 when the config is wrong (t
 message names the model, the key and the reason), or with ``--check`` when a model's
 program is not found (at a start it is only a warning: it may be installed later);
 69 when it cannot listen; 73 when another gateway uses its state directory. A second
-SIGINT/SIGTERM while it stops kills the model servers at once.
+SIGINT/SIGTERM while it stops kills the model servers at once. SIGHUP reads the config
+file again and applies its models without a restart (``gateway/live.py``; one log line
+says what changed, or why nothing did); ``gpu-arbiter gateways reload`` asks the same
+over HTTP (``POST /admin/reload``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
+import contextlib
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +24,7 @@ import typer
 
 from ..core import ArbiterError, InvalidInput, format_mb, priority_name
 from ..gateway.config import GatewayConfig, load_config
+from ..gateway.programs import missing_program
 from ..gateway.requests.access import check_exposure
 from ..gateway.serve import estimates, run_gateway
 from ..gateway.servers.estimate import Estimate
@@ -67,84 +70,14 @@ def checked_exposure(config: GatewayConfig, path: Path) -> None:
 
 def missing_programs(config: GatewayConfig) -> dict[str, str]:
     """Each model whose command's program cannot be run, as ``models.NAME.command`` ->
-    why: not on the PATH it starts with (the model's ``env`` PATH, else the gateway's),
-    or, given as a path, not an executable file there. A command run through ``env``
-    is checked for ``env`` and for the program ``env`` runs (:func:`past_env`). The
-    Ollama models of one ``ollama serve`` entry share its command: it is named once."""
+    why (:func:`~gpu_arbiter.gateway.programs.missing_program`). The Ollama models of
+    one ``ollama serve`` entry share its command: it is named once."""
     missing: dict[str, str] = {}
     for name, model in config.models.items():
-        words: tuple[str, ...] | None = tuple(model.command)
-        search = model.env.get("PATH", os.environ.get("PATH", os.defpath))
-        while words:
-            why = _not_found(words[0], search)
-            if why is None:
-                words, search = past_env(words, search)
-                why = None if words != () else "env is given no program to run"
-            if why is not None:  # an Ollama model's command is its serve entry's
-                missing[f"models.{model.ollama_serve or name}.command"] = why
-                break
+        why = missing_program(model)
+        if why is not None:  # an Ollama model's command is its serve entry's
+            missing[f"models.{model.ollama_serve or name}.command"] = why
     return missing
-
-
-def _not_found(program: str, search: str) -> str | None:
-    if shutil.which(program, path=search) is not None:
-        return None
-    if os.sep in program:
-        return f"{program} is not an executable file"
-    return f"{program} is not on PATH: install it, or give its full path"
-
-
-_ENV_FLAGS = frozenset({"-i", "--ignore-environment", "-", "-0", "--null", "-v", "--debug"})
-_ENV_VALUED = frozenset({"-u", "--unset", "-C", "--chdir", "-S", "--split-string"})
-
-
-def past_env(words: tuple[str, ...], search: str) -> tuple[tuple[str, ...] | None, str]:
-    """What a command starting with ``env`` runs, and the PATH it is found on: past
-    env's options (``-i``, ``-u NAME``, ``-C DIR``, ``-S STRING``, ``--``) and its
-    ``NAME=VALUE`` words (a ``PATH=`` there is the PATH searched; ``-i`` or ``-u PATH``
-    leave the system's default). ``()`` when env runs nothing; None when the command is
-    not env's, or has an option of env's not read here (nothing more is checked)."""
-    if os.path.basename(words[0]) != "env":
-        return None, search
-    rest, chdir = list(words[1:]), ""
-    while rest and rest[0].startswith("-") and rest[0] != "--":
-        read = _env_option(rest)
-        if read is None:
-            return None, search
-        option, value = read
-        if option in ("-i", "--ignore-environment", "-"):
-            search = os.defpath
-        elif option in ("-u", "--unset"):
-            search = os.defpath if value == "PATH" else search
-        elif option in ("-C", "--chdir"):
-            chdir = value
-        elif option in ("-S", "--split-string"):
-            if any(mark in value for mark in "'\"\\$#"):  # env's quoting is not read here
-                return None, search
-            rest[:0] = value.split()
-    if rest and rest[0] == "--":
-        rest.pop(0)
-    while rest and "=" in rest[0]:
-        name, _, value = rest.pop(0).partition("=")
-        search = value if name == "PATH" else search
-    if rest and chdir and os.sep in rest[0]:
-        rest[0] = os.path.join(chdir, rest[0])
-    return tuple(rest), search
-
-
-def _env_option(rest: list[str]) -> tuple[str, str] | None:
-    """The option at the head of ``rest`` and its value (taken off ``rest``), or None
-    for one not read here (several short ones in one word among them)."""
-    word = rest.pop(0)
-    if word.startswith("--"):
-        option, _, value = word.partition("=")
-    else:
-        option, value = word[:2], word[2:]
-    if option in _ENV_VALUED:
-        if not value and rest:
-            value = rest.pop(0)
-        return (option, value) if value else None
-    return (option, "") if option in _ENV_FLAGS and not value else None
 
 
 def sizes_of(config: GatewayConfig, found: dict[str, Estimate | None]) -> dict[str, int]:
@@ -158,6 +91,11 @@ def sizes_of(config: GatewayConfig, found: dict[str, Estimate | None]) -> dict[s
 def _show(config: GatewayConfig, found: dict[str, Estimate | None]) -> None:
     """Each model's line (its size: given, or the estimate's parts and the flags read
     from its command), the estimate's notes under it."""
+    if not config.models:
+        typer.echo(
+            "no model: no [models.NAME] table; the gateway serves the models the cluster's "
+            "catalogue gives it, or those of this file once it has some (SIGHUP reloads it)"
+        )
     for name, model in config.models.items():
         estimate = found[name]
         if estimate is None:
@@ -245,7 +183,11 @@ def gateway(
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             sizes = sizes_of(settings, found)
-            runner.run(_main(settings, controller, token, sizes, state_dir or default_state_dir()))
+            reread = rereader(config, changes)
+            runner.run(
+                _main(settings, controller, token, sizes, state_dir or default_state_dir(),
+                      (config.name, reread))
+            )  # fmt: skip
     except GatewayRefused as refused:
         print(f"gpu-arbiter gateway: {refused}", file=sys.stderr)
         raise typer.Exit(refused.exit_code) from None
@@ -289,19 +231,39 @@ def _replace(settings: GatewayConfig, changes: dict[str, Any]) -> GatewayConfig:
     return replace(settings, **changes)
 
 
+def rereader(path: Path, changes: dict[str, Any]) -> Callable[[], GatewayConfig]:
+    """The config file read again, with the command line's settings over it as at the
+    start (``--host``, ``--port``, ``--worker``): what a reload applies."""
+    return lambda: _replace(load_config(path), changes)
+
+
+@contextlib.contextmanager
+def on_hangup(hangup: asyncio.Event) -> Iterator[None]:
+    """SIGHUP sets ``hangup`` (a reload) while in the block."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, hangup.set)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+
 async def _main(
     settings: GatewayConfig,
     controller: str | None,
     token: str | None,
     sizes: dict[str, int],
     state_dir: Path,
+    reread: tuple[str, Callable[[], GatewayConfig]],
 ) -> None:
-    """Until SIGINT or SIGTERM; the next one hurries the stop (no more graces)."""
-    stop, hurry = asyncio.Event(), asyncio.Event()
+    """Until SIGINT or SIGTERM; the next one hurries the stop (no more graces). SIGHUP:
+    a reload."""
+    stop, hurry, hangup = asyncio.Event(), asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: (hurry if stop.is_set() else stop).set())
-    await run_gateway(
-        settings, controller=controller, token=token, stop=stop, hurry=hurry, sizes=sizes,
-        state_dir=state_dir,
-    )  # fmt: skip
+    with on_hangup(hangup):
+        await run_gateway(
+            settings, controller=controller, token=token, stop=stop, hurry=hurry, sizes=sizes,
+            state_dir=state_dir, reread=reread[1], hangup=hangup, config_name=reread[0],
+        )  # fmt: skip

@@ -15,8 +15,13 @@ gateway that has the model (``POST /v1/gateways/NAME/models/MODEL/VERB``).
 name (``DELETE /v1/gateways/NAME``), for a gateway given a new token: a name belongs to
 the token that first reported it, even once it stopped reporting.
 
+``gateways reload`` (an admin key's, where the gateways have keys): each gateway given
+reads its config file again and applies its models without a restart (``POST
+/admin/reload``); one line per gateway says what changed, or why nothing did.
+
 Exit codes: 0 done; 1 ``models``: no gateway answered with its models; a change: a
-gateway was not reached or refused it, or none knows the model; 2 bad arguments.
+gateway was not reached or refused it, or none knows the model; a reload: a gateway was
+not reached or refused it; 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -434,3 +439,53 @@ def gateways_forget(
     then report under it. A gateway still running reports again under its old token."""
     call_controller(controller, token, lambda client: client.forget_gateway(name))
     print(f"gateway {name} forgotten: its name is free")
+
+
+@gateways_app.command("reload")
+def gateways_reload(
+    gateway: Annotated[
+        list[str] | None,
+        option(
+            f"Gateway URL; repeat it or comma-separate several (default: {DEFAULT_GATEWAY}).",
+            "--gateway",
+            envvar="GPU_ARBITER_GATEWAY",
+        ),
+    ] = None,
+    key: Key = None,
+    as_json: AsJson = False,
+) -> None:
+    """Make each gateway read its config file again and apply its models without a
+    restart (an admin key where it has keys): what changed, or why nothing did."""
+    answers = ask(gateway_urls(gateway), "POST", "/admin/reload", key, CHANGE_TIMEOUT_S)
+    if as_json:
+        found = [{"gateway": a.gateway, "status": a.status, "answer": a.body} for a in answers]
+        print(json.dumps(found, indent=2, sort_keys=True))
+    failed = [a for a in answers if a.status != 200]
+    for answer in answers:
+        if answer.status == 200 and not as_json:
+            print(f"{answer.gateway}: {reload_words(answer.body)}")
+    for answer in failed:
+        print(f"error: {answer.refusal()}", file=sys.stderr)
+    if failed:
+        raise typer.Exit(EXIT_API_ERROR)
+
+
+def reload_words(body: Any) -> str:
+    """A gateway's answer to a reload, in one line."""
+    found = body if isinstance(body, dict) else {}
+    parts = [
+        f"{label} {', '.join(map(str, found[key]))}"
+        for key, label in (
+            ("added", "added"), ("removed", "removed"), ("replaced", "replaced"),
+            ("in_place", "in place:"),
+        )
+        if found.get(key)
+    ]  # fmt: skip
+    text = "; ".join(parts) or "no model changed"
+    if found.get("not_applied"):
+        text += f"; not applied until a restart: {', '.join(map(str, found['not_applied']))}"
+    for conflict in found.get("conflicts") or ():
+        if isinstance(conflict, dict):
+            kept, over = conflict.get("kept"), conflict.get("over")
+            text += f"; {conflict.get('model')}: {kept} kept over {over}"
+    return text

@@ -332,9 +332,10 @@ async def _gateway_beside(
 def local_gateway(models: Path, state_dir: Path) -> Gateway:
     """``serve --local --models``'s gateway on ``state_dir``; a config error exits 2 and
     another gateway on the directory is refused, before anything starts."""
+    from ..gateway.config import GatewayConfig, load_config
     from ..gateway.serve import beside_a_controller, run_gateway
     from ..gateway.servers.process import lock_state_dir
-    from .gateway import checked_config, checked_exposure, sizes_of
+    from .gateway import checked_config, checked_exposure, on_hangup, sizes_of
 
     config, found = checked_config(models)
     checked_exposure(config, models)
@@ -346,10 +347,19 @@ def local_gateway(models: Path, state_dir: Path) -> Gateway:
         worker: str, url: str, token: str | None, stop: asyncio.Event, hurry: asyncio.Event
     ) -> None:
         settings = replace(config, worker=config.worker or worker)
-        await run_gateway(
-            settings, controller=url, token=token, stop=stop, hurry=hurry, sizes=sizes,
-            state_dir=state_dir,
-        )  # fmt: skip
+
+        def reread() -> GatewayConfig:  # as at the start: beside the controller
+            found = load_config(models)
+            return replace(
+                found, worker=found.worker or worker, max_connections=settings.max_connections
+            )
+
+        hangup = asyncio.Event()
+        with on_hangup(hangup):  # SIGHUP: the models file read again
+            await run_gateway(
+                settings, controller=url, token=token, stop=stop, hurry=hurry, sizes=sizes,
+                state_dir=state_dir, reread=reread, hangup=hangup, config_name=models.name,
+            )  # fmt: skip
 
     return gateway
 

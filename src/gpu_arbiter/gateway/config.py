@@ -2,7 +2,8 @@
 
 ::
 
-    [gateway]                      # optional
+    [gateway]                      # optional (a file of this table alone serves
+                                   # only the models the cluster's catalogue gives it)
     host = "127.0.0.1"
     port = 8080
     worker = "box-1"               # default: the one agent on this host
@@ -205,10 +206,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         raise InvalidInput(unknown[0], "unknown section; known: gateway, models")
     gateway = _table(data.get("gateway", {}), "gateway")
     _known(gateway, _GATEWAY_KEYS, "gateway")
-    models_table = _table(data.get("models"), "models")
-    if not models_table:
-        raise InvalidInput("models", "no model: add a [models.NAME] table with a command")
-    models = parse_models(models_table)
+    models = parse_models(_table(data.get("models"), "models"))  # none: the catalogue's only
     port = gateway.get("port", 8080)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidInput("gateway.port", f"{port!r} is not a port 0..65535")

@@ -21,10 +21,17 @@ the same way; only then does the HTTP server stop, with no request left for it t
 cancel.
 
 Every task has an owner that ends it: one task group holds the models' lives
-(:meth:`.servers.model.ModelServer.run`, each the owner of its replicas'; an Ollama entry's serve
-with its own tasks), which end once the models are shut down and their replicas have
-released; the cluster's life (:meth:`.cluster.cluster.Cluster.run`: the view, its loads and
-adoptions) and the reporter's are cancelled at the stop.
+(:meth:`.live.LiveModels.run`: each :meth:`.servers.model.ModelServer.run` the owner of its
+replicas'; an Ollama entry's serve with its own tasks; a model added while the gateway
+runs too), which end once the models are shut down and their replicas have released;
+the cluster's life (:meth:`.cluster.cluster.Cluster.run`: the view, its loads and
+adoptions), the reporter's and the reloads' are cancelled at the stop.
+
+Its models change while it runs (``live.py``): given ``reread`` (the config file read
+again), each ``hangup`` (SIGHUP) and each ``POST /admin/reload`` reads the file and
+applies its models, and says in one log line what changed, or why nothing did; the
+gateway serves on either way. The ``[gateway]`` table's own settings apply at the next
+start: a reload that finds them changed names them (``not_applied``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import logging
 import os
 import socket
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +75,9 @@ from .base.metrics import GatewayMetrics
 from .cluster.cluster import ROUTES_REPORTED, Cluster
 from .cluster.report import Reporter, default_name, listen_url
 from .config import GatewayConfig
+from .live import LiveModels, Outcome
+from .model_set import listener_changes
+from .programs import missing_program
 from .requests.access import Access, ApiKey, check_exposure
 from .requests.app import GatewayApp
 from .servers.config import ModelConfig
@@ -74,8 +86,7 @@ from .servers.estimate import Estimate, estimate_vram
 from .servers.interfaces import Parts
 from .servers.lease import Lease
 from .servers.links import HttpHealthCheck, LocalAgentLink
-from .servers.model import ModelServer
-from .servers.ollama import OllamaModelServer, model_servers
+from .servers.ollama import model_servers
 from .servers.process import ProcessLauncher
 
 __all__ = ["beside_a_controller", "estimates", "run_gateway"]
@@ -93,6 +104,11 @@ def estimates(config: GatewayConfig) -> dict[str, Estimate | None]:
     for name, model in config.models.items():
         found[name] = None if model.vram is not None else _estimate(model)
     return found
+
+
+def size_of(model: ModelConfig) -> int:
+    """A model's lease size in MiB per GPU: its ``vram``, else its estimate's."""
+    return model.vram if model.vram is not None else _estimate(model).total_mb
 
 
 def _estimate(model: ModelConfig) -> Estimate:
@@ -145,16 +161,71 @@ async def run_gateway(
     sizes: dict[str, int],
     state_dir: Path,
     hurry: asyncio.Event | None = None,
+    reread: Callable[[], GatewayConfig] | None = None,
+    hangup: asyncio.Event | None = None,
+    config_name: str = "its config",
 ) -> None:
     """Serves until ``stop`` is set; ``sizes``: each model's MiB per GPU to ask for;
     ``state_dir``: where its servers' list, their logs and its lock are (a second
     gateway there: :class:`~.servers.process.GatewayRefused`); ``hurry``: once set while it
-    stops, what still runs is killed without waiting for its grace."""
+    stops, what still runs is killed without waiting for its grace; ``reread``: its
+    config read again (raises :class:`InvalidInput`), for a reload at each ``hangup``
+    (cleared by the gateway) and each ``POST /admin/reload``; ``config_name``: the file's
+    name, as a model removed by a reload names it."""
     launcher = ProcessLauncher(state_dir)  # the lock first: a refused gateway starts nothing
     try:
-        await _serve(config, controller, token, stop, sizes, launcher, hurry)
+        changes = _Reloads(config, reread, hangup, config_name)
+        await _serve(config, controller, token, stop, sizes, launcher, hurry, changes)
     finally:
         await launcher.close()
+
+
+class _Reloads:
+    """The gateway's reloads: the config file read again (``reread``), its models applied
+    to the live set, one at a time, each told in one log line."""
+
+    def __init__(
+        self,
+        started: GatewayConfig,
+        reread: Callable[[], GatewayConfig] | None,
+        hangup: asyncio.Event | None,
+        name: str,
+    ) -> None:
+        self.name = name
+        self.started = started
+        self.reread = reread
+        self.hangup = hangup
+        self.live: LiveModels | None = None
+
+    async def reload(self) -> dict[str, Any]:
+        """What a reload changed, as JSON; raises :class:`InvalidInput` when it changed
+        nothing (the file, a model, its size, its program: field and reason)."""
+        assert self.reread is not None and self.live is not None
+        source = f"the reload of {self.name} at {time.strftime('%H:%M:%S')}"
+        try:
+            config = self.reread()
+            outcome = await self.live.set_own(config.models, source)
+        except InvalidInput as error:
+            say(f"gateway: reload refused, nothing changed: {error}")
+            raise
+        kept = listener_changes(self.started, config)
+        outcome = Outcome(outcome.diff, outcome.conflicts, kept)
+        say(f"gateway: reloaded: {outcome.describe()}")
+        return outcome.as_json()
+
+    async def run(self) -> None:
+        """Each SIGHUP (``hangup``), a reload; a refused one leaves all as it was."""
+        if self.hangup is None or self.reread is None:
+            return
+        while True:
+            await self.hangup.wait()
+            self.hangup.clear()
+            try:
+                await self.reload()
+            except InvalidInput:
+                continue  # said; all as it was
+            except Exception:  # a bug: said, and the next SIGHUP tries again
+                log.exception("gateway: the reload failed")
 
 
 async def _serve(
@@ -165,6 +236,7 @@ async def _serve(
     sizes: dict[str, int],
     launcher: ProcessLauncher,
     hurry: asyncio.Event | None,
+    reloads: _Reloads,
 ) -> None:
     worker = config.worker
     if worker is None:
@@ -183,12 +255,12 @@ async def _serve(
         models = model_servers(
             config.models, parts=parts, metrics=metrics, worker=worker, sizes=sizes
         )  # an Ollama entry's models share one serve
-        for model in models.values():
-            model.neighbours = models  # collation: a busy model yields to one that waits
-            model.asker = asker
-            model.affinity = config.affinity
-        routes = {alias: m.name for m in config.models.values() for alias in m.aliases}
-        routes.update({name: name for name in config.models})
+        live = LiveModels(
+            models, parts=parts, metrics=metrics, worker=worker, size_of=size_of,
+            program_of=missing_program, asker=asker, affinity=config.affinity,
+        )  # fmt: skip
+        routes = live.routes
+        reloads.live = live
         check_exposure(config.host, config.keys)  # the CLI said so already, in one line
         sock = _listen(config.host, config.port)
         access = Access(config.keys, sock.getsockname()[0], (config.host, *config.allowed_hosts))
@@ -204,10 +276,12 @@ async def _serve(
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
         scheme = "http" if tls is None else "https"
-        serves = f"for {', '.join(models)} (worker {worker or 'any'})"
+        serves = f"for {', '.join(models) or 'no model yet'} (worker {worker or 'any'})"
         say(f"gateway on {scheme}://{host}:{port} {serves}")
         name = config.name or default_name(port)
         app.name = name
+        app.removed = live.removed
+        app.reload = None if reloads.reread is None else reloads.reload
         app.cluster = Cluster(
             client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock,
             affinity=config.affinity, liveness=config.liveness, peer_tls=_peer_tls(config),
@@ -217,12 +291,13 @@ async def _serve(
             client, name=name, url=url, host=socket.gethostname(),
             worker=worker, models=models, administer=app.administer, adopt=app.adopt,
             routes=lambda: () if app.cluster is None else app.cluster.last_routed(ROUTES_REPORTED),
+            conflicts=lambda: [c.as_json() for c in live.conflicts],
             public_key=app.cluster.identity.public_key,
         )  # fmt: skip
-        for model in models.values():
-            model.cluster = app.cluster
-        living = asyncio.ensure_future(_live(list(models.values())))
-        reporting = asyncio.gather(reporter.run(), app.cluster.run())
+        live.set_cluster(app.cluster)
+        live.changed = reporter.models_changed
+        living = asyncio.ensure_future(live.run())
+        reporting = asyncio.gather(reporter.run(), app.cluster.run(), reloads.run())
         try:
             ended = asyncio.ensure_future(stop.wait())
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -230,11 +305,10 @@ async def _serve(
         finally:
             app.stop()  # 503 at once to new requests; those relayed keep their grace
             reporting.cancel()
-            for model in models.values():
-                model.shutdown()
+            live.shutdown()
             await asyncio.gather(reporting, return_exceptions=True)
             await reporter.goodbye()
-            grace_s = max(m.grace_s for m in config.models.values())
+            grace_s = live.grace_s()
             hurried = asyncio.ensure_future(_kill_when(hurry, launcher))
             await asyncio.gather(_settle(living, grace_s), app.settle_forwards(grace_s))
             hurried.cancel()
@@ -244,18 +318,6 @@ async def _serve(
             await health.aclose()
             await engines.aclose()
             sock.close()
-
-
-async def _live(models: list[ModelServer]) -> None:
-    """The models' lives, for the gateway's: one task group owns them (each model its
-    replicas', each Ollama serve its own tasks); it ends once every model has been shut
-    down and its replicas ended (and each serve with its last model)."""
-    serves = {m.serve.entry: m.serve for m in models if isinstance(m, OllamaModelServer)}
-    async with asyncio.TaskGroup() as lives:
-        for serve in serves.values():  # first: its models' replicas start it
-            lives.create_task(serve.run())
-        for model in models:
-            lives.create_task(model.run())
 
 
 async def _settle(living: asyncio.Task[None], grace_s: float) -> None:

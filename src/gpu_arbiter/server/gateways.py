@@ -128,6 +128,7 @@ class Report:
     models: Sequence[Mapping[str, Any]]
     routes: Sequence[Mapping[str, Any]] = ()  # its last routing decisions, as a front door
     public_key: str | None = None  # its X25519 key, that its peers check its relays with
+    conflicts: Sequence[Mapping[str, str]] = ()  # names both its models' sources declare
 
 
 @dataclass(slots=True)
@@ -368,6 +369,7 @@ class GatewayRegistry:
             "commands_queued": len(found.commands),
             "models": [dict(model) for model in report.models],
             "routes": [dict(route) for route in report.routes],
+            "conflicts": [dict(conflict) for conflict in report.conflicts],
         }
 
     def _owned(self, name: str, who: Principal, doing: str) -> _Gateway:

@@ -515,7 +515,7 @@ async def report_gateway(
     routes = [dict(route) for route in body.routes]
     report = Report(
         url=body.url, host=body.host, worker=worker, models=models, routes=routes,
-        public_key=body.public_key,
+        public_key=body.public_key, conflicts=[c.model_dump() for c in body.conflicts],
     )  # fmt: skip
     commands = registry.report(name, who, report)
     answer = {"name": name, "ttl_s": registry.ttl_s, "report_s": REPORT_S}

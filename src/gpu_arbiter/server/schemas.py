@@ -409,6 +409,16 @@ def _public_key(text: str) -> str:
     return text
 
 
+class GatewayConflictIn(_In):
+    """A name (or alias) both sources of a gateway's models declare: ``model``, as the
+    source ``kept`` declares it, won over ``over``'s (``own file``, ``catalogue revision
+    3``)."""
+
+    model: Short
+    kept: Text
+    over: Text
+
+
 class GatewayReportIn(_In):
     """A gateway's report of itself: where it listens, its host, the worker it runs
     beside (when it knows one), every model it serves, and its public key (X25519, 32
@@ -422,6 +432,9 @@ class GatewayReportIn(_In):
     worker: Short | None = None
     models: Annotated[list[GatewayModelIn], Field(max_length=256)] = Field(default_factory=list)
     routes: Annotated[list[SmallObject], Field(max_length=50)] = Field(default_factory=list)
+    conflicts: Annotated[list[GatewayConflictIn], Field(max_length=256)] = Field(
+        default_factory=list
+    )
 
 
 CATALOGUE_TEXT_BYTES = 1 << 20
@@ -639,6 +652,11 @@ class GatewayOut(_Out):
         "outcome (local, peer, load, none, placed; relayed: a request another front door "
         "relayed here, with from, its sender, and verified), to (a gateway), why, at "
         "(Unix time)",
+    )
+    conflicts: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="The names both sources of its models declare (its own file and the "
+        "cluster's catalogue): model, kept (the source whose model it serves), over",
     )
 
 

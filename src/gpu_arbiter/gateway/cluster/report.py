@@ -6,7 +6,10 @@ the gateway connects out, as the agents do. Three loops, for the gateway's life:
 - report: ``PUT /v1/gateways/{name}`` with every model as ``GET /v1/models`` describes
   it and the gateway's public key (its peers check its relays with it), at start,
   every ``report_s`` (5 s; the controller shows a gateway stale after 15 s without
-  one), and ``debounce_s`` (0.25 s) after a model's state changed;
+  one), ``debounce_s`` (0.25 s) after a model's state changed, and at once when the
+  model set changed (:meth:`Reporter.models_changed`); with the clashes of the
+  set's two sources (``conflicts``: a name both the own file and the catalogue declare,
+  ``live.py``), when there are some;
 - watch: waits on the models' changes (``ModelServer.changed``) and asks for that early
   report when what the operator sees moved (a state, a pin, a lease), not when only a
   request count did: a busy gateway does not report four times a second;
@@ -44,6 +47,7 @@ DEBOUNCE_S = 0.25
 COMMANDS_WAIT_S = 30.0
 BACKOFF_FIRST_S = 1.0
 MAX_TEXT = 2000
+MAX_CONFLICTS = 256  # as the controller takes them
 REPORTED = (
     "id", "object", "owned_by", "state", "aliases", "vram_mb", "gpus", "max_parallel",
     "priority", "held_mb", "in_flight", "queued", "last_used_ago_s", "keep_alive_left_s",
@@ -146,6 +150,7 @@ class Reporter:
         administer: Administer,
         adopt: Adopt | None = None,
         routes: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
+        conflicts: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         public_key: str | None = None,
         report_s: float = REPORT_S,
         debounce_s: float = DEBOUNCE_S,
@@ -160,6 +165,7 @@ class Reporter:
         self.administer = administer
         self.adopt = adopt
         self.routes = routes  # the front door's last routing decisions
+        self.conflicts = conflicts  # the model set's name clashes between its sources
         self.public_key = public_key  # this gateway's (``peer_identity.Identity``)
         self.report_s = report_s
         self.debounce_s = debounce_s
@@ -168,6 +174,7 @@ class Reporter:
         self._soon = asyncio.Event()  # report now: a change, or the controller forgot it
         self._known = asyncio.Event()  # the controller has the last report
         self._reported: tuple[Any, ...] = ()
+        self._new_set = asyncio.Event()  # the model set changed: watched anew
         self._group: asyncio.TaskGroup | None = None
 
     async def run(self) -> None:
@@ -177,6 +184,13 @@ class Reporter:
             group.create_task(self._reporting())
             group.create_task(self._watching())
             group.create_task(self._commands())
+
+    def models_changed(self) -> None:
+        """The model set changed (a model added or removed): reported now, and each
+        model of the new set watched."""
+        self._soon.set()
+        self._new_set.set()
+        self._new_set = asyncio.Event()
 
     async def goodbye(self, timeout_s: float = 3.0) -> None:
         """``DELETE /v1/gateways/{name}``: gone from the controller's list now."""
@@ -211,6 +225,9 @@ class Reporter:
         }
         if self.public_key is not None:
             body["public_key"] = self.public_key
+        conflicts = [dict(c) for c in self.conflicts()][:MAX_CONFLICTS]
+        if conflicts:  # a controller that does not know the field is sent none
+            body["conflicts"] = conflicts
         try:
             answer = await self.client.report_gateway(self.name, body)
         except ControllerUnreachable as error:
@@ -229,7 +246,7 @@ class Reporter:
 
     async def _watching(self) -> None:
         while True:
-            await _first_change(self.models)
+            await _first_change(self.models, self._new_set)
             await asyncio.sleep(self.debounce_s)
             if _signature(self.models) != self._reported:
                 self._soon.set()
@@ -275,7 +292,7 @@ class Reporter:
         self._soon.set()  # the outcome, reported soon
 
 
-async def _first_change(models: Mapping[str, ModelServer]) -> None:
-    """Returns at the first change of any of ``models``."""
+async def _first_change(models: Mapping[str, ModelServer], new_set: asyncio.Event) -> None:
+    """Returns at the first change of any of ``models``, or of the set (``new_set``)."""
     waits: list[Awaitable[Any]] = [m.changed() for m in models.values()]
-    await first(*waits or [asyncio.Event().wait()])
+    await first(new_set.wait(), *waits)

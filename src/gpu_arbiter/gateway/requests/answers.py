@@ -82,8 +82,10 @@ async def send_error(
 
 
 async def send_refused(send: Send, refused: Refused, waited_s: float) -> None:
-    """The queue's refusal (502 or 503), with how long the request waited."""
-    code = "model_failed" if refused.status == 502 else "unavailable"
+    """The queue's refusal (502, 503; 404 for a model removed meanwhile), with how long
+    the request waited."""
+    codes = {502: "model_failed", 404: "model_not_found"}
+    code = codes.get(refused.status, "unavailable")
     queued = [(b"x-queue-seconds", f"{waited_s:.3f}".encode())]
     await send_error(send, refused.status, refused.reason, code, refused.retry_after_s, queued)
 

@@ -17,6 +17,10 @@ route answers it (:data:`_EXACT`, :data:`_PREFIXES`).
                               its replicas now; keep it busy-marked; let it go again
     GET  /admin/routes        the last routing decisions of this front door, newest
                               first: where each request went and why
+    POST /admin/reload        an operator's: the config file read again and its models
+                              applied (``live.py``): what changed, as JSON (added,
+                              removed, replaced, in_place, conflicts, not_applied), or
+                              422 invalid_config naming the field (``param``) and why
     GET  /metrics, /healthz
 
 In front of every route: the ``Host`` check, the simple-request rule and the API keys
@@ -46,10 +50,13 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
                                 for this gateway, out of its time window, a sender or
                                 key this gateway's view does not show even when asked
                                 again, a MAC that does not verify, a replay)
-    404 model_not_found         an unknown model (naming the known ones)
+    404 model_not_found         an unknown model (naming the known ones), or one a
+                                change of the model set removed (naming that change)
     404 not_found               no such route
     413 too_large               a body over ``max_body_bytes``
     415 unsupported_media_type  a change a cross-site page could send
+    422 invalid_config          a reload refused (nothing changed): ``param`` names the
+                                field, the message the field and the reason
     421 misdirected_request     a ``Host`` that is not this gateway's
     502 model_failed            the model server failed (exited, refused, reset), or
                                 its last starts did (backing off)
@@ -98,6 +105,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ...core import InvalidInput
 from ...peer_identity import Refusal, Relayed
 from ..base.metrics import GatewayMetrics
 from ..base.race import within
@@ -143,6 +151,9 @@ _ADMIN_ROUTE = re.compile(
     re.escape(ADMIN_PREFIX) + r"models/([^/]+)/(" + "|".join(ADMIN_VERBS) + ")"
 )
 Handler = Callable[["GatewayApp", Request], Awaitable[None]]
+Reload = Callable[[], Awaitable[dict[str, Any]]]
+"""Reads the gateway's config file again and applies its models: what changed; raises
+:class:`~gpu_arbiter.core.InvalidInput` (nothing changed)."""
 
 
 class GatewayApp:
@@ -167,6 +178,8 @@ class GatewayApp:
         self.name = "gateway"  # as it reports itself (``x-served-by``)
         self.cluster: Cluster | None = None  # the other gateways (None: on its own)
         self.stopping = False
+        self.removed: Mapping[str, str] = {}  # a name removed -> what removed it (live.py)
+        self.reload: Reload | None = None  # None: no file to read again
         self.waits: set[CancelScope] = set()  # requests waiting for a replica or a load
         self.forwards = Forwards()  # requests relayed to another gateway
         self._running = 0  # HTTP requests being answered
@@ -334,8 +347,29 @@ class GatewayApp:
 
     async def _unknown(self, send: Send, name: str) -> None:
         known = ", ".join(sorted(self.models))
-        message = f"model {name!r} is not known; known: {known}"
+        removed = self.removed.get(name)
+        if removed is not None:
+            message = f"model {name} was removed {removed}; known: {known or 'none'}"
+        elif not known:
+            message = f"no model is served here yet: {name!r} is not known"
+        else:
+            message = f"model {name!r} is not known; known: {known}"
         await send_error(send, 404, message, "model_not_found")
+
+    async def _reloaded(self, request: Request) -> None:
+        """``POST /admin/reload``: :attr:`reload`'s answer, or 422 naming the field."""
+        if self.reload is None:
+            message = "this gateway has no config file to read again"
+            await send_error(request.send, 404, message, "not_found")
+            return
+        by = request.key.name if request.key else "a local caller"
+        log.info("gateway: reload asked by %s", by)
+        try:
+            done = await self.reload()
+        except InvalidInput as error:
+            await send_json(request.send, 422, _invalid(error))
+            return
+        await send_json(request.send, 200, done)
 
     async def too_large(self, send: Send) -> None:
         message = f"the body is over {self.max_body_bytes} bytes ([gateway] max_body_bytes)"
@@ -487,6 +521,7 @@ _ANY = "*"
 _EXACT: Mapping[tuple[str, str], Handler] = {
     ("GET", "/v1/models"): GatewayApp._listing,
     ("GET", ADMIN_PREFIX + "routes"): GatewayApp._routed,
+    ("POST", ADMIN_PREFIX + "reload"): GatewayApp._reloaded,
     (_ANY, "/metrics"): _metrics,
     (_ANY, "/healthz"): _healthz,
 }
@@ -555,6 +590,18 @@ def _queued(entry: dict[str, Any], load: dict[str, Any] | None) -> None:
     entry["pending_reason"] = load["waiting"]
     entry["queued"] = int(entry.get("queued") or 0) + load.pop("waiters")
     entry["load"] = load
+
+
+def _invalid(error: InvalidInput) -> dict[str, Any]:
+    """A refused change in OpenAI's error shape: ``param`` is the field."""
+    return {
+        "error": {
+            "message": f"{error.field}: {error.reason}; nothing changed",
+            "type": "invalid_request_error",
+            "code": "invalid_config",
+            "param": error.field,
+        }
+    }
 
 
 async def _multipart_model(request: Request, held: HeldBody) -> str | None:

@@ -30,6 +30,16 @@ it is asked for again at the higher one (its pending lease released first: a que
 position in a lower class is worth nothing in the higher one). A granted lease keeps
 its priority (the controller has no verb to raise it): callers of every priority share
 the replicas that serve, and only the next replica asked for follows a higher caller.
+
+A running gateway's model set may change (``gateway/live.py``). A model removed is
+retired (:meth:`ModelServer.retire`): new requests and those waiting are refused (404,
+saying what removed it), its replicas drain (they end once their requests in flight
+have left) and its life ends. A change to what the server runs is a new generation of
+the model (:meth:`ModelServer.replace`): its replicas are replaced one at a time, each
+replica that serves after a new one is ready beside it, so a model that served never
+has no replica that serves; new requests go to the new generation's replicas first. Any
+other change applies in place (:meth:`ModelServer.update`): the same processes go on,
+their timers re-read.
 """
 
 from __future__ import annotations
@@ -128,6 +138,8 @@ class ModelServer:
         self._unloaded_why = "by an operator"
         self._changed = asyncio.Event()
         self._numbers = 0
+        self.generation = 0  # bumped by each change to what its server runs (replace)
+        self.retired: str | None = None  # removed from the gateway: why
 
     # ------------------------------------------------------------------ life
 
@@ -152,6 +164,7 @@ class ModelServer:
         yet); False once the model stops: no replica starts then."""
         if self._closing.is_set():
             return False
+        replica.generation = self.generation
         self.replicas.append(replica)
         self.metrics.cold_starts.labels(self.name).inc()
         if self._group is None:
@@ -184,6 +197,8 @@ class ModelServer:
         self._wanting[wanted] += 1
         try:
             while True:
+                if self.retired is not None:
+                    raise Refused(404, f"model {self.name} was removed {self.retired}")
                 replica = self._free_replica(prefix)
                 if replica is not None:
                     if await replica.enter():
@@ -219,7 +234,10 @@ class ModelServer:
         by_number = {r.number: r for r in self.replicas}
         profile = profiles(self.affinity is not None)[1]
         ask = Ask(self.name, prefix, self._went.get(prefix))
-        picked = profile.pick(ask, [self._figures(r) for r in self.replicas]).picked
+        current = [r for r in self.replicas if r.generation == self.generation]
+        picked = profile.pick(ask, [self._figures(r) for r in current]).picked
+        if picked is None:  # an older generation's replica while the new one loads
+            picked = profile.pick(ask, [self._figures(r) for r in self.replicas]).picked
         if picked is None:
             return None
         self._went.put(prefix, picked.name)
@@ -464,6 +482,89 @@ class ModelServer:
         self._closing.set()
         for replica in self.replicas:
             replica.shutdown()
+        self.notify()
+
+    # ------------------------------------------------------------------ changes
+
+    def retire(self, why: str) -> None:
+        """Removed from the gateway (``why``: words after 'removed', such as 'by the
+        reload of models.toml at 12:03:04'): the requests waiting, and any that still
+        find it, are refused (404); each replica drains (:meth:`Replica.retire`), and
+        :meth:`run` returns once they have ended."""
+        self.retired = why
+        self._closing.set()
+        for replica in list(self.replicas):
+            replica.retire(f"model {self.name} removed {why}")
+        self.notify()
+
+    def update(self, config: ModelConfig) -> None:
+        """``config`` differs from the running one in no key of what the server runs:
+        applied in place. The replicas' timers look again (keep_alive, idle_after...);
+        a pin in ``config`` differing from the running one's is applied by the caller
+        (:meth:`pin`, :meth:`unpin`); a queued replica below a raised priority is asked
+        for again at it; the leases held keep theirs until the next replica."""
+        self.config = config
+        self.driver = driver_for(
+            config.engine, self.parts.engines or OFFLINE, sleep_after_s=config.sleep_after_s,
+            sleep_level=config.sleep_level,
+        )  # fmt: skip
+        for replica in self.replicas:
+            replica.upstream.keep = config.max_parallel  # idle connections kept
+            replica.activity.set()
+        self._move_up_queued()
+        self.notify()
+
+    def replace(self, config: ModelConfig, vram_mb: int, why: str) -> None:
+        """What the server runs changed (``config``, its lease's size ``vram_mb``): a new
+        generation. New replicas start with it; the older ones are replaced one at a
+        time (:meth:`_replace_each`, a task of the model's life)."""
+        older = [r for r in self.replicas if r.live and r.ending is None]
+        self.update(config)
+        self.vram_mb = vram_mb
+        self.generation += 1
+        self.failures = 0  # the back-off was the old config's
+        if self._group is None:  # not running (yet): nothing serves to keep
+            for replica in older:
+                replica.retire(f"model {self.name} replaced {why}")
+            return
+        self._group.create_task(self._replace_each(older, why))
+
+    async def _replace_each(self, older: list[Replica], why: str) -> None:
+        """One replica at a time: a replica that serves gets a new one beside it first,
+        and drains once that one serves (or ends); one that serves nothing (queued,
+        loading, asleep) is retired at once, the requests waiting start a new one. A new
+        replica that fails ends the replacing: the older ones go on serving, and end as
+        any replica does (keep_alive...); the next start is the new config's."""
+        for replica in older:
+            if self._closing.is_set():
+                return
+            if replica.accepting:
+                new = self._replacement()
+                if new is None:
+                    return
+                await self._until(_started, new)
+                if not new.accepting:
+                    log.warning(
+                        "model %s: its replacement replica %d did not start (%s): the "
+                        "older replicas go on serving", self.name, new.number,
+                        new.ending.reason if new.ending else new.state,
+                    )  # fmt: skip
+                    return
+                new.replacement = False
+            replica.retire(f"model {self.name} replaced {why}")
+            await self._until(_gone, replica)
+
+    def _replacement(self) -> Replica | None:
+        self._numbers += 1
+        replica = Replica(self, self._numbers)
+        replica.replacement = True
+        return replica if self._launch(replica) else None
+
+    async def _until(self, done: Callable[[Replica], bool], replica: Replica) -> None:
+        """Waits, change by change, until ``done(replica)`` or the model is closing."""
+        while not done(replica) and not self._closing.is_set():
+            changed = self._changed
+            await changed.wait()
 
     # ------------------------------------------------------------------ operators
 
@@ -571,6 +672,15 @@ class ModelServer:
         return round(max(0.0, self.clock.now() - last), 1)
 
 
+def _started(replica: Replica) -> bool:
+    """Serving, or never will: ended, or ending."""
+    return replica.accepting or replica.ending is not None or not replica.live
+
+
+def _gone(replica: Replica) -> bool:
+    return not replica.live
+
+
 def _held_mb(replica: Replica) -> int:
     """The memory its lease holds on all its GPUs (0 while queued)."""
     lease = replica.lease
@@ -589,6 +699,8 @@ def _replica(replica: Replica) -> dict[str, Any]:
         "gpus": None if replica.lease is None else list(replica.lease.gpus),
         "pid": replica.pid,
     }
+    if replica.draining:
+        found["draining"] = True
     left = replica.keep_alive_left_s()
     if left is not None:
         found["keep_alive_left_s"] = round(left, 1)

@@ -9,6 +9,11 @@
       v                   v failed              v
     ended <--released-- stopping <--------------+   (requests in flight get the grace)
 
+A replica whose model was removed or replaced is *draining* (:meth:`Replica.retire`):
+warm or busy still, it takes no new request, and it stops (``retired``) once the
+requests in flight have left, with no grace to cut them short; one that serves no
+request (queued, loading, asleep) stops at once.
+
 Timers are driven by events, never by a sleep that nothing can wake: a request that
 arrives or leaves wakes the replica's keep-warm task, which re-arms from the moment the
 last request left: marked ``idle`` after ``idle_after`` with nothing in flight (so that
@@ -109,6 +114,9 @@ class Replica:
         self.tier = SleepTier(self)
         self.created_at = self.parts.clock.now()
         self._yielding = False  # marked idle while busy: another model waited swap_after
+        self.generation = 0  # the model's config it was started for (ModelServer.generation)
+        self.replacement = False  # started to replace a replica: kept while nobody waits
+        self.retiring: str | None = None  # draining: why it ends once nothing is in flight
 
     # ------------------------------------------------------------------ routing
 
@@ -118,7 +126,14 @@ class Replica:
 
     @property
     def accepting(self) -> bool:
-        return self.state in (ReplicaState.WARM, ReplicaState.BUSY) and self.ending is None
+        serving = self.state in (ReplicaState.WARM, ReplicaState.BUSY)
+        return serving and self.ending is None and self.retiring is None
+
+    @property
+    def draining(self) -> bool:
+        """Retired while requests were in flight: it takes no new one, and ends once
+        they have left."""
+        return self.retiring is not None and self.ending is None
 
     @property
     def live(self) -> bool:
@@ -195,7 +210,27 @@ class Replica:
                 self.move(ReplicaState.WARM, notify=False)  # told below
             self.quiet_since = self.last_used = self.parts.clock.now()
             self.activity.set()
+            if self.retiring is not None:
+                self.stop(Ending(EndKind.RETIRED, self.retiring))
         self.model.notify()
+
+    def retire(self, why: str) -> None:
+        """Its model was removed or replaced (``why``, for the log): it takes no new
+        request and stops once the requests in flight have left (at once when none is;
+        a queued one is cancelled)."""
+        if self.ending is not None or self.retiring is not None:
+            return
+        self.retiring = why
+        if self.state is ReplicaState.QUEUED:
+            self.stop(Ending(EndKind.CANCELLED, why))
+        elif not self.in_flight:
+            self.stop(Ending(EndKind.RETIRED, why))
+        else:
+            log.info(
+                "model %s replica %d: draining (%d in flight): %s",
+                self.model.name, self.number, self.in_flight, why,
+            )  # fmt: skip
+            self.model.notify()
 
     def outranked(self) -> None:
         """A caller above the priority its pending lease was asked at waits for it: it
@@ -204,7 +239,7 @@ class Replica:
             self.activity.set()
 
     def cancel_if_queued(self) -> None:
-        if self.state is ReplicaState.QUEUED:
+        if self.state is ReplicaState.QUEUED and not self.replacement:
             self.stop(Ending(EndKind.CANCELLED, "nobody waits for it any more"))
         self.activity.set()  # a wake nobody waits for any more is given up
 

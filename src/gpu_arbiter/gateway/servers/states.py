@@ -98,6 +98,7 @@ class EndKind(StrEnum):
     SHUTDOWN = "shutdown"  # the gateway stops
     UNLOADED = "unloaded"  # an operator's unload
     DROPPED = "dropped"  # Ollama unloaded it by itself (no failure: no backoff)
+    RETIRED = "retired"  # its model removed or replaced: ended once nothing was in flight
 
     @property
     def graced(self) -> bool:
@@ -134,6 +135,8 @@ _MEANING: Mapping[EndKind, tuple[int, bool, bool]] = MappingProxyType(
         # Not a failure (no backoff), yet a request it cuts off is told 502 "failed" and
         # gets no grace, as before the meanings were written here; likely a 503 stop.
         _E.DROPPED: (502, False, True),
+        # ends only once its requests in flight have finished (``Replica.retire``)
+        _E.RETIRED: (503, True, True),
     }
 )
 """What each ending means to the requests it cuts off: the status they get, whether
