@@ -303,7 +303,8 @@ class Replica:
                 await self._serve()
         except Exception as error:  # a bug or the controller gone: end cleanly, say why
             log.exception("model %s replica %d failed", self.model.name, self.number)
-            self.stop(Ending(EndKind.FAILED, f"{error.__class__.__name__}: {error}"))
+            cause = _first_cause(error)
+            self.stop(Ending(EndKind.FAILED, f"{cause.__class__.__name__}: {cause}"))
         except asyncio.CancelledError:  # the gateway gave up waiting for it to stop
             self.stop(Ending(EndKind.SHUTDOWN, "cancelled while the gateway stopped"))
             raise
@@ -564,9 +565,10 @@ class Replica:
         """Nothing in flight for ``idle_after`` (and ready ``min_resident``): the lease is
         marked idle (a cache the arbiter may reclaim); for ``keep_alive``: the replica
         stops. Both counted from the moment the last request left, re-armed by every
-        request; neither while the model is pinned."""
-        config = self.model.config
+        request; neither while the model is pinned. The model's config is read again
+        at each turn: a change in place applies from the next."""
         while self.ending is None:
+            config = self.model.config
             if self.model.pinned:
                 self.activity.clear()
                 await self.activity.wait()
@@ -832,6 +834,13 @@ class Replica:
             return await self.model.driver.used_mb(self.port)
         worker = self.lease.worker if self.lease is not None else None
         return await self.parts.agent.used_mb(str(worker), self.process.pid)
+
+
+def _first_cause(error: BaseException) -> BaseException:
+    """The error a task group's ``ExceptionGroup`` wraps (its first), else ``error``."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
 
 
 def _last_lines(lines: list[str]) -> str:
