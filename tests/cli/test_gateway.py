@@ -44,6 +44,14 @@ def test_check_says_which_server_it_read_and_which_flags(tmp_path: Path) -> None
     )
 
 
+def test_a_gateway_table_alone_checks_as_a_gateway_of_no_model_yet(tmp_path: Path) -> None:
+    config = tmp_path / "models.toml"
+    config.write_text("[gateway]\nport = 9123\n")
+    done = _gateway(tmp_path, "--config", str(config), "--check")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("no model: no [models.NAME] table; the gateway serves")
+
+
 def test_check_exits_2_naming_each_command_whose_program_is_not_found(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

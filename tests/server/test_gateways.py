@@ -9,10 +9,12 @@ import asyncio
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from gpu_arbiter.core import Conflict, NotFound
 from gpu_arbiter.server.auth import Forbidden, Principal
 from gpu_arbiter.server.gateways import GatewayRegistry, Report
+from gpu_arbiter.server.schemas import GatewayReportIn
 
 from .support import HeldNames
 
@@ -169,3 +171,21 @@ async def test_a_long_poll_ends_empty_at_its_wait_and_at_a_goodbye(
     assert await asyncio.wait_for(poll, 10.0) == []
     with pytest.raises(NotFound):
         await registry.commands("box-8080", ALICE, 0.0)
+
+
+def test_a_report_keeps_the_name_clashes_of_the_gateways_two_sources(
+    registry: GatewayRegistry,
+) -> None:
+    clash = {"model": "chat", "kept": "own file", "over": "catalogue revision 3"}
+    registry.report("box-8080", ALICE, report("chat", conflicts=[clash]))
+    assert registry.view("box-8080")["conflicts"] == [clash]
+    registry.report("box-8080", ALICE, report("chat"))
+    assert registry.view("box-8080")["conflicts"] == []
+
+
+def test_the_report_takes_conflicts_of_three_short_fields_and_256_at_most() -> None:
+    clash = {"model": "chat", "kept": "own file", "over": "catalogue revision 3"}
+    assert GatewayReportIn.model_validate({"conflicts": [clash]}).conflicts[0].model == "chat"
+    for wrong in ([clash] * 257, [{**clash, "more": 1}], [{**clash, "model": ""}]):
+        with pytest.raises(ValidationError):
+            GatewayReportIn.model_validate({"conflicts": wrong})
