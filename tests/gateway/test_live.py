@@ -52,8 +52,9 @@ class Gateway:
         self.leases = FakeLeases()
         self.launcher = FakeLauncher()
         self.agent = FakeAgent(self.launcher)
+        self.health = FakeHealth(self.launcher)
         parts = Parts(
-            self.clock, self.launcher, self.agent, self.leases, FakeHealth(self.launcher),
+            self.clock, self.launcher, self.agent, self.leases, self.health,
             FakeEngine(self.agent),
         )  # fmt: skip
         metrics = GatewayMetrics()
@@ -211,6 +212,22 @@ async def test_replacing_starts_the_new_replica_before_the_old_one_stops(gateway
     [new] = gateway.live.models["chat"].replicas
     assert new.pid == 101 and new.generation == 1 and not old.live
     assert gateway.launcher.processes[-1].env["MODE"] == "fast"  # type: ignore[attr-defined]
+
+
+async def test_a_second_change_while_replacing_ends_on_the_last_config(gateway: Gateway) -> None:
+    await gateway.request("chat")
+    model = gateway.live.models["chat"]
+    gateway.health.loaded = False  # a new server loads until told
+    await gateway.apply({"chat": spec("second", aliases=["gpt"])})
+    await gateway.apply({"chat": spec("third", aliases=["gpt"])})
+    assert model.replicas[0].accepting  # the first still serves meanwhile
+    assert [r.generation for r in model.replicas] == [0, 1, 2]
+    gateway.health.loaded = True
+    await gateway.clock.advance(5)
+    [replica] = model.replicas
+    assert replica.accepting and replica.generation == 2
+    assert gateway.launcher.processes[replica.pid - 100].command[0] == "third"
+    assert (await gateway.request("chat")) is replica
 
 
 async def test_a_replacement_that_fails_leaves_the_old_replica_serving(gateway: Gateway) -> None:

@@ -131,6 +131,7 @@ class LiveModels:
         self.catalogue_revision: int | None = None
         self.conflicts: tuple[Conflict, ...] = ()
         self._lives: asyncio.TaskGroup | None = None
+        self._unstarted: list[ModelServer] = []  # added before run: started by it
         self._stopping = asyncio.Event()
         self._applying = asyncio.Lock()
         for model in models.values():
@@ -143,7 +144,8 @@ class LiveModels:
         """The models' lives, for the gateway's: one task group owns them (each model its
         replicas', each Ollama serve its own tasks), those added later too; it ends once
         :meth:`shutdown` was called and every model's life has ended."""
-        models = list(self.models.values())
+        models = [*self.models.values(), *self._unstarted]
+        self._unstarted.clear()
         serves = {m.serve.entry: m.serve for m in models if isinstance(m, OllamaModelServer)}
         async with asyncio.TaskGroup() as lives:
             for serve in serves.values():  # first: its models' replicas start it
@@ -288,7 +290,9 @@ class LiveModels:
             model = built[name]
             self._join(model)
             self.models[name] = model
-            if self._lives is not None:
+            if self._lives is None:
+                self._unstarted.append(model)
+            else:
                 self._lives.create_task(model.run())
         self._route()
         for name in gone - set(self.routes):

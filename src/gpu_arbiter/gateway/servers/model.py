@@ -140,6 +140,7 @@ class ModelServer:
         self._numbers = 0
         self.generation = 0  # bumped by each change to what its server runs (replace)
         self.retired: str | None = None  # removed from the gateway: why
+        self._replacing: asyncio.Task[None] | None = None  # the replicas being replaced
 
     # ------------------------------------------------------------------ life
 
@@ -523,11 +524,13 @@ class ModelServer:
         self.vram_mb = vram_mb
         self.generation += 1
         self.failures = 0  # the back-off was the old config's
+        if self._replacing is not None:  # a change before the last one was through:
+            self._replacing.cancel()  # its replicas are older now, replaced in turn
         if self._group is None:  # not running (yet): nothing serves to keep
             for replica in older:
                 replica.retire(f"model {self.name} replaced {why}")
             return
-        self._group.create_task(self._replace_each(older, why))
+        self._replacing = self._group.create_task(self._replace_each(older, why))
 
     async def _replace_each(self, older: list[Replica], why: str) -> None:
         """One replica at a time: a replica that serves gets a new one beside it first,
