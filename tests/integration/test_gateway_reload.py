@@ -3,13 +3,14 @@ server on a tiny GGUF model, with a real controller and agent: SIGHUP reads its
 models.toml again (a model added is served, one removed is a 404 naming the reload, a
 change in place keeps the server's pid, a new command starts a new one, a bad file
 changes nothing); ``POST /admin/reload`` does the same for an admin key, and so does
-``gpu-arbiter gateways reload``."""
+``gpu-arbiter gateways reload``; ``serve --local --models`` reloads on SIGHUP too."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ import httpx
 import pytest
 
 from .agents import env_for
-from .conftest import wait_for
-from .gateways import GatewayProcess, chat
+from .conftest import Server, wait_for
+from .gateways import LISTENING, GatewayProcess, chat
 from .test_gateway import Setup, setup
 from .test_gateway_llama import llama_entry
 
@@ -163,3 +164,32 @@ def test_admin_reload_takes_an_admin_key_and_the_cli_prints_what_changed(
     )
     assert printed.returncode == 0, printed.stderr
     assert printed.stdout.strip() == f"{gateway.url}: removed small"
+
+
+def test_serve_local_reloads_its_models_on_sighup(
+    start_server: Callable[..., Server],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    llama_server: Path,
+    tiny_models: Path,
+) -> None:
+    """The gateway in the controller's process: SIGHUP reads ``--models`` again."""
+    monkeypatch.setenv("GPU_ARBITER_RUNTIME_DIR", str(tmp_path / "rt"))
+    models = tmp_path / "models.toml"
+    models.write_text("[gateway]\nport = 0\n")  # no model yet
+    server = start_server(
+        "--local", "--simulate", "1x24G", "--models", str(models), state_dir=tmp_path / "state"
+    )
+    port = wait_for(lambda: LISTENING.findall(server.log.read_text()), 60, "the gateway")[-1]
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        none = client.post("/v1/chat/completions", json=chat("chat", max_tokens=4))
+        assert none.status_code == 404
+        assert none.json()["error"]["message"] == "no model is served here yet: 'chat' is not known"
+        models.write_text("[gateway]\nport = 0\n" + entry("chat", llama_server, tiny_models))
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reloaded: added chat" in server.log.read_text(), 30, "the reload")
+        answer = client.post("/v1/chat/completions", json=chat("chat", max_tokens=4))
+        assert answer.status_code == 200, answer.text
+    assert server.proc.poll() is None  # SIGHUP did not stop the controller
