@@ -327,6 +327,29 @@ async def test_a_part_that_raises_fails_that_model_and_says_why(gateway: Gateway
     assert outcome.diff.removed == ("new",)
 
 
+async def test_a_change_that_raises_is_named_and_the_rest_is_made(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await gateway.request("chat")
+    chat = gateway.live.models["chat"]
+
+    def update(config: ModelConfig) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(chat, "update", update)
+    outcome = await gateway.apply({"chat": spec(keep_alive="1m"), "code": spec()})
+    assert outcome.failed == {"chat": "RuntimeError: a bug"}
+    assert (
+        outcome.describe()
+        == "added code; in place: chat; chat: its change failed (RuntimeError: a bug)"
+    )
+    # routed as the config it runs (the old one): its alias "gpt" still
+    assert gateway.live.routes == {"chat": "chat", "gpt": "chat", "code": "code"}
+    assert gateway.live.models["chat"] is chat and chat.replicas[0].accepting
+    await gateway.request("code")
+    await gateway.request("chat")
+
+
 async def test_an_ollama_entry_changes_only_at_a_restart() -> None:
     ollama = {"command": ["ollama", "serve", "{port}"], "ollama_models": {"qwen": "3G"}}
     gateway = Gateway({"local": ollama})

@@ -484,6 +484,9 @@ def reload_words(body: Any) -> str:
     text = "; ".join(parts) or "no model changed"
     if found.get("not_applied"):
         text += f"; not applied until a restart: {', '.join(map(str, found['not_applied']))}"
+    failed = found.get("failed")
+    for name, why in failed.items() if isinstance(failed, dict) else ():
+        text += f"; {name}: its change failed ({why})"
     for conflict in found.get("conflicts") or ():
         if isinstance(conflict, dict):
             kept, over = conflict.get("kept"), conflict.get("over")

@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import InvalidInput
@@ -75,20 +75,25 @@ def CATALOGUE(revision: int) -> str:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What a change did: the :class:`Diff`, the name clashes of the merged sources and
-    the ``[gateway]`` settings it could not apply (a reload's)."""
+    the ``[gateway]`` settings it could not apply (a reload's), and the models whose
+    own change raised (``failed``: a bug, named with why; the rest was made)."""
 
     diff: Diff
     conflicts: tuple[Conflict, ...] = ()
     not_applied: tuple[str, ...] = ()
+    failed: Mapping[str, str] = field(default_factory=dict)  # model -> why (a bug's)
 
     def as_json(self) -> dict[str, Any]:
         found: dict[str, Any] = self.diff.as_json()
         found["conflicts"] = [c.as_json() for c in self.conflicts]
         found["not_applied"] = list(self.not_applied)
+        found["failed"] = dict(self.failed)
         return found
 
     def describe(self) -> str:
         text = self.diff.describe()
+        for name, why in self.failed.items():
+            text += f"; {name}: its change failed ({why})"
         if self.not_applied:
             keys = ", ".join(self.not_applied)
             text += f"; not applied until a restart: {keys} (the listener's)"
@@ -212,14 +217,15 @@ class LiveModels:
                 raise InvalidInput("models", "the gateway is stopping")
             change = diff(self.configs(), models)
             sizes, built = self._checked(models, change)
-            pins = self._commit(models, change, sizes, built, why)
+            failed: dict[str, str] = {}
+            pins = self._commit(models, change, sizes, built, why, failed)
             self.conflicts = conflicts
             for model, pinned in pins:
                 await model.pin() if pinned else model.unpin()
             if not change.empty:
                 log.info("gateway models %s: %s", why, change.describe())
             self.changed()
-            return Outcome(change, conflicts)
+            return Outcome(change, conflicts, failed=failed)
 
     def _checked(
         self, models: Mapping[str, ModelConfig], change: Diff
@@ -272,20 +278,23 @@ class LiveModels:
         sizes: Mapping[str, int],
         built: Mapping[str, ModelServer],
         why: str,
+        failed: dict[str, str],
     ) -> list[tuple[ModelServer, bool]]:
         """The checked change, made: nothing here refuses. The models whose pin the
-        config changed, to pin or unpin (an await: the caller's)."""
+        config changed, to pin or unpin (an await: the caller's). A model whose own
+        change raises (a bug) is named in ``failed`` with why; the set, its routes and
+        the other models' changes are made all the same."""
         gone = {n for name in change.removed for n in names_of(self.models[name].config)}
         for name in change.removed:
-            self.models.pop(name).retire(why)
+            _guarded(failed, name, self.models.pop(name).retire, why)
         pins = []
         for name in change.in_place:
             model = self.models[name]
             if models[name].pinned != model.config.pinned:
                 pins.append((model, models[name].pinned))
-            model.update(models[name])
+            _guarded(failed, name, model.update, models[name])
         for name in change.replaced:
-            self.models[name].replace(models[name], sizes[name], why)
+            _guarded(failed, name, self.models[name].replace, models[name], sizes[name], why)
         for name in change.added:
             model = built[name]
             self._join(model)
@@ -337,3 +346,13 @@ def _check_names(models: Mapping[str, ModelConfig]) -> None:
                     f"models.{name}.aliases", f"{alias!r} already names {owner[alias]}"
                 )
             owner[alias] = name
+
+
+def _guarded(failed: dict[str, str], name: str, change: Callable[..., None], *args: Any) -> None:
+    """``change(*args)``, one model's; an exception it raises (a bug) is logged and kept
+    in ``failed``: the other models' changes are made all the same."""
+    try:
+        change(*args)
+    except Exception as error:
+        log.exception("model %s: its change failed", name)
+        failed[name] = f"{error.__class__.__name__}: {error}"

@@ -209,7 +209,7 @@ class _Reloads:
             say(f"gateway: reload refused, nothing changed: {error}")
             raise
         kept = listener_changes(self.started, config)
-        outcome = Outcome(outcome.diff, outcome.conflicts, kept)
+        outcome = Outcome(outcome.diff, outcome.conflicts, kept, outcome.failed)
         say(f"gateway: reloaded: {outcome.describe()}")
         return outcome.as_json()
 
