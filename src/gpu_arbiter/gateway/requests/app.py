@@ -19,7 +19,8 @@ route answers it (:data:`_EXACT`, :data:`_PREFIXES`).
                               first: where each request went and why
     POST /admin/reload        an operator's: the config file read again and its models
                               applied (``live.py``): what changed, as JSON (added,
-                              removed, replaced, in_place, conflicts, not_applied), or
+                              removed, replaced, in_place, conflicts, not_applied,
+                              failed), or
                               422 invalid_config naming the field (``param``) and why
     GET  /metrics, /healthz
 
