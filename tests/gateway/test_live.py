@@ -471,3 +471,17 @@ async def test_the_reporter_reports_a_new_set_at_once_with_its_conflicts(
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_changes_from_both_sources_at_once_are_made_one_after_the_other(
+    gateway: Gateway,
+) -> None:
+    await gateway.request("chat")
+    own = configs({"chat": spec(aliases=["gpt"], pinned=True), "code": spec()})  # a pin awaits
+    catalogue = configs({"embed": spec()})
+    await asyncio.gather(
+        gateway.live.set_own(own, "the reload of models.toml at 12:06:00"),
+        gateway.live.set_catalogue(catalogue, revision=5),
+    )
+    assert sorted(gateway.live.models) == ["chat", "code", "embed"]  # neither lost
+    assert gateway.live.models["chat"].pinned

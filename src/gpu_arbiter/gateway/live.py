@@ -56,7 +56,7 @@ from .servers.interfaces import Parts
 from .servers.model import Grower, ModelServer
 from .servers.ollama import OllamaModelServer
 
-__all__ = ["CATALOGUE", "LiveModels", "Outcome"]
+__all__ = ["LiveModels", "Outcome", "catalogue_source"]
 
 log = logging.getLogger("gpu_arbiter.gateway")
 
@@ -67,7 +67,7 @@ ProgramOf = Callable[[ModelConfig], "str | None"]
 """Why a model's program cannot be run, or None (``programs.missing_program``)."""
 
 
-def CATALOGUE(revision: int) -> str:
+def catalogue_source(revision: int) -> str:
     """The catalogue's words as a source: ``catalogue revision 3``."""
     return f"catalogue revision {revision}"
 
@@ -183,23 +183,25 @@ class LiveModels:
     async def set_own(self, models: Mapping[str, ModelConfig], source: str) -> Outcome:
         """The gateway's own file changed (``source``: words such as 'the reload of
         models.toml at 12:03:04'): merged with the catalogue, applied."""
-        merged = merge(models, self.catalogue, self._catalogue_source())
-        outcome = await self.apply(merged.models, f"by {source}", merged.conflicts)
-        self.own = dict(models)
-        return outcome
+        async with self._applying:  # merged with the sources as the last change left them
+            merged = merge(models, self.catalogue, self._catalogue_source())
+            outcome = await self._apply(merged.models, f"by {source}", merged.conflicts)
+            self.own = dict(models)
+            return outcome
 
     async def set_catalogue(self, models: Mapping[str, ModelConfig], revision: int) -> Outcome:
         """The cluster's catalogue at ``revision``: merged with the own file (which wins
         a name or alias both declare), applied."""
-        source = CATALOGUE(revision)
-        merged = merge(self.own, models, source)
-        outcome = await self.apply(merged.models, f"by {source}", merged.conflicts)
-        self.catalogue, self.catalogue_revision = dict(models), revision
-        return outcome
+        source = catalogue_source(revision)
+        async with self._applying:
+            merged = merge(self.own, models, source)
+            outcome = await self._apply(merged.models, f"by {source}", merged.conflicts)
+            self.catalogue, self.catalogue_revision = dict(models), revision
+            return outcome
 
     def _catalogue_source(self) -> str:
         revision = self.catalogue_revision
-        return "the catalogue" if revision is None else CATALOGUE(revision)
+        return "the catalogue" if revision is None else catalogue_source(revision)
 
     # ------------------------------------------------------------------ the entry point
 
@@ -211,21 +213,27 @@ class LiveModels:
     ) -> Outcome:
         """Makes ``models`` the running set (``why``: words after 'removed', such as 'by
         catalogue revision 7'); raises :class:`InvalidInput` (field, reason), with
-        nothing changed, when a check fails (the module's docstring)."""
+        nothing changed, when a check fails (the module's docstring). One change at a
+        time: a second waits for the first to be made."""
         async with self._applying:
-            if self._stopping.is_set():
-                raise InvalidInput("models", "the gateway is stopping")
-            change = diff(self.configs(), models)
-            sizes, built = self._checked(models, change)
-            failed: dict[str, str] = {}
-            pins = self._commit(models, change, sizes, built, why, failed)
-            self.conflicts = conflicts
-            for model, pinned in pins:
-                await model.pin() if pinned else model.unpin()
-            if not change.empty:
-                log.info("gateway models %s: %s", why, change.describe())
-            self.changed()
-            return Outcome(change, conflicts, failed=failed)
+            return await self._apply(models, why, conflicts)
+
+    async def _apply(
+        self, models: Mapping[str, ModelConfig], why: str, conflicts: tuple[Conflict, ...]
+    ) -> Outcome:
+        if self._stopping.is_set():
+            raise InvalidInput("models", "the gateway is stopping")
+        change = diff(self.configs(), models)
+        sizes, built = self._checked(models, change)
+        failed: dict[str, str] = {}
+        pins = self._commit(models, change, sizes, built, why, failed)
+        self.conflicts = conflicts
+        for model, pinned in pins:
+            await model.pin() if pinned else model.unpin()
+        if not change.empty:
+            log.info("gateway models %s: %s", why, change.describe())
+        self.changed()
+        return Outcome(change, conflicts, failed=failed)
 
     def _checked(
         self, models: Mapping[str, ModelConfig], change: Diff
