@@ -66,7 +66,7 @@ Gateways = Annotated[
 Key = Annotated[
     str | None,
     option(
-        "The gateways' API key (an admin key for unload, pin and unpin).",
+        "The gateways' API key (an admin key for unload, pin, unpin and reload).",
         "--key",
         envvar="GPU_ARBITER_GATEWAY_KEY",
     ),
