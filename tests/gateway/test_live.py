@@ -188,6 +188,8 @@ async def test_a_change_of_what_the_server_runs_replaces_one_replica_at_a_time()
     outcome = await gateway.apply({"chat": spec("server2", replicas=2, max_parallel=1)})
     assert outcome.diff.replaced == ("chat",)
     await gateway.clock.advance(5)
+    drains = [r.get("draining", False) for r in model.describe()["replicas"]]
+    assert drains == [True, False, False]  # the first older one, its requests in flight
     late = gateway.start("chat", hold_s=1)  # goes to the new generation's replica
     await gateway.clock.advance(55)
     assert len(serving) > 10 and min(serving) == 2  # it had two: never fewer that serve
