@@ -200,6 +200,27 @@ async def test_an_idle_connection_is_kept_no_longer_than_its_server_says(
     upstream.close()
 
 
+async def test_idle_connections_are_closed_at_their_time_without_another_request(
+    scripted: Callable,
+) -> None:
+    """A burst leaves several idle connections; each is closed once idle past its time
+    (``timeout=1``: half a second), with no request coming to take it."""
+    said = b"HTTP/1.1 200 OK\r\nkeep-alive: timeout=1\r\ncontent-length: 2\r\n\r\nok"
+    server = await scripted(lambda c, r: (said, False))
+    upstream = Upstream(server.port, keep=8)
+    assert await asyncio.gather(*(_body(upstream) for _ in range(4))) == [b"ok"] * 4
+    assert server.connections == 4
+    assert len(upstream._idle) == 4
+    async with asyncio.timeout(30):  # a bound, not a speed: each is closed after 0.5 s
+        while upstream._idle:
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(server.closed.wait(), 30)  # the server saw its end
+    assert await _body(upstream) == b"ok"  # a new connection, the pool still works
+    assert server.connections == 5
+    upstream.close()
+    assert upstream._sweep_at is None
+
+
 @pytest.mark.parametrize(
     ("keep_alive", "idle_max_s"),
     [

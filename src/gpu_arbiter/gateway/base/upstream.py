@@ -299,6 +299,7 @@ class Upstream:
         self.keep = keep
         self.tls = tls
         self._idle: list[_Connection] = []
+        self._sweep_at: asyncio.TimerHandle | None = None  # the next idle one's end
         self._closed = False
         self._host_header = f"host: {host}:{port}\r\n".encode()
 
@@ -358,12 +359,30 @@ class Upstream:
         if self._closed or len(self._idle) >= self.keep or not connection.reusable():
             connection.close()
             return
-        connection.reset(asyncio.get_running_loop().time())
+        loop = asyncio.get_running_loop()
+        connection.reset(loop.time())
         self._idle.append(connection)
+        if self._sweep_at is None:
+            self._sweep_at = loop.call_at(connection.idle_until, self._sweep)
+
+    def _sweep(self) -> None:
+        """Closes the idle connections past their time, at the time (after a burst, dozens
+        of them would otherwise stay open until the next requests take them); again at
+        the end of the next one's."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for connection in [c for c in self._idle if c.idle_until <= now]:
+            self._idle.remove(connection)
+            connection.close()
+        ends = [connection.idle_until for connection in self._idle]
+        self._sweep_at = loop.call_at(min(ends), self._sweep) if ends else None
 
     def close(self) -> None:
         """Closes the idle connections, and each in use when its answer is done."""
         self._closed = True
+        if self._sweep_at is not None:
+            self._sweep_at.cancel()
+            self._sweep_at = None
         for connection in self._idle:
             connection.close()
         self._idle.clear()
