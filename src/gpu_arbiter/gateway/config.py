@@ -31,6 +31,9 @@
     peer_timeout = "3s"            # unanswered this long: routed around (a freeze)
     peer_cut = "5s"                # still silent this long more: requests relayed to
                                    # it end with a 504 naming it (cluster/liveness.py)
+    models_dir = "/var/lib/models" # model files (``file``; default: models/ in the state dir)
+    disk_budget = "200G"           # model files beyond it that no replica uses are removed,
+                                   # least recently used first (files/store.py)
 
     [[gateway.keys]]               # a key with a name (beside or instead of api_keys)
     key = "..."
@@ -40,6 +43,10 @@
 
     [models.chat]
     command = "llama-server -m /models/qwen.gguf -c 8192 --port {port}"
+                                   # or, with file: "llama-server -m {file} --port {port}"
+    file = { name = "qwen.gguf", size = 4_100_000_000, sha256 = "...", url = "https://..." }
+                                   # a file copied from a peer that holds it (else from its
+                                   # url) before the lease is asked for (files/spec.py)
     vram = "auto"                  # or "6G": auto = estimated from the model file
     priority = "interactive"
     keep_alive = "5m"              # idle this long -> stopped and released
@@ -83,6 +90,7 @@ from urllib.parse import urlsplit
 from ..core import InvalidInput, parse_mb, parse_priority, parse_seconds, validate_worker_name
 from ..tls import ServerTls, server_context
 from .cluster.liveness import LivenessSettings
+from .files.spec import parse_bytes, parse_model_file
 from .profile import Affinity
 from .requests.access import ROLES, ApiKey
 from .requests.bodies import MAX_BODY_BYTES, MAX_BUFFERED_BYTES
@@ -105,6 +113,7 @@ _MODEL_KEYS = frozenset(
         "aliases",
         "ctx",
         "model_file",
+        "file",
         "gpus",
         "queue_timeout",
         "load_timeout",
@@ -144,8 +153,10 @@ _PORT_KEYS = frozenset(
 _ROUTING_KEYS = frozenset({"prefix_affinity", "prefix_chars"})
 _LIVENESS_KEYS = frozenset({"peer_check", "peer_timeout", "peer_cut"})
 _TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
+_FILES_KEYS = frozenset({"models_dir", "disk_budget"})
 _GATEWAY_KEYS = (
     frozenset({"host", "port", "worker", "controller", "name", "url", "token_file", *_TLS_KEYS})
+    | _FILES_KEYS
     | _PORT_KEYS
     | _ROUTING_KEYS
     | _LIVENESS_KEYS
@@ -175,6 +186,8 @@ class GatewayConfig:
     affinity: Affinity | None = None  # prefix affinity (None: off)
     liveness: LivenessSettings = field(default_factory=LivenessSettings)  # of the peers
     tls: ServerTls | None = None  # the listener's (None: plain HTTP)
+    models_dir: Path | None = None  # the model files' (None: models/ in the state dir)
+    disk_budget: int | None = None  # bytes of model files kept at most (None: no bound)
 
     def find(self, name: str) -> ModelConfig | None:
         """The model called ``name`` or having it as an alias."""
@@ -222,6 +235,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         affinity=_affinity(gateway),
         liveness=_liveness(gateway),
         tls=_tls(gateway, base or Path()),
+        **_files_settings(gateway, base or Path()),
         **_port_settings(gateway, base or Path()),
     )
 
@@ -243,6 +257,7 @@ def parse_models(
                 raise InvalidInput(where, f"{model.name!r} already names a model")
             models[model.name] = model
     _check_names(models)
+    _check_files(models)
     return models
 
 
@@ -475,6 +490,8 @@ def _model(name: str, spec: Any, also: frozenset[str]) -> ModelConfig:
     for key, (attribute, parse) in _PARSERS.items():
         if key in spec:
             values[attribute] = _parsed(parse, spec[key], f"{where}.{key}")
+    if "file" in spec:  # its errors name the file's own key (models.NAME.file.sha256)
+        values["file"] = parse_model_file(spec["file"], f"{where}.file")
     if isinstance(values.get("replicas"), tuple):
         values["replicas_min"], values["replicas"] = values["replicas"]
     vram = spec.get("vram", "auto")
@@ -652,6 +669,37 @@ _PORT_PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "max_body_bytes": ("max_body_bytes", _bytes_between(1024, 1 << 40)),
     "max_buffered_bytes": ("max_buffered_bytes", _bytes_between(1024, 1 << 42)),
 }
+
+
+def _files_settings(gateway: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """``models_dir`` (relative: to the config file's directory) and ``disk_budget``."""
+    found: dict[str, Any] = {}
+    if "models_dir" in gateway:
+        found["models_dir"] = base / _text(gateway["models_dir"], "gateway.models_dir")
+    if "disk_budget" in gateway:
+        found["disk_budget"] = _parsed(parse_bytes, gateway["disk_budget"], "gateway.disk_budget")
+    return found
+
+
+def _check_files(models: Mapping[str, ModelConfig]) -> None:
+    """A command that says ``{file}`` has a ``file``; a ``file`` is not also a
+    ``model_file``; two models naming one file name agree on its size and sha256."""
+    named: dict[str, ModelConfig] = {}
+    for model in models.values():
+        where = _where(model)
+        says_file = any("{file}" in part for part in model.command)
+        if model.file is None:
+            if says_file:
+                raise InvalidInput(f"{where}.command", "says {file} but the model has no file")
+            continue
+        if model.model_file is not None:
+            raise InvalidInput(f"{where}.model_file", "not with file: {file} is the model file")
+        other = named.setdefault(model.file.name, model).file
+        if other is not None and (other.size, other.sha256) != (model.file.size, model.file.sha256):
+            raise InvalidInput(
+                f"{where}.file.name",
+                f"{model.file.name!r} is another model's file with another size or sha256",
+            )
 
 
 def _check_names(models: Mapping[str, ModelConfig]) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..files.spec import ModelFile
+
 __all__ = ["ModelConfig"]
 
 
@@ -26,6 +28,7 @@ class ModelConfig:
     aliases: tuple[str, ...] = ()
     ctx: int | None = None
     model_file: str | None = None
+    file: ModelFile | None = None  # a file in models_dir the command names as ``{file}``
     gpus: int = 1
     queue_timeout_s: float = 300.0
     load_timeout_s: float = 300.0

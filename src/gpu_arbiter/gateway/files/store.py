@@ -1,0 +1,403 @@
+"""A host's model files: ``models_dir``, each file under its name, and the copy that
+puts one there.
+
+A copy is written to ``NAME.part``, never under the real name: only once its size and
+SHA-256 match the model's ``file`` is it flushed to disk (fsync), renamed to ``NAME``
+in one step (``os.replace``) and the directory flushed too. So a reader, a model
+server or a peer never sees a half-written or a corrupt file under the real name. A
+``.part`` left by a copy cut half-way is resumed: its bytes so far are hashed again
+(the hash of a copy covers every byte of the file, whoever wrote them), then the rest
+is asked for from its length (an HTTP range). A copy whose hash does not match is
+deleted and refused, saying which source gave it.
+
+Before the first byte, the copy must fit: the free space of the filesystem (less
+:data:`FREE_MARGIN_BYTES`) and, with a ``disk_budget``, the budget once the least
+recently used files no replica uses are removed (``evict.py``). Refused, nothing is
+written and nothing removed.
+
+A file is *held* once verified: by a copy, or, for a file put there by hand, by hashing
+it once (:meth:`FileStore.verified`). What was verified is remembered beside it
+(``.NAME.sha256``: size, mtime and hash), so a restart does not hash gigabytes again.
+Last uses (:meth:`FileStore.using`) are kept in ``.last-used.json``: the eviction's
+order survives restarts.
+
+Exceptions (one tree)::
+
+    FileRefused            a copy that cannot be made, saying why
+     +-- NoRoom            no headroom (disk or budget), before the first byte
+     +-- CorruptCopy       the bytes did not hash to the sha256 (deleted)
+     +-- NoSource          every source failed (the .part kept for a resume)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..base.clock import Clock
+from .evict import Held, evictions
+from .fetch import Fetcher, FetchError, Source
+from .spec import ModelFile
+
+__all__ = [
+    "CorruptCopy",
+    "FileRefused",
+    "FileStore",
+    "NoRoom",
+    "NoSource",
+    "Progress",
+    "format_progress",
+]
+
+log = logging.getLogger("gpu_arbiter.gateway")
+FREE_MARGIN_BYTES = 64 << 20
+"""Kept free on the filesystem beyond a copy (logs, the state dir's own files)."""
+HASH_CHUNK = 4 << 20
+USES_FILE = ".last-used.json"
+
+
+class FileRefused(Exception):
+    """A model file that cannot be put in place; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class NoRoom(FileRefused):
+    """No room for the copy (disk or budget); nothing was written."""
+
+
+class CorruptCopy(FileRefused):
+    """The copy's bytes did not match the file's sha256; the copy was deleted."""
+
+
+class NoSource(FileRefused):
+    """No source gave the whole file; what came is kept for a resume."""
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A copy as it goes: bytes done of ``size``, its rate, and where from."""
+
+    name: str
+    done: int
+    size: int
+    rate_bps: float
+    source: str
+
+
+def format_progress(progress: Progress, model: str, host: str) -> str:
+    """``copying chat's file to box-4: 1.2 of 4.1 GiB, 80 MB/s`` (MiB below a GiB)."""
+    unit, scale = ("GiB", 1 << 30) if progress.size >= 1 << 30 else ("MiB", 1 << 20)
+    done, size = progress.done / scale, progress.size / scale
+    rate = progress.rate_bps / 1e6
+    return (
+        f"copying {model}'s file to {host}: {done:.1f} of {size:.1f} {unit}, {rate:.0f} MB/s"
+        f" (from {progress.source})"
+    )
+
+
+Free = Callable[[Path], int]
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+class FileStore:
+    """``root``: models_dir; ``budget``: disk_budget in bytes (None: none); ``fetcher``:
+    where copies come from; ``clock``: for rates and last uses; ``free``: the free
+    bytes of the filesystem a path is on (a fake in tests)."""
+
+    def __init__(
+        self,
+        root: Path,
+        fetcher: Fetcher,
+        clock: Clock,
+        *,
+        budget: int | None = None,
+        free: Free = _free_bytes,
+        wall: Callable[[], float] | None = None,
+    ) -> None:
+        self.root = root
+        self.fetcher = fetcher
+        self.clock = clock
+        self.budget = budget
+        self.free = free
+        self.wall = wall or clock.now  # last uses are stored: a clock that survives restarts
+        self.in_use: Counter[str] = Counter()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._held: dict[str, ModelFile] = {}  # verified, by name
+        root.mkdir(parents=True, exist_ok=True)
+        self._uses: dict[str, float] = self._read_uses()
+
+    # ------------------------------------------------------------------ what is here
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def held(self) -> list[ModelFile]:
+        """The files verified here (a peer may copy them), by name."""
+        return [self._held[n] for n in sorted(self._held) if self.path(n).is_file()]
+
+    def holds(self, file: ModelFile) -> bool:
+        found = self._held.get(file.name)
+        return found is not None and found == _bare(file) and self.path(file.name).is_file()
+
+    async def verified(self, file: ModelFile) -> bool:
+        """Whether ``file`` is here with its size and sha256: remembered, else hashed
+        once now (a file put there by hand). A file of another hash is left as it is
+        (and not held): a copy replaces it."""
+        if self.holds(file):
+            return True
+        path = self.path(file.name)
+        try:
+            stat = path.stat()
+        except OSError:
+            return False
+        if stat.st_size != file.size:
+            return False
+        if self._remembered(file, stat) or await _hashed(path) == file.sha256:
+            self._hold(file)
+            return True
+        log.warning("model file %s: its sha256 is not the model's: copied again", path)
+        return False
+
+    # ------------------------------------------------------------------ the copy
+
+    async def ensure(
+        self, file: ModelFile, sources: Sequence[Source], progress: Callable[[Progress], None]
+    ) -> Path:
+        """``file`` in place (copied from the first source that gives it whole, a
+        ``.part`` resumed); raises :class:`FileRefused` saying why not. One copy of a
+        file at a time: a second caller waits for the first, then finds it held."""
+        lock = self._locks.setdefault(file.name, asyncio.Lock())
+        async with lock:
+            if await self.verified(file):
+                return self.path(file.name)
+            if not sources:
+                raise NoSource(f"no peer holds {file.name} and the model's file has no url")
+            return await self._copy(file, sources, progress)
+
+    async def _copy(
+        self, file: ModelFile, sources: Sequence[Source], progress: Callable[[Progress], None]
+    ) -> Path:
+        part = self.path(file.name + ".part")
+        have = _size_of(part)
+        if have > file.size:
+            part.unlink()
+            have = 0
+        self._make_room(file, file.size - have)
+        failures: list[str] = []
+        corrupt = 0
+        for source in sources:
+            try:
+                await self._from(source, file, part, progress)
+            except FetchError as error:
+                failures.append(f"{source.label}: {error}")
+                log.info("model file %s: copy from %s stopped: %s", file.name, source.label, error)
+                continue
+            except CorruptCopy as error:
+                corrupt += 1
+                failures.append(f"{source.label}: {error.reason}")
+                log.warning("model file %s: %s", file.name, error.reason)
+                continue
+            return self._placed(file, part)
+        if corrupt == len(failures):
+            raise CorruptCopy(f"{file.name} not copied: " + "; ".join(failures))
+        raise NoSource(f"{file.name} not copied: " + "; ".join(failures))
+
+    async def _from(
+        self, source: Source, file: ModelFile, part: Path, progress: Callable[[Progress], None]
+    ) -> None:
+        """One source's bytes appended to ``part`` from its length, hashed with what it
+        held; a whole file that does not hash to the sha256 is deleted (CorruptCopy)."""
+        have = _size_of(part)
+        digest = await _hash_of(part) if have else hashlib.sha256()
+        began, got = self.clock.now(), 0
+        async with self.fetcher.open(source, have) as download:
+            if download.start != have:  # the source ignored the range: from 0 again
+                have, digest = 0, hashlib.sha256()
+            with part.open("r+b" if have else "wb") as out:
+                out.seek(have)
+                out.truncate()
+                async for chunk in download.chunks:
+                    if have + len(chunk) > file.size:
+                        part.unlink(missing_ok=True)
+                        raise CorruptCopy(f"copy refused: {source.label} sent more than "
+                                          f"{file.size} bytes")  # fmt: skip
+                    out.write(chunk)
+                    digest.update(chunk)
+                    have, got = have + len(chunk), got + len(chunk)
+                    rate = got / max(self.clock.now() - began, 1e-3)
+                    progress(Progress(file.name, have, file.size, rate, source.label))
+                out.flush()
+                await asyncio.to_thread(os.fsync, out.fileno())
+        if have < file.size:
+            raise FetchError(f"cut after {have} of {file.size} bytes (kept to resume)")
+        if digest.hexdigest() != file.sha256:
+            part.unlink(missing_ok=True)
+            raise CorruptCopy(
+                f"copy refused: the bytes from {source.label} hash to "
+                f"{digest.hexdigest()[:16]}..., not the model's sha256 {file.sha256[:16]}..."
+            )
+
+    def _placed(self, file: ModelFile, part: Path) -> Path:
+        """The verified copy under its real name (one rename), remembered and used now."""
+        path = self.path(file.name)
+        os.replace(part, path)
+        _fsync_dir(self.root)
+        self._hold(file)
+        self._used(file.name)
+        self._sweep()
+        log.info("model file %s: in place (%d bytes, sha256 checked)", path, file.size)
+        return path
+
+    # ------------------------------------------------------------------ room and budget
+
+    def _make_room(self, file: ModelFile, more: int) -> None:
+        """Room for ``more`` bytes of ``file``, checked before its first byte: the budget
+        (the least recently used unused files removed, only if that makes it fit) and the
+        filesystem's free space. Refused, nothing was written or removed."""
+        held = [h for h in self._holdings() if h.name != file.name]
+        plan = evictions(held, self.budget, incoming=file.size)
+        if not plan.fits:
+            used = ", ".join(sorted(n for n, c in self.in_use.items() if c)) or "none"
+            raise NoRoom(
+                f"{file.name} ({file.size} bytes) does not fit disk_budget "
+                f"({self.budget} bytes) even without every unused file (in use: {used})"
+            )
+        freed = sum(h.size for h in held if h.name in plan.remove)
+        free = self.free(self.root)
+        if free + freed < more + FREE_MARGIN_BYTES:
+            raise NoRoom(
+                f"{file.name}: {more} more bytes needed, {free} free on {self.root} "
+                f"(keeping {FREE_MARGIN_BYTES} free)"
+            )
+        self._remove(plan.remove)
+
+    def _sweep(self) -> None:
+        """Back within the budget, as far as the files nobody uses allow."""
+        self._remove(evictions(self._holdings(), self.budget).remove)
+
+    def _holdings(self) -> list[Held]:
+        return [
+            Held(f.name, f.size, self._uses.get(f.name, 0.0), self.in_use[f.name] > 0)
+            for f in self.held()
+        ]
+
+    def _remove(self, names: Sequence[str]) -> None:
+        for name in names:
+            if self.in_use[name]:
+                continue  # taken meanwhile: never removed
+            log.info("model file %s: removed (disk_budget, least recently used)", name)
+            self.path(name).unlink(missing_ok=True)
+            _sidecar(self.root, name).unlink(missing_ok=True)
+            self._held.pop(name, None)
+            self._uses.pop(name, None)
+        if names:
+            self._write_uses()
+
+    # ------------------------------------------------------------------ uses
+
+    @contextlib.contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        """A replica uses ``name`` meanwhile: never removed; its last use is now."""
+        self.in_use[name] += 1
+        self._used(name)
+        try:
+            yield
+        finally:
+            self.in_use[name] -= 1
+            if not self.in_use[name]:
+                del self.in_use[name]
+            self._used(name)
+
+    def _used(self, name: str) -> None:
+        self._uses[name] = self.wall()
+        self._write_uses()
+
+    def _read_uses(self) -> dict[str, float]:
+        try:
+            found = json.loads((self.root / USES_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(found, dict):
+            return {}
+        return {str(k): float(v) for k, v in found.items() if isinstance(v, int | float)}
+
+    def _write_uses(self) -> None:
+        path = self.root / USES_FILE
+        temporary = path.with_suffix(".tmp")
+        with contextlib.suppress(OSError):
+            temporary.write_text(json.dumps(self._uses, sort_keys=True))
+            os.replace(temporary, path)
+
+    # ------------------------------------------------------------------ verified files
+
+    def _hold(self, file: ModelFile) -> None:
+        self._held[file.name] = _bare(file)
+        stat = self.path(file.name).stat()
+        record = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file.sha256}
+        with contextlib.suppress(OSError):
+            _sidecar(self.root, file.name).write_text(json.dumps(record))
+
+    def _remembered(self, file: ModelFile, stat: os.stat_result) -> bool:
+        try:
+            found: dict[str, Any] = json.loads(_sidecar(self.root, file.name).read_text())
+        except (OSError, ValueError):
+            return False
+        want = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file.sha256}
+        return found == want
+
+
+def _bare(file: ModelFile) -> ModelFile:
+    """The file as held: its name, size and hash (where it came from is no part of it)."""
+    return ModelFile(file.name, file.size, file.sha256)
+
+
+def _sidecar(root: Path, name: str) -> Path:
+    return root / f".{name}.sha256"
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+async def _hash_of(path: Path) -> Any:
+    """The running hash of ``path``'s bytes (in a thread: gigabytes take seconds)."""
+
+    def run() -> Any:
+        digest = hashlib.sha256()
+        with path.open("rb") as found:
+            while chunk := found.read(HASH_CHUNK):
+                digest.update(chunk)
+        return digest
+
+    return await asyncio.to_thread(run)
+
+
+async def _hashed(path: Path) -> str:
+    return str((await _hash_of(path)).hexdigest())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
