@@ -232,20 +232,24 @@ class FileStore:
             with part.open("r+b" if have else "wb") as out:
                 out.seek(have)
                 out.truncate()
-                async for chunk in download.chunks:
-                    if have + len(chunk) > file.size:
-                        part.unlink(missing_ok=True)
-                        raise CorruptCopy(f"copy refused: {source.label} sent more than "
-                                          f"{file.size} bytes")  # fmt: skip
-                    out.write(chunk)
-                    digest.update(chunk)
-                    have, got = have + len(chunk), got + len(chunk)
-                    rate = got / max(self.clock.now() - began, 1e-3)
-                    progress(Progress(file.name, have, file.size, rate, source.label))
+                cut = ""
+                try:
+                    async for chunk in download.chunks:
+                        if have + len(chunk) > file.size:
+                            part.unlink(missing_ok=True)
+                            raise CorruptCopy(f"copy refused: {source.label} sent more than "
+                                              f"{file.size} bytes")  # fmt: skip
+                        out.write(chunk)
+                        digest.update(chunk)
+                        have, got = have + len(chunk), got + len(chunk)
+                        rate = got / max(self.clock.now() - began, 1e-3)
+                        progress(Progress(file.name, have, file.size, rate, source.label))
+                except FetchError as error:
+                    cut = f": {error}"
                 out.flush()
                 await asyncio.to_thread(os.fsync, out.fileno())
         if have < file.size:
-            raise FetchError(f"cut after {have} of {file.size} bytes (kept to resume)")
+            raise FetchError(f"cut after {have} of {file.size} bytes (kept to resume){cut}")
         if digest.hexdigest() != file.sha256:
             part.unlink(missing_ok=True)
             raise CorruptCopy(
