@@ -22,6 +22,8 @@ route answers it (:data:`_EXACT`, :data:`_PREFIXES`).
                               removed, replaced, in_place, conflicts, not_applied,
                               failed), or
                               422 invalid_config naming the field (``param``) and why
+    GET  /files/{name}        a model file this gateway holds, to a peer only (its
+                              verified x-arbiter-peer; a Range honoured: files/route.py)
     GET  /metrics, /healthz
 
 In front of every route: the ``Host`` check, the simple-request rule and the API keys
@@ -47,6 +49,8 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
     401 invalid_api_key         no key, or not one of ``[gateway] api_keys``
     403 permission_denied       a user key on an ``/admin/`` route; a peer's header on
                                 any route but a model's
+    403 permission_denied       /files/ without a peer's verified header (a key is not
+                                enough)
     403 invalid_peer            a peer's ``x-arbiter-peer`` not taken, saying why (not
                                 for this gateway, out of its time window, a sender or
                                 key this gateway's view does not show even when asked
@@ -56,6 +60,7 @@ Errors have OpenAI's shape, ``{"error": {"message", "type", "code"}}``:
     404 not_found               no such route
     413 too_large               a body over ``max_body_bytes``
     415 unsupported_media_type  a change a cross-site page could send
+    416 range_not_satisfiable   /files/ with a Range that is not one or lies beyond it
     422 invalid_config          a reload refused (nothing changed): ``param`` names the
                                 field, the message the field and the reason
     421 misdirected_request     a ``Host`` that is not this gateway's
@@ -102,6 +107,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -112,6 +118,8 @@ from ..base.metrics import GatewayMetrics
 from ..base.race import within
 from ..base.scopes import CancelScope
 from ..cluster.cluster import Cluster
+from ..files import route as files_route
+from ..files.store import FileStore
 from ..servers.model import ModelServer, Refused
 from ..servers.states import most_advanced
 from .access import ADMIN_PREFIX, PEER_ONLY, Access
@@ -178,6 +186,7 @@ class GatewayApp:
         self.created = int(time.time())  # the models' "created", as OpenAI lists it
         self.name = "gateway"  # as it reports itself (``x-served-by``)
         self.cluster: Cluster | None = None  # the other gateways (None: on its own)
+        self.files: FileStore | None = None  # the model files it serves its peers
         self.stopping = False
         self.removed: Mapping[str, str] = {}  # a name removed -> what removed it (live.py)
         self.reload: Reload | None = None  # None: no file to read again
@@ -252,8 +261,11 @@ class GatewayApp:
                 await send_error(request.send, 403, message, "invalid_peer")
             return
         headers = request.headers
-        if request.peer:  # relayed by a peer: a model's route only (access.py)
-            denial = None if to_a_model else PEER_ONLY
+        for_peers = request.path.startswith(files_route.PREFIX)
+        if request.peer:  # relayed by a peer: a model's route only (access.py), or a file
+            denial = None if to_a_model or for_peers else PEER_ONLY
+        elif for_peers:
+            denial = files_route.FILES_FOR_PEERS
         else:
             denial = self.access.check(request.method, request.path, headers)
         if denial is not None:
@@ -340,6 +352,15 @@ class GatewayApp:
         this gateway (the controller's ``adopt`` command), unless it does already."""
         if self.cluster is not None and name in self.routes:
             await self.cluster.adopt(self.models[self.routes[name]], lease_id)
+
+    async def _file(self, request: Request) -> None:
+        """``GET /files/{name}``, for a peer (``files/route.py``)."""
+        name = request.path[len(files_route.PREFIX) :]
+        held = [] if self.files is None else self.files.held()
+        root = None if self.files is None else self.files.root
+        await files_route.serve_file(
+            request.send, name, held, root or Path(), request.headers.get(b"range")
+        )
 
     async def _routed(self, request: Request) -> None:
         """``GET /admin/routes``: this front door's last routing decisions, newest first."""
@@ -532,6 +553,7 @@ _PREFIXES: tuple[tuple[str, str, Handler, bool], ...] = (
     (_ANY, "/models/", GatewayApp._prefix, True),
     ("GET", "/v1/models/", GatewayApp._listing, False),
     ("POST", ADMIN_PREFIX + "models/", GatewayApp._admin, False),
+    ("GET", files_route.PREFIX, GatewayApp._file, False),
 )
 """The routes of a path's beginning, first match first: method, prefix, handler, and
 whether it goes to a model (a stopping gateway refuses those)."""
