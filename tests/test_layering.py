@@ -85,7 +85,7 @@ def test_only_the_facade_wires_the_controller_together() -> None:
 
 
 GATEWAY = PACKAGE / "gateway"
-GATEWAY_LAYERS = ("base", "profile", "servers", "cluster", "requests")
+GATEWAY_LAYERS = ("base", "profile", "servers", "files", "cluster", "requests")
 """The gateway's packages, lowest first: each imports only itself and those before it (a
 model server's life knows nothing of the cluster, the cluster nothing of the request
 path). The gateway's own modules (``config.py``, ``serve.py``: the whole gateway) may

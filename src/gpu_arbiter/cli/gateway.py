@@ -84,7 +84,10 @@ def sizes_of(config: GatewayConfig, found: dict[str, Estimate | None]) -> dict[s
     sizes: dict[str, int] = {}
     for name, model in config.models.items():
         estimate = found[name]
-        sizes[name] = model.vram if model.vram is not None else estimate.total_mb  # type: ignore[union-attr]
+        if model.vram is not None:
+            sizes[name] = model.vram
+        else:  # none yet for a model file still to copy: estimated once it is here
+            sizes[name] = 0 if estimate is None else estimate.total_mb
     return sizes
 
 
@@ -98,7 +101,9 @@ def _show(config: GatewayConfig, found: dict[str, Estimate | None]) -> None:
         )
     for name, model in config.models.items():
         estimate = found[name]
-        if estimate is None:
+        if estimate is None and model.vram is None:
+            size = "auto (estimated from its file once it is in models_dir)"
+        elif estimate is None:
             size = f"{format_mb(model.vram or 0)} (given)"
         else:
             size = f"{format_mb(estimate.total_mb)} (auto: {estimate.describe()})"

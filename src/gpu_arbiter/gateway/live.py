@@ -52,7 +52,7 @@ from .base.metrics import GatewayMetrics
 from .model_set import Conflict, Diff, diff, merge, names_of
 from .profile import Affinity
 from .servers.config import ModelConfig
-from .servers.interfaces import Parts
+from .servers.interfaces import FileKeeper, Parts
 from .servers.model import Grower, ModelServer
 from .servers.ollama import OllamaModelServer
 
@@ -63,6 +63,8 @@ log = logging.getLogger("gpu_arbiter.gateway")
 SizeOf = Callable[[ModelConfig], int]
 """A model's lease size in MiB per GPU (``vram``, else its estimate); raises
 :class:`InvalidInput` naming the field when it cannot be made."""
+Place = Callable[[Mapping[str, ModelConfig]], dict[str, ModelConfig]]
+"""The models with each ``{file}`` their file's path on this host (``files/wiring.placed``)."""
 ProgramOf = Callable[[ModelConfig], "str | None"]
 """Why a model's program cannot be run, or None (``programs.missing_program``)."""
 
@@ -118,6 +120,8 @@ class LiveModels:
         program_of: ProgramOf = lambda model: None,
         asker: Mapping[str, str] | None = None,
         affinity: Affinity | None = None,
+        files: FileKeeper | None = None,
+        place: Place = dict,
     ) -> None:
         self.models = models
         self.routes: dict[str, str] = {}
@@ -129,6 +133,8 @@ class LiveModels:
         self.program_of = program_of
         self.asker: Mapping[str, str] = asker or {}
         self.affinity = affinity
+        self.files = files
+        self.place = place
         self.cluster: Grower | None = None
         self.changed: Callable[[], None] = lambda: None  # the reporter's, once it runs
         self.own: Mapping[str, ModelConfig] = {m.name: m.config for m in models.values()}
@@ -223,6 +229,7 @@ class LiveModels:
     ) -> Outcome:
         if self._stopping.is_set():
             raise InvalidInput("models", "the gateway is stopping")
+        models = self.place(models)
         change = diff(self.configs(), models)
         sizes, built = self._checked(models, change)
         failed: dict[str, str] = {}
@@ -324,6 +331,7 @@ class LiveModels:
         model.asker = self.asker
         model.affinity = self.affinity
         model.cluster = self.cluster
+        model.files = self.files  # its model file copied before its lease is asked for
 
     def _route(self) -> None:
         """``routes`` from the models (in place: its readers hold this dict)."""

@@ -75,6 +75,9 @@ from .base.metrics import GatewayMetrics
 from .cluster.cluster import ROUTES_REPORTED, Cluster
 from .cluster.report import Reporter, default_name, listen_url
 from .config import GatewayConfig
+from .files.ensure import FileStep
+from .files.store import FileStore
+from .files.wiring import estimated, open_store, placed
 from .live import LiveModels, Outcome
 from .model_set import listener_changes
 from .programs import missing_program
@@ -102,13 +105,22 @@ def estimates(config: GatewayConfig) -> dict[str, Estimate | None]:
     :class:`InvalidInput` naming the model's ``vram`` key when one cannot be made."""
     found: dict[str, Estimate | None] = {}
     for name, model in config.models.items():
-        found[name] = None if model.vram is not None else _estimate(model)
+        auto = model.vram is None and model.file is None  # a file's: once it is here
+        found[name] = _estimate(model) if auto else None
     return found
 
 
 def size_of(model: ModelConfig) -> int:
     """A model's lease size in MiB per GPU: its ``vram``, else its estimate's."""
     return model.vram if model.vram is not None else _estimate(model).total_mb
+
+
+def _sized(model: ModelConfig, store: FileStore) -> int:
+    """:func:`size_of`, for a model of a running gateway: one whose file is not here yet
+    asks for the file's size until it is (``files/wiring.estimated``)."""
+    if model.vram is None and model.file is not None:
+        return estimated({model.name: model}, store)[0][model.name]
+    return size_of(model)
 
 
 def _estimate(model: ModelConfig) -> Estimate:
@@ -247,6 +259,16 @@ async def _serve(
     metrics = GatewayMetrics()
     health = HttpHealthCheck()
     engines = EngineHttp()
+    models_dir = config.models_dir or launcher.state_dir / "models"
+    config = replace(config, models=placed(config.models, models_dir))  # {file}: its path
+    signer: list[Cluster] = []  # the cluster, once made: it signs a copy's request
+
+    def sign(to: str, method: str, target: str) -> str | None:
+        return signer[0].sign_request(to, method, target) if signer else None
+
+    store, fetcher = await open_store(
+        config.models, models_dir, config.disk_budget, sign, _peer_tls(config)
+    )
     async with ArbiterClient(controller or config.controller, token=token) as client:
         await _release(client, await launcher.stop_leftovers())
         asker = {"gateway_dir": str(launcher.state_dir.resolve())}
@@ -255,9 +277,12 @@ async def _serve(
         models = model_servers(
             config.models, parts=parts, metrics=metrics, worker=worker, sizes=sizes
         )  # an Ollama entry's models share one serve
+        files = FileStep(store, lambda: app.cluster, worker or socket.gethostname())
         live = LiveModels(
-            models, parts=parts, metrics=metrics, worker=worker, size_of=size_of,
-            program_of=missing_program, asker=asker, affinity=config.affinity,
+            models, parts=parts, metrics=metrics, worker=worker,
+            size_of=lambda model: _sized(model, store), program_of=missing_program, asker=asker,
+            affinity=config.affinity, files=files,
+            place=lambda found: placed(found, models_dir),
         )  # fmt: skip
         routes = live.routes
         reloads.live = live
@@ -268,6 +293,7 @@ async def _serve(
             models, routes, metrics, access, max_body_bytes=config.max_body_bytes,
             max_buffered_bytes=config.max_buffered_bytes,
         )  # fmt: skip
+        app.files = store  # GET /files/{name}, to peers
         _hide(config.keys)
         tls = None if config.tls is None else Reloader(server_context(config.tls), config.tls)
         warn_if_plain("the gateway", config.host, config.tls, "tls_cert and tls_key in [gateway]")
@@ -286,6 +312,7 @@ async def _serve(
             client, name=name, worker=worker, models=models, routes=routes, clock=parts.clock,
             affinity=config.affinity, liveness=config.liveness, peer_tls=_peer_tls(config),
         )  # fmt: skip
+        signer.append(app.cluster)
         url = config.url or listen_url(host, port, scheme)  # how the other gateways reach it
         reporter = Reporter(
             client, name=name, url=url, host=socket.gethostname(),
@@ -293,6 +320,7 @@ async def _serve(
             routes=lambda: () if app.cluster is None else app.cluster.last_routed(ROUTES_REPORTED),
             conflicts=lambda: [c.as_json() for c in live.conflicts],
             public_key=app.cluster.identity.public_key,
+            files=lambda: [f.describe() for f in store.held()],
         )  # fmt: skip
         live.set_cluster(app.cluster)
         live.changed = reporter.models_changed
@@ -317,6 +345,7 @@ async def _serve(
             await serving
             await health.aclose()
             await engines.aclose()
+            await fetcher.aclose()
             sock.close()
 
 

@@ -229,6 +229,7 @@ def _gateway(
         "reported_at": round(time.time() - (silent_s or 0.0), 3),
         "public_key": report.public_key,
         "models": [_model(m) for m in report.models],
+        "files": [dict(f) for f in report.files],  # the model files peers may copy from it
     }
 
 

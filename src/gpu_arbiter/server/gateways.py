@@ -129,6 +129,7 @@ class Report:
     routes: Sequence[Mapping[str, Any]] = ()  # its last routing decisions, as a front door
     public_key: str | None = None  # its X25519 key, that its peers check its relays with
     conflicts: Sequence[Mapping[str, str]] = ()  # names both its models' sources declare
+    files: Sequence[Mapping[str, Any]] = ()  # the model files it holds: name, size, sha256
 
 
 @dataclass(slots=True)
@@ -370,6 +371,7 @@ class GatewayRegistry:
             "models": [dict(model) for model in report.models],
             "routes": [dict(route) for route in report.routes],
             "conflicts": [dict(conflict) for conflict in report.conflicts],
+            "files": [dict(file) for file in report.files],
         }
 
     def _owned(self, name: str, who: Principal, doing: str) -> _Gateway:

@@ -419,6 +419,15 @@ class GatewayConflictIn(_In):
     over: Text
 
 
+class GatewayFileIn(_In):
+    """A model file the gateway holds, verified: its name in its models_dir, its size in
+    bytes and its SHA-256 (peers copy it from there: ``GET /files/{name}``)."""
+
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")]
+    size: Annotated[StrictInt, Field(gt=0, le=1 << 50)]
+    sha256: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class GatewayReportIn(_In):
     """A gateway's report of itself: where it listens, its host, the worker it runs
     beside (when it knows one), every model it serves, and its public key (X25519, 32
@@ -435,6 +444,7 @@ class GatewayReportIn(_In):
     conflicts: Annotated[list[GatewayConflictIn], Field(max_length=256)] = Field(
         default_factory=list
     )
+    files: Annotated[list[GatewayFileIn], Field(max_length=256)] = Field(default_factory=list)
 
 
 CATALOGUE_TEXT_BYTES = 1 << 20
@@ -657,6 +667,11 @@ class GatewayOut(_Out):
         default_factory=list,
         description="The names both sources of its models declare (its own file and the "
         "cluster's catalogue): model, kept (the source whose model it serves), over",
+    )
+    files: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="The model files it holds, verified (name, size in bytes, sha256): "
+        "its peers copy them from its GET /files/{name}",
     )
 
 

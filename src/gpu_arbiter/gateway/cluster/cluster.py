@@ -125,6 +125,7 @@ class Peer:
     upstream: Upstream = field(repr=False)
     check: Upstream = field(repr=False)  # its liveness check's own connection
     figures: dict[str, Candidate] = field(default_factory=dict, repr=False)  # by id: routing's
+    files: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # held, by name
 
     def model(self, name: str) -> Mapping[str, Any] | None:
         found = self.aliases.get(name)
@@ -383,6 +384,21 @@ class Cluster:
         None when the view shows no key of ``to`` (a header needs the key the two share)."""
         key = self.keys.get(to)
         return None if key is None else self.identity.sign(to, key, relayed)
+
+    def holders(self, name: str, size: int, sha256: str) -> list[Peer]:
+        """The peers whose last report says they hold this model file (routable ones
+        first, then by name): where a copy of it is asked for first."""
+        found = [
+            p for p in self.peers.values()
+            if (f := p.files.get(name)) is not None
+            and (f.get("size"), f.get("sha256")) == (size, sha256)
+        ]  # fmt: skip
+        return sorted(found, key=lambda p: (not p.routable, p.name))
+
+    def sign_request(self, to: str, method: str, target: str) -> str | None:
+        """The ``x-arbiter-peer`` header of a request of this gateway's own to peer
+        ``to`` (a model file's copy: ``files/fetch.py``); None: no key of it known."""
+        return self.sign(to, Relayed(method, target.encode()))
 
     def verify(self, header: str, relayed: Relayed) -> str | Refusal:
         """The peer that sent ``relayed`` with ``header`` (its MAC verified with its
@@ -920,9 +936,11 @@ def _peer(gateway: Mapping[str, Any], old: Peer | None, tls: ssl.SSLContext | No
         model_id: _peer_host(name, model, routable, why, worker_state)
         for model_id, model in models.items()
     }
+    files = {str(f.get("name")): f for f in gateway.get("files") or () if isinstance(f, Mapping)}
     return Peer(
-        name, url, gateway.get("worker"), routable, why, models, aliases, upstream, check, figures
-    )
+        name, url, gateway.get("worker"), routable, why, models, aliases, upstream, check,
+        figures, files,
+    )  # fmt: skip
 
 
 def _local_host(name: str, model: ModelServer, why_not: str = "") -> Candidate:

@@ -4,7 +4,8 @@ The controller never connects to a gateway (no URL a client gave it is ever fetc
 the gateway connects out, as the agents do. Three loops, for the gateway's life:
 
 - report: ``PUT /v1/gateways/{name}`` with every model as ``GET /v1/models`` describes
-  it and the gateway's public key (its peers check its relays with it), at start,
+  it, the gateway's public key (its peers check its relays with it) and the model files
+  it holds (name, size, sha256: its peers copy them from it, ``files/``), at start,
   every ``report_s`` (5 s; the controller shows a gateway stale after 15 s without
   one), ``debounce_s`` (0.25 s) after a model's state changed, and at once when the
   model set changed (:meth:`Reporter.models_changed`); with the clashes of the
@@ -48,6 +49,7 @@ COMMANDS_WAIT_S = 30.0
 BACKOFF_FIRST_S = 1.0
 MAX_TEXT = 2000
 MAX_CONFLICTS = 256  # as the controller takes them
+MAX_FILES = 256  # model files reported at most (the controller takes no more)
 REPORTED = (
     "id", "object", "owned_by", "state", "aliases", "vram_mb", "gpus", "max_parallel",
     "priority", "held_mb", "in_flight", "queued", "last_used_ago_s", "keep_alive_left_s",
@@ -152,6 +154,7 @@ class Reporter:
         routes: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         conflicts: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         public_key: str | None = None,
+        files: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         report_s: float = REPORT_S,
         debounce_s: float = DEBOUNCE_S,
         backoff_s: float = BACKOFF_FIRST_S,
@@ -167,6 +170,7 @@ class Reporter:
         self.routes = routes  # the front door's last routing decisions
         self.conflicts = conflicts  # the model set's name clashes between its sources
         self.public_key = public_key  # this gateway's (``peer_identity.Identity``)
+        self.files = files  # the model files it holds, verified (``files/store.py``)
         self.report_s = report_s
         self.debounce_s = debounce_s
         self.backoff_s = backoff_s
@@ -215,13 +219,14 @@ class Reporter:
 
     async def _report(self) -> bool:
         """One report; whether the controller took it. Its commands are run."""
-        signature = _signature(self.models)
+        signature = self._signature()
         body = {
             "url": self.url,
             "host": self.host,
             "worker": self.worker,
             "models": [model_report(m) for m in self.models.values()],
             "routes": [_reported(r) for r in list(self.routes())[-ROUTES_REPORTED:]],
+            "files": [dict(f) for f in self.files()][:MAX_FILES],
         }
         if self.public_key is not None:
             body["public_key"] = self.public_key
@@ -244,11 +249,16 @@ class Reporter:
             self._spawn(command)
         return True
 
+    def _signature(self) -> tuple[Any, ...]:
+        """What the operator and the peers see move: the models, and the files held."""
+        files = tuple(sorted(str(f.get("name")) for f in self.files()))
+        return (*_signature(self.models), files)
+
     async def _watching(self) -> None:
         while True:
             await _first_change(self.models, self._new_set)
             await asyncio.sleep(self.debounce_s)
-            if _signature(self.models) != self._reported:
+            if self._signature() != self._reported:
                 self._soon.set()
 
     async def _commands(self) -> None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from ...core import InvalidInput
+from ..servers.config import ModelFile
 
 __all__ = ["FILE_KEYS", "ModelFile", "parse_bytes", "parse_model_file", "placed_command"]
 
@@ -36,21 +36,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,254}")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?", re.IGNORECASE)
 _FACTOR = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFile:
-    """One model file: its name in ``models_dir``, its size in bytes, its SHA-256 (lower
-    case hex) and where it may be downloaded from when no peer has it (None: peers only)."""
-
-    name: str
-    size: int
-    sha256: str
-    url: str | None = None
-
-    def describe(self) -> dict[str, Any]:
-        """As a gateway reports the files it holds: name, size, sha256."""
-        return {"name": self.name, "size": self.size, "sha256": self.sha256}
 
 
 def parse_model_file(value: Any, where: str) -> ModelFile:

@@ -118,10 +118,10 @@ from ..base.metrics import GatewayMetrics
 from ..base.race import within
 from ..base.scopes import CancelScope
 from ..cluster.cluster import Cluster
-from ..files import route as files_route
 from ..files.store import FileStore
 from ..servers.model import ModelServer, Refused
 from ..servers.states import most_advanced
+from . import files as files_route
 from .access import ADMIN_PREFIX, PEER_ONLY, Access
 from .answers import (
     STOPPING,

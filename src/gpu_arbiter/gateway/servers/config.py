@@ -6,10 +6,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..files.spec import ModelFile
+__all__ = ["ModelConfig", "ModelFile"]
 
-__all__ = ["ModelConfig"]
+
+@dataclass(frozen=True, slots=True)
+class ModelFile:
+    """One model file: its name in ``models_dir``, its size in bytes, its SHA-256 (lower
+    case hex) and where it may be downloaded from when no peer has it (None: peers only)."""
+
+    name: str
+    size: int
+    sha256: str
+    url: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """As a gateway reports the files it holds: name, size, sha256."""
+        return {"name": self.name, "size": self.size, "sha256": self.sha256}
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -211,6 +212,23 @@ class ReplicaOwner(Protocol[R]):
     def ended(self, replica: R) -> None:
         """``replica`` ended (its lease released): the model forgets it."""
         ...
+
+    def file_kept(self) -> AbstractContextManager[None]:
+        """Its model file kept while a replica lives (``files/ensure.py``)."""
+        ...
+
+    async def file_ready(self, replica: R) -> bool:
+        """Its model file in place (copied if need be) before the lease is asked for."""
+        ...
+
+
+class FileKeeper(Protocol):
+    """A model's file as its replicas see it (``files/ensure.py``): kept while one lives,
+    put in place before one asks for its lease."""
+
+    def kept(self, model: Any) -> AbstractContextManager[None]: ...
+
+    async def ready(self, model: Any, replica: Any) -> bool: ...
 
 
 class Sleeper(Protocol):

@@ -51,6 +51,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from ...core import PRIORITY_NAMES, format_s, priority_name
@@ -59,7 +60,7 @@ from ..base.metrics import GatewayMetrics
 from ..profile import Affinity, Ask, Candidate, Memory, profiles
 from .config import ModelConfig
 from .engines import OFFLINE, driver_for
-from .interfaces import Parts
+from .interfaces import FileKeeper, Parts
 from .lease import Lease
 from .replica import AGENT_MARGIN_S, Replica, ReplicaState
 from .states import EndKind, most_advanced
@@ -128,6 +129,8 @@ class ModelServer:
         self.cluster: Grower | None = None  # where other gateways declare it too
         self.affinity: Affinity | None = None  # prefix affinity (serve.py; None: off)
         self._went = Memory()  # a prefix -> the replica it went to last
+        self.files: FileKeeper | None = None  # its model file's copy (serve.py; None: none)
+        self.copying: str | None = None  # the copy of its file under way, in words
         self._wanting: Counter[int] = Counter()  # the priorities of the callers waiting
         self.failures = 0
         self.failed_at = 0.0
@@ -327,6 +330,14 @@ class ModelServer:
         self.notify()
         return replica
 
+    def file_kept(self) -> AbstractContextManager[None]:
+        """Its model file kept (never evicted) while a replica of it lives."""
+        return nullcontext() if self.files is None else self.files.kept(self)
+
+    async def file_ready(self, replica: Replica) -> bool:
+        """Its model file in place before ``replica`` asks for its lease (``files/``)."""
+        return True if self.files is None else await self.files.ready(self, replica)
+
     def holds(self, lease_id: str) -> bool:
         return any(r.lease_id == lease_id and r.live for r in self.replicas)
 
@@ -336,6 +347,8 @@ class ModelServer:
         after the model of this gateway in its way, by name: :meth:`_in_the_way`), else a
         slot on the replicas that serve."""
         live = self._live()
+        if self.copying is not None:
+            return self.copying
         if any(r.state is ReplicaState.LOADING for r in live):
             return f"loading {self.name}"
         queued = [r for r in live if r.state is ReplicaState.QUEUED]

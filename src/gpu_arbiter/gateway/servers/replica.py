@@ -299,8 +299,9 @@ class Replica:
     async def run(self) -> None:
         """The whole life of the replica; never raises (the reason is in ``ending``)."""
         try:
-            if await self._acquire():
-                await self._serve()
+            with self.model.file_kept():  # its model file first: no lease held meanwhile
+                if await self.model.file_ready(self) and await self._acquire():
+                    await self._serve()
         except Exception as error:  # a bug or the controller gone: end cleanly, say why
             log.exception("model %s replica %d failed", self.model.name, self.number)
             cause = _first_cause(error)

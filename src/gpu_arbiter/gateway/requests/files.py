@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from ..requests.access import Denial
-from ..requests.answers import Send, send_error
-from .spec import ModelFile
+from ..servers.config import ModelFile
+from .access import Denial
+from .answers import Send, send_error
 
 __all__ = ["CHUNK_BYTES", "FILES_FOR_PEERS", "PREFIX", "byte_range", "serve_file"]
 

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 from gpu_arbiter.gateway.cluster.cluster import Cluster
-from gpu_arbiter.gateway.files.route import byte_range
 from gpu_arbiter.gateway.files.spec import ModelFile
 from gpu_arbiter.gateway.files.store import FileStore
 from gpu_arbiter.gateway.requests.access import Access, ApiKey
 from gpu_arbiter.gateway.requests.app import GatewayApp
+from gpu_arbiter.gateway.requests.files import byte_range
 from gpu_arbiter.peer_identity import Identity, Relayed, decode_key
 
-from ..fakes import FakeClock
-from ..test_app_routes import GW_2, _call, _front_door
-from .test_store import FakeFetcher
+from .fakes import FakeClock
+from .files.test_store import FakeFetcher
+from .test_app_routes import GW_2, _call, _front_door
 
 pytestmark = pytest.mark.timeout(20)
 DATA = bytes(range(256)) * 8192  # 2 MiB: more than one chunk

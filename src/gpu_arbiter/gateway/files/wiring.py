@@ -1,0 +1,51 @@
+"""The gateway's model files set up at its start (``serve.py``): each ``{file}`` of a
+command replaced by the file's path in ``models_dir``, the store opened there, and the
+files already there verified (hashed once; remembered after), so that the first report
+says which the peers may copy."""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from ..base.clock import LoopClock
+from ..servers.config import ModelConfig
+from .fetch import HttpFetcher, Sign
+from .spec import placed_command
+from .store import FileStore
+
+__all__ = ["open_store", "placed"]
+
+
+def placed(models: Mapping[str, ModelConfig], models_dir: Path) -> dict[str, ModelConfig]:
+    """``models`` with each ``{file}`` its path in ``models_dir`` (the estimate of
+    ``vram = "auto"`` reads it there: ``model_file``)."""
+    found = {}
+    for name, model in models.items():
+        if model.file is not None:
+            path = models_dir / model.file.name
+            model = replace(
+                model, command=placed_command(model.command, path), model_file=str(path.resolve())
+            )
+        found[name] = model
+    return found
+
+
+async def open_store(
+    models: Mapping[str, ModelConfig],
+    models_dir: Path,
+    budget: int | None,
+    sign: Sign,
+    tls: ssl.SSLContext | None,
+) -> tuple[FileStore, HttpFetcher]:
+    """The store (its fetcher to close at the stop), each declared file already in
+    ``models_dir`` verified."""
+    fetcher = HttpFetcher(sign, tls)
+    store = FileStore(models_dir, fetcher, LoopClock(), budget=budget, wall=time.time)
+    for model in models.values():
+        if model.file is not None:
+            await store.verified(model.file)
+    return store, fetcher
