@@ -22,8 +22,8 @@ import httpx
 
 __all__ = ["CHUNK_BYTES", "Download", "FetchError", "Fetcher", "HttpFetcher", "Source"]
 
-CHUNK_BYTES = 1 << 20
-"""The most one read hands the store (the buffer a copy holds)."""
+CHUNK_BYTES = 1 << 16
+"""The most one read hands the store (the network's reads: the buffer a copy holds)."""
 
 
 class FetchError(Exception):
@@ -109,7 +109,7 @@ def _start_of(answer: httpx.Response, start: int) -> int:
 
 async def _chunks(answer: httpx.Response) -> AsyncIterator[bytes]:
     try:
-        async for chunk in answer.aiter_raw(CHUNK_BYTES):
-            yield chunk
+        async for chunk in answer.aiter_raw():  # as read (64 KiB at most): none held back,
+            yield chunk  # so a cut keeps every byte that came
     except httpx.HTTPError as error:
         raise FetchError(f"cut: {error.__class__.__name__}: {error}") from None
