@@ -269,6 +269,7 @@ async def _serve(
     store, fetcher = await open_store(
         config.models, models_dir, config.disk_budget, sign, _peer_tls(config)
     )
+    sizes = {**sizes, **estimated(config.models, store)}  # auto: from the files here
     async with ArbiterClient(controller or config.controller, token=token) as client:
         await _release(client, await launcher.stop_leftovers())
         asker = {"gateway_dir": str(launcher.state_dir.resolve())}

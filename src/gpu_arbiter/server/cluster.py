@@ -296,7 +296,8 @@ async def cluster_load(
     else:
         place = max(len(live) + 1, body.replicas)
         try:
-            submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, place))
+            holding = _holding(registry, hosts)
+            submitted = ctl.leases.submit(who.id, _request(ctl, body, hosts, place, holding))
         except Unschedulable as error:
             raise _too_small(ctl, registry, body.model, unreachable, hosts, error) from None
         record = submitted.record
@@ -493,17 +494,23 @@ def _live_loads(ctl: Controller, model: str) -> list[LeaseRecord]:
 
 
 def _request(
-    ctl: Controller, body: LoadIn, hosts: Mapping[str, Mapping[str, Any]], replica: int
+    ctl: Controller,
+    body: LoadIn,
+    hosts: Mapping[str, Mapping[str, Any]],
+    replica: int,
+    holding: Sequence[str] = (),
 ) -> CoreRequest:
     """One request for the cluster: the largest size any host declares (never less than
     one of them needs), every host's worker allowed, the most recent one preferred (for
-    the first replica only: another is placed where the arbiter finds room); ``replica``:
-    its place among the model's replicas (one beyond the model's ``replicas.min`` is
-    marked idle whenever it has nothing in flight)."""
+    the first replica only: another is placed where the arbiter finds room), and the
+    hosts whose gateway holds the model's file (``holding``: no copy before its load);
+    ``replica``: its place among the model's replicas (one beyond the model's
+    ``replicas.min`` is marked idle whenever it has nothing in flight)."""
     sizes = [int(m.get("vram_mb") or 0) for m in hosts.values()]
     gpus = max(int(m.get("gpus") or 1) for m in hosts.values())
     recent = _last_ran(hosts) if replica == 1 else []
-    constraints = Constraints.build(workers=sorted(hosts), prefer_workers=recent)
+    preferred = sorted({*recent, *holding})
+    constraints = Constraints.build(workers=sorted(hosts), prefer_workers=preferred)
     return CoreRequest.build(
         ctl.leases.new_id(),
         vram_mb=max(1, *sizes),
@@ -516,6 +523,18 @@ def _request(
         max_wait_s=body.max_wait_s,
         load_timeout_s=body.load_timeout_s,
     )
+
+
+def _holding(registry: GatewayRegistry, hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The workers among ``hosts`` whose gateway reports holding the model's file (the
+    model's ``file``, by name, among the gateway's ``files``)."""
+    found = set()
+    for _, report in registry.live():
+        model = hosts.get(report.worker or "")
+        name = None if model is None else model.get("file")
+        if name and any(f.get("name") == name for f in report.files):
+            found.add(str(report.worker))
+    return sorted(found)
 
 
 def _last_ran(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -399,6 +399,7 @@ class GatewayModelIn(_In):
     retry_at: Ago | None = None  # a failed model: when a request may start it again (unix)
     retry_in_s: Ago | None = None  # and in how many seconds (0: now)
     replicas: Annotated[list[SmallObject], Field(max_length=64)] = Field(default_factory=list)
+    file: Text | None = None  # its model file's name (its ``file``), if it has one
 
 
 def _public_key(text: str) -> str:

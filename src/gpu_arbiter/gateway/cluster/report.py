@@ -54,7 +54,7 @@ REPORTED = (
     "id", "object", "owned_by", "state", "aliases", "vram_mb", "gpus", "max_parallel",
     "priority", "held_mb", "in_flight", "queued", "last_used_ago_s", "keep_alive_left_s",
     "pinned", "preemptible_by", "pending_reason", "failure", "retry_at", "retry_in_s",
-    "replicas",
+    "replicas", "file",
 )  # fmt: skip
 """The fields of a model's description the controller takes (it refuses others)."""
 

@@ -5,19 +5,23 @@ says which the peers may copy."""
 
 from __future__ import annotations
 
+import logging
 import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from ...core import InvalidInput
 from ..base.clock import LoopClock
 from ..servers.config import ModelConfig
+from ..servers.estimate import estimate_vram
 from .fetch import HttpFetcher, Sign
 from .spec import placed_command
 from .store import FileStore
 
-__all__ = ["open_store", "placed"]
+__all__ = ["estimated", "open_store", "placed"]
+log = logging.getLogger("gpu_arbiter.gateway")
 
 
 def placed(models: Mapping[str, ModelConfig], models_dir: Path) -> dict[str, ModelConfig]:
@@ -49,3 +53,18 @@ async def open_store(
         if model.file is not None:
             await store.verified(model.file)
     return store, fetcher
+
+
+def estimated(models: Mapping[str, ModelConfig], store: FileStore) -> dict[str, int]:
+    """The ``vram = "auto"`` size of each model whose file is here already (the others
+    are estimated once their file is: ``ensure.py``)."""
+    found = {}
+    for name, model in models.items():
+        if model.vram is None and model.file is not None and store.holds(model.file):
+            try:
+                found[name] = estimate_vram(
+                    model.command, model_file=model.model_file, ctx=model.ctx, gpus=model.gpus
+                ).total_mb
+            except InvalidInput as error:
+                log.warning("model %s: no estimate from its file yet: %s", name, error.reason)
+    return found

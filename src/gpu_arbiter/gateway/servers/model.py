@@ -664,6 +664,7 @@ class ModelServer:
             "last_used_ago_s": self._last_used_ago_s(),
             "pinned": self.pinned,
             "preemptible_by": self.preemptible_by(),
+            "file": None if self.config.file is None else self.config.file.name,
             "replicas": [_replica(r) for r in self.replicas],
         }
         queued = [r for r in self.replicas if r.state is ReplicaState.QUEUED]
