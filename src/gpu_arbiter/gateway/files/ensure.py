@@ -13,13 +13,15 @@ corrupt bytes, no source) ends the replica as a failed start, with the reason: t
 caller is told it (502), and the model backs off as for any failed start. A copy cut
 (the peer stopped, the caller gave up) keeps its ``.part``: the next start resumes it.
 
-What remains: a cluster's cold load is placed by the arbiter, which knows memory, not
-files; a lease granted on a host that lacks the file (a load for the cluster, adopted
-here: ``ModelServer.adopt``) copies it while the lease is held, as the arbiter placed
-it there already. A front door that routes a request to a gateway (``cluster/``) routes
-by replicas, slots and load; it does not prefer a host that holds the file for a cold
-load yet: that would be one more scorer of the routing profile (``profile/``), reading
-the peers' reported files (:meth:`.cluster.cluster.Cluster.holders`).
+Where the load goes: a cluster's cold load is placed by the arbiter, which weighs
+memory, not files; the controller makes the load's lease prefer the hosts whose gateway
+reports holding the model's file (each model reports its file's name, each gateway the
+files it holds: ``server/cluster.py``, ``prefer_workers``), so that when several fit,
+one that needs no copy is taken, and only when none of those fits does a host copy
+first. What remains: a load granted on a host that lacks the file (none that holds it
+fit) is adopted with its lease already held, and copies while it holds it; and a
+request that names its host (``chat@gw-3``) or a model only one host declares copies
+there, as asked.
 """
 
 from __future__ import annotations
