@@ -3,27 +3,40 @@
 :class:`Fetcher`. The store (``store.py``) writes, hashes and checks what comes; this
 is only the transport, so that a ten-line fake replaces it in tests.
 
-:class:`HttpFetcher` is the real one: httpx, streaming, ``Range: bytes=START-`` when
-resuming; a peer's request carries this gateway's ``x-arbiter-peer`` header for that
-peer, method and path (``peer_identity.py``: the same proof a relayed model request
-carries), over the gateway's peer TLS context (``serve.py``'s ``_peer_tls``).
+:class:`HttpFetcher` is the real one, asking ``Range: bytes=START-`` when resuming. A
+peer is asked over a plain HTTP/1.1 exchange (:meth:`HttpFetcher._from_peer`): its
+answer is the gateway's own (``requests/files.py``: a Content-Length, no redirect, no
+chunks), read by a buffered protocol straight into the store's chunks
+(``receive.py``), with this gateway's ``x-arbiter-peer`` header for
+that peer, method and path (``peer_identity.py``: the same proof a relayed model
+request carries), over the gateway's peer TLS context (``serve.py``'s ``_peer_tls``).
+httpx reads 64 KiB at a time, which held a loopback copy to a quarter of ``curl``'s
+rate (``bench/bench_file_copy.py``). A ``url`` is anybody's server (redirects, chunked
+answers): httpx, streaming, takes it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 
+from .receive import Receiver
+
+T = TypeVar("T")
 __all__ = ["CHUNK_BYTES", "Download", "FetchError", "Fetcher", "HttpFetcher", "Source"]
 
-CHUNK_BYTES = 1 << 16
-"""The most one read hands the store (the network's reads: the buffer a copy holds)."""
+CHUNK_BYTES = 1 << 20
+"""The most one read hands the store (the buffer a copy holds)."""
+MAX_HEAD_BYTES = 64 * 1024
+ERROR_BYTES = 4096  # of a refusal's body, for the reason
 
 
 class FetchError(Exception):
@@ -50,7 +63,7 @@ class Download:
     the range asked for), and its bytes as they come."""
 
     start: int
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncIterator[bytes | bytearray]
 
 
 class Fetcher(Protocol):
@@ -71,6 +84,8 @@ class HttpFetcher:
         self, sign: Sign, tls: ssl.SSLContext | None = None, timeout_s: float = 30.0
     ) -> None:
         self.sign = sign
+        self.tls = tls
+        self.timeout_s = timeout_s
         verify: ssl.SSLContext | bool = tls if tls is not None else True
         self._http = httpx.AsyncClient(
             verify=verify, timeout=httpx.Timeout(timeout_s), follow_redirects=True
@@ -81,19 +96,114 @@ class HttpFetcher:
 
     @contextlib.asynccontextmanager
     async def open(self, source: Source, start: int) -> AsyncIterator[Download]:
-        headers = {"range": f"bytes={start}-"} if start else {}
         if source.peer is not None:
-            parts = urlsplit(source.url)
-            target = parts.path + (f"?{parts.query}" if parts.query else "")
-            signed = self.sign(source.peer, "GET", target)
-            if signed is None:
-                raise FetchError(f"no key of {source.peer} in this gateway's view")
-            headers["x-arbiter-peer"] = signed
+            async with self._from_peer(source, source.peer, start) as download:
+                yield download
+            return
+        headers = {"range": f"bytes={start}-"} if start else {}
         try:
             async with self._http.stream("GET", source.url, headers=headers) as answer:
                 yield Download(_start_of(answer, start), _chunks(answer))
         except httpx.HTTPError as error:
             raise FetchError(f"{error.__class__.__name__}: {error}") from None
+
+    @contextlib.asynccontextmanager
+    async def _from_peer(self, source: Source, peer: str, start: int) -> AsyncIterator[Download]:
+        """``GET /files/NAME`` of a peer gateway, signed, on a connection of its own."""
+        parts = urlsplit(source.url)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        signed = self.sign(peer, "GET", target)
+        if signed is None:
+            raise FetchError(f"no key of {peer} in this gateway's view")
+        secure = parts.scheme == "https"
+        host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if secure else 80)
+        context = (self.tls or ssl.create_default_context()) if secure else None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                transport, receiver = await loop.create_connection(
+                    lambda: Receiver(CHUNK_BYTES), host, port, ssl=context,
+                    server_hostname=host if secure else None,
+                )  # fmt: skip
+        except (OSError, TimeoutError, ssl.SSLError) as error:
+            raise FetchError(f"cannot connect to {host}:{port}: {error}") from None
+        try:
+            asked = [f"GET {target} HTTP/1.1", f"host: {parts.netloc}", "connection: close",
+                     f"x-arbiter-peer: {signed}"]  # fmt: skip
+            if start:
+                asked.append(f"range: bytes={start}-")
+            transport.write(("\r\n".join(asked) + "\r\n\r\n").encode("latin-1"))
+            status, headers = _parsed_head(await self._within(receiver.head(MAX_HEAD_BYTES)))
+            length = _length(headers)
+            if status not in (200, 206):
+                body = await self._within(receiver.chunk(min(length, ERROR_BYTES)))
+                raise FetchError(f"answered {status}: {_reason(bytes(body[:ERROR_BYTES]))}")
+            begin = _start_of_answer(status, headers.get("content-range", ""), start)
+            yield Download(begin, self._body(receiver, length))
+        finally:
+            transport.close()
+
+    async def _within(self, reading: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await reading
+        except TimeoutError:
+            raise FetchError(f"cut: nothing came for {self.timeout_s:g}s") from None
+
+    async def _body(self, receiver: Receiver, length: int) -> AsyncIterator[bytes | bytearray]:
+        left = length
+        while left > 0:
+            chunk = await self._within(receiver.chunk(left))
+            if not chunk:
+                why = f" ({receiver.error})" if receiver.error else ""
+                raise FetchError(
+                    f"cut: the peer closed after {length - left} of {length} bytes{why}"
+                )
+            if len(chunk) > left:
+                raise FetchError(f"the peer sent more than the {length} bytes it said")
+            left -= len(chunk)
+            yield chunk
+
+
+def _parsed_head(raw: bytes | None) -> tuple[int, dict[str, str]]:
+    """An answer's status and headers (lower-case names)."""
+    if raw is None:
+        raise FetchError("no answer's head (the peer closed, or beyond 64 KiB)")
+    lines = raw.decode("latin-1").split("\r\n")
+    words = lines[0].split(" ", 2)
+    if len(words) < 2 or not words[1].isdigit():
+        raise FetchError(f"not an HTTP answer: {lines[0][:80]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    return int(words[1]), headers
+
+
+def _length(headers: Mapping[str, str]) -> int:
+    found = headers.get("content-length", "")
+    if not found.isdigit():
+        raise FetchError("an answer without a Content-Length")
+    return int(found)
+
+
+def _reason(body: bytes) -> str:
+    """A refusal's reason: the gateway's error message, else the body's first words."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:500]
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode("utf-8", "replace") or "no reason given"
+
+
+def _start_of_answer(status: int, content_range: str, start: int) -> int:
+    """Where an answer's bytes begin: ``start`` for a 206 that says so, 0 for a 200."""
+    if status == 200:
+        return 0
+    if content_range.startswith(f"bytes {start}-"):
+        return start
+    raise FetchError(f"a 206 for another range ({content_range[:80]!r}, asked {start}-)")
 
 
 def _start_of(answer: httpx.Response, start: int) -> int:
@@ -109,7 +219,7 @@ def _start_of(answer: httpx.Response, start: int) -> int:
 
 async def _chunks(answer: httpx.Response) -> AsyncIterator[bytes]:
     try:
-        async for chunk in answer.aiter_raw():  # as read (64 KiB at most): none held back,
-            yield chunk  # so a cut keeps every byte that came
+        async for chunk in answer.aiter_raw():  # as read: none held back, so a cut keeps
+            yield chunk  # every byte that came
     except httpx.HTTPError as error:
         raise FetchError(f"cut: {error.__class__.__name__}: {error}") from None

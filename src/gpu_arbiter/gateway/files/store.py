@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import logging
@@ -42,7 +44,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..base.clock import Clock
 from .evict import Held, evictions
@@ -63,6 +65,8 @@ log = logging.getLogger("gpu_arbiter.gateway")
 FREE_MARGIN_BYTES = 64 << 20
 """Kept free on the filesystem beyond a copy (logs, the state dir's own files)."""
 HASH_CHUNK = 4 << 20
+FLUSH_BYTES = 16 << 20
+"""How much of a copy is written before the kernel is asked to start writing it out."""
 USES_FILE = ".last-used.json"
 
 
@@ -232,20 +236,24 @@ class FileStore:
             with part.open("r+b" if have else "wb") as out:
                 out.seek(have)
                 out.truncate()
+                writer = _Writer(out, digest)
                 cut = ""
                 try:
                     async for chunk in download.chunks:
                         if have + len(chunk) > file.size:
+                            await writer.settle()
                             part.unlink(missing_ok=True)
                             raise CorruptCopy(f"copy refused: {source.label} sent more than "
                                               f"{file.size} bytes")  # fmt: skip
-                        out.write(chunk)
-                        digest.update(chunk)
+                        await writer.put(chunk)
                         have, got = have + len(chunk), got + len(chunk)
                         rate = got / max(self.clock.now() - began, 1e-3)
                         progress(Progress(file.name, have, file.size, rate, source.label))
+                    await writer.settle()
                 except FetchError as error:
                     cut = f": {error}"
+                finally:
+                    await writer.settle()  # no thread writes once the file is closed
                 out.flush()
                 await asyncio.to_thread(os.fsync, out.fileno())
         if have < file.size:
@@ -364,6 +372,63 @@ class FileStore:
             return False
         want = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file.sha256}
         return found == want
+
+
+class _Writer:
+    """Writes and hashes each chunk (in two threads) while the next one is read: one chunk
+    ahead at most (the copy's buffer stays two chunks). Every :data:`FLUSH_BYTES`, the
+    kernel is asked to start writing what came to disk (Linux's ``sync_file_range``,
+    which does not wait), so that the fsync before the rename finds little left to
+    write: on the test machine a 256 MiB copy's final fsync took 0.45 s without it."""
+
+    def __init__(self, out: BinaryIO, digest: Any) -> None:
+        self.out = out
+        self.digest = digest
+        self._pending: asyncio.Future[Any] | None = None
+        self._written = out.tell()
+        self._flushed = self._written
+
+    async def put(self, chunk: bytes | bytearray) -> None:
+        await self._drain()
+        self._pending = asyncio.gather(  # two threads: both let go of the GIL
+            asyncio.to_thread(self._write, chunk), asyncio.to_thread(self.digest.update, chunk)
+        )
+
+    def _write(self, chunk: bytes | bytearray) -> None:
+        self.out.write(chunk)
+        self._written += len(chunk)
+        if self._written - self._flushed >= FLUSH_BYTES:
+            self.out.flush()
+            start_writeback(self.out.fileno(), self._flushed, self._written - self._flushed)
+            self._flushed = self._written
+
+    async def _drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await pending
+
+    async def settle(self) -> None:
+        """The chunk in hand written (its error, if any, raised)."""
+        await self._drain()
+
+
+def _sync_file_range() -> Callable[[int, int, int], None]:
+    """``sync_file_range(fd, offset, count, SYNC_FILE_RANGE_WRITE)`` where the C library
+    has it (Linux), else nothing: the fsync before the rename writes it all anyway."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return lambda fd, offset, count: None
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+    def start(fd: int, offset: int, count: int) -> None:
+        call(fd, offset, count, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
+
+    return start
+
+
+start_writeback = _sync_file_range()
 
 
 def _bare(file: ModelFile) -> ModelFile:

@@ -29,7 +29,7 @@ from .answers import Send, send_error
 __all__ = ["CHUNK_BYTES", "FILES_FOR_PEERS", "PREFIX", "byte_range", "serve_file"]
 
 PREFIX = "/files/"
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 256 << 10
 FILES_FOR_PEERS = Denial(
     403,
     "permission_denied",

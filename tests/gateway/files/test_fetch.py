@@ -1,0 +1,79 @@
+"""The peer fetcher against a real socket, on asyncio's loop and on uvloop's (the
+gateway's where installed): a whole answer, a range, a cut, a refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from gpu_arbiter.gateway.files.fetch import FetchError, HttpFetcher, Source
+
+DATA = bytes(range(256)) * 12000  # about 3 MiB: several chunks
+Loop = Callable[[], asyncio.AbstractEventLoop] | None
+LOOPS: list[Loop] = [None]
+with contextlib.suppress(ImportError):
+    import uvloop
+
+    LOOPS.append(uvloop.new_event_loop)
+
+
+def run(
+    loop: Callable[[], asyncio.AbstractEventLoop] | None, work: Coroutine[Any, Any, Any]
+) -> Any:
+    with asyncio.Runner(loop_factory=loop) as runner:
+        return runner.run(work)
+
+
+@contextlib.asynccontextmanager
+async def peer(mode: str) -> AsyncIterator[str]:
+    """A server answering ``GET``: ``whole``, ``cut`` (closes half-way) or ``refuse``."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        asked = [ln.split(":", 1)[1].strip() for ln in head.split("\r\n") if ln.startswith("range")]
+        start = int(asked[0][6:].rstrip("-")) if asked else 0
+        if mode == "refuse":
+            body = json.dumps({"error": {"message": "no model file 'x' here"}}).encode()
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        else:
+            status = b"206 Partial Content" if start else b"200 OK"
+            extra = b"content-range: bytes %d-%d/%d\r\n" % (start, len(DATA) - 1, len(DATA))
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: %d\r\n" % (len(DATA) - start)
+                         + (extra if start else b"") + b"\r\n")  # fmt: skip
+            writer.write(DATA[start : len(DATA) // 2] if mode == "cut" else DATA[start:])
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}/files/m.gguf"
+
+
+async def fetch(mode: str, start: int = 0) -> tuple[int, bytes]:
+    fetcher = HttpFetcher(lambda peer, method, target: f"signed {method} {target}", timeout_s=5)
+    got = bytearray()
+    async with peer(mode) as url, fetcher.open(Source(url, peer="gw-a"), start) as download:
+        async for chunk in download.chunks:
+            got += chunk
+    await fetcher.aclose()
+    return download.start, bytes(got)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_whole_and_ranged(loop: Loop) -> None:
+    assert run(loop, fetch("whole")) == (0, DATA)
+    assert run(loop, fetch("whole", 1000)) == (1000, DATA[1000:])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_cut_and_a_refusal(loop: Loop) -> None:
+    with pytest.raises(FetchError, match=r"cut: the peer closed after \d+ of"):
+        run(loop, fetch("cut"))
+    with pytest.raises(FetchError, match="answered 404: no model file 'x' here"):
+        run(loop, fetch("refuse"))
