@@ -269,7 +269,8 @@ async def _serve(
     store, fetcher = await open_store(
         config.models, models_dir, config.disk_budget, sign, _peer_tls(config)
     )
-    sizes = {**sizes, **estimated(config.models, store)}  # auto: from the files here
+    auto, made = estimated(config.models, store)  # vram = "auto": from the files here
+    sizes = {**sizes, **auto}
     async with ArbiterClient(controller or config.controller, token=token) as client:
         await _release(client, await launcher.stop_leftovers())
         asker = {"gateway_dir": str(launcher.state_dir.resolve())}
@@ -278,7 +279,7 @@ async def _serve(
         models = model_servers(
             config.models, parts=parts, metrics=metrics, worker=worker, sizes=sizes
         )  # an Ollama entry's models share one serve
-        files = FileStep(store, lambda: app.cluster, worker or socket.gethostname())
+        files = FileStep(store, lambda: app.cluster, worker or socket.gethostname(), made)
         live = LiveModels(
             models, parts=parts, metrics=metrics, worker=worker,
             size_of=lambda model: _sized(model, store), program_of=missing_program, asker=asker,

@@ -83,12 +83,20 @@ def sources_of(file: ModelFile, cluster: Holders | None) -> list[Source]:
 
 class FileStep:
     """The gateway's model files: its ``store``, the ``cluster`` (its peers, when it is
-    in one) and the ``host`` a waiting caller reads the copy goes to."""
+    in one), the ``host`` a waiting caller reads the copy goes to, and the models
+    ``estimated`` from their file already (``vram = "auto"``)."""
 
-    def __init__(self, store: FileStore, cluster: Callable[[], Holders | None], host: str) -> None:
+    def __init__(
+        self,
+        store: FileStore,
+        cluster: Callable[[], Holders | None],
+        host: str,
+        estimated: set[str] | None = None,
+    ) -> None:
         self.store = store
         self.cluster = cluster
         self.host = host
+        self.estimated = estimated or set()  # vram = "auto" models estimated from their file
 
     def kept(self, model: ModelServer) -> AbstractContextManager[None]:
         """While a replica of ``model`` lives, its file is in use: never evicted."""
@@ -103,7 +111,7 @@ class FileStep:
             return True
         if not self.store.holds(file) and not await self._copied(model, replica, file):
             return False
-        if model.config.vram is None and not model.vram_mb:
+        if model.config.vram is None and model.name not in self.estimated:
             return self._estimated(model, replica)
         return replica.ending is None
 
@@ -148,6 +156,7 @@ class FileStep:
             why = f"vram = auto: no estimate from its file: {error.reason}"
             replica.stop(Ending(EndKind.FAILED, why))
             return False
-        model.vram_mb = found.total_mb
+        model.vram_mb = found.total_mb  # in place of the file's size, asked for until now
+        self.estimated.add(model.name)
         log.info("model %s: %d MiB per GPU, estimated from its file", model.name, model.vram_mb)
         return True

@@ -21,6 +21,7 @@ from .spec import placed_command
 from .store import FileStore
 
 __all__ = ["estimated", "open_store", "placed"]
+MIB = 1 << 20
 log = logging.getLogger("gpu_arbiter.gateway")
 
 
@@ -55,16 +56,24 @@ async def open_store(
     return store, fetcher
 
 
-def estimated(models: Mapping[str, ModelConfig], store: FileStore) -> dict[str, int]:
-    """The ``vram = "auto"`` size of each model whose file is here already (the others
-    are estimated once their file is: ``ensure.py``)."""
-    found = {}
+def estimated(
+    models: Mapping[str, ModelConfig], store: FileStore
+) -> tuple[dict[str, int], set[str]]:
+    """The ``vram = "auto"`` size of each model with a file: estimated from the file where
+    it is here already (their names, the second item); else, until it is (``ensure.py``
+    estimates it then), the file's size: the least its weights take, so that a lease
+    asked for meanwhile (a cluster's load) is never of nothing."""
+    found, made = {}, set()
     for name, model in models.items():
-        if model.vram is None and model.file is not None and store.holds(model.file):
+        if model.vram is None and model.file is not None and not store.holds(model.file):
+            found[name] = -(-model.file.size // MIB)
+        elif model.vram is None and model.file is not None:
             try:
                 found[name] = estimate_vram(
                     model.command, model_file=model.model_file, ctx=model.ctx, gpus=model.gpus
                 ).total_mb
+                made.add(name)
             except InvalidInput as error:
+                found[name] = -(-model.file.size // MIB)
                 log.warning("model %s: no estimate from its file yet: %s", name, error.reason)
-    return found
+    return found, made
