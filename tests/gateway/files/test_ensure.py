@@ -36,6 +36,10 @@ class PeerOf:
 @dataclass
 class FakeHolders:
     peers: list[PeerOf] = field(default_factory=lambda: [PeerOf("gw-a", "http://gw-a:1")])
+    seen: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.seen.set()
 
     def holders(self, name: str, size: int, sha256: str) -> Sequence[PeerOf]:
         return self.peers
@@ -153,3 +157,20 @@ async def until(world: World, done: Callable[[], bool]) -> None:
         await asyncio.sleep(0.005)
         await world.clock.advance(1.0)
     raise AssertionError("never")
+
+
+async def test_a_copy_waits_for_the_clusters_first_view(tmp_path: Path) -> None:
+    world, fetcher = world_of(tmp_path)
+    holders = FakeHolders()
+    holders.seen.clear()  # the gateway just started: no view yet
+    assert world.model.files is not None
+    world.model.files.cluster = lambda: holders  # type: ignore[attr-defined]
+    waiting = world.start()
+    await world.clock.advance(2.0)
+    assert fetcher.opened == []  # which peer holds it is not known yet
+    holders.seen.set()
+    await until(world, lambda: fetcher.opened == [0])
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Refused):
+        await waiting
+    await world.close()

@@ -48,7 +48,11 @@ if TYPE_CHECKING:
 
 
 class Holders(Protocol):
-    """The cluster as a copy sees it: which peers hold a file (``cluster/cluster.py``)."""
+    """The cluster as a copy sees it: which peers hold a file (``cluster/cluster.py``),
+    once its first view came (``seen``)."""
+
+    @property
+    def seen(self) -> asyncio.Event: ...
 
     def holders(self, name: str, size: int, sha256: str) -> Sequence[Peer]: ...
 
@@ -66,6 +70,9 @@ __all__ = ["FileStep", "Holders", "sources_of"]
 log = logging.getLogger("gpu_arbiter.gateway")
 PROGRESS_S = 0.5
 """A waiting caller is told a copy's progress at most this often."""
+FIRST_VIEW_S = 10.0
+"""A copy asked for before the cluster's first view came waits this long at most for
+it: which peers hold the file is in it."""
 
 
 def sources_of(file: ModelFile, cluster: Holders | None) -> list[Source]:
@@ -125,7 +132,10 @@ class FileStep:
                 replica.pending_reason = model.copying
                 model.notify()
 
-        sources = sources_of(file, self.cluster())
+        cluster = self.cluster()
+        if cluster is not None and not cluster.seen.is_set():  # a gateway just started
+            await sleep_or(model.clock.sleep(FIRST_VIEW_S), cluster.seen)
+        sources = sources_of(file, cluster)
         model.copying = f"copying {model.name}'s file to {self.host}: starting"
         copy = asyncio.ensure_future(self.store.ensure(file, sources, progress))
         try:

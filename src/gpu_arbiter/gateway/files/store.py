@@ -299,6 +299,11 @@ class FileStore:
             )
         self._remove(plan.remove)
 
+    def sweep(self) -> None:
+        """Back within the budget, as far as the files nobody uses allow (at the start: a
+        budget lowered since)."""
+        self._sweep()
+
     def _sweep(self) -> None:
         """Back within the budget, as far as the files nobody uses allow."""
         self._remove(evictions(self._holdings(), self.budget).remove)

@@ -53,6 +53,7 @@ async def open_store(
     for model in models.values():
         if model.file is not None:
             await store.verified(model.file)
+    store.sweep()
     return store, fetcher
 
 
