@@ -5,7 +5,8 @@ then serves the model. ``GET /files/NAME`` is refused without a peer's proof (40
 for a range beyond the file (416). A peer of the test's own (gw-9: a name reported with
 gw-3's gateway token, its own key, a small HTTP server) first serves corrupt bytes
 (refused: nothing under the real name), then closes the stream half-way (the copy
-stops, its ``.part`` kept), then serves the rest from where it stopped (resumed)."""
+stops, its ``.part`` kept), then serves the rest from where it stopped, slowly (resumed;
+a streaming caller reads how far the copy is in its comment lines)."""
 
 from __future__ import annotations
 
@@ -152,10 +153,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("content-range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()
         if peer.mode == "cut":
-            peer.mode = "good"
+            peer.mode = "slow"
             self.wfile.write(body[start : peer.cut_at])
             self.wfile.flush()
             self.close_connection = True
+            return
+        if peer.mode == "slow":  # eight pieces 0.3 s apart: a copy a caller waits on
+            step = -(-(len(data) - start) // 8)
+            for at in range(start, len(data), step):
+                self.wfile.write(body[at : at + step])
+                self.wfile.flush()
+                time.sleep(0.3)
             return
         self.wfile.write(body[start:])
 
@@ -198,8 +206,15 @@ def test_a_corrupt_copy_is_refused_and_a_cut_one_resumed(
         assert not (models / NAME).exists()
 
         time.sleep(2.2)
-        answer = _ask(lacking.gateway.url, "tiny@gw-3")
-        assert answer.status_code == 200, answer.text
+        # a streaming caller is told how far the copy is
+        body = chat("tiny@gw-3", max_tokens=4, stream=True)
+        with httpx.stream("POST", lacking.gateway.url + "/v1/chat/completions", json=body,
+                          timeout=120) as streamed:  # fmt: skip
+            assert streamed.status_code == 200
+            said = [line for line in streamed.iter_lines() if line.startswith(":")]
+        copying = [line for line in said if line.startswith(": copying tiny's file to box-3: ")]
+        assert copying, said
+        assert "of 0.5 MiB" in copying[-1] and "MB/s (from gw-9)" in copying[-1], copying
         assert peer.ranges == ["", "", f"bytes={peer.cut_at}-"]  # resumed where it stopped
         assert (models / NAME).read_bytes() == data
     finally:
