@@ -1,5 +1,6 @@
-"""The peer fetcher against a real socket, on asyncio's loop and on uvloop's (the
-gateway's where installed): a whole answer, a range, a cut, a refusal."""
+"""The fetcher against a real socket, from a peer (its own HTTP exchange) and from a
+file's url (httpx), on asyncio's loop and on uvloop's (the gateway's where installed):
+a whole answer, a range, a cut, a refusal."""
 
 from __future__ import annotations
 
@@ -55,25 +56,31 @@ async def peer(mode: str) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}/files/m.gguf"
 
 
-async def fetch(mode: str, start: int = 0) -> tuple[int, bytes]:
+async def fetch(mode: str, start: int = 0, via: str | None = "gw-a") -> tuple[int, bytes]:
     fetcher = HttpFetcher(lambda peer, method, target: f"signed {method} {target}", timeout_s=5)
     got = bytearray()
-    async with peer(mode) as url, fetcher.open(Source(url, peer="gw-a"), start) as download:
+    async with peer(mode) as url, fetcher.open(Source(url, peer=via), start) as download:
         async for chunk in download.chunks:
             got += chunk
     await fetcher.aclose()
     return download.start, bytes(got)
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_whole_and_ranged(loop: Loop) -> None:
-    assert run(loop, fetch("whole")) == (0, DATA)
-    assert run(loop, fetch("whole", 1000)) == (1000, DATA[1000:])
+VIA = [("gw-a", r"cut: the peer closed after \d+ of", "answered 404: no model file 'x' here"),
+       (None, "cut: RemoteProtocolError", "answered 404 Not Found")]  # fmt: skip
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_a_cut_and_a_refusal(loop: Loop) -> None:
-    with pytest.raises(FetchError, match=r"cut: the peer closed after \d+ of"):
-        run(loop, fetch("cut"))
-    with pytest.raises(FetchError, match="answered 404: no model file 'x' here"):
-        run(loop, fetch("refuse"))
+@pytest.mark.parametrize(("via", "cut", "refused"), VIA)
+def test_whole_and_ranged(loop: Loop, via: str | None, cut: str, refused: str) -> None:
+    assert run(loop, fetch("whole", via=via)) == (0, DATA)
+    assert run(loop, fetch("whole", 1000, via)) == (1000, DATA[1000:])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize(("via", "cut", "refused"), VIA)
+def test_a_cut_and_a_refusal(loop: Loop, via: str | None, cut: str, refused: str) -> None:
+    with pytest.raises(FetchError, match=cut):
+        run(loop, fetch("cut", via=via))
+    with pytest.raises(FetchError, match=refused):
+        run(loop, fetch("refuse", via=via))

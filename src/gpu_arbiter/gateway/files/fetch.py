@@ -77,8 +77,9 @@ Sign = Callable[[str, str, str], "str | None"]
 
 
 class HttpFetcher:
-    """Files over HTTP(S) with httpx; ``sign`` makes the peer header; ``tls``: the peer
-    TLS context (the cluster's CA, this gateway's certificate)."""
+    """Files over HTTP(S): ``sign`` makes the peer header; ``tls``: the peer TLS context
+    (the cluster's CA, this gateway's certificate), for peers only: a file's ``url`` is
+    checked against the system's CAs, as any download is."""
 
     def __init__(
         self, sign: Sign, tls: ssl.SSLContext | None = None, timeout_s: float = 30.0
@@ -86,10 +87,7 @@ class HttpFetcher:
         self.sign = sign
         self.tls = tls
         self.timeout_s = timeout_s
-        verify: ssl.SSLContext | bool = tls if tls is not None else True
-        self._http = httpx.AsyncClient(
-            verify=verify, timeout=httpx.Timeout(timeout_s), follow_redirects=True
-        )
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=True)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -103,7 +101,11 @@ class HttpFetcher:
         headers = {"range": f"bytes={start}-"} if start else {}
         try:
             async with self._http.stream("GET", source.url, headers=headers) as answer:
-                yield Download(_start_of(answer, start), _chunks(answer))
+                if answer.status_code not in (200, 206):
+                    raise FetchError(f"answered {answer.status_code} {answer.reason_phrase}")
+                range_ = answer.headers.get("content-range", "")
+                begin = _start_of_answer(answer.status_code, range_, start)
+                yield Download(begin, _chunks(answer))
         except httpx.HTTPError as error:
             raise FetchError(f"{error.__class__.__name__}: {error}") from None
 
@@ -204,17 +206,6 @@ def _start_of_answer(status: int, content_range: str, start: int) -> int:
     if content_range.startswith(f"bytes {start}-"):
         return start
     raise FetchError(f"a 206 for another range ({content_range[:80]!r}, asked {start}-)")
-
-
-def _start_of(answer: httpx.Response, start: int) -> int:
-    """Where the answer's bytes begin: ``start`` for a 206, 0 for a 200."""
-    if answer.status_code == 200:
-        return 0
-    if answer.status_code == 206 and answer.headers.get("content-range", "").startswith(
-        f"bytes {start}-"
-    ):
-        return start
-    raise FetchError(f"answered {answer.status_code} {answer.reason_phrase}".strip())
 
 
 async def _chunks(answer: httpx.Response) -> AsyncIterator[bytes]:
