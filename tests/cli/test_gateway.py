@@ -155,3 +155,17 @@ def test_a_gateway_beside_a_local_controller_finds_its_admin_token(tmp_path: Pat
 
 
 LISTENING = re.compile(r"gateway on http://127\.0\.0\.1:(\d+)")
+
+
+def test_check_takes_a_model_file_not_here_yet_and_names_a_bad_one(tmp_path: Path) -> None:
+    config = tmp_path / "models.toml"
+    file = '{ name = "q.gguf", size = 1000, sha256 = "' + "ab" * 32 + '" }'
+    entry = f'[models.chat]\ncommand = "{sys.executable} -m {{file}} --port {{port}}"\n'
+    config.write_text(entry + f"file = {file}\n")
+    done = _gateway(tmp_path, "--config", str(config), "--check")
+    assert done.returncode == 0, done.stderr
+    assert "chat: vram auto (estimated from its file once it is in models_dir)" in done.stdout
+    config.write_text(entry + f"file = {file.replace('q.gguf', 'a/q.gguf')}\n")
+    done = _gateway(tmp_path, "--config", str(config), "--check")
+    assert done.returncode == 2
+    assert "models.chat.file.name: 'a/q.gguf' is a path" in done.stderr
