@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from gpu_arbiter.core import InvalidInput
 from gpu_arbiter.gateway.base.metrics import GatewayMetrics
 from gpu_arbiter.gateway.cluster.report import Reporter
 from gpu_arbiter.gateway.config import parse_config
+from gpu_arbiter.gateway.files.wiring import placed
 from gpu_arbiter.gateway.live import LiveModels, Outcome
 from gpu_arbiter.gateway.model_set import Conflict
 from gpu_arbiter.gateway.requests.app import GatewayApp
@@ -487,3 +489,25 @@ async def test_changes_from_both_sources_at_once_are_made_one_after_the_other(
     )
     assert sorted(gateway.live.models) == ["chat", "code", "embed"]  # neither lost
     assert gateway.live.models["chat"].pinned
+
+
+async def test_an_added_model_of_a_file_is_placed_and_kept_by_the_file_step(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """A model naming its ``file`` (``{file}`` in its command) added while the gateway
+    runs gets the file's path in ``models_dir`` and the gateway's file step, as one
+    there at the start does; the same set again changes nothing (placing twice is
+    placing once)."""
+    keeper = object()
+    gateway.live.files = keeper  # type: ignore[assignment]
+    gateway.live.place = lambda found: placed(found, tmp_path)
+    file = {"name": "m.gguf", "size": 1024, "sha256": "0" * 64}
+    models = {"chat": spec(aliases=["gpt"]), "code": spec("coder", file=file)}
+    models["code"]["command"] = ["coder", "-m", "{file}", "--port", "{port}"]
+    outcome = await gateway.apply(models)
+    assert outcome.diff.added == ("code",)
+    code = gateway.live.models["code"]
+    assert code.config.command[:3] == ("coder", "-m", str(tmp_path / "m.gguf"))
+    assert code.files is keeper
+    again = await gateway.apply(models)
+    assert again.diff.empty

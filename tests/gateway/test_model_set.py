@@ -19,7 +19,7 @@ from gpu_arbiter.gateway.model_set import (
     listener_changes,
     merge,
 )
-from gpu_arbiter.gateway.servers.config import ModelConfig
+from gpu_arbiter.gateway.servers.config import ModelConfig, ModelFile
 
 COMMAND = "server --port {port}"
 
@@ -32,6 +32,7 @@ def model(name: str, **keys: Any) -> ModelConfig:
 CHANGES: dict[str, Any] = {
     "command": ("other", "--port", "{port}"),
     "model_file": "/m.gguf",
+    "file": ModelFile("m.gguf", 1024, "0" * 64),
     "vram": 2048,
     "gpus": 2,
     "engine": "vllm",

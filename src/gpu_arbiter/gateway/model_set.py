@@ -4,7 +4,7 @@ change (:func:`listener_changes`). Pure: no I/O, no clock; ``live.py`` applies t
 
 A model's keys fall in three kinds (:data:`SERVER_KEYS`, :data:`LEASE_KEYS`, the rest):
 
-- what the server runs (``command``, ``model_file``, ``vram``, ``gpus``, ``engine``,
+- what the server runs (``command``, ``model_file``, ``file``, ``vram``, ``gpus``, ``engine``,
   ``env``, ``ctx``, ``ready``): its replicas are replaced, one at a time;
 - what its lease was granted at (``priority``, ``preemptible``): kept by the leases held
   (the controller has no verb to change a granted lease's priority), taken by the next
@@ -38,7 +38,18 @@ __all__ = [
 ]
 
 SERVER_KEYS = frozenset(
-    {"command", "model_file", "vram", "gpus", "engine", "env", "ctx", "ready", "ollama_serve"}
+    {
+        "command",
+        "model_file",
+        "file",
+        "vram",
+        "gpus",
+        "engine",
+        "env",
+        "ctx",
+        "ready",
+        "ollama_serve",
+    }
 )
 """A change to one of these replaces the model's replicas (the attribute names of
 :class:`ModelConfig`; ``ollama_serve``: a model moved between Ollama entries)."""
