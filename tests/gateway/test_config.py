@@ -78,6 +78,15 @@ def test_a_gateway_table_alone_is_a_gateway_of_no_model_yet() -> None:
     assert parse_config({}).port == 8080
 
 
+def test_the_catalogue_is_followed_unless_turned_off() -> None:
+    assert parse_config({}).catalogue is True
+    assert parse_config({"gateway": {"catalogue": False}}).catalogue is False
+    with pytest.raises(InvalidInput) as refused:
+        parse_config({"gateway": {"catalogue": "no"}})
+    assert refused.value.field == "gateway.catalogue"
+    assert "true or false" in refused.value.reason
+
+
 def test_the_ports_bounds_keys_and_host_names(tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text("# the chat UI\nfile-key-0123456789\n\n  second-file-key-42  \n")

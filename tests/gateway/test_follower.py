@@ -170,7 +170,7 @@ async def test_a_worker_not_registered_yet_is_asked_again_and_the_revision_hande
         assert handed.calls == [(1, ["chat"])]
 
 
-async def test_auto_models_use_this_hosts_estimate_and_an_async_callback_is_awaited() -> None:
+async def test_auto_models_take_this_hosts_estimate_or_are_left_out_callback_awaited() -> None:
     controller = FakeController(FakeClock())
     controller.apply(
         '[models.small]\ncommand = "llama-server -m /m/s.gguf --port {port}"\n'
@@ -184,12 +184,16 @@ async def test_auto_models_use_this_hosts_estimate_and_an_async_callback_is_awai
         await asyncio.sleep(0)
         seen.append((revision, sorted(models)))
 
-    async with following(controller, on_revision, estimate=lambda m: sizes.get(m.name)):
+    def estimate(model: ModelConfig) -> int | str:
+        return sizes.get(model.name, "no model file here")
+
+    async with following(controller, on_revision, estimate=estimate) as follower:
         for _ in range(100):  # the estimates run on a thread
             if seen:
                 break
             await asyncio.sleep(0.01)
-    assert seen == [(1, ["small", "unknown"])]
+    assert seen == [(1, ["small"])]  # huge fits no GPU; unknown: no estimate here
+    assert follower.left_out == {"unknown": "no model file here"}
 
 
 async def test_a_take_over_is_followed_through_the_clients_failover() -> None:

@@ -34,6 +34,8 @@
     models_dir = "/var/lib/models" # model files (``file``; default: models/ in the state dir)
     disk_budget = "200G"           # model files beyond it that no replica uses are removed,
                                    # least recently used first (files/store.py)
+    catalogue = true               # serve this worker's share of the cluster's catalogue
+                                   # (follower.py); false: this file's models only
 
     [[gateway.keys]]               # a key with a name (beside or instead of api_keys)
     key = "..."
@@ -157,6 +159,7 @@ _FILES_KEYS = frozenset({"models_dir", "disk_budget"})
 _GATEWAY_KEYS = (
     frozenset({"host", "port", "worker", "controller", "name", "url", "token_file", *_TLS_KEYS})
     | _FILES_KEYS
+    | {"catalogue"}
     | _PORT_KEYS
     | _ROUTING_KEYS
     | _LIVENESS_KEYS
@@ -188,6 +191,7 @@ class GatewayConfig:
     tls: ServerTls | None = None  # the listener's (None: plain HTTP)
     models_dir: Path | None = None  # the model files' (None: models/ in the state dir)
     disk_budget: int | None = None  # bytes of model files kept at most (None: no bound)
+    catalogue: bool = True  # follows the cluster's catalogue (its worker's share)
 
     def find(self, name: str) -> ModelConfig | None:
         """The model called ``name`` or having it as an alias."""
@@ -236,6 +240,7 @@ def parse_config(data: Mapping[str, Any], base: Path | None = None) -> GatewayCo
         liveness=_liveness(gateway),
         tls=_tls(gateway, base or Path()),
         **_files_settings(gateway, base or Path()),
+        catalogue=_flag(gateway.get("catalogue", True), "gateway.catalogue"),
         **_port_settings(gateway, base or Path()),
     )
 
@@ -281,6 +286,12 @@ def _tls(gateway: Mapping[str, Any], base: Path) -> ServerTls | None:
     )  # fmt: skip
     server_context(tls)
     return tls
+
+
+def _flag(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInput(field, f"must be true or false, not {value!r}")
+    return value
 
 
 def _token_file(value: Any, base: Path) -> Path | None:

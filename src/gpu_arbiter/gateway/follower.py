@@ -7,6 +7,7 @@ stores, read and cut to the share its worker may run.
              no newer revision by the wait's end  -> ask again
              revision M > N: parse it             -> unreadable: logged, skipped (N = M)
              GET /v1/workers/{worker}             -> its labels and GPUs
+             vram = "auto": estimated here        -> no estimate: left out (why logged)
              share(catalogue, worker, ...)        -> on_revision(M, models); N = M
            the controller unreachable, or refusing -> back off (doubling, bounded), again
 
@@ -17,6 +18,12 @@ checked every revision before it stored it: one this gateway cannot read (a newe
 version's keys) is logged and skipped, never handed over. A worker the controller does
 not know yet (its agent has not registered) is asked again after a back-off: its GPUs
 decide its share.
+
+A ``vram = "auto"`` model whose estimate cannot be made on this host (its model file is
+not here) is left out of this host's share, with why (:attr:`CatalogueFollower.left_out`,
+logged once per revision): its lease's size is unknown here, so this gateway could not
+start it; the rest of the revision is handed over all the same, and the hosts that hold
+the file serve it.
 
 The follower starts no task of its own: its owner runs :meth:`CatalogueFollower.run`
 (in its task group) and cancels it to stop.
@@ -65,24 +72,24 @@ class CatalogueSource(Protocol):
     async def worker(self, name: str) -> Json: ...
 
 
-def estimate_here(model: ModelConfig) -> int | None:
+def estimate_here(model: ModelConfig) -> int | str:
     """MiB per GPU that a ``vram = "auto"`` model needs, estimated from its model file on
-    this host; None where it cannot be (no file here: assumed to fit). Reads files: run
-    it off the event loop (the follower does)."""
+    this host; where it cannot be (no file here), why not. Reads files: run it off the
+    event loop (the follower does)."""
     try:
         found = estimate_vram(
             model.command, model_file=model.model_file, ctx=model.ctx, gpus=model.gpus
         )
-    except InvalidInput:
-        return None
+    except InvalidInput as error:
+        return f'vram = "auto" cannot be estimated on this host: {error.reason}'
     return found.total_mb
 
 
 class CatalogueFollower:
     """Follows the catalogue for ``worker`` (this gateway's), calling ``on_revision``
     with each new revision's share; see the module. ``estimate``: a ``vram = "auto"``
-    model's MiB per GPU on this host, or None (run on a thread; default: none made,
-    every such model assumed to fit)."""
+    model's MiB per GPU on this host, or why it cannot be made (run on a thread; such a
+    model is then left out); default: none made, every such model assumed to fit."""
 
     def __init__(
         self,
@@ -91,7 +98,7 @@ class CatalogueFollower:
         on_revision: OnRevision,
         *,
         clock: Clock,
-        estimate: Callable[[ModelConfig], int | None] | None = None,
+        estimate: Callable[[ModelConfig], int | str] | None = None,
         wait_s: float = WAIT_S,
         backoff_s: tuple[float, float] = BACKOFF_S,
     ) -> None:
@@ -106,6 +113,8 @@ class CatalogueFollower:
         """The last revision handed over, or skipped (0: none yet)."""
         self.failures = 0
         """Calls that failed in a row (0 once one succeeds)."""
+        self.left_out: dict[str, str] = {}
+        """The last revision's models left out of this host's share, and why."""
 
     async def run(self) -> None:
         """Follows until cancelled. An exception of ``on_revision`` ends it (its owner's
@@ -141,20 +150,29 @@ class CatalogueFollower:
             self.revision = revision
             return
         worker = await self._client.worker(self.worker)
-        estimates = await self._estimates(catalogue.models)
+        estimates, left_out = await self._estimates(catalogue.models)
         models = share(catalogue, self.worker, _labels(worker), _gpus(worker), estimates)
+        self.left_out = {name: left_out[name] for name in sorted(left_out.keys() & models.keys())}
+        for name, why in self.left_out.items():
+            log.warning("catalogue revision %d: %s left out here: %s", revision, name, why)
+        models = {name: model for name, model in models.items() if name not in self.left_out}
         self.revision = revision
         answer = self._on_revision(revision, models)
         if inspect.isawaitable(answer):
             await answer
 
-    async def _estimates(self, models: Mapping[str, ModelConfig]) -> dict[str, int]:
+    async def _estimates(
+        self, models: Mapping[str, ModelConfig]
+    ) -> tuple[dict[str, int], dict[str, str]]:
+        """The ``vram = "auto"`` models' estimates on this host, and why for those that
+        have none."""
         estimate = self._estimate
         auto = [model for model in models.values() if model.vram is None]
         if estimate is None or not auto:
-            return {}
+            return {}, {}
         found = await asyncio.to_thread(lambda: {m.name: estimate(m) for m in auto})
-        return {name: mb for name, mb in found.items() if mb is not None}
+        sizes = {name: mb for name, mb in found.items() if isinstance(mb, int)}
+        return sizes, {name: why for name, why in found.items() if isinstance(why, str)}
 
 
 def _labels(worker: Json) -> dict[str, str]:

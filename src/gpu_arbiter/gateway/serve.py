@@ -43,7 +43,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,7 @@ from .config import GatewayConfig
 from .files.ensure import FileStep
 from .files.store import FileStore
 from .files.wiring import estimated, open_store, placed
+from .follower import CatalogueFollower, estimate_here
 from .live import LiveModels, Outcome
 from .model_set import listener_changes
 from .programs import missing_program
@@ -327,7 +328,10 @@ async def _serve(
         live.set_cluster(app.cluster)
         live.changed = reporter.models_changed
         living = asyncio.ensure_future(live.run())
-        reporting = asyncio.gather(reporter.run(), app.cluster.run(), reloads.run())
+        following = _follow(
+            config, client, worker, live, lambda m: _share_size(m, store, models_dir)
+        )
+        reporting = asyncio.gather(reporter.run(), app.cluster.run(), reloads.run(), following)
         try:
             ended = asyncio.ensure_future(stop.wait())
             await asyncio.wait({serving, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -349,6 +353,57 @@ async def _serve(
             await engines.aclose()
             await fetcher.aclose()
             sock.close()
+
+
+async def _follow(
+    config: GatewayConfig,
+    client: ArbiterClient,
+    worker: str | None,
+    live: LiveModels,
+    estimate: Callable[[ModelConfig], int | str],
+) -> None:
+    """This worker's share of the cluster's catalogue, each revision's applied to the live
+    set (``follower.py``), until cancelled; not without a worker (said once) or with
+    ``catalogue = false``. A model whose program is not on this host is left out of its
+    share (logged, as one whose ``vram = "auto"`` cannot be estimated here); a revision
+    the live set refuses changes nothing here (said), and the next is applied all the same."""
+    if not config.catalogue:
+        return
+    if worker is None:
+        say("gateway: the cluster's catalogue is not followed: no worker is known here "
+            "(no agent on this host, or several: set [gateway] worker)")  # fmt: skip
+        return
+
+    async def apply(revision: int, models: Mapping[str, ModelConfig]) -> None:
+        here = {}
+        for name, model in models.items():
+            why = missing_program(model)
+            if why is None:
+                here[name] = model
+            else:
+                log.warning("catalogue revision %d: %s left out here: %s", revision, name, why)
+        try:
+            outcome = await live.set_catalogue(here, revision)
+        except InvalidInput as error:
+            say(f"gateway: catalogue revision {revision} not applied here: {error}")
+            return
+        except Exception:  # a bug: said, and the next revision is applied all the same
+            log.exception("gateway: catalogue revision %d: its change failed", revision)
+            return
+        say(f"gateway: catalogue revision {revision}: {outcome.describe()}")
+
+    follower = CatalogueFollower(client, worker, apply, clock=LoopClock(), estimate=estimate)
+    await follower.run()
+
+
+def _share_size(model: ModelConfig, store: FileStore, models_dir: Path) -> int | str:
+    """A catalogue model's ``vram = "auto"`` size on this host, to judge whether its GPUs
+    hold it (``catalogue.share``): one naming its ``file`` asks for what it will here
+    (the estimate from the file where it is here, else the file's size: it is copied
+    before its lease); another, the estimate from its model file here, or why none."""
+    if model.file is None:
+        return estimate_here(model)
+    return _sized(placed({model.name: model}, models_dir)[model.name], store)
 
 
 async def _settle(living: asyncio.Task[None], grace_s: float) -> None:
