@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from rich.console import Console
 
-from gpu_arbiter.cli.models import Answer, models_view
+from gpu_arbiter.cli.models import Answer, conflict_lines, models_view
 from gpu_arbiter.gateway.servers.replica import ReplicaState
 from tests.gateway.fakes import World, settle
 
@@ -82,3 +82,15 @@ async def test_a_busy_model_is_in_use_now_not_last_used_long_ago(world: World) -
     await world.clock.advance(11)  # asleep: its last use is still when they left
     assert world.model.describe()["state"] == "asleep"
     assert row(world)["last used"] == "14s ago"
+
+
+def test_a_conflict_a_gateway_reported_is_one_line_below_the_table() -> None:
+    conflict = {"model": "chat", "kept": "own file", "over": "catalogue revision 3"}
+    answers = [
+        Answer("gw-2 (http://gw2:8080)", 200, {"data": [], "conflicts": [conflict]}),
+        Answer("gw-3 (http://gw3:8080)", 200, {"data": [], "conflicts": []}),
+        Answer("gw-4 (http://gw4:8080)", 409, {"error": {"code": "stale"}}),
+    ]
+    assert conflict_lines(answers) == [
+        "conflict: gw-2 (http://gw2:8080): chat: own file kept over catalogue revision 3"
+    ]

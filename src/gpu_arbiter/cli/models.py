@@ -11,6 +11,10 @@ line naming it; the others are still shown. Given no gateway, the controller is 
 /v1/queue``, is shown ``queued`` with why), and a change is queued there for each live
 gateway that has the model (``POST /v1/gateways/NAME/models/MODEL/VERB``).
 
+Below the table, one line per conflict a gateway reported (a name both its own file and
+the cluster's catalogue declare; the own file's is served there): ``conflict: gw-2
+(URL): chat: own file kept over catalogue revision 3``.
+
 ``gateways forget NAME`` (an admin's): the controller forgets a gateway and frees its
 name (``DELETE /v1/gateways/NAME``), for a gateway given a new token: a name belongs to
 the token that first reported it, even once it stopped reporting.
@@ -45,7 +49,7 @@ from ..gateway.servers.lease import Lease
 from ..gateway.servers.states import most_advanced
 from .ops import EXIT_API_ERROR, Controller, Token, call_controller, option, stdout_console
 
-__all__ = ["MODEL_COMMANDS", "gateways_app", "models_view"]
+__all__ = ["MODEL_COMMANDS", "conflict_lines", "gateways_app", "models_view"]
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 LIST_TIMEOUT_S = 10.0
@@ -161,6 +165,20 @@ def models_view(answers: Sequence[Answer]) -> Table:
     return table
 
 
+def conflict_lines(answers: Sequence[Answer]) -> list[str]:
+    """One line per name that both a gateway's own file and the catalogue declare (as its
+    report to the controller names them): ``gw-2 (URL): chat: own file kept over
+    catalogue revision 3``."""
+    lines = []
+    for answer in answers:
+        found = answer.body.get("conflicts") if isinstance(answer.body, dict) else None
+        for conflict in found if isinstance(found, list) else ():
+            if isinstance(conflict, dict):
+                model, kept, over = (conflict.get(k) for k in ("model", "kept", "over"))
+                lines.append(f"conflict: {answer.gateway}: {model}: {kept} kept over {over}")
+    return lines
+
+
 def _models(body: Any) -> list[Json]:
     data = body.get("data") if isinstance(body, dict) else None
     return [m for m in data or [] if isinstance(m, dict) and "alias_of" not in m]
@@ -274,7 +292,8 @@ def reported(controller: str | None, token: str | None) -> list[Answer]:
             answers.append(Answer(name, 409, why))
         else:
             models = [_queued(m, loads.get(str(m.get("id"))), workers) for m in entry["models"]]
-            answers.append(Answer(name, 200, {"data": models}))
+            conflicts = entry.get("conflicts") or []
+            answers.append(Answer(name, 200, {"data": models, "conflicts": conflicts}))
     return answers
 
 
@@ -325,7 +344,8 @@ def models(
     token: Token = None,
 ) -> None:
     """Every gateway's models: state, lease, memory, requests in flight and queued, last
-    used, keep-alive left, pinned."""
+    used, keep-alive left, pinned; below, one line per name a gateway's own file and the
+    catalogue both declare (the own file's kept)."""
     if gateway:
         answers = ask(gateway_urls(gateway), "GET", "/v1/models", key, LIST_TIMEOUT_S)
     else:
@@ -335,6 +355,8 @@ def models(
         print(json.dumps([_as_json(a) for a in answers], indent=2, sort_keys=True))
     elif listed:
         stdout_console().print(models_view(answers))
+        for line in conflict_lines(answers):
+            print(line)
     for answer in answers:
         if answer.status != 200:
             print(answer.refusal(), file=sys.stderr)
@@ -344,7 +366,10 @@ def models(
 
 def _as_json(answer: Answer) -> Json:
     if answer.status == 200 and answer.body is not None and "data" in answer.body:
-        return {"gateway": answer.gateway, "models": _models(answer.body)}
+        found = {"gateway": answer.gateway, "models": _models(answer.body)}
+        if "conflicts" in answer.body:
+            found["conflicts"] = answer.body["conflicts"]
+        return found
     return {"gateway": answer.gateway, "status": answer.status, "error": answer.refusal()}
 
 
