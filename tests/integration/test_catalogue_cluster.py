@@ -22,7 +22,9 @@ from .conftest import Server, wait_for
 from .gateways import chat
 from .test_cli import cli
 from .test_gateway_llama import llama_entry
-from .test_ha import Controllers, leader_of, role
+from .test_ha import Controllers, controllers, leader_of, role
+
+__all__ = ["controllers"]
 
 pytestmark = pytest.mark.timeout(300)
 
