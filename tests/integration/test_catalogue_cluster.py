@@ -93,15 +93,17 @@ def ask(host: Host, model: str) -> httpx.Response:
         return client.post("/v1/chat/completions", json=chat(model, max_tokens=4))
 
 
-def stream(host: Host, model: str) -> str | None:
+def stream(host: Host, model: str, begun: threading.Event | None = None) -> str | None:
     """One streamed chat completion through ``host``'s door: None when it completed, else
-    what went wrong."""
+    what went wrong; ``begun`` is set once its answer's head came (it is being served)."""
     body = chat(model, max_tokens=8, stream=True)
     try:
         with (
             host.gateway.client() as client,
             client.stream("POST", "/v1/chat/completions", json=body) as answer,
         ):
+            if begun is not None:
+                begun.set()
             text = answer.read().decode(errors="replace")
     except httpx.HTTPError as error:
         return f"{host.gateway.name}: {error.__class__.__name__}: {error}"
@@ -155,7 +157,10 @@ def test_an_add_a_remove_and_a_change_while_callers_stream_fail_no_request(
                 assert ask(host, "new").status_code == 200
 
             # removed: what began before completes; what begins after a door learned, 404
-            before = [pool.submit(stream, host, "old") for host in cluster.hosts]
+            begun = {host.number: threading.Event() for host in cluster.hosts}
+            before = [pool.submit(stream, h, "old", begun[h.number]) for h in cluster.hosts]
+            for one in begun.values():
+                assert one.wait(60)
             revision = cluster.apply(cluster.entry("chat") + cluster.entry("new"))
             assert [request.result() for request in before] == [None] * len(before)
             for host in cluster.hosts:
