@@ -84,13 +84,16 @@ async def test_a_busy_model_is_in_use_now_not_last_used_long_ago(world: World) -
     assert row(world)["last used"] == "14s ago"
 
 
-def test_a_conflict_a_gateway_reported_is_one_line_below_the_table() -> None:
+def test_a_conflict_or_a_model_left_out_a_gateway_reported_is_one_line_below_the_table() -> None:
     conflict = {"model": "chat", "kept": "own file", "over": "catalogue revision 3"}
+    left = {"model": "big", "why": "no model file here"}
+    reported = {"data": [], "conflicts": [conflict], "left_out": [left]}
     answers = [
-        Answer("gw-2 (http://gw2:8080)", 200, {"data": [], "conflicts": [conflict]}),
+        Answer("gw-2 (http://gw2:8080)", 200, reported),
         Answer("gw-3 (http://gw3:8080)", 200, {"data": [], "conflicts": []}),
         Answer("gw-4 (http://gw4:8080)", 409, {"error": {"code": "stale"}}),
     ]
     assert conflict_lines(answers) == [
-        "conflict: gw-2 (http://gw2:8080): chat: own file kept over catalogue revision 3"
+        "conflict: gw-2 (http://gw2:8080): chat: own file kept over catalogue revision 3",
+        "left out: gw-2 (http://gw2:8080): big: no model file here",
     ]

@@ -459,19 +459,23 @@ async def test_the_reporter_reports_a_new_set_at_once_with_its_conflicts(
         name="gw-1", url="http://127.0.0.1:8080", host="box", worker="box",
         models=gateway.live.models, administer=lambda *_: asyncio.sleep(0),
         conflicts=lambda: [c.as_json() for c in gateway.live.conflicts], report_s=3600,
+        left_out=lambda: [{"model": m, "why": w} for m, w in gateway.live.left_out.items()],
     )  # fmt: skip
     gateway.live.changed = reporter.models_changed
     running = asyncio.ensure_future(reporter.run())
     try:
         first = await controller.next_report()
         assert [m["id"] for m in first["models"]] == ["chat"] and "conflicts" not in first
+        assert "left_out" not in first
         catalogue = configs({"chat": spec("other"), "embed": spec()})
-        await gateway.live.set_catalogue(catalogue, revision=2)
+        left_out = {"big": "no model file here", "chat": "its own is served"}
+        await gateway.live.set_catalogue(catalogue, revision=2, left_out=left_out)
         second = await controller.next_report()  # not after report_s: at once
         assert [m["id"] for m in second["models"]] == ["chat", "embed"]
         assert second["conflicts"] == [
             {"model": "chat", "kept": "own file", "over": "catalogue revision 2"}
         ]
+        assert second["left_out"] == [{"model": "big", "why": "no model file here"}]
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

@@ -197,10 +197,16 @@ def test_an_add_a_remove_and_a_change_while_callers_stream_fail_no_request(
     assert failures == []
 
 
-def test_a_hosts_own_model_wins_there_and_models_shows_the_conflict(cluster: Cluster) -> None:
+def test_a_hosts_own_model_wins_there_and_models_shows_the_conflict(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """And a ``vram = "auto"`` model whose file no host has is left out of every host's
+    share, the rest served, and ``gpu-arbiter models`` says why."""
     own = cluster.entry("chat", aliases=["mine"])
     cluster.start(2, 3, own=own)
-    revision = cluster.apply(cluster.entry("chat"))
+    nowhere = tmp_path / "nowhere.gguf"
+    ghost = llama_entry("ghost", cluster.llama, nowhere, vram="auto")[0]
+    revision = cluster.apply(cluster.entry("chat") + ghost)
     door, other = cluster.hosts
     wait_for(lambda: cluster.listed("chat"), 30, "every door to list chat")
     assert listing(door)["chat"]["aliases"] == ["mine"]  # its own, not the catalogue's
@@ -214,10 +220,21 @@ def test_a_hosts_own_model_wins_there_and_models_shows_the_conflict(cluster: Clu
     over = f"catalogue revision {revision}"
     expected = [{"model": "chat", "kept": "own file", "over": over}]
     assert wait_for(lambda: conflicts() == expected and conflicts(), 30, "the conflict reported")
+    assert "ghost" not in listing(door) and "ghost" not in listing(other)
+
+    def left_out() -> dict[str, list[dict[str, str]]]:
+        return {g["name"]: g.get("left_out") for g in cluster.admin.get("/v1/gateways").json()}
+
+    why = f'vram = "auto" cannot be estimated on this host: model file {nowhere} does not exist'
+    expected_left = {h.gateway.name: [{"model": "ghost", "why": why}] for h in cluster.hosts}
+    wait_for(lambda: left_out() == expected_left, 30, "the model left out reported")
     shown = cli(cluster.server, "models")
     assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
     line = f"conflict: {door.gateway.name} ({door.gateway.url}): chat: own file kept over {over}"
-    assert line in shown.stdout.splitlines(), shown.stdout
+    assert line in lines, shown.stdout
+    for host in cluster.hosts:
+        assert f"left out: {host.gateway.name} ({host.gateway.url}): ghost: {why}" in lines
 
 
 def test_a_standby_that_takes_over_keeps_the_catalogue_and_the_gateways_follow_it(

@@ -183,6 +183,20 @@ def test_a_report_keeps_the_name_clashes_of_the_gateways_two_sources(
     assert registry.view("box-8080")["conflicts"] == []
 
 
+def test_a_report_keeps_the_catalogue_models_its_host_does_not_serve_and_why(
+    registry: GatewayRegistry,
+) -> None:
+    left = {"model": "big", "why": 'vram = "auto" cannot be estimated on this host: ...'}
+    registry.report("box-8080", ALICE, report("chat", left_out=[left]))
+    assert registry.view("box-8080")["left_out"] == [left]
+    registry.report("box-8080", ALICE, report("chat"))
+    assert registry.view("box-8080")["left_out"] == []
+    assert GatewayReportIn.model_validate({"left_out": [left]}).left_out[0].model == "big"
+    for wrong in ([left] * 257, [{**left, "more": 1}], [{"model": "big"}]):
+        with pytest.raises(ValidationError):
+            GatewayReportIn.model_validate({"left_out": wrong})
+
+
 def test_the_report_takes_conflicts_of_three_short_fields_and_256_at_most() -> None:
     clash = {"model": "chat", "kept": "own file", "over": "catalogue revision 3"}
     assert GatewayReportIn.model_validate({"conflicts": [clash]}).conflicts[0].model == "chat"

@@ -13,7 +13,9 @@ gateway that has the model (``POST /v1/gateways/NAME/models/MODEL/VERB``).
 
 Below the table, one line per conflict a gateway reported (a name both its own file and
 the cluster's catalogue declare; the own file's is served there): ``conflict: gw-2
-(URL): chat: own file kept over catalogue revision 3``.
+(URL): chat: own file kept over catalogue revision 3``; and one per model of the
+catalogue a gateway's host may run but does not serve: ``left out: gw-2 (URL): big:
+WHY``.
 
 ``gateways forget NAME`` (an admin's): the controller forgets a gateway and frees its
 name (``DELETE /v1/gateways/NAME``), for a gateway given a new token: a name belongs to
@@ -167,8 +169,8 @@ def models_view(answers: Sequence[Answer]) -> Table:
 
 def conflict_lines(answers: Sequence[Answer]) -> list[str]:
     """One line per name that both a gateway's own file and the catalogue declare (as its
-    report to the controller names them): ``gw-2 (URL): chat: own file kept over
-    catalogue revision 3``."""
+    report to the controller names them): ``conflict: gw-2 (URL): chat: own file kept
+    over catalogue revision 3``; then one per catalogue model it leaves out, with why."""
     lines = []
     for answer in answers:
         found = answer.body.get("conflicts") if isinstance(answer.body, dict) else None
@@ -176,6 +178,10 @@ def conflict_lines(answers: Sequence[Answer]) -> list[str]:
             if isinstance(conflict, dict):
                 model, kept, over = (conflict.get(k) for k in ("model", "kept", "over"))
                 lines.append(f"conflict: {answer.gateway}: {model}: {kept} kept over {over}")
+        found = answer.body.get("left_out") if isinstance(answer.body, dict) else None
+        for left in found if isinstance(found, list) else ():
+            if isinstance(left, dict):
+                lines.append(f"left out: {answer.gateway}: {left.get('model')}: {left.get('why')}")
     return lines
 
 
@@ -292,8 +298,8 @@ def reported(controller: str | None, token: str | None) -> list[Answer]:
             answers.append(Answer(name, 409, why))
         else:
             models = [_queued(m, loads.get(str(m.get("id"))), workers) for m in entry["models"]]
-            conflicts = entry.get("conflicts") or []
-            answers.append(Answer(name, 200, {"data": models, "conflicts": conflicts}))
+            more = {key: entry.get(key) or [] for key in ("conflicts", "left_out")}
+            answers.append(Answer(name, 200, {"data": models, **more}))
     return answers
 
 
@@ -367,8 +373,9 @@ def models(
 def _as_json(answer: Answer) -> Json:
     if answer.status == 200 and answer.body is not None and "data" in answer.body:
         found = {"gateway": answer.gateway, "models": _models(answer.body)}
-        if "conflicts" in answer.body:
-            found["conflicts"] = answer.body["conflicts"]
+        for key in ("conflicts", "left_out"):
+            if key in answer.body:
+                found[key] = answer.body[key]
         return found
     return {"gateway": answer.gateway, "status": answer.status, "error": answer.refusal()}
 

@@ -140,6 +140,7 @@ class LiveModels:
         self.own: Mapping[str, ModelConfig] = {m.name: m.config for m in models.values()}
         self.catalogue: Mapping[str, ModelConfig] = {}
         self.catalogue_revision: int | None = None
+        self.left_out: dict[str, str] = {}  # the catalogue's models not served here: why
         self.conflicts: tuple[Conflict, ...] = ()
         self._lives: asyncio.TaskGroup | None = None
         self._unstarted: list[ModelServer] = []  # added before run: started by it
@@ -195,14 +196,22 @@ class LiveModels:
             self.own = dict(models)
             return outcome
 
-    async def set_catalogue(self, models: Mapping[str, ModelConfig], revision: int) -> Outcome:
+    async def set_catalogue(
+        self,
+        models: Mapping[str, ModelConfig],
+        revision: int,
+        left_out: Mapping[str, str] | None = None,
+    ) -> Outcome:
         """The cluster's catalogue at ``revision``: merged with the own file (which wins
-        a name or alias both declare), applied."""
+        a name or alias both declare), applied. ``left_out``: the models of this host's
+        share it cannot serve, and why (kept in :attr:`left_out`, which the gateway
+        reports; those the own file serves aside)."""
         source = catalogue_source(revision)
         async with self._applying:
             merged = merge(self.own, models, source)
             outcome = await self._apply(merged.models, f"by {source}", merged.conflicts)
             self.catalogue, self.catalogue_revision = dict(models), revision
+            self.left_out = {n: why for n, why in (left_out or {}).items() if n not in self.own}
             return outcome
 
     def _catalogue_source(self) -> str:

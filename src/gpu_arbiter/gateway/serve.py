@@ -322,6 +322,7 @@ async def _serve(
             worker=worker, models=models, administer=app.administer, adopt=app.adopt,
             routes=lambda: () if app.cluster is None else app.cluster.last_routed(ROUTES_REPORTED),
             conflicts=lambda: [c.as_json() for c in live.conflicts],
+            left_out=lambda: [{"model": m, "why": why} for m, why in live.left_out.items()],
             public_key=app.cluster.identity.public_key,
             files=lambda: [f.describe() for f in store.held()],
         )  # fmt: skip
@@ -365,8 +366,9 @@ async def _follow(
     """This worker's share of the cluster's catalogue, each revision's applied to the live
     set (``follower.py``), until cancelled; not without a worker (said once) or with
     ``catalogue = false``. A model whose program is not on this host is left out of its
-    share (logged, as one whose ``vram = "auto"`` cannot be estimated here); a revision
-    the live set refuses changes nothing here (said), and the next is applied all the same."""
+    share, as one whose ``vram = "auto"`` cannot be estimated here: logged, and reported
+    with why (``LiveModels.left_out``); a revision the live set refuses changes nothing
+    here (said), and the next is applied all the same."""
     if not config.catalogue:
         return
     if worker is None:
@@ -375,22 +377,24 @@ async def _follow(
         return
 
     async def apply(revision: int, models: Mapping[str, ModelConfig]) -> None:
-        here = {}
+        here, left_out = {}, dict(follower.left_out)
         for name, model in models.items():
             why = missing_program(model)
             if why is None:
                 here[name] = model
             else:
                 log.warning("catalogue revision %d: %s left out here: %s", revision, name, why)
+                left_out[name] = why
         try:
-            outcome = await live.set_catalogue(here, revision)
+            outcome = await live.set_catalogue(here, revision, left_out)
         except InvalidInput as error:
             say(f"gateway: catalogue revision {revision} not applied here: {error}")
             return
         except Exception:  # a bug: said, and the next revision is applied all the same
             log.exception("gateway: catalogue revision %d: its change failed", revision)
             return
-        say(f"gateway: catalogue revision {revision}: {outcome.describe()}")
+        left = "".join(f"; {name} left out here ({why})" for name, why in left_out.items())
+        say(f"gateway: catalogue revision {revision}: {outcome.describe()}{left}")
 
     follower = CatalogueFollower(client, worker, apply, clock=LoopClock(), estimate=estimate)
     await follower.run()

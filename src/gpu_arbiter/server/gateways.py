@@ -130,6 +130,7 @@ class Report:
     public_key: str | None = None  # its X25519 key, that its peers check its relays with
     conflicts: Sequence[Mapping[str, str]] = ()  # names both its models' sources declare
     files: Sequence[Mapping[str, Any]] = ()  # the model files it holds: name, size, sha256
+    left_out: Sequence[Mapping[str, str]] = ()  # the catalogue's models not served there
 
 
 @dataclass(slots=True)
@@ -372,6 +373,7 @@ class GatewayRegistry:
             "routes": [dict(route) for route in report.routes],
             "conflicts": [dict(conflict) for conflict in report.conflicts],
             "files": [dict(file) for file in report.files],
+            "left_out": [dict(model) for model in report.left_out],
         }
 
     def _owned(self, name: str, who: Principal, doing: str) -> _Gateway:

@@ -517,6 +517,7 @@ async def report_gateway(
         url=body.url, host=body.host, worker=worker, models=models, routes=routes,
         public_key=body.public_key, conflicts=[c.model_dump() for c in body.conflicts],
         files=[f.model_dump() for f in body.files],
+        left_out=[m.model_dump() for m in body.left_out],
     )  # fmt: skip
     commands = registry.report(name, who, report)
     answer = {"name": name, "ttl_s": registry.ttl_s, "report_s": REPORT_S}

@@ -429,6 +429,15 @@ class GatewayFileIn(_In):
     sha256: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
+class GatewayLeftOutIn(_In):
+    """A model of the cluster's catalogue that the gateway's host may run but does not
+    serve, and why (its ``vram = "auto"`` cannot be estimated there, its program is not
+    there)."""
+
+    model: Short
+    why: Text
+
+
 class GatewayReportIn(_In):
     """A gateway's report of itself: where it listens, its host, the worker it runs
     beside (when it knows one), every model it serves, and its public key (X25519, 32
@@ -446,6 +455,7 @@ class GatewayReportIn(_In):
         default_factory=list
     )
     files: Annotated[list[GatewayFileIn], Field(max_length=256)] = Field(default_factory=list)
+    left_out: Annotated[list[GatewayLeftOutIn], Field(max_length=256)] = Field(default_factory=list)
 
 
 CATALOGUE_TEXT_BYTES = 1 << 20
@@ -673,6 +683,11 @@ class GatewayOut(_Out):
         default_factory=list,
         description="The model files it holds, verified (name, size in bytes, sha256): "
         "its peers copy them from its GET /files/{name}",
+    )
+    left_out: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="The models of the catalogue its host may run that it does not serve: "
+        "model, why",
     )
 
 

@@ -153,6 +153,7 @@ class Reporter:
         adopt: Adopt | None = None,
         routes: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         conflicts: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
+        left_out: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         public_key: str | None = None,
         files: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (),
         report_s: float = REPORT_S,
@@ -169,6 +170,7 @@ class Reporter:
         self.adopt = adopt
         self.routes = routes  # the front door's last routing decisions
         self.conflicts = conflicts  # the model set's name clashes between its sources
+        self.left_out = left_out  # the catalogue's models this host does not serve, and why
         self.public_key = public_key  # this gateway's (``peer_identity.Identity``)
         self.files = files  # the model files it holds, verified (``files/store.py``)
         self.report_s = report_s
@@ -233,6 +235,9 @@ class Reporter:
         conflicts = [dict(c) for c in self.conflicts()][:MAX_CONFLICTS]
         if conflicts:  # a controller that does not know the field is sent none
             body["conflicts"] = conflicts
+        left_out = [dict(m) for m in self.left_out()][:MAX_CONFLICTS]
+        if left_out:  # likewise
+            body["left_out"] = left_out
         try:
             answer = await self.client.report_gateway(self.name, body)
         except ControllerUnreachable as error:
