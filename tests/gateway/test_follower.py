@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -15,7 +16,9 @@ import httpx
 import pytest
 
 from gpu_arbiter.client import ApiError, ArbiterClient, ControllerUnreachable
+from gpu_arbiter.gateway.config import parse_config
 from gpu_arbiter.gateway.follower import CatalogueFollower
+from gpu_arbiter.gateway.serve import _follow
 from gpu_arbiter.gateway.servers.config import ModelConfig
 
 from .fakes import FakeClock, settle
@@ -219,3 +222,26 @@ async def test_a_take_over_is_followed_through_the_clients_failover() -> None:
         await client.aclose()
     assert handed.calls == [(1, ["chat"])]
     assert seen[:3] == ["a /v1/catalogue", "b /v1/catalogue", "b /v1/workers/box-1"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "worker", "said"),
+    [
+        ({"catalogue": False}, "box-1", ""),
+        ({}, None, "the cluster's catalogue is not followed: no worker is known here"),
+    ],
+)
+async def test_a_gateway_follows_not_when_turned_off_or_without_a_worker(
+    settings: dict[str, Any],
+    worker: str | None,
+    said: str,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It returns at once, asking the controller nothing; without a worker it says so."""
+    config = parse_config({"gateway": settings})
+    client: Any = object()  # any call on it would raise
+    live: Any = object()
+    with caplog.at_level(logging.INFO):
+        await asyncio.wait_for(_follow(config, client, worker, live), 1.0)
+    assert said in capsys.readouterr().err + caplog.text
