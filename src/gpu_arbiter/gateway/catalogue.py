@@ -17,7 +17,8 @@ A catalogue has no ``[gateway]`` table: how a gateway listens, its keys and its 
 stay in each host's own ``models.toml``. By default a model may run on every worker
 that has enough GPUs (its ``gpus``) of at least its ``vram`` each; for ``vram =
 "auto"`` the estimate made on that host is used where it has one (the model file is
-readable there), else the model is assumed to fit.
+readable there), else the model is assumed to fit here (the follower leaves such a
+model out of its host's share, with why: ``follower.py``).
 
 :func:`parse_catalogue` refuses a catalogue whole at its first error, a
 :class:`CatalogueError` naming the file, the line and the field (``catalogue.toml:14:
