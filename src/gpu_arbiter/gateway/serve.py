@@ -25,13 +25,17 @@ Every task has an owner that ends it: one task group holds the models' lives
 replicas'; an Ollama entry's serve with its own tasks; a model added while the gateway
 runs too), which end once the models are shut down and their replicas have released;
 the cluster's life (:meth:`.cluster.cluster.Cluster.run`: the view, its loads and
-adoptions), the reporter's and the reloads' are cancelled at the stop.
+adoptions), the reporter's, the reloads' and the catalogue's follower's are cancelled at
+the stop.
 
 Its models change while it runs (``live.py``): given ``reread`` (the config file read
 again), each ``hangup`` (SIGHUP) and each ``POST /admin/reload`` reads the file and
 applies its models, and says in one log line what changed, or why nothing did; the
 gateway serves on either way. The ``[gateway]`` table's own settings apply at the next
-start: a reload that finds them changed names them (``not_applied``).
+start: a reload that finds them changed names them (``not_applied``). With a worker (and
+unless ``[gateway] catalogue = false``) it follows the cluster's catalogue too
+(``follower.py``): each revision's share for its worker is applied as it comes, merged
+with the file's models (:func:`_follow`).
 """
 
 from __future__ import annotations
