@@ -50,6 +50,10 @@ def test_a_gateway_table_alone_checks_as_a_gateway_of_no_model_yet(tmp_path: Pat
     done = _gateway(tmp_path, "--config", str(config), "--check")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("no model: no [models.NAME] table; the gateway serves")
+    config.write_text("[gateway]\nport = 9123\ncatalogue = false\n")
+    done = _gateway(tmp_path, "--config", str(config), "--check")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("no model: no [models.NAME] table, and catalogue = false")
 
 
 def test_check_exits_2_naming_each_command_whose_program_is_not_found(tmp_path: Path) -> None:

@@ -94,10 +94,15 @@ def sizes_of(config: GatewayConfig, found: dict[str, Estimate | None]) -> dict[s
 def _show(config: GatewayConfig, found: dict[str, Estimate | None]) -> None:
     """Each model's line (its size: given, or the estimate's parts and the flags read
     from its command), the estimate's notes under it."""
-    if not config.models:
+    if not config.models and config.catalogue:
         typer.echo(
             "no model: no [models.NAME] table; the gateway serves the models the cluster's "
             "catalogue gives it, or those of this file once it has some (SIGHUP reloads it)"
+        )
+    elif not config.models:
+        typer.echo(
+            "no model: no [models.NAME] table, and catalogue = false: the gateway serves "
+            "none until this file has some (SIGHUP reloads it)"
         )
     for name, model in config.models.items():
         estimate = found[name]
