@@ -28,17 +28,21 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 
+from ..controller import Controller
 from ..core import NotFound
 from ..store import CatalogueRevision
 from . import routes
 from . import schemas as s
 from .auth import refuse
+from .events import EventFeed
 from .limits import Slots
 from .responses import FiniteJSONResponse
 
 __all__ = ["BODY_BYTES", "CatalogueReader", "router"]
 
 MAX_WAIT_S = 60.0
+RECHECK_S = 1.0
+"""How often a long-poll looks whether the server is stopping."""
 BODY_BYTES = 4 * s.CATALOGUE_TEXT_BYTES
 """The body of ``PUT /v1/catalogue``, at most: a text of the largest size, escaped in
 JSON (a quote or a newline takes two bytes there)."""
@@ -100,12 +104,27 @@ async def get_catalogue(
     if wait > 0 and (current is None or current.revision <= after):
         long_polls: Slots = request.app.state.long_polls
         with long_polls.hold(who.id):
-            current = await ctl.catalogue.wait_after(after, wait)
+            current = await _wait_after(ctl, request.app.state.event_feed, after, wait)
     if current is None:
         raise NotFound("no catalogue was ever applied: gpu-arbiter catalogue apply FILE")
     reader: CatalogueReader = request.app.state.catalogue_reader
     answer = s.catalogue_revision_out(current, text=True)
     return FiniteJSONResponse({**answer, **reader.models(current)})
+
+
+async def _wait_after(
+    ctl: Controller, feed: EventFeed, after: int, wait_s: float
+) -> CatalogueRevision | None:
+    """The long-poll, ended too (with the current revision) once the server begins to
+    stop: its event streams' end (``EventFeed.close``) comes before uvicorn waits for the
+    requests in flight, which a long-poll of a gateway that went away would outlast."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        left = deadline - loop.time()
+        current = await ctl.catalogue.wait_after(after, min(left, RECHECK_S))
+        if left <= RECHECK_S or feed.closed or (current and current.revision > after):
+            return current
 
 
 @router.get(
