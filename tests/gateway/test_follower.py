@@ -241,7 +241,7 @@ async def test_a_gateway_follows_not_when_turned_off_or_without_a_worker(
     """It returns at once, asking the controller nothing; without a worker it says so."""
     config = parse_config({"gateway": settings})
     client: Any = object()  # any call on it would raise
-    live: Any = object()
+    live: Any = object()  # nor on this (the live set, the store, the estimate)
     with caplog.at_level(logging.INFO):
-        await asyncio.wait_for(_follow(config, client, worker, live), 1.0)
+        await asyncio.wait_for(_follow(config, client, worker, live, live, live), 1.0)
     assert said in capsys.readouterr().err + caplog.text

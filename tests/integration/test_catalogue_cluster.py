@@ -8,6 +8,7 @@ controller that takes over keeps the catalogue, and the gateways follow it."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -261,3 +262,42 @@ def test_a_standby_that_takes_over_keeps_the_catalogue_and_the_gateways_follow_i
         for host in cluster.hosts:
             host.stop()
         cluster.admin.close()
+
+
+def test_a_catalogue_models_file_is_copied_to_the_host_that_may_run_it(cluster: Cluster) -> None:
+    """A catalogue model naming its file (size, sha256) that only box-3 may run: gw-2
+    holds the file (put there by hand) and, though it does not run the model, serves it
+    to its peers; gw-3 copies it before it asks for its lease, and serves the model to a
+    caller at gw-2's door."""
+    data = cluster.gguf.read_bytes()
+    held = cluster.root / "host-2" / "state" / "models"
+    held.mkdir(parents=True)
+    (held / "chat.gguf").write_bytes(data)
+    cluster.start(2, 3)
+    sha256 = hashlib.sha256(data).hexdigest()
+    file = f'{{ name = "chat.gguf", size = {len(data)}, sha256 = "{sha256}" }}'
+    entry = cluster.entry("chat").replace(str(cluster.gguf), "{file}")
+    cluster.apply(entry + f'file = {file}\nhosts = ["box-3"]\n')
+    expected = [
+        {"name": "chat.gguf", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    ]
+    wait_for(lambda: _files(cluster.admin, "gw-2") == expected, 30, "gw-2 to report the file")
+    wait_for(lambda: cluster.listed("chat"), 30, "both doors to list chat")
+    assert "chat" in _reported(cluster.admin, "gw-3")
+    assert "chat" not in _reported(cluster.admin, "gw-2")  # its host may not run it
+    answer = ask(cluster.hosts[0], "chat")
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-served-by"] == "gw-3/chat"
+    copied = cluster.root / "host-3" / "state" / "models" / "chat.gguf"
+    assert copied.read_bytes() == data
+
+
+def _files(admin: httpx.Client, gateway: str) -> list[dict[str, Any]]:
+    found = next((g for g in admin.get("/v1/gateways").json() if g["name"] == gateway), {})
+    return list(found.get("files") or [])
+
+
+def _reported(admin: httpx.Client, gateway: str) -> set[str]:
+    """The models ``gateway`` serves itself, as it reports them to the controller."""
+    found = next((g for g in admin.get("/v1/gateways").json() if g["name"] == gateway), {})
+    return {str(m["id"]) for m in found.get("models") or ()}

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from ..core import ArbiterError, Gpu, InvalidInput
 from .base.clock import Clock
 from .catalogue import CatalogueError, parse_catalogue, share
-from .servers.config import ModelConfig
+from .servers.config import ModelConfig, ModelFile
 from .servers.estimate import estimate_vram
 
 __all__ = [
@@ -115,6 +115,9 @@ class CatalogueFollower:
         """Calls that failed in a row (0 once one succeeds)."""
         self.left_out: dict[str, str] = {}
         """The last revision's models left out of this host's share, and why."""
+        self.files: tuple[ModelFile, ...] = ()
+        """The model files the last revision's models name, whichever hosts may run them:
+        a host that holds one serves it to its peers (set before ``on_revision``)."""
 
     async def run(self) -> None:
         """Follows until cancelled. An exception of ``on_revision`` ends it (its owner's
@@ -149,6 +152,8 @@ class CatalogueFollower:
                       revision, error)  # fmt: skip
             self.revision = revision
             return
+        named = {m.file.name: m.file for m in catalogue.models.values() if m.file is not None}
+        self.files = tuple(named.values())
         worker = await self._client.worker(self.worker)
         estimates, left_out = await self._estimates(catalogue.models)
         models = share(catalogue, self.worker, _labels(worker), _gpus(worker), estimates)

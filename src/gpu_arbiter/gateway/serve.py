@@ -334,7 +334,7 @@ async def _serve(
         live.changed = reporter.models_changed
         living = asyncio.ensure_future(live.run())
         following = _follow(
-            config, client, worker, live, lambda m: _share_size(m, store, models_dir)
+            config, client, worker, live, store, lambda m: _share_size(m, store, models_dir)
         )
         reporting = asyncio.gather(reporter.run(), app.cluster.run(), reloads.run(), following)
         try:
@@ -365,6 +365,7 @@ async def _follow(
     client: ArbiterClient,
     worker: str | None,
     live: LiveModels,
+    store: FileStore,
     estimate: Callable[[ModelConfig], int | str],
 ) -> None:
     """This worker's share of the cluster's catalogue, each revision's applied to the live
@@ -372,7 +373,9 @@ async def _follow(
     ``catalogue = false``. A model whose program is not on this host is left out of its
     share, as one whose ``vram = "auto"`` cannot be estimated here: logged, and reported
     with why (``LiveModels.left_out``); a revision the live set refuses changes nothing
-    here (said), and the next is applied all the same."""
+    here (said), and the next is applied all the same. The model files any of the
+    revision's models names that are here are verified first (held: served to peers),
+    whichever hosts may run those models."""
     if not config.catalogue:
         return
     if worker is None:
@@ -381,6 +384,8 @@ async def _follow(
         return
 
     async def apply(revision: int, models: Mapping[str, ModelConfig]) -> None:
+        for file in follower.files:  # held here: served to the peers that lack it
+            await store.verified(file)
         here, left_out = {}, dict(follower.left_out)
         for name, model in models.items():
             why = missing_program(model)
