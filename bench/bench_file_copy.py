@@ -124,6 +124,12 @@ def on_loop(work: Coroutine[Any, Any, T]) -> T:
         return runner.run(work)
 
 
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user and system, all threads) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def curl_once(url: str, to: Path, durable: bool = False) -> float:
     """``curl -o``; ``durable``: then ``sync FILE`` (its fsync), as the copy's rename waits
     for its own."""
@@ -163,7 +169,7 @@ def main() -> None:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            run(root, file, (port, http_port), copier, key, args.runs)
+            run(root, file, (port, http_port), copier, key, args.runs, gateway.pid or 0)
         finally:
             plain.terminate()
             gateway.terminate()
@@ -182,7 +188,13 @@ def _wait_up(url: str) -> None:
 
 
 def run(
-    root: Path, file: ModelFile, ports: tuple[int, int], copier: Identity, key: str, runs: int
+    root: Path,
+    file: ModelFile,
+    ports: tuple[int, int],
+    copier: Identity,
+    key: str,
+    runs: int,
+    server_pid: int,
 ) -> None:
     """The copies in turns, then the resumes, each figure printed."""
     port, http_port = ports
@@ -190,11 +202,14 @@ def run(
     plain = f"http://127.0.0.3:{http_port}/{NAME}"
     _wait_up(f"http://127.0.0.2:{port}/healthz")
     _wait_up(f"http://127.0.0.3:{http_port}/")
-    ours, curls, synced = [], [], []
+    ours, curls, synced, served_cpu, copied_cpu = [], [], [], [], []
     for number in range(runs):
         into = root / f"b{number}"
         into.mkdir()
+        served, copied = cpu_of(server_pid), cpu_of(os.getpid())
         took, _ = on_loop(copy_once(into, file, url, copier, key))
+        served_cpu.append(cpu_of(server_pid) - served)
+        copied_cpu.append(cpu_of(os.getpid()) - copied)
         assert (into / NAME).stat().st_size == file.size
         ours.append(took)
         curls.append(curl_once(plain, root / f"c{number}"))
@@ -214,6 +229,10 @@ def run(
           f"  (its file's fsync too, as ours waits for its own before the rename)")  # fmt: skip
     print(f"  ratio (ours / curl's rate): {rate / curl_rate:.2f}x (goal: at least 0.80x); "
           f"against curl then sync: {rate / synced_rate:.2f}x")  # fmt: skip
+    per_mib = [1e3 * statistics.median(cpu) / mib for cpu in (served_cpu, copied_cpu)]
+    print(f"  CPU per copy (medians): serving gateway {statistics.median(served_cpu):.2f} s"
+          f" ({per_mib[0]:.2f} ms/MiB), copying gateway {statistics.median(copied_cpu):.2f} s"
+          f" ({per_mib[1]:.2f} ms/MiB), on {os.cpu_count()} cores")  # fmt: skip
     firsts, ends = [], []
     for number in range(runs):
         into = root / f"r{number}"

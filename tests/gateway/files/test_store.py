@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu_arbiter.gateway.files import store as store_module
 from gpu_arbiter.gateway.files.fetch import Download, FetchError, Source
 from gpu_arbiter.gateway.files.spec import ModelFile
 from gpu_arbiter.gateway.files.store import (
@@ -114,6 +115,24 @@ async def test_a_cut_copy_is_resumed_from_its_part(tmp_path: Path) -> None:
     await store_of(tmp_path, fetcher).ensure(file_of(DATA), [PEER], lambda p: None)
     assert fetcher.opened == [("gw-a", 0), ("gw-a", 4000)]
     assert (tmp_path / "m.gguf").read_bytes() == DATA
+
+
+async def test_flushed_to_disk_as_it_comes_then_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "SYNC_BYTES", 2500)
+    flushed: list[int] = []
+    real = store_module._datasync
+    monkeypatch.setattr(store_module, "_datasync", lambda out: (flushed.append(out.tell()),
+                                                                real(out)))  # fmt: skip
+    fetcher = fetcher_of(tmp_path, cut_after=6000)
+    with pytest.raises(NoSource):
+        await store_of(tmp_path, fetcher).ensure(file_of(DATA), [PEER], lambda p: None)
+    assert flushed and (tmp_path / "m.gguf.part").stat().st_size == 6000
+    flushed.clear()
+    path = await store_of(tmp_path, fetcher).ensure(file_of(DATA), [PEER], lambda p: None)
+    assert path.read_bytes() == DATA and flushed  # resumed, flushed on the way again
+    assert not (tmp_path / "m.gguf.part").exists()
 
 
 async def test_a_cut_copy_goes_on_from_the_next_source(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ gateway's own models that its store holds verified are served (404 otherwise: a
 ``Range: bytes=START-END`` (one range; ``START-`` and ``-SUFFIX`` too) is answered 206
 with ``Content-Range``; a range that is not one or lies beyond the file, 416 with
 ``Content-Range: bytes */SIZE``. The body streams in :data:`CHUNK_BYTES` reads, each
-sent before the next is read (the server's flow control holds a slow reader back): a
-file is never held in memory.
+read while the one before it is sent (the server's flow control holds a slow reader
+back): a file is never held in memory.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .answers import Send, send_error
 __all__ = ["CHUNK_BYTES", "FILES_FOR_PEERS", "PREFIX", "byte_range", "serve_file"]
 
 PREFIX = "/files/"
-CHUNK_BYTES = 256 << 10
+CHUNK_BYTES = 1 << 20
 FILES_FOR_PEERS = Denial(
     403,
     "permission_denied",
@@ -97,14 +97,24 @@ async def serve_file(
 
 
 async def _stream(send: Send, source: BinaryIO, start: int, length: int) -> None:
-    """``length`` bytes of ``source`` from ``start``, one chunk in memory at a time."""
+    """``length`` bytes of ``source`` from ``start``, two chunks in memory at most: the
+    next one is read (in a thread) while the one in hand is sent."""
     source.seek(start)
     left = length
-    while left > 0:
-        chunk = await asyncio.to_thread(source.read, min(CHUNK_BYTES, left))
-        if not chunk:  # the file shrank meanwhile: the answer ends short
-            break
-        left -= len(chunk)
-        await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+    reading = asyncio.ensure_future(asyncio.to_thread(source.read, min(CHUNK_BYTES, left)))
+    try:
+        while left > 0:
+            chunk = await reading
+            if not chunk:  # the file shrank meanwhile: the answer ends short
+                break
+            left -= len(chunk)
+            if left > 0:
+                reading = asyncio.ensure_future(
+                    asyncio.to_thread(source.read, min(CHUNK_BYTES, left))
+                )
+            await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+    finally:
+        if not reading.done():  # cut: the read in hand ends before the file is closed
+            await asyncio.wait([reading])
     if left > 0:
         raise OSError(f"the model file ended {left} bytes short")
