@@ -12,7 +12,8 @@ fsync), and again followed by ``sync FILE`` (its fsync: the durability the copy 
 for before its rename). They are timed in turns, ``--runs`` each; medians, the ratios
 of rates (goal: at least 0.8x curl's), and the resume after a cut: a copy stopped half-way (its task
 cancelled), then started again: the time to its first new byte (the ``.part`` hashed
-again first) and to the end.
+again first) and to the end. Each copy's CPU time (user and system, all threads, from
+``/proc``) is read for both gateways' processes and printed per MiB.
 
 Both sides run on the gateway's event loop (uvloop's where installed). Run:
 ``python bench/bench_file_copy.py [--mib 256] [--runs 3]``.
