@@ -86,13 +86,21 @@ def test_a_bad_catalogue_is_refused_naming_line_and_field_and_nothing_is_stored(
     assert events(admin, "catalogue.applied") == []
 
 
-def test_only_an_admin_applies_and_every_role_reads(server: Server, admin: httpx.Client) -> None:
+def test_only_an_admin_applies_and_only_admins_and_gateways_read_its_text(
+    server: Server, admin: httpx.Client
+) -> None:
     with server.client(server.token("client")) as client:
         refused = apply(client, CATALOGUE)
         assert refused.status_code == 403
         assert "may not apply the cluster's catalogue" in refused.json()["error"]["message"]
-        assert client.get("/v1/catalogue").status_code == 404  # none yet, but may read
     assert apply(admin, CATALOGUE).status_code == 201
+    for role, worker in (("client", None), ("worker", "local")):
+        with server.client(server.token(role, worker=worker)) as other:
+            for path in ("/v1/catalogue", "/v1/catalogue/revisions/1"):
+                read = other.get(path)
+                assert read.status_code == 403, (role, path, read.text)
+                assert "may not read the cluster's catalogue" in read.json()["error"]["message"]
+            assert other.get("/v1/catalogue/history").status_code == 200  # no text there
     with server.client(server.token("gateway", worker="local")) as gateway:
         assert apply(gateway, CATALOGUE + "# x\n").status_code == 403
         read = gateway.get("/v1/catalogue")

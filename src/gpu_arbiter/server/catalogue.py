@@ -9,9 +9,10 @@
     GET /v1/catalogue/history          every revision, newest first, without its text
     GET /v1/catalogue/revisions/{n}    one revision, with its text
 
-Reads are open to every role, as every read of the API is: a gateway reads it with its
-gateway token (and follows it with the long-poll), an operator or a client to see what
-may run where. A standby answers reads from its copy (it has every revision the leader
+Its text (each model's command, environment and file URL) is read by an admin and by
+gateways only (a gateway follows it with its gateway token and the long-poll): a client
+or a worker token gets 403, as for the cluster's view; the history, without the texts,
+is open to every role. A standby answers reads from its copy (it has every revision the leader
 stored) and sends an apply to the leader (307).
 
 The controller keeps a catalogue's text opaque (``controller/catalogue.py``); what it
@@ -33,7 +34,7 @@ from ..core import NotFound
 from ..store import CatalogueRevision
 from . import routes
 from . import schemas as s
-from .auth import refuse
+from .auth import Principal, refuse
 from .events import EventFeed
 from .limits import Slots
 from .responses import FiniteJSONResponse
@@ -100,6 +101,7 @@ async def get_catalogue(
     above ``after``, or when the wait ends with the current one (404 while none was
     ever applied)."""
     ctl, who = routes.context(request)
+    _may_read(who)
     current = ctl.catalogue.current
     if wait > 0 and (current is None or current.revision <= after):
         long_polls: Slots = request.app.state.long_polls
@@ -110,6 +112,13 @@ async def get_catalogue(
     reader: CatalogueReader = request.app.state.catalogue_reader
     answer = s.catalogue_revision_out(current, text=True)
     return FiniteJSONResponse({**answer, **reader.models(current)})
+
+
+def _may_read(who: Principal) -> None:
+    """An admin or a gateway reads a catalogue's text: its commands, environments and
+    file URLs are the cluster's, not a client's (403 naming the role)."""
+    if who.role not in ("admin", "gateway"):
+        raise refuse(who, "read the cluster's catalogue", needs="an admin or a gateway token")
 
 
 async def _wait_after(
@@ -146,7 +155,8 @@ async def catalogue_history(request: Request) -> FiniteJSONResponse:
 async def catalogue_revision(
     number: Annotated[int, Path(ge=1, le=1 << 62)], request: Request
 ) -> FiniteJSONResponse:
-    ctl, _who = routes.context(request)
+    ctl, who = routes.context(request)
+    _may_read(who)
     found = ctl.catalogue.revision(number)
     if found is None:
         raise NotFound(f"the catalogue has no revision {number}", revision=number)
