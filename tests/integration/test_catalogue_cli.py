@@ -8,19 +8,8 @@ from pathlib import Path
 import httpx
 
 from .conftest import Server
+from .test_catalogue import CATALOGUE
 from .test_cli import cli, ok
-
-CATALOGUE = """\
-[models.chat]
-command = "llama-server -m /models/qwen.gguf -c 8192 --port {port}"
-vram = "6G"
-hosts = ["local"]
-labels = { zone = "a" }
-
-[models.embed]
-command = ["python", "-m", "embedder", "--port", "{port}"]
-vram = "2G"
-"""
 
 
 def test_apply_show_history_and_diff(server: Server, admin: httpx.Client, tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +24,15 @@ import pytest
 
 from gpu_arbiter.peer_identity import Identity, Relayed, decode_key
 
-from .agents import free_port
 from .cluster import served_by
-from .conftest import Server, wait_for
+from .conftest import wait_for
 from .gateways import chat
 from .test_cluster import Cluster
+from .test_cluster_trust import cluster
 
+__all__ = ["cluster"]
 pytestmark = pytest.mark.timeout(300)
 NAME = "tiny.gguf"
-
-
-@pytest.fixture
-def cluster(start_server: Callable[..., Server], tmp_path: Path) -> Iterator[Cluster]:
-    found = Cluster(start_server("--port", str(free_port())), tmp_path)
-    yield found
-    for host in reversed(found.hosts):
-        host.stop()
-    found.admin.close()
 
 
 def _entry(llama: Path, data: bytes, **file: Any) -> str:
