@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,7 @@ from gpu_arbiter.gateway.requests.access import Access, ApiKey
 from gpu_arbiter.gateway.requests.app import GatewayApp
 from gpu_arbiter.gateway.requests.files import byte_range
 from gpu_arbiter.peer_identity import Identity, Relayed, decode_key
+from gpu_arbiter.web.zerocopy import ZEROCOPY
 
 from .fakes import FakeClock
 from .files.test_store import FakeFetcher
@@ -101,3 +104,31 @@ async def test_only_held_files(tmp_path: Path) -> None:
     for path in ("/files/x.part", "/files/../m.gguf", "/files/nothing"):
         status, _ = await _call(app, "GET", path, b"", _signed(cluster, path))
         assert status == 404, path
+
+
+async def test_where_the_server_offers_zero_copy_the_range_is_handed_to_it(tmp_path: Path) -> None:
+    """The answer's bytes as the server would send them: the file the message names,
+    read from its offset for its count (``web/zerocopy.py`` sends them with sendfile)."""
+    app, cluster = await _app(tmp_path)
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == ZEROCOPY:
+            assert message["more_body"] is False
+            sent.append(os.pread(message["file"].fileno(), message["count"], message["offset"]))
+        elif message["type"] == "http.response.start":
+            sent.append(b"%d" % message["status"])
+
+    for ranged, status, body in (
+        (None, b"200", DATA),
+        (b"bytes=5-1048580", b"206", DATA[5:1048581]),
+    ):
+        headers = [*_signed(cluster, "/files/m.gguf"), *([(b"range", ranged)] if ranged else [])]
+        scope = {"type": "http", "method": "GET", "path": "/files/m.gguf", "headers": headers,
+                 "extensions": {ZEROCOPY: {}}}  # fmt: skip
+        sent.clear()
+        await app(scope, receive, send)
+        assert sent == [status, body]

@@ -15,6 +15,8 @@ as it comes. :func:`bounded_http` subclasses it minimally:
   further request, to complete the head; a client that sends nothing or sends it slowly
   (slowloris) gets 408 and is closed then. Idle keep-alive between requests is uvicorn's
   ``timeout_keep_alive``.
+- on a plain TCP connection a request's app may send a file with ASGI's zero-copy send
+  (``sendfile``: ``zerocopy.py``).
 
 Beyond the cap on connections (uvicorn's ``limit_concurrency``), a request is answered
 503 (uvicorn) and a new connection is answered 503 and closed at once, by the listening
@@ -49,6 +51,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from . import zerocopy
 
 __all__ = [
     "HeadLimits",
@@ -159,7 +163,10 @@ class _BoundedHttp(HttpToolsProtocol):
         self._reading_head = False
         self._head_bytes = 0
         self._cancel_head_timer()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before and self.cycle is not None and self.transport is not None:
+            zerocopy.offer(self.cycle, self.transport)  # before its app runs (a task)
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(*(self._refusal or (400, msg)))  # a parser error, or a limit's refusal

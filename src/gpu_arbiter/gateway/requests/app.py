@@ -114,6 +114,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...core import InvalidInput
 from ...peer_identity import Refusal, Relayed
+from ...web.zerocopy import ZEROCOPY
 from ..base.metrics import GatewayMetrics
 from ..base.race import within
 from ..base.scopes import CancelScope
@@ -358,8 +359,9 @@ class GatewayApp:
         name = request.path[len(files_route.PREFIX) :]
         held = [] if self.files is None else self.files.held()
         root = None if self.files is None else self.files.root
+        zero_copy = ZEROCOPY in request.scope.get("extensions", {})
         await files_route.serve_file(
-            request.send, name, held, root or Path(), request.headers.get(b"range")
+            request.send, name, held, root or Path(), request.headers.get(b"range"), zero_copy
         )
 
     async def _routed(self, request: Request) -> None:

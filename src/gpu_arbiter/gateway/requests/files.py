@@ -9,9 +9,10 @@ gateway's own models that its store holds verified are served (404 otherwise: a
 
 ``Range: bytes=START-END`` (one range; ``START-`` and ``-SUFFIX`` too) is answered 206
 with ``Content-Range``; a range that is not one or lies beyond the file, 416 with
-``Content-Range: bytes */SIZE``. The body streams in :data:`CHUNK_BYTES` reads, each
-read while the one before it is sent (the server's flow control holds a slow reader
-back): a file is never held in memory.
+``Content-Range: bytes */SIZE``. On a plain connection the body goes from the page cache
+to the socket (ASGI's zero-copy send, ``web/zerocopy.py``: ``sendfile``); over TLS it
+streams in :data:`CHUNK_BYTES` reads, each read while the one before it is sent (the
+server's flow control holds a slow reader back): a file is never held in memory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
+from ...web.zerocopy import ZEROCOPY
 from ..servers.config import ModelFile
 from .access import Denial
 from .answers import Send, send_error
@@ -63,9 +65,15 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | str | None:
 
 
 async def serve_file(
-    send: Send, name: str, held: Iterable[ModelFile], root: Path, range_header: str | None
+    send: Send,
+    name: str,
+    held: Iterable[ModelFile],
+    root: Path,
+    range_header: str | None,
+    zero_copy: bool = False,
 ) -> None:
-    """Answers ``GET /files/{name}`` from ``root`` (the request's peer proof checked)."""
+    """Answers ``GET /files/{name}`` from ``root`` (the request's peer proof checked);
+    ``zero_copy``: the server offers ASGI's zero-copy send."""
     file = next((f for f in held if f.name == name), None)
     if file is None:
         await send_error(send, 404, f"no model file {name[:200]!r} here", "not_found")
@@ -93,7 +101,11 @@ async def serve_file(
     with source:
         status = 200 if wanted is None else 206
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        await _stream(send, source, start, end + 1 - start)
+        if zero_copy:
+            await send({"type": ZEROCOPY, "file": source, "offset": start,
+                        "count": end + 1 - start, "more_body": False})  # fmt: skip
+        else:
+            await _stream(send, source, start, end + 1 - start)
 
 
 async def _stream(send: Send, source: BinaryIO, start: int, length: int) -> None:
