@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from gpu_arbiter.gateway.files.fetch import FetchError, HttpFetcher, Source
+from gpu_arbiter.gateway.files.fetch import CHUNK_BYTES, FetchError, HttpFetcher, Source
 
-DATA = bytes(range(256)) * 12000  # about 3 MiB: several chunks
+DATA = bytes(range(256)) * 24000  # about 6 MiB: several chunks
 Loop = Callable[[], asyncio.AbstractEventLoop] | None
 LOOPS: list[Loop] = [None]
 with contextlib.suppress(ImportError):
@@ -56,12 +56,19 @@ async def peer(mode: str) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}/files/m.gguf"
 
 
-async def fetch(mode: str, start: int = 0, via: str | None = "gw-a") -> tuple[int, bytes]:
+async def fetch(
+    mode: str, start: int = 0, via: str | None = "gw-a", buffers: list[bytearray] | None = None
+) -> tuple[int, bytes]:
+    """What a fetch gives; ``buffers``: each chunk, once read, is given back to be filled
+    again, and kept there."""
     fetcher = HttpFetcher(lambda peer, method, target: f"signed {method} {target}", timeout_s=5)
     got = bytearray()
     async with peer(mode) as url, fetcher.open(Source(url, peer=via), start) as download:
         async for chunk in download.chunks:
             got += chunk
+            if buffers is not None and isinstance(chunk, bytearray):
+                buffers.append(chunk)
+                download.give_back(chunk)
     await fetcher.aclose()
     return download.start, bytes(got)
 
@@ -75,6 +82,14 @@ VIA = [("gw-a", r"cut: the peer closed after \d+ of", "answered 404: no model fi
 def test_whole_and_ranged(loop: Loop, via: str | None, cut: str, refused: str) -> None:
     assert run(loop, fetch("whole", via=via)) == (0, DATA)
     assert run(loop, fetch("whole", 1000, via)) == (1000, DATA[1000:])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_chunks_given_back_are_filled_again_and_the_bytes_stay_right(loop: Loop) -> None:
+    buffers: list[bytearray] = []
+    assert run(loop, fetch("whole", 1000, buffers=buffers)) == (1000, DATA[1000:])
+    full = [buffer for buffer in buffers if len(buffer) == CHUNK_BYTES]
+    assert len(full) == 5 and len({id(buffer) for buffer in full}) <= 3  # filled again
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -57,13 +57,20 @@ class Source:
         return self.peer if self.peer is not None else (urlsplit(self.url).hostname or self.url)
 
 
+def _keep(chunk: bytearray) -> None:
+    """A chunk handed back to a source that does not use its chunks again."""
+
+
 @dataclass(slots=True)
 class Download:
     """An opened source: ``start``, the offset its first byte is at (0 when it ignored
-    the range asked for), and its bytes as they come."""
+    the range asked for), and its bytes as they come. ``give_back``: a chunk its reader
+    is done with, which the source may fill again (no fresh buffer, zeroed and faulted
+    in, for every MiB that comes)."""
 
     start: int
     chunks: AsyncIterator[bytes | bytearray]
+    give_back: Callable[[bytearray], None] = _keep
 
 
 class Fetcher(Protocol):
@@ -142,7 +149,7 @@ class HttpFetcher:
                 body = await self._within(receiver.chunk(min(length, ERROR_BYTES)))
                 raise FetchError(f"answered {status}: {_reason(bytes(body[:ERROR_BYTES]))}")
             begin = _start_of_answer(status, headers.get("content-range", ""), start)
-            yield Download(begin, self._body(receiver, length))
+            yield Download(begin, self._body(receiver, length), receiver.give_back)
         finally:
             transport.close()
 

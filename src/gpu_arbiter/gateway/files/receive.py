@@ -1,7 +1,8 @@
 """A peer's answer read straight into the chunks the store writes: an asyncio
 ``BufferedProtocol`` whose socket reads land in a chunk's own buffer (no copy between
 the socket and the file but the kernel's), at most :data:`AHEAD` chunks ahead of the
-store (reading pauses beyond: the memory a copy holds is bounded)."""
+store (reading pauses beyond: the memory a copy holds is bounded). A chunk the store is
+done with comes back (:meth:`Receiver.give_back`) and is filled again."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Receiver(asyncio.BufferedProtocol):
         self._buffer = bytearray(chunk_bytes)
         self._filled = 0
         self._ready: deque[bytearray] = deque()
+        self._spare: list[bytearray] = []
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self.done = False
@@ -42,7 +44,7 @@ class Receiver(asyncio.BufferedProtocol):
         self._filled += nbytes
         if self._filled == self._size:
             self._ready.append(self._buffer)
-            self._buffer, self._filled = bytearray(self._size), 0
+            self._buffer, self._filled = self._fresh(), 0
             if len(self._ready) >= AHEAD and self.transport is not None:
                 self.transport.pause_reading()
                 self._paused = True
@@ -97,9 +99,18 @@ class Receiver(asyncio.BufferedProtocol):
                     self.transport.resume_reading()
                 return found
             if self._filled and (self._filled >= left or self.done):
-                found, self._buffer = self._buffer[: self._filled], bytearray(self._size)
+                found = self._buffer[: self._filled]  # a copy: the buffer is filled again
                 self._filled = 0
                 return found
             if self.done:
                 return bytearray()
             await self._more()
+
+    def give_back(self, chunk: bytearray) -> None:
+        """``chunk``, read and no longer used, to be filled again (one of this receiver's
+        full chunks; anything else is left alone)."""
+        if len(chunk) == self._size and len(self._spare) < AHEAD:
+            self._spare.append(chunk)
+
+    def _fresh(self) -> bytearray:
+        return self._spare.pop() if self._spare else bytearray(self._size)

@@ -239,7 +239,7 @@ class FileStore:
             with part.open("r+b" if have else "wb") as out:
                 out.seek(have)
                 out.truncate()
-                writer = _Writer(out, digest)
+                writer = _Writer(out, digest, download.give_back)
                 cut = ""
                 try:
                     async for chunk in download.chunks:
@@ -392,10 +392,12 @@ class _Writer:
     (a VM) a disk flush costs about as much whenever its data was written out: 256 MiB
     written out early still took 0.4 s to fsync, 0.2 s once flushed in 32 MiB steps."""
 
-    def __init__(self, out: BinaryIO, digest: Any) -> None:
+    def __init__(self, out: BinaryIO, digest: Any, give_back: Callable[[bytearray], None]) -> None:
         self.out = out
         self.digest = digest
+        self.give_back = give_back
         self._pending: asyncio.Future[Any] | None = None
+        self._in_hand: bytes | bytearray = b""
         self._written = out.tell()
         self._flushed = self._written
         self._synced = self._written
@@ -412,6 +414,7 @@ class _Writer:
         self._pending = asyncio.gather(  # two threads: both let go of the GIL
             asyncio.to_thread(self._write, chunk), asyncio.to_thread(self.digest.update, chunk)
         )
+        self._in_hand = chunk
 
     def _write(self, chunk: bytes | bytearray) -> None:
         self.out.write(chunk)
@@ -425,6 +428,9 @@ class _Writer:
         pending, self._pending = self._pending, None
         if pending is not None:
             await pending
+            done, self._in_hand = self._in_hand, b""
+            if isinstance(done, bytearray):
+                self.give_back(done)  # written and hashed: the source may fill it again
 
     async def settle(self) -> None:
         """The chunk in hand written and any flush ended (an error, if any, raised)."""
