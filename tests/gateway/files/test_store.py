@@ -4,11 +4,13 @@ removing the least recently used files nobody uses."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,6 +135,58 @@ async def test_flushed_to_disk_as_it_comes_then_fsynced(
     path = await store_of(tmp_path, fetcher).ensure(file_of(DATA), [PEER], lambda p: None)
     assert path.read_bytes() == DATA and flushed  # resumed, flushed on the way again
     assert not (tmp_path / "m.gguf.part").exists()
+
+
+async def test_a_failed_write_stops_the_copy_with_its_part_a_prefix_of_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk full at the third chunk, while the next ones are already handed to the
+    writing thread: the error comes out, and the ``.part`` holds the first two chunks
+    only (a later copy resumes from them), not the ones after the gap."""
+    writes = 0
+    real = store_module._Writer._write
+
+    class Full:
+        def write(self, data: bytes) -> int:
+            raise OSError(28, "No space left on device")
+
+    def failing(writer: Any, chunk: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        out = writer.out
+        if writes == 3:
+            writer.out = Full()
+        try:
+            real(writer, chunk)
+        finally:
+            writer.out = out
+
+    monkeypatch.setattr(store_module._Writer, "_write", failing)
+    store = store_of(tmp_path, fetcher_of(tmp_path))
+    with pytest.raises(OSError, match="No space left"):
+        await store.ensure(file_of(DATA), [PEER], lambda progress: None)
+    assert (tmp_path / "m.gguf.part").read_bytes() == DATA[:2000]
+    assert not (tmp_path / "m.gguf").exists()
+    assert writes > 3  # the chunks after it were handed over too
+
+
+async def test_a_copy_cancelled_half_way_leaves_a_prefix_and_is_resumed(tmp_path: Path) -> None:
+    """Cancelled while chunks are handed to the threads: each handed chunk is written all
+    the same (a ``.part`` with a gap would resume into a corrupt file)."""
+    store = store_of(tmp_path, fetcher_of(tmp_path))
+    copy: asyncio.Task[Path] | None = None
+
+    def cancel_at_half(progress: Progress) -> None:
+        if progress.done >= len(DATA) // 2 and copy is not None:
+            copy.cancel()
+
+    copy = asyncio.ensure_future(store.ensure(file_of(DATA), [PEER], cancel_at_half))
+    with pytest.raises(asyncio.CancelledError):
+        await copy
+    part = (tmp_path / "m.gguf.part").read_bytes()
+    assert 0 < len(part) < len(DATA) and DATA.startswith(part)
+    path = await store.ensure(file_of(DATA), [PEER], lambda progress: None)
+    assert path.read_bytes() == DATA
 
 
 async def test_a_cut_copy_goes_on_from_the_next_source(tmp_path: Path) -> None:

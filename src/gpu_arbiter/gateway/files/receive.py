@@ -107,9 +107,9 @@ class Receiver(asyncio.BufferedProtocol):
             await self._more()
 
     def give_back(self, chunk: bytearray) -> None:
-        """``chunk``, read and no longer used, to be filled again (one of this receiver's
-        full chunks; anything else is left alone)."""
-        if len(chunk) == self._size and len(self._spare) < AHEAD:
+        """``chunk``, read and no longer used, to be filled again (a full chunk; anything
+        else is left alone)."""
+        if len(chunk) == self._size:
             self._spare.append(chunk)
 
     def _fresh(self) -> bytearray:
