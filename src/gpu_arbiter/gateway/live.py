@@ -246,9 +246,7 @@ class LiveModels:
         self.conflicts = conflicts
         for model, pinned in pins:
             await model.pin() if pinned else model.unpin()
-        if not change.empty:
-            log.info("gateway models %s: %s", why, change.describe())
-        self.changed()
+        self.changed()  # said by the caller, once (serve.py: a reload's or a revision's line)
         return Outcome(change, conflicts, failed=failed)
 
     def _checked(

@@ -392,8 +392,7 @@ async def _follow(
             if why is None:
                 here[name] = model
             else:
-                log.warning("catalogue revision %d: %s left out here: %s", revision, name, why)
-                left_out[name] = why
+                left_out[name] = why  # said with the revision's line
         try:
             outcome = await live.set_catalogue(here, revision, left_out)
         except InvalidInput as error:
