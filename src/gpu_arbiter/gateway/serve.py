@@ -47,7 +47,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,7 @@ from .cluster.cluster import ROUTES_REPORTED, Cluster
 from .cluster.report import Reporter, default_name, listen_url
 from .config import GatewayConfig
 from .files.ensure import FileStep
+from .files.spec import ModelFile
 from .files.store import FileStore
 from .files.wiring import estimated, open_store, placed
 from .follower import CatalogueFollower, estimate_here
@@ -374,8 +375,9 @@ async def _follow(
     share, as one whose ``vram = "auto"`` cannot be estimated here: logged, and reported
     with why (``LiveModels.left_out``); a revision the live set refuses changes nothing
     here (said), and the next is applied all the same. The model files any of the
-    revision's models names that are here are verified first (held: served to peers),
-    whichever hosts may run those models."""
+    revision's models names that are here are verified beside it (held: served to
+    peers), whichever hosts may run those models: a large file put here by hand is
+    hashed while the revision's models are already served."""
     if not config.catalogue:
         return
     if worker is None:
@@ -383,9 +385,17 @@ async def _follow(
             "(no agent on this host, or several: set [gateway] worker)")  # fmt: skip
         return
 
-    async def apply(revision: int, models: Mapping[str, ModelConfig]) -> None:
-        for file in follower.files:  # held here: served to the peers that lack it
+    checking: asyncio.Task[None] | None = None
+
+    async def check(files: Sequence[ModelFile]) -> None:
+        for file in files:  # held here: served to the peers that lack it
             await store.verified(file)
+
+    async def apply(revision: int, models: Mapping[str, ModelConfig]) -> None:
+        nonlocal checking
+        if checking is not None:
+            checking.cancel()  # the files of the revision before: this one names them anew
+        checking = asyncio.create_task(check(follower.files))
         here, left_out = {}, dict(follower.left_out)
         for name, model in models.items():
             why = missing_program(model)
@@ -405,7 +415,13 @@ async def _follow(
         say(f"gateway: catalogue revision {revision}: {outcome.describe()}{left}")
 
     follower = CatalogueFollower(client, worker, apply, clock=LoopClock(), estimate=estimate)
-    await follower.run()
+    try:
+        await follower.run()
+    finally:
+        if checking is not None:
+            checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checking
 
 
 def _share_size(model: ModelConfig, store: FileStore, models_dir: Path) -> int | str:
