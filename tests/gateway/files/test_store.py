@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,32 @@ async def test_resumed_bytes_are_hashed_again(tmp_path: Path) -> None:
         await store_of(tmp_path, fetcher).ensure(file_of(DATA), [PEER], lambda p: None)
     assert "hash to" in raised.value.reason and "gw-a" in raised.value.reason
     assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "m.gguf.part").exists()
+
+
+async def test_a_resumed_part_is_hashed_while_the_rest_comes_up_to_where_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The .part's bytes are hashed beside the new ones being written after them: a hash
+    that reads the .part only once new bytes were written still takes its first 4,000
+    bytes only (the new ones are hashed as they come)."""
+    data = DATA * 4  # in chunks beyond the file object's buffer: each goes to the file
+    (tmp_path / "m.gguf.part").write_bytes(data[:4000])
+    real = store_module._hash_into
+    sizes: list[int] = []
+
+    def late(digest: Any, path: Path, size: int = -1) -> None:
+        for _ in range(500):  # until the writing thread put a chunk after the old bytes
+            if path.stat().st_size > 4000:
+                break
+            time.sleep(0.01)
+        sizes.append(path.stat().st_size)
+        real(digest, path, size)
+
+    monkeypatch.setattr(store_module, "_hash_into", late)
+    fetcher = fetcher_of(tmp_path, data, chunk=9000)
+    path = await store_of(tmp_path, fetcher).ensure(file_of(data), [PEER], lambda p: None)
+    assert path.read_bytes() == data and fetcher.opened == [("gw-a", 4000)]
+    assert sizes[0] > 4000  # it did read the .part while it grew
 
 
 async def test_corrupt_bytes_are_refused_and_deleted(tmp_path: Path) -> None:

@@ -234,15 +234,17 @@ class FileStore:
         """One source's bytes appended to ``part`` from its length, hashed with what it
         held; a whole file that does not hash to the sha256 is deleted (CorruptCopy)."""
         have = _size_of(part)
-        digest = await _hash_of(part) if have else hashlib.sha256()
+        digest = hashlib.sha256()
         began, got = self.clock.now(), 0
         async with self.fetcher.open(source, have) as download:
             if download.start != have:  # the source ignored the range: from 0 again
-                have, digest = 0, hashlib.sha256()
+                have = 0
             with part.open("r+b" if have else "wb") as out:
                 out.seek(have)
                 out.truncate()
                 writer = _Writer(out, digest, download.give_back)
+                if have:  # what the .part holds, hashed first while the rest comes
+                    writer.hash_first(part, have)
                 cut = ""
                 try:
                     async for chunk in download.chunks:
@@ -429,6 +431,13 @@ class _Writer:
         self._pending.append((both, chunk))
         self._handed += len(chunk)
 
+    def hash_first(self, path: Path, size: int) -> None:
+        """``path``'s first ``size`` bytes (a ``.part`` resumed, before any chunk is put)
+        hashed ahead of the chunks, by the hashing thread, which takes them in order."""
+        loop = asyncio.get_running_loop()
+        both = loop.run_in_executor(self._hashing, _hash_into, self.digest, path, size)
+        self._pending.append((both, b""))
+
     def _write(self, chunk: bytes | bytearray) -> None:
         if self._write_failed:
             return  # the chunks handed after a failed one are not written: the .part stays
@@ -514,21 +523,20 @@ def _size_of(path: Path) -> int:
         return 0
 
 
-async def _hash_of(path: Path) -> Any:
-    """The running hash of ``path``'s bytes (in a thread: gigabytes take seconds)."""
-
-    def run() -> Any:
-        digest = hashlib.sha256()
-        with path.open("rb") as found:
-            while chunk := found.read(HASH_CHUNK):
-                digest.update(chunk)
-        return digest
-
-    return await asyncio.to_thread(run)
+def _hash_into(digest: Any, path: Path, size: int = -1) -> None:
+    """``path``'s bytes added to ``digest``; ``size``: its first bytes only (what comes
+    after them may be being written)."""
+    with path.open("rb") as found:
+        while size and (chunk := found.read(HASH_CHUNK if size < 0 else min(size, HASH_CHUNK))):
+            digest.update(chunk)
+            size = max(size - len(chunk), 0) if size > 0 else size
 
 
 async def _hashed(path: Path) -> str:
-    return str((await _hash_of(path)).hexdigest())
+    """The sha256 of ``path``'s bytes (in a thread: gigabytes take seconds)."""
+    digest = hashlib.sha256()
+    await asyncio.to_thread(_hash_into, digest, path)
+    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
