@@ -10,10 +10,11 @@ every byte (SHA-256), fsyncing and renaming, as a replica's copy does. ``curl`` 
 the same file from ``python -m http.server`` on 127.0.0.3 to a file (no hash, no
 fsync), and again followed by ``sync FILE`` (its fsync: the durability the copy pays
 for before its rename). They are timed in turns, ``--runs`` each; medians, the ratios
-of rates (goal: at least 0.8x curl's), and the resume after a cut: a copy stopped half-way (its task
-cancelled), then started again: the time to its first new byte (the ``.part`` hashed
-again first) and to the end. Each copy's CPU time (user and system, all threads, from
-``/proc``) is read for both gateways' processes and printed per MiB.
+of rates (goal: at least 0.8x curl's), and the resume after a cut: a copy stopped
+half-way (its task cancelled), then started again: the time to its first new byte and
+to the end (the ``.part``'s bytes are hashed again beside the new ones). Each copy's
+CPU time (user and system, all threads, from ``/proc``) is read for both gateways'
+processes and printed per MiB.
 
 Both sides run on the gateway's event loop (uvloop's where installed). Run:
 ``python bench/bench_file_copy.py [--mib 256] [--runs 3]``.
@@ -245,8 +246,9 @@ def run(
         ends.append(took)
         (into / NAME).unlink()
     print(f"resume after a cut half-way ({runs} runs, medians): first new byte after "
-          f"{statistics.median(firsts) * 1e3:.0f} ms (the .part's {mib / 2:.0f} MiB hashed "
-          f"again), the rest in {statistics.median(ends):.2f} s")  # fmt: skip
+          f"{statistics.median(firsts) * 1e3:.0f} ms, the rest in "
+          f"{statistics.median(ends):.2f} s (the .part's {mib / 2:.0f} MiB hashed again "
+          f"beside it)")  # fmt: skip
 
 
 if __name__ == "__main__":
