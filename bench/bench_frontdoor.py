@@ -45,15 +45,16 @@ its agents and gateways show their host's certificate: ``GPU_ARBITER_CA``,
 HTTPS (``tls_cert``, ``tls_key``, ``tls_client_ca`` in ``[gateway]``) and relay to each
 other over mutual TLS; the CA and certificates are made as ``gpu-arbiter tls`` makes
 them. The callers talk HTTPS to both gateways, verifying the cluster's CA, with no
-certificate of their own (an SDK's way). The ``--runs`` rounds measure each cluster in
-turn (TLS first in even rounds, plain first in odd ones), both paths with 1 and 16
-callers. During each turn via gw-2, the connections open to gw-3 (``ss``) are looked at
-a quarter into the turn and at its end: every one of the first must still be open at
-the end (the front door's kept-alive connections reused, not one per request), else
-the bench stops. Prints both clusters' medians as above, then TLS's cost per hop: in
-each round, what the front door adds with TLS less what it adds without (p50, p90,
-p99), the medians of those, the ratio of the added p50s, and the goal: at most
-+0.3 ms at p50 with one caller. No cold burst.
+certificate of their own (an SDK's way). Each of the ``--runs`` rounds interleaves one
+caller's requests to both paths of both clusters (every path after every path alike:
+:func:`balanced`), then measures each cluster in turn with 16 callers (TLS first in even
+rounds, plain first in odd ones), both paths. During each turn via gw-2, the
+connections open to gw-3 (``ss``) are looked at a quarter into the turn and at its end:
+every one of the first must still be open at the end (the front door's kept-alive
+connections reused, not one per request), else the bench stops. Prints both clusters'
+medians as above, then TLS's cost per hop: in each round, what the front door adds
+with TLS less what it adds without (p50, p90, p99), the medians of those, the ratio of
+the added p50s, and the goal: at most +0.3 ms at p50 with one caller. No cold burst.
 
 Every process is stopped at the end of each cluster's turn (SIGTERM, then a wait;
 SIGKILL after 30 s), also on errors. Everything shares this machine's cores: the
@@ -202,8 +203,11 @@ async def interleaved(
 ) -> dict[str, tuple[Figures, Figures]]:
     """One caller's hop in each cluster, its requests interleaved for ``seconds``: one
     keep-alive connection per cluster and path (direct to gw-3, via gw-2), a request on
-    each in turn (the order reversed every other turn), so that whatever else runs on
-    this machine meanwhile falls on all of them alike. Per cluster: (direct, via), their
+    each in turn, in the order of :func:`balanced`, so that whatever else runs on this
+    machine meanwhile falls on all of them alike, and so does the request before each: a
+    request after one to the same processes finds them awake and their caches warm, one
+    after the other cluster's finds them cold (on the 2-core VM a path's p50 moves by up
+    to a millisecond with the path before it). Per cluster: (direct, via), their
     requests/s as one caller's (1 / the mean latency). ``kept``: per cluster, gw-3's
     connections looked at a quarter in and at the end. Appended to ``cpu``, per cluster:
     the front door's (gw-2's) CPU time per request relayed, in µs (its threads' time
@@ -211,6 +215,7 @@ async def interleaved(
     unlike in a latency)."""
     doors = {name: listener_pid(gateways["gw-2"]) for name, gateways in clusters.items()}
     paths = [(name, path) for name in clusters for path in ("gw-3", "gw-2")]
+    order = [paths[n] for n in balanced(len(paths))]
     conns = {
         (name, path): await Conn.open(clusters[name][path], "chat", contexts[name])
         for name, path in paths
@@ -221,21 +226,19 @@ async def interleaved(
             assert await conn.call() == 200
         began = time.perf_counter()
         quarter, end = began + seconds / 4, began + seconds
-        turn = 0
         used = {name: cpu_ns(pid) for name, pid in doors.items()}
         while (now := time.perf_counter()) < end:
             if quarter and now >= quarter:
                 for looked in kept.values():
                     looked.first = looked.open_now()
                 quarter = 0.0
-            for key in paths if turn % 2 == 0 else paths[::-1]:
+            for key in order:
                 conn = conns[key]
                 start = time.perf_counter()
                 status = await conn.call()
                 latencies[key].append(time.perf_counter() - start)
                 if status != 200 or conn.served_by != "gw-3/chat":
                     raise SystemExit(f"{key}: {status}, served by {conn.served_by!r}")
-            turn += 1
         for name, pid in doors.items():
             relayed = len(latencies[(name, "gw-2")])
             cpu.setdefault(name, []).append((cpu_ns(pid) - used[name]) / relayed / 1e3)
@@ -248,6 +251,20 @@ async def interleaved(
         key: figures(each, sum(each)) for key, each in latencies.items()
     }
     return {name: (one[(name, "gw-3")], one[(name, "gw-2")]) for name in clusters}
+
+
+def balanced(n: int) -> list[int]:
+    """``0 .. n-1`` in an order, taken as a cycle, in which each one follows each one
+    (itself included) exactly once: ``n * n`` steps, ``0 0 1 0 2 .. 1 1 2 ..`` (a de
+    Bruijn sequence of order 2: each one, then it with each larger one). A round robin
+    reversed every other turn does not: each follows only its neighbours in the round, and
+    only the first and the last follow themselves."""
+    order = []
+    for first in range(n):
+        order.append(first)
+        for then in range(first + 1, n):
+            order += [first, then]
+    return order
 
 
 class Kept:
