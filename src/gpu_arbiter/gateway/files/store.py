@@ -391,14 +391,14 @@ class _Writer:
     """Writes and hashes each chunk while the next ones are read, each in a thread of its
     own (both let go of the GIL), :data:`IN_FLIGHT` chunks at most: the threads find the
     next chunk waiting when they end one, instead of waiting for the event loop to hand it
-    over (with one at a time, a 256 MiB copy spent two thirds of its time in those
-    handovers). Every :data:`FLUSH_BYTES`, the kernel is asked to start writing what came
-    to disk (Linux's ``sync_file_range``, which does not wait); every :data:`SYNC_BYTES`,
-    what came is flushed to disk (``fdatasync``) in a third thread while the copy goes
-    on, one flush at a time, so that the fsync before the rename finds little left to
-    flush. On the test machine (a VM) a disk flush costs about as much whenever its data
-    was written out: 256 MiB written out early still took 0.4 s to fsync, 0.2 s once
-    flushed in 32 MiB steps."""
+    over (with one at a time, the loop of a 256 MiB copy waited 0.6-0.7 s for the threads,
+    which were busy 0.2-0.3 s of it). Every :data:`FLUSH_BYTES`, the kernel is asked to
+    start writing what came to disk (Linux's ``sync_file_range``, which does not wait);
+    every :data:`SYNC_BYTES`, what came is flushed to disk (``fdatasync``) in a third
+    thread while the copy goes on, one flush at a time, so that the fsync before the
+    rename finds little left to flush. On the test machine (a VM) a disk flush costs
+    about as much whenever its data was written out: 256 MiB written out early still took
+    0.4 s to fsync, 0.2 s once flushed in 32 MiB steps."""
 
     def __init__(self, out: BinaryIO, digest: Any, give_back: Callable[[bytearray], None]) -> None:
         self.out = out
