@@ -5,10 +5,10 @@ A copy is written to ``NAME.part``, never under the real name: only once its siz
 SHA-256 match the model's ``file`` is it flushed to disk (fsync), renamed to ``NAME``
 in one step (``os.replace``) and the directory flushed too. So a reader, a model
 server or a peer never sees a half-written or a corrupt file under the real name. A
-``.part`` left by a copy cut half-way is resumed: its bytes so far are hashed again
-(the hash of a copy covers every byte of the file, whoever wrote them), then the rest
-is asked for from its length (an HTTP range). A copy whose hash does not match is
-deleted and refused, saying which source gave it.
+``.part`` left by a copy cut half-way is resumed: the rest is asked for from its length
+(an HTTP range) at once, and its bytes so far are hashed again ahead of the new ones
+(the hash of a copy covers every byte of the file, whoever wrote them). A copy whose
+hash does not match is deleted and refused, saying which source gave it.
 
 Before the first byte, the copy must fit: the free space of the filesystem (less
 :data:`FREE_MARGIN_BYTES`) and, with a ``disk_budget``, the budget once the least
