@@ -17,8 +17,9 @@ import pytest
 
 from gpu_arbiter.client import ApiError, ArbiterClient, ControllerUnreachable
 from gpu_arbiter.gateway.config import parse_config
+from gpu_arbiter.gateway.files.spec import ModelFile
 from gpu_arbiter.gateway.follower import CatalogueFollower
-from gpu_arbiter.gateway.serve import _follow
+from gpu_arbiter.gateway.serve import _follow, verify_named
 from gpu_arbiter.gateway.servers.config import ModelConfig
 
 from .fakes import FakeClock, settle
@@ -245,3 +246,25 @@ async def test_a_gateway_follows_not_when_turned_off_or_without_a_worker(
     with caplog.at_level(logging.INFO):
         await asyncio.wait_for(_follow(config, client, worker, live, live, live), 1.0)
     assert said in capsys.readouterr().err + caplog.text
+
+
+async def test_a_named_file_that_cannot_be_verified_is_said_and_the_others_are_verified(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The files of a revision are verified beside its apply (a task nobody awaits for a
+    result): one whose check fails, for whatever reason, is logged and the next one is
+    verified all the same."""
+    checked: list[str] = []
+
+    class Store:
+        async def verified(self, file: ModelFile) -> bool:
+            checked.append(file.name)
+            if file.name == "a.gguf":
+                raise RuntimeError("the disk went away")
+            return True
+
+    files = [ModelFile("a.gguf", 1, "0" * 64), ModelFile("b.gguf", 1, "1" * 64)]
+    with caplog.at_level(logging.WARNING, "gpu_arbiter.gateway"):
+        await verify_named(Store(), files)  # type: ignore[arg-type]
+    assert checked == ["a.gguf", "b.gguf"]
+    assert "a.gguf: not verified here (RuntimeError: the disk went away)" in caplog.text

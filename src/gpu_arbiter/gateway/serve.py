@@ -387,15 +387,11 @@ async def _follow(
 
     checking: asyncio.Task[None] | None = None
 
-    async def check(files: Sequence[ModelFile]) -> None:
-        for file in files:  # held here: served to the peers that lack it
-            await store.verified(file)
-
     async def apply(revision: int, models: Mapping[str, ModelConfig]) -> None:
         nonlocal checking
         if checking is not None:
             checking.cancel()  # the files of the revision before: this one names them anew
-        checking = asyncio.create_task(check(follower.files))
+        checking = asyncio.create_task(verify_named(store, follower.files))
         here, left_out = {}, dict(follower.left_out)
         for name, model in models.items():
             why = missing_program(model)
@@ -422,6 +418,18 @@ async def _follow(
             checking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checking
+
+
+async def verify_named(store: FileStore, files: Sequence[ModelFile]) -> None:
+    """Each of ``files`` that is here, verified (held: served to the peers that lack it);
+    one that cannot be read is said and left, and the others are verified all the same
+    (this runs beside the revision's apply, with nobody to raise to)."""
+    for file in files:
+        try:
+            await store.verified(file)
+        except Exception as error:
+            log.warning("model file %s: not verified here (%s: %s)", file.name,
+                        error.__class__.__name__, error)  # fmt: skip
 
 
 def _share_size(model: ModelConfig, store: FileStore, models_dir: Path) -> int | str:
